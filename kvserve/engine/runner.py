@@ -1,0 +1,124 @@
+"""ModelRunner: owns the KV cache tensors, turns a SchedulerOutput into one forward pass.
+
+Per step it builds the flattened inputs on the host once (token ids, positions, slot mapping,
+block tables) and moves them to the device in one go; block copies (swap, copy-on-write) run as
+batched index copies before the forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.config import ModelConfig
+from kvserve.engine.scheduler_output import SchedulerOutput
+from kvserve.models.attention import AttentionMetadata, PrefillChunk
+
+
+@dataclass
+class BatchItem:
+    """One sequence's share of a forward pass."""
+
+    token_ids: list[int]  # the tokens computed this step
+    start: int  # position of token_ids[0]
+    block_table: list[int]
+    sample: bool = True
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, num_device_blocks: int, num_host_blocks: int,
+                 block_size: int, dtype: torch.dtype, device: torch.device):
+        self.model = model
+        self.config = config
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+        shape = (num_device_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                          for _ in range(config.num_layers)]
+        host_shape = (num_host_blocks,) + shape[1:]
+        pin = device.type == "cuda"
+        self.host_caches = [(torch.zeros(host_shape, dtype=dtype, pin_memory=pin),
+                             torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
+                            for _ in range(config.num_layers)] if num_host_blocks else []
+
+    # ---- block movement ------------------------------------------------------------------
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        self._copy_between(pairs, self.kv_caches, self.host_caches)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        self._copy_between(pairs, self.host_caches, self.kv_caches)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self._copy_between(pairs, self.kv_caches, self.kv_caches)
+
+    @staticmethod
+    def _copy_between(pairs, src_caches, dst_caches) -> None:
+        if not pairs:
+            return
+        src_dev = src_caches[0][0].device
+        dst_dev = dst_caches[0][0].device
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src_dev)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst_dev)
+        for (sk, sv), (dk, dv) in zip(src_caches, dst_caches):
+            dk.index_copy_(0, dst, sk.index_select(0, src).to(dst_dev, non_blocking=True))
+            dv.index_copy_(0, dst, sv.index_select(0, src).to(dst_dev, non_blocking=True))
+
+    # ---- forward ---------------------------------------------------------------------------
+    def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """Run block moves and the forward pass; logits [num_sampled, vocab] in `out.scheduled` order."""
+        self.swap_out(out.blocks_to_swap_out)
+        self.swap_in(out.blocks_to_swap_in)
+        self.copy_blocks(out.blocks_to_copy)
+        if not out.scheduled:
+            return None
+        items = [BatchItem(s.seq.token_ids[s.start:s.start + s.num_new_tokens], s.start, s.block_table, s.sample)
+                 for s in out.scheduled]
+        return self.forward(items)
+
+    @torch.inference_mode()
+    def forward(self, items: list[BatchItem]) -> torch.Tensor | None:
+        """Forward a batch of items; logits for the items with sample=True, in their given order."""
+        order = sorted(range(len(items)), key=lambda i: len(items[i].token_ids) != 1 or items[i].start == 0)
+        input_ids, positions, slots, sample_rows = [], [], [], {}
+        bs = self.block_size
+        num_decodes = 0
+        prefills: list[tuple[int, int, int, list[int]]] = []
+        for i in order:
+            item = items[i]
+            n = len(item.token_ids)
+            is_decode = n == 1 and item.start > 0
+            begin = len(input_ids)
+            input_ids.extend(item.token_ids)
+            pos = range(item.start, item.start + n)
+            positions.extend(pos)
+            table = item.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            if is_decode:
+                num_decodes += 1
+            else:
+                prefills.append((begin, n, item.start + n, table[: (item.start + n + bs - 1) // bs]))
+            if item.sample:
+                sample_rows[i] = begin + n - 1
+
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
+                                 num_decode_tokens=num_decodes)
+        if num_decodes:
+            dec = [items[i] for i in order[:num_decodes]]
+            lens = [d.start + 1 for d in dec]
+            max_blocks = (max(lens) + bs - 1) // bs
+            tables = [d.block_table[:max_blocks] + [0] * (max_blocks - len(d.block_table[:max_blocks])) for d in dec]
+            meta.decode_block_tables = torch.tensor(tables, dtype=torch.long).to(dev, non_blocking=True)
+            meta.decode_context_lens = torch.tensor(lens, dtype=torch.long).to(dev, non_blocking=True)
+            meta.decode_max_context = max(lens)
+        meta.prefills = [PrefillChunk(begin, n, ctx, torch.tensor(table, dtype=torch.long).to(dev, non_blocking=True))
+                         for begin, n, ctx, table in prefills]
+        ids = torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
+        pos_t = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
+        hidden = self.model(ids, pos_t, self.kv_caches, meta)
+        wanted = [sample_rows[i] for i in range(len(items)) if items[i].sample]
+        if not wanted:
+            return None
+        rows = torch.tensor(wanted, dtype=torch.long, device=dev)
+        return self.model.compute_logits(hidden.index_select(0, rows))

@@ -1,0 +1,99 @@
+"""A decoder-only causal LM over the paged KV cache; model files supply the decoder layer."""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from kvserve.config import ModelConfig
+from kvserve.models.attention import AttentionMetadata
+from kvserve.models.layers import Embedding, RMSNorm, frozen
+
+# HF checkpoint names of the projections that we fuse into one matmul.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+class CausalLM(nn.Module):
+    """Embeddings -> decoder layers -> final norm; logits only for the rows the sampler needs."""
+
+    norm_unit_offset = False
+    embedding_scale: float | None = None
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = self.make_rotary()
+        self.layers = nn.ModuleList([self.make_layer(i) for i in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=self.norm_unit_offset)
+        self.lm_head_weight = None if config.tie_word_embeddings else frozen(
+            torch.empty(config.vocab_size, config.hidden_size))
+
+    def make_rotary(self) -> nn.Module:
+        """Rotary tables shared by the layers (buffers, built once)."""
+        raise NotImplementedError
+
+    def make_layer(self, index: int) -> nn.Module:
+        raise NotImplementedError
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """Flattened tokens of many sequences -> final hidden states [T, hidden]."""
+        h = self.embed_tokens(input_ids)
+        if self.embedding_scale is not None:
+            h = h * torch.tensor(self.embedding_scale, dtype=h.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer(h, positions, kv_cache, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.lm_head).float()
+
+    # ---- weights -------------------------------------------------------------------------
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load HF-named tensors (q/k/v and gate/up are fused here). Missing or unknown names raise."""
+        params = dict(self.named_parameters())
+        pending = dict(tensors)
+        loaded: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                return pending.pop(name)
+            except KeyError:
+                raise KeyError(f"checkpoint has no tensor {name!r}") from None
+
+        for i, layer in enumerate(self.layers):
+            for fused, parts in _FUSED.items():
+                module = layer.get_submodule(fused)
+                module.load([take(f"model.layers.{i}.{p}.weight") for p in parts])
+                loaded.add(f"layers.{i}.{fused}.weight")
+        if "lm_head.weight" in pending:
+            w = pending.pop("lm_head.weight")
+            if self.lm_head_weight is not None:
+                self.lm_head_weight.data = w.to(self.lm_head_weight.dtype)
+                loaded.add("lm_head_weight")
+        for name, tensor in list(pending.items()):
+            ours = name.removeprefix("model.")
+            if ours not in params:
+                if "rotary_emb" in name:
+                    pending.pop(name)
+                    continue
+                raise KeyError(f"unexpected tensor {name!r} in checkpoint")
+            param = params[ours]
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+            param.data = tensor.to(param.dtype)
+            loaded.add(ours)
+            pending.pop(name)
+        missing = [n for n in params if n not in loaded]
+        if missing:
+            raise KeyError(f"checkpoint is missing tensors: {missing[:8]}{'...' if len(missing) > 8 else ''}")

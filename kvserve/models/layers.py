@@ -1,0 +1,168 @@
+"""Building blocks shared by the model files: norms, rotary embeddings, fused projections."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32. Gemma stores the weight as an offset from 1 (`unit_offset`)."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
+        super().__init__()
+        self.weight = frozen(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:  # Gemma: scale in float32, then cast (as the reference does)
+            return (h * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * h.to(dtype)  # Llama: cast, then scale
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":  # Llama 3.1: smooth interpolation between low and high frequencies
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    if kind in (None, "default"):
+        return inv_freq
+    raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
+
+
+class Rotary(nn.Module):
+    """Rotate-half (NeoX layout) rotary embedding with a precomputed cos/sin table."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.half = head_dim // 2
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] -> rotated, in the input dtype."""
+        cos = self.cos.index_select(0, positions)[:, None, :].to(q.dtype)
+        sin = self.sin.index_select(0, positions)[:, None, :].to(q.dtype)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., : self.half], x[..., self.half:]
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class FusedLinear(nn.Module):
+    """One matmul for several projections that read the same input (QKV, gate+up)."""
+
+    def __init__(self, in_features: int, out_features: list[int], bias: bool = False):
+        super().__init__()
+        self.splits = list(out_features)
+        self.weight = frozen(torch.empty(sum(out_features), in_features))
+        self.bias = frozen(torch.zeros(sum(out_features))) if bias else None
+
+    def load(self, parts: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> None:
+        self.weight.data = torch.cat(parts, dim=0).to(self.weight.dtype).contiguous()
+        if biases is not None and self.bias is not None:
+            self.bias.data = torch.cat(biases, dim=0).to(self.bias.dtype)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight, self.bias).split(self.splits, dim=-1)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = frozen(torch.empty(out_features, in_features))
+        self.bias = frozen(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class SelfAttention(nn.Module):
+    """Fused QKV projection, optional per-head QK norm (Gemma 3), rotary, paged attention, output projection."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 rotary: "Rotary", sliding_window: int | None = None, qk_norm_eps: float | None = None,
+                 bias: bool = False):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.qkv_proj = FusedLinear(hidden, [num_heads * head_dim, num_kv_heads * head_dim,
+                                             num_kv_heads * head_dim], bias=bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden)
+        self.scale = scale
+        self.rotary = rotary
+        self.sliding_window = sliding_window
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=True)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=True)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta) -> torch.Tensor:
+        from kvserve.models.attention import paged_attention
+
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, activation: str):
+        super().__init__()
+        self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate])
+        self.down_proj = Linear(intermediate, hidden)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x)
+        if self.activation == "silu":
+            gate = F.silu(gate)
+        else:
+            gate = F.gelu(gate, approximate="tanh")
+        return self.down_proj(gate * up)
+
+
+class Embedding(nn.Module):
+    """Token embedding table (left uninitialised until weights load: no wasted init of a large vocab)."""
+
+    def __init__(self, vocab_size: int, hidden: int):
+        super().__init__()
+        self.weight = frozen(torch.empty(vocab_size, hidden))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)

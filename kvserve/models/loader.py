@@ -1,0 +1,292 @@
+"""Load a checkpoint (GGUF file or Hugging Face safetensors directory) into HF-named torch tensors.
+
+HF names and conventions are canonical: the GGUF path undoes what llama.cpp's converter did
+(Q/K row permutation for Llama attention, +1 on Gemma norm weights) so that both sources feed the
+same model code, and parity with transformers can be checked on identical weights.
+"""
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvserve.config import ModelConfig
+
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+_HF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Gemma3ForCausalLM": "gemma3",
+            "Gemma3ForConditionalGeneration": "gemma3"}
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+@dataclass
+class Checkpoint:
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]  # HF names, float32 unless the file stored another float dtype
+    path: Path
+    format: str  # "gguf" | "hf"
+
+
+# ---- dtype and device ------------------------------------------------------------------------
+
+def cpu_supports_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' -> bfloat16 on CUDA or on CPUs with native bf16 (avx512_bf16 / AMX), else float32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda" or cpu_supports_bf16():
+            return torch.bfloat16
+        return torch.float32
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return names[dtype]
+
+
+# ---- GGUF ------------------------------------------------------------------------------------
+
+def gguf_metadata(reader) -> dict:
+    """Scalar and array metadata fields (tokenizer arrays excluded: they are large)."""
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key not in ("tokenizer.ggml.model",):
+            continue
+        try:
+            out[key] = field.contents()
+        except Exception:  # a field type gguf cannot render: skip it
+            continue
+    return out
+
+
+def config_from_gguf(meta: dict) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})")
+
+    def get(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", 0) or get("rope.dimension_count", 0) or hidden // heads)
+    vocab = int(get("vocab_size", 0) or 0)
+    common = dict(
+        architecture=arch, hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")), num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)), head_dim=head_dim,
+        rms_norm_eps=float(f"{float(get('attention.layer_norm_rms_epsilon', 1e-6)):.6g}"),  # undo float32 storage
+        max_position_embeddings=int(get("context_length", 4096)), vocab_size=vocab,
+        name=str(meta.get("general.name", "")),
+    )
+    scaling = None
+    if get("rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    if arch == "llama":
+        return ModelConfig(rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
+                           sliding_window=None, **common)
+    # Gemma 3: the local RoPE base and the 5:1 layer pattern are not stored in the GGUF; these are
+    # Gemma 3's fixed values (the same defaults transformers fills in).
+    return ModelConfig(rope_theta=float(get("rope.freq_base", 1_000_000.0)), rope_local_theta=10000.0,
+                       rope_scaling=scaling, sliding_window=int(get("attention.sliding_window", 512)),
+                       sliding_window_pattern=6, query_pre_attn_scalar=float(head_dim), **common)
+
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GEMMA3_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm"}
+
+
+def hf_name_for_gguf(name: str, arch: str) -> str:
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    parts = name.split(".")
+    if parts[0] != "blk" or len(parts) != 4:
+        raise ModelLoadError(f"unexpected GGUF tensor name {name!r}")
+    table = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
+    if parts[2] not in table:
+        raise ModelLoadError(f"unexpected GGUF tensor name {name!r}")
+    return f"model.layers.{parts[1]}.{table[parts[2]]}.{parts[3]}"
+
+
+def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (interleaved rotary pairs -> rotate-half layout)."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _dequantize(tensor) -> np.ndarray:
+    from gguf import GGMLQuantizationType, quants
+
+    if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        data = np.asarray(tensor.data)
+    else:
+        data = quants.dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(x) for x in reversed(tensor.shape))  # GGUF lists ne0 (innermost) first
+    return data.reshape(shape)
+
+
+def load_gguf(path: str | os.PathLike) -> Checkpoint:
+    import gguf
+
+    path = Path(path)
+    reader = gguf.GGUFReader(str(path))
+    meta = gguf_metadata(reader)
+    config = config_from_gguf(meta)
+    arch = config.architecture
+    tensors: dict[str, torch.Tensor] = {}
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        arrays = list(pool.map(_dequantize, reader.tensors))
+    for t, array in zip(reader.tensors, arrays):
+        name = hf_name_for_gguf(t.name, arch)
+        w = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+        if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
+            w = unpermute_rope_rows(w, config.num_heads)
+        elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
+            w = unpermute_rope_rows(w, config.num_kv_heads)
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm scale; HF stores w
+        tensors[name] = w
+    if config.vocab_size == 0:
+        from dataclasses import replace
+
+        config = replace(config, vocab_size=tensors["model.embed_tokens.weight"].shape[0])
+    if "lm_head.weight" in tensors:
+        from dataclasses import replace
+
+        config = replace(config, tie_word_embeddings=False)
+    return Checkpoint(config=config, tensors=tensors, path=path, format="gguf")
+
+
+# ---- Hugging Face safetensors directory -------------------------------------------------------
+
+def config_from_hf(cfg: dict) -> ModelConfig:
+    if "text_config" in cfg:  # multimodal wrapper (Gemma 3 4B+): use the text tower's config
+        cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
+    archs = cfg.get("architectures") or []
+    arch = next((_HF_ARCH[a] for a in archs if a in _HF_ARCH), None) or _HF_ARCH.get(cfg.get("model_type", ""))
+    if arch is None:
+        model_type = cfg.get("model_type")
+        arch = {"llama": "llama", "mistral": "llama", "gemma3_text": "gemma3", "gemma3": "gemma3"}.get(model_type)
+    if arch is None:
+        raise ModelLoadError(f"HF architecture {archs or cfg.get('model_type')} is not supported "
+                             f"(supported: Llama/Mistral, Gemma 3)")
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    common = dict(
+        architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads", heads), head_dim=head_dim,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", arch == "gemma3"),
+        rope_scaling=cfg.get("rope_scaling"), name=cfg.get("_name_or_path", ""),
+    )
+    rope_params = cfg.get("rope_parameters") or {}
+    if arch == "llama":
+        theta = cfg.get("rope_theta") or rope_params.get("rope_theta", 10000.0)
+        return ModelConfig(rope_theta=theta, sliding_window=cfg.get("sliding_window"), **common)
+    global_theta = cfg.get("rope_theta") or rope_params.get("full_attention", {}).get("rope_theta", 1_000_000.0)
+    local_theta = cfg.get("rope_local_base_freq") or rope_params.get("sliding_attention", {}).get(
+        "rope_theta", 10000.0)
+    pattern = cfg.get("sliding_window_pattern") or 6
+    layer_types = cfg.get("layer_types")
+    if layer_types:  # derive the period from the explicit list (first full layer index + 1)
+        pattern = layer_types.index("full_attention") + 1 if "full_attention" in layer_types else pattern
+    return ModelConfig(rope_theta=global_theta, rope_local_theta=local_theta,
+                       sliding_window=cfg.get("sliding_window", 512), sliding_window_pattern=pattern,
+                       query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", head_dim), **common)
+
+
+def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise ModelLoadError(f"{path} is not a Hugging Face checkpoint directory: no config.json")
+    config = config_from_hf(json.loads(cfg_path.read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors files (only safetensors checkpoints are supported)")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, t in load_file(str(f)).items():
+            # Multimodal Gemma 3 checkpoints nest the text model under language_model.
+            name = name.replace("language_model.model.", "model.").replace("model.language_model.", "model.")
+            if name.startswith(("vision_tower", "multi_modal_projector", "model.vision_tower",
+                                "model.multi_modal_projector")):
+                continue
+            tensors[name] = t
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return Checkpoint(config=config, tensors=tensors, path=path, format="hf")
+
+
+def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    path = Path(path)
+    if path.is_dir():
+        return load_hf_dir(path)
+    if path.suffix == ".gguf" and path.is_file():
+        return load_gguf(path)
+    if not path.exists():
+        raise ModelLoadError(f"model file or directory not found: {path}")
+    raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face checkpoint directory")
+
+
+def model_class(config: ModelConfig):
+    if config.architecture == "llama":
+        from kvserve.models.llama import LlamaForCausalLM
+
+        return LlamaForCausalLM
+    if config.architecture == "gemma3":
+        from kvserve.models.gemma3 import Gemma3ForCausalLM
+
+        return Gemma3ForCausalLM
+    raise ModelLoadError(f"no model code for architecture {config.architecture!r}")
+
+
+def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
+                max_positions: int | None = None):
+    """Instantiate the model on `device` in `dtype` and load the checkpoint's weights into it."""
+    from dataclasses import replace
+
+    config = checkpoint.config
+    if max_positions is not None:  # rotary tables only as long as the engine will ever use
+        config = replace(config, max_position_embeddings=min(config.max_position_embeddings, max_positions))
+    model = model_class(config)(config)
+    model.load_weights(checkpoint.tensors)
+    model = model.to(device=device, dtype=dtype)
+    model.eval()
+    return model
+
