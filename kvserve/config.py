@@ -108,3 +108,27 @@ def parse_bytes(value: int | float | str) -> int:
         raise ValueError(f"cannot parse a byte size from {value!r} (use e.g. 512MiB, 2GiB or a number of bytes)")
     number, unit = m.groups()
     return int(float(number) * _UNITS[(unit or "").upper()])
+
+
+def engine_config_from_kwargs(model: str, **kwargs) -> EngineConfig:
+    """Flat vLLM-style keyword arguments (block_size=..., max_num_seqs=...) -> nested EngineConfig."""
+    from dataclasses import fields
+
+    cache, sched, top = {}, {}, {}
+    cache_names = {f.name for f in fields(CacheConfig)}
+    sched_names = {f.name for f in fields(SchedulerConfig)}
+    top_names = {f.name for f in fields(EngineConfig)} - {"model", "cache", "scheduler"}
+    for key, value in kwargs.items():
+        if key in cache_names:
+            if key in ("kv_cache_memory", "swap_space") and value is not None:
+                value = parse_bytes(value)
+            cache[key] = value
+        elif key in sched_names:
+            if key == "preemption_mode":
+                value = PreemptionMode(value)
+            sched[key] = value
+        elif key in top_names:
+            top[key] = value
+        else:
+            raise TypeError(f"unknown engine argument {key!r}")
+    return EngineConfig(model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **top)

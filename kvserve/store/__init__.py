@@ -1,0 +1,36 @@
+"""Persistence: tenants and API tokens, the usage ledger, idempotency keys (SQLite, WAL).
+
+Sync API: :class:`Store`. In the asyncio server use :class:`AsyncStore`, which runs writes on one
+writer thread and reads/hashing on a small reader pool.
+"""
+from kvserve.store.async_store import AsyncStore
+from kvserve.store.db import (
+    MIGRATIONS,
+    Database,
+    SchemaError,
+    Store,
+    StoreClosedError,
+    default_db_path,
+    kvserve_home,
+    migrate,
+)
+from kvserve.store.idempotency import BeginOutcome, BeginResult, StoredResponse, request_body_hash
+from kvserve.store.tenants import (
+    InvalidTenantName,
+    Tenant,
+    TenantError,
+    TenantExistsError,
+    TenantInfo,
+    TenantNotFoundError,
+    TenantRevokedError,
+    TokenInfo,
+    validate_tenant_name,
+)
+from kvserve.store.usage import UsageRecord
+
+__all__ = [
+    "AsyncStore", "BeginOutcome", "BeginResult", "Database", "InvalidTenantName", "MIGRATIONS", "SchemaError",
+    "Store", "StoreClosedError", "StoredResponse", "Tenant", "TenantError", "TenantExistsError", "TenantInfo",
+    "TenantNotFoundError", "TenantRevokedError", "TokenInfo", "UsageRecord", "default_db_path", "kvserve_home",
+    "migrate", "request_body_hash", "validate_tenant_name",
+]

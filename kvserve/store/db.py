@@ -1,0 +1,361 @@
+"""SQLite persistence: data directory, connections, migrations and the `Store` facade.
+
+All state lives under one data directory, ``$KVSERVE_HOME`` (default ``~/.kvserve``); the database
+is ``$KVSERVE_HOME/kvserve.db`` unless a path is given. The database runs in WAL mode, so readers
+never block the writer and vice versa.
+
+Connections: one per thread (``threading.local``). ``check_same_thread=False`` is set only so that
+``close()`` can close every connection from the closing thread; a connection is otherwise used only
+by the thread that opened it. Write transactions use ``BEGIN IMMEDIATE`` so that two writers (two
+threads or two processes) serialise on the SQLite lock instead of dead-locking on an upgrade, and
+a busy timeout makes the loser wait rather than fail.
+
+Migrations are plain SQL: ``MIGRATIONS`` is an ordered list of ``(version, sql)``. Each pending
+script runs in its own transaction together with its ``schema_version`` row, so a failed script
+leaves no trace and re-opening an up-to-date database is a no-op.
+
+The server is asyncio; use :class:`kvserve.store.async_store.AsyncStore` there, never these sync
+methods on the event loop.
+"""
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+from kvserve.store.idempotency import DEFAULT_IDEMPOTENCY_TTL_S, BeginResult, IdempotencyStore, StoredResponse
+from kvserve.store.tenants import (
+    DEFAULT_AUTH_CACHE_SIZE,
+    DEFAULT_AUTH_CACHE_TTL_S,
+    DEFAULT_SCRYPT_N,
+    Tenant,
+    TenantInfo,
+    TenantRegistry,
+    TokenInfo,
+)
+from kvserve.store.usage import UsageLedger, UsageRecord
+
+Clock = Callable[[], float]
+
+DB_FILENAME = "kvserve.db"
+DEFAULT_BUSY_TIMEOUT_S = 10.0
+
+
+def kvserve_home() -> Path:
+    """The data directory: ``$KVSERVE_HOME`` if set and non-empty, else ``~/.kvserve``. Not created here."""
+    env = os.environ.get("KVSERVE_HOME", "").strip()
+    return Path(env).expanduser() if env else Path.home() / ".kvserve"
+
+
+def default_db_path() -> Path:
+    """``kvserve_home() / "kvserve.db"``."""
+    return kvserve_home() / DB_FILENAME
+
+
+# --------------------------------------------------------------------------------------------
+# Schema. Append new migrations; never edit a shipped one.
+# --------------------------------------------------------------------------------------------
+
+MIGRATIONS: list[tuple[int, str]] = [
+    (
+        1,
+        """
+        CREATE TABLE tenants (
+            id          INTEGER PRIMARY KEY,
+            name        TEXT NOT NULL UNIQUE,
+            created_at  REAL NOT NULL,
+            revoked_at  REAL
+        );
+
+        -- Tokens are stored only as a salted scrypt hash, plus a non-secret lookup prefix
+        -- (the first 8 characters after "kvs-") so authentication is one indexed lookup + one hash.
+        CREATE TABLE api_tokens (
+            id          INTEGER PRIMARY KEY,
+            tenant_id   INTEGER NOT NULL REFERENCES tenants(id) ON DELETE CASCADE,
+            prefix      TEXT NOT NULL UNIQUE,
+            hash        TEXT NOT NULL,
+            created_at  REAL NOT NULL,
+            revoked_at  REAL
+        );
+        CREATE INDEX api_tokens_tenant ON api_tokens(tenant_id);
+
+        -- One row per finished request. `tenant` is the tenant name (not a foreign key: usage is
+        -- also recorded for the built-in "default" tenant when authentication is off).
+        CREATE TABLE usage_records (
+            id                    INTEGER PRIMARY KEY,
+            request_id            TEXT NOT NULL,
+            tenant                TEXT NOT NULL,
+            model                 TEXT NOT NULL,
+            tier                  TEXT NOT NULL CHECK (tier IN ('interactive', 'batch')),
+            prompt_tokens         INTEGER NOT NULL CHECK (prompt_tokens >= 0),
+            cached_prompt_tokens  INTEGER NOT NULL DEFAULT 0 CHECK (cached_prompt_tokens >= 0),
+            completion_tokens     INTEGER NOT NULL CHECK (completion_tokens >= 0),
+            queue_ms              REAL,
+            ttft_ms               REAL,
+            e2e_ms                REAL,
+            status                TEXT NOT NULL,
+            finish_reason         TEXT,
+            created_at            REAL NOT NULL,
+            finished_at           REAL,
+            UNIQUE (tenant, request_id)
+        );
+        CREATE INDEX usage_tenant_created ON usage_records(tenant, created_at);
+
+        CREATE TABLE idempotency_keys (
+            tenant        TEXT NOT NULL,
+            key           TEXT NOT NULL,
+            body_hash     TEXT NOT NULL,
+            state         TEXT NOT NULL CHECK (state IN ('in_progress', 'done')),
+            status_code   INTEGER,
+            headers       TEXT,   -- JSON object (the replayed subset)
+            body          BLOB,   -- non-streaming response body
+            events        TEXT,   -- JSON array of SSE event strings (streaming responses)
+            created_at    REAL NOT NULL,
+            completed_at  REAL,
+            PRIMARY KEY (tenant, key)
+        ) WITHOUT ROWID;
+        CREATE INDEX idempotency_created ON idempotency_keys(created_at);
+        """,
+    ),
+]
+
+
+class SchemaError(RuntimeError):
+    """The database is from a newer kvserve, or the migration list is malformed."""
+
+
+class StoreClosedError(RuntimeError):
+    pass
+
+
+def split_sql(script: str) -> list[str]:
+    """Split a script into complete statements (``sqlite3.complete_statement`` decides where one ends)."""
+    statements: list[str] = []
+    buf = ""
+    for piece in script.split(";"):
+        buf += piece + ";"
+        if sqlite3.complete_statement(buf):
+            stmt = buf.strip()
+            if stmt.strip(";").strip():
+                statements.append(stmt)
+            buf = ""
+    if buf.strip(";").strip():
+        raise SchemaError(f"incomplete SQL statement in migration: {buf.strip()[:80]!r}")
+    return statements
+
+
+def current_schema_version(conn: sqlite3.Connection) -> int:
+    row = conn.execute("SELECT name FROM sqlite_master WHERE type='table' AND name='schema_version'").fetchone()
+    if row is None:
+        return 0
+    return conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_version").fetchone()[0]
+
+
+def migrate(conn: sqlite3.Connection, migrations: Sequence[tuple[int, str]] = MIGRATIONS,
+            clock: Clock = time.time) -> int:
+    """Apply pending migrations, each atomically with its ``schema_version`` row; return the version.
+
+    ``conn`` must be in autocommit mode (``isolation_level=None``). Safe against a concurrent
+    migrator in another process: the version is re-read inside each ``BEGIN IMMEDIATE``.
+    """
+    versions = [v for v, _ in migrations]
+    if versions != list(range(1, len(versions) + 1)):
+        raise SchemaError(f"migration versions must be 1..N in order, got {versions}")
+    latest = versions[-1] if versions else 0
+    conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER PRIMARY KEY, applied_at REAL NOT NULL)")
+    found = current_schema_version(conn)
+    if found > latest:
+        raise SchemaError(f"database schema version {found} is newer than this kvserve supports ({latest})")
+    for version, sql in migrations:
+        if version <= found:
+            continue
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            if current_schema_version(conn) < version:
+                for stmt in split_sql(sql):
+                    conn.execute(stmt)
+                conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (?, ?)", (version, clock()))
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+    return current_schema_version(conn)
+
+
+class Database:
+    """Thread-local SQLite connections on one file, plus transaction helpers."""
+
+    def __init__(self, path: str | os.PathLike[str], *, clock: Clock = time.time,
+                 busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S,
+                 migrations: Sequence[tuple[int, str]] = MIGRATIONS) -> None:
+        self.path = Path(path).expanduser()
+        if str(path) == ":memory:" or str(path).startswith("file:"):
+            raise ValueError("Store needs a file path (each thread opens its own connection)")
+        self.clock = clock
+        self.busy_timeout_s = busy_timeout_s
+        self._local = threading.local()
+        self._conns: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not self.path.exists():
+            # The file holds token hashes: owner-only. SQLite gives -wal/-shm the same mode.
+            os.close(os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600))
+        try:
+            self.schema_version = migrate(self.conn(), migrations, clock)
+        except BaseException:
+            self.close()
+            raise
+
+    def conn(self) -> sqlite3.Connection:
+        """This thread's connection (opened on first use)."""
+        if self._closed:
+            raise StoreClosedError("store is closed")
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(str(self.path), timeout=self.busy_timeout_s, isolation_level=None,
+                                   check_same_thread=False)
+            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA synchronous = NORMAL")  # durable across app crashes; WAL fsyncs at checkpoint
+            conn.execute("PRAGMA foreign_keys = ON")
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    raise StoreClosedError("store is closed")
+                self._conns.append(conn)
+            self._local.conn = conn
+        return conn
+
+    @contextmanager
+    def write(self) -> Iterator[sqlite3.Connection]:
+        """``BEGIN IMMEDIATE`` ... ``COMMIT`` (``ROLLBACK`` on error). Nested use joins the outer one."""
+        conn = self.conn()
+        if conn.in_transaction:
+            yield conn
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    @contextmanager
+    def read(self) -> Iterator[sqlite3.Connection]:
+        """A deferred transaction: every statement inside sees one snapshot."""
+        conn = self.conn()
+        if conn.in_transaction:
+            yield conn
+            return
+        conn.execute("BEGIN")
+        try:
+            yield conn
+        finally:
+            conn.execute("COMMIT")
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            try:
+                conn.close()
+            except sqlite3.Error:
+                pass
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+class Store:
+    """The persistence facade: ``store.tenants``, ``store.usage``, ``store.idempotency`` plus flat shortcuts.
+
+    Sync and thread-safe (one connection per calling thread). Do not call it on the event loop;
+    wrap it in :class:`~kvserve.store.async_store.AsyncStore`.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, clock: Clock = time.time,
+                 scrypt_n: int = DEFAULT_SCRYPT_N,
+                 auth_cache_ttl_s: float = DEFAULT_AUTH_CACHE_TTL_S,
+                 auth_cache_size: int = DEFAULT_AUTH_CACHE_SIZE,
+                 idempotency_ttl_s: float = DEFAULT_IDEMPOTENCY_TTL_S,
+                 busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S) -> None:
+        self.db = Database(default_db_path() if path is None else path, clock=clock, busy_timeout_s=busy_timeout_s)
+        self.clock = clock
+        self.tenants = TenantRegistry(self.db, scrypt_n=scrypt_n, cache_ttl_s=auth_cache_ttl_s,
+                                      cache_size=auth_cache_size)
+        self.usage = UsageLedger(self.db)
+        self.idempotency = IdempotencyStore(self.db, ttl_s=idempotency_ttl_s)
+
+    @property
+    def path(self) -> Path:
+        return self.db.path
+
+    @property
+    def schema_version(self) -> int:
+        return self.db.schema_version
+
+    # tenants and tokens
+    def create_tenant(self, name: str) -> tuple[Tenant, str]:
+        return self.tenants.create_tenant(name)
+
+    def create_token(self, tenant: str | Tenant) -> str:
+        return self.tenants.create_token(tenant)
+
+    def authenticate(self, token: str) -> Tenant | None:
+        return self.tenants.authenticate(token)
+
+    def revoke_token(self, token_or_prefix: str) -> bool:
+        return self.tenants.revoke_token(token_or_prefix)
+
+    def revoke_tenant(self, name: str) -> bool:
+        return self.tenants.revoke_tenant(name)
+
+    def get_tenant(self, name: str) -> Tenant | None:
+        return self.tenants.get_tenant(name)
+
+    def list_tenants(self) -> list[TenantInfo]:
+        return self.tenants.list_tenants()
+
+    def list_tokens(self, tenant: str | Tenant) -> list[TokenInfo]:
+        return self.tenants.list_tokens(tenant)
+
+    # usage
+    def record_usage(self, record: UsageRecord) -> bool:
+        return self.usage.record(record)
+
+    def record_usage_many(self, records: Sequence[UsageRecord]) -> int:
+        return self.usage.record_many(records)
+
+    def usage_totals(self, tenant: str, since: Any = None, until: Any = None,
+                     group_by: str | None = None) -> list[dict[str, Any]]:
+        return self.usage.totals(tenant, since=since, until=until, group_by=group_by)
+
+    # idempotency
+    def begin_idempotent(self, tenant: str, key: str, body_hash: str) -> BeginResult:
+        return self.idempotency.begin(tenant, key, body_hash)
+
+    def complete_idempotent(self, tenant: str, key: str, response: StoredResponse) -> bool:
+        return self.idempotency.complete(tenant, key, response)
+
+    def abandon_idempotent(self, tenant: str, key: str) -> bool:
+        return self.idempotency.abandon(tenant, key)
+
+    def purge_expired(self) -> int:
+        return self.idempotency.purge_expired()
+
+    def close(self) -> None:
+        self.db.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

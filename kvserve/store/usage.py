@@ -1,0 +1,134 @@
+"""The usage ledger: one row per finished request, summed per tenant.
+
+Times are Unix epoch seconds (float). ``since`` is inclusive and ``until`` exclusive, both on
+``created_at``; they also accept aware ``datetime`` objects. ``group_by="day"`` groups by UTC day.
+Recording is idempotent per ``(tenant, request_id)``: a second record for the same request is ignored.
+"""
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass, fields
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from kvserve.store.db import Database
+
+TIERS = ("interactive", "batch")
+GROUP_BY = (None, "model", "day")
+
+
+@dataclass
+class UsageRecord:
+    request_id: str
+    tenant: str
+    model: str
+    tier: str = "interactive"  # "interactive" | "batch"
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of prompt_tokens, served from the prefix cache
+    completion_tokens: int = 0
+    queue_ms: float | None = None
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None
+    status: str = "ok"  # "ok" | "aborted" | "error" | "rejected" | "timeout" | ...
+    finish_reason: str | None = None
+    created_at: float | None = None  # None: the store's clock at recording time
+    finished_at: float | None = None
+
+    def validate(self) -> None:
+        for name in ("request_id", "tenant", "model", "status"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or not v:
+                raise ValueError(f"UsageRecord.{name} must be a non-empty string, got {v!r}")
+        if self.tier not in TIERS:
+            raise ValueError(f"UsageRecord.tier must be one of {TIERS}, got {self.tier!r}")
+        for name in ("prompt_tokens", "cached_prompt_tokens", "completion_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"UsageRecord.{name} must be an int >= 0, got {v!r}")
+        if self.cached_prompt_tokens > self.prompt_tokens:
+            raise ValueError("UsageRecord.cached_prompt_tokens exceeds prompt_tokens")
+
+
+_COLUMNS = [f.name for f in fields(UsageRecord)]
+_INSERT = (f"INSERT OR IGNORE INTO usage_records ({', '.join(_COLUMNS)})"
+           f" VALUES ({', '.join('?' * len(_COLUMNS))})")
+
+_SUMS = ("COUNT(*) AS requests,"
+         " COALESCE(SUM(prompt_tokens), 0) AS prompt_tokens,"
+         " COALESCE(SUM(cached_prompt_tokens), 0) AS cached_prompt_tokens,"
+         " COALESCE(SUM(completion_tokens), 0) AS completion_tokens,"
+         " COALESCE(SUM(prompt_tokens + completion_tokens), 0) AS total_tokens")
+_GROUP_EXPR = {"model": "model", "day": "strftime('%Y-%m-%d', created_at, 'unixepoch')"}
+
+
+def _epoch(t: Any) -> float | None:
+    if t is None:
+        return None
+    if isinstance(t, datetime):
+        return t.timestamp()
+    return float(t)
+
+
+class UsageLedger:
+    def __init__(self, db: "Database") -> None:
+        self.db = db
+
+    def _row(self, rec: UsageRecord) -> tuple:
+        rec.validate()
+        row = astuple(rec)
+        if rec.created_at is None:
+            row = row[:_COLUMNS.index("created_at")] + (self.db.clock(),) + row[_COLUMNS.index("created_at") + 1:]
+        return row
+
+    def record(self, rec: UsageRecord) -> bool:
+        """Append one record; False if ``(tenant, request_id)`` was already recorded."""
+        row = self._row(rec)
+        with self.db.write() as conn:
+            return conn.execute(_INSERT, row).rowcount == 1
+
+    def record_many(self, records: Sequence[UsageRecord]) -> int:
+        """Append several records in one transaction; returns how many were new."""
+        rows = [self._row(r) for r in records]
+        n = 0
+        with self.db.write() as conn:
+            for row in rows:
+                n += conn.execute(_INSERT, row).rowcount
+        return n
+
+    def totals(self, tenant: str, since: Any = None, until: Any = None,
+               group_by: str | None = None) -> list[dict[str, Any]]:
+        """Sums for exactly one tenant.
+
+        ``group_by=None``: one row (zeros when there is no usage). ``"model"``/``"day"``: one row
+        per group, ordered by the key, with the key under ``"model"``/``"day"``.
+        Each row has requests, prompt_tokens, cached_prompt_tokens, completion_tokens, total_tokens.
+        """
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError("usage_totals needs a tenant name")
+        if group_by not in GROUP_BY:
+            raise ValueError(f"group_by must be one of {GROUP_BY}, got {group_by!r}")
+        where, params = ["tenant = ?"], [tenant]
+        if since is not None:
+            where.append("created_at >= ?")
+            params.append(_epoch(since))
+        if until is not None:
+            where.append("created_at < ?")
+            params.append(_epoch(until))
+        if group_by is None:
+            sql = f"SELECT {_SUMS} FROM usage_records WHERE {' AND '.join(where)}"
+        else:
+            expr = _GROUP_EXPR[group_by]
+            sql = (f"SELECT {expr} AS {group_by}, {_SUMS} FROM usage_records WHERE {' AND '.join(where)}"
+                   f" GROUP BY 1 ORDER BY 1")
+        cur = self.db.conn().execute(sql, params)
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, row)) for row in cur.fetchall()]
+
+    def get(self, tenant: str, request_id: str) -> UsageRecord | None:
+        row = self.db.conn().execute(
+            f"SELECT {', '.join(_COLUMNS)} FROM usage_records WHERE tenant = ? AND request_id = ?",
+            (tenant, request_id)).fetchone()
+        return None if row is None else UsageRecord(*row)
+
+
+__all__ = ["TIERS", "UsageLedger", "UsageRecord"]
