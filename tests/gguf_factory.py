@@ -1,0 +1,139 @@
+"""Write tiny randomly initialised Llama / Gemma 3 models as GGUF files, the way llama.cpp's converter
+would (Q/K rows permuted for Llama, Gemma norms stored as 1 + w, quantized matrices), so unit tests
+run the real loading path in milliseconds. The tokenizer metadata is copied from SmolLM2's GGUF.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class TinySpec:
+    arch: str = "llama"  # "llama" | "gemma3"
+    hidden: int = 64
+    intermediate: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    context: int = 512
+    sliding_window: int = 8
+    quant: str = "Q8_0"  # type of the attention/MLP matrices: F32, F16, Q8_0, Q4_0, Q4_1, Q5_0
+    seed: int = 0
+
+
+def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of Q/K rows (rotate-half -> interleaved pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _copy_tokenizer_fields(writer, source_gguf: str) -> int:
+    import gguf
+
+    reader = gguf.GGUFReader(source_gguf)
+    f = reader.fields
+    tokens = f["tokenizer.ggml.tokens"].contents()
+    writer.add_tokenizer_model(f["tokenizer.ggml.model"].contents())
+    if "tokenizer.ggml.pre" in f:
+        writer.add_tokenizer_pre(f["tokenizer.ggml.pre"].contents())
+    writer.add_token_list(tokens)
+    writer.add_token_types(f["tokenizer.ggml.token_type"].contents())
+    if "tokenizer.ggml.merges" in f:
+        writer.add_token_merges(f["tokenizer.ggml.merges"].contents())
+    for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
+                     ("unknown_token_id", writer.add_unk_token_id), ("padding_token_id", writer.add_pad_token_id)):
+        if f"tokenizer.ggml.{key}" in f:
+            add(int(f[f"tokenizer.ggml.{key}"].contents()))
+    if "tokenizer.ggml.add_bos_token" in f:
+        writer.add_add_bos_token(bool(f["tokenizer.ggml.add_bos_token"].contents()))
+    if "tokenizer.chat_template" in f:
+        writer.add_chat_template(f["tokenizer.chat_template"].contents())
+    return len(tokens)
+
+
+def write_tiny_gguf(path: str | Path, spec: TinySpec, tokenizer_gguf: str) -> dict[str, np.ndarray]:
+    """Write the file; returns the float32 HF-convention weights it was made from (before quantization)."""
+    import gguf
+    from gguf import GGMLQuantizationType as T, quants
+
+    rng = np.random.default_rng(spec.seed)
+    writer = gguf.GGUFWriter(str(path), spec.arch)
+    vocab = _copy_tokenizer_fields(writer, tokenizer_gguf)
+    writer.add_name(f"tiny-{spec.arch}")
+    writer.add_block_count(spec.layers)
+    writer.add_context_length(spec.context)
+    writer.add_embedding_length(spec.hidden)
+    writer.add_feed_forward_length(spec.intermediate)
+    writer.add_head_count(spec.heads)
+    writer.add_head_count_kv(spec.kv_heads)
+    writer.add_key_length(spec.head_dim)
+    writer.add_value_length(spec.head_dim)
+    writer.add_layer_norm_rms_eps(1e-6 if spec.arch == "gemma3" else 1e-5)
+    writer.add_vocab_size(vocab)
+    if spec.arch == "gemma3":
+        writer.add_rope_freq_base(1_000_000.0)
+        writer.add_sliding_window(spec.sliding_window)
+    else:
+        writer.add_rope_freq_base(10000.0)
+        writer.add_rope_dimension_count(spec.head_dim)
+
+    def rand(*shape, scale=None):
+        scale = scale if scale is not None else 1.0 / np.sqrt(shape[-1])
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    hf: dict[str, np.ndarray] = {"model.embed_tokens.weight": rand(vocab, spec.hidden, scale=0.5)}
+    qtype = T[spec.quant]
+
+    def add(name: str, w: np.ndarray, quantize: bool) -> None:
+        if quantize and qtype not in (T.F32,):
+            writer.add_tensor(name, quants.quantize(w, qtype), raw_shape=quants.quant_shape_to_byte_shape(
+                w.shape, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, w)
+
+    add("token_embd.weight", hf["model.embed_tokens.weight"], quantize=spec.quant != "F32")
+    norm_offset = 1.0 if spec.arch == "gemma3" else 0.0
+
+    def norm(name_hf: str, name_gguf: str) -> None:
+        w = (rng.standard_normal(spec.hidden if "self_attn" not in name_hf else spec.head_dim) * 0.1
+             + (0.0 if spec.arch == "gemma3" else 1.0)).astype(np.float32)
+        hf[name_hf] = w
+        add(name_gguf, w + norm_offset, quantize=False)
+
+    q_rows, kv_rows = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    for i in range(spec.layers):
+        p, g = f"model.layers.{i}.", f"blk.{i}."
+        mats = {"self_attn.q_proj": (q_rows, spec.hidden), "self_attn.k_proj": (kv_rows, spec.hidden),
+                "self_attn.v_proj": (kv_rows, spec.hidden), "self_attn.o_proj": (spec.hidden, q_rows),
+                "mlp.gate_proj": (spec.intermediate, spec.hidden), "mlp.up_proj": (spec.intermediate, spec.hidden),
+                "mlp.down_proj": (spec.hidden, spec.intermediate)}
+        gguf_names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                      "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                      "mlp.down_proj": "ffn_down"}
+        for name, shape in mats.items():
+            w = rand(*shape)
+            hf[p + name + ".weight"] = w
+            stored = w
+            if spec.arch == "llama" and name == "self_attn.q_proj":
+                stored = permute_rope_rows(w, spec.heads)
+            elif spec.arch == "llama" and name == "self_attn.k_proj":
+                stored = permute_rope_rows(w, spec.kv_heads)
+            add(g + gguf_names[name] + ".weight", stored, quantize=True)
+        norm(p + "input_layernorm.weight", g + "attn_norm.weight")
+        if spec.arch == "gemma3":
+            norm(p + "post_attention_layernorm.weight", g + "post_attention_norm.weight")
+            norm(p + "pre_feedforward_layernorm.weight", g + "ffn_norm.weight")
+            norm(p + "post_feedforward_layernorm.weight", g + "post_ffw_norm.weight")
+            norm(p + "self_attn.q_norm.weight", g + "attn_q_norm.weight")
+            norm(p + "self_attn.k_norm.weight", g + "attn_k_norm.weight")
+        else:
+            norm(p + "post_attention_layernorm.weight", g + "ffn_norm.weight")
+    norm("model.norm.weight", "output_norm.weight")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return hf
