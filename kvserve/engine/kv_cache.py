@@ -1,0 +1,442 @@
+"""Paged KV cache bookkeeping: block tables, reference counts, prefix cache, copy-on-write, swap.
+
+Pure Python: this module hands out block ids; the runner owns the tensors. Every device block is
+in exactly one of three places:
+
+  free     ref 0, no hash                       plain free list (FIFO)
+  in use   ref > 0                               held by block tables (and pending COW copies)
+  cached   ref 0, hashed, in the LRU             reusable on a prefix hit, evicted when a fresh
+                                                 block is needed and the free list is empty
+
+Block operations reach the runner as lists that it executes at the start of the next step, in the
+order swap-out, swap-in, copy-on-write, forward. The manager keeps that order safe: a COW source
+stays referenced until the step's copies are taken, host blocks freed by a swap-in are not reused
+until then, and a sequence whose blocks are still being filled this step (swapped in, or the
+destination of a COW copy) is not swappable. `take_pending_copies()` closes the step.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from kvserve.engine.request import Sequence
+
+BlockHash = bytes
+
+
+def num_blocks_for(memory_bytes: int, block_size: int, kv_bytes_per_token: int) -> int:
+    """Number of whole blocks of `block_size` tokens that fit in `memory_bytes` of KV memory."""
+    if block_size <= 0 or kv_bytes_per_token <= 0:
+        raise ValueError("block_size and kv_bytes_per_token must be positive")
+    return max(0, int(memory_bytes) // (block_size * kv_bytes_per_token))
+
+
+def hash_block(parent: BlockHash | None, token_ids: list[int], cache_salt: str | None) -> BlockHash:
+    """Chained hash of one full block. The salt goes into every block, so tenants never share."""
+    h = hashlib.sha256()
+    h.update(parent if parent is not None else b"root")
+    if cache_salt is None:
+        h.update(b"\x00")
+    else:
+        salt = cache_salt.encode()
+        h.update(b"\x01" + len(salt).to_bytes(4, "little") + salt)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+def token_slice(seq: Sequence, start: int, end: int) -> list[int]:
+    """seq.token_ids[start:end] without concatenating the whole prompt and output."""
+    prompt, n = seq.prompt_token_ids, seq.num_prompt_tokens
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return seq.output_token_ids[start - n:end - n]
+    return prompt[start:] + seq.output_token_ids[:end - n]
+
+
+@dataclass
+class _Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+
+
+@dataclass
+class _SeqBlocks:
+    """One sequence's blocks: on device (`device`) or, while swapped out, on host (`host`)."""
+
+    device: list[int] = field(default_factory=list)
+    host: list[int] | None = None
+    # Chained hashes of the leading full, computed blocks; kept across swaps to re-register them.
+    hashes: list[BlockHash] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class KVCacheUsage:
+    num_device_blocks: int
+    used_device_blocks: int  # ref > 0
+    cached_device_blocks: int  # ref 0, hashed, evictable
+    free_device_blocks: int  # ref 0, no hash
+    num_host_blocks: int
+    used_host_blocks: int
+    prefix_query_tokens: int  # tokens looked up in the prefix cache (admitted sequences only)
+    prefix_hit_tokens: int  # of which served from the cache
+
+    @property
+    def device_usage(self) -> float:
+        """Fraction of device blocks held by sequences (vLLM's kv_cache_usage_perc)."""
+        return self.used_device_blocks / self.num_device_blocks if self.num_device_blocks else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+
+class KVCacheManager:
+    """Hands out fixed-size device blocks to sequences on demand and tracks who holds which."""
+
+    def __init__(self, num_device_blocks: int, num_host_blocks: int = 0, block_size: int = 16,
+                 enable_prefix_caching: bool = True):
+        if block_size <= 0 or num_device_blocks < 0 or num_host_blocks < 0:
+            raise ValueError("block_size must be positive and block counts non-negative")
+        self.block_size = block_size
+        self.num_device_blocks = num_device_blocks
+        self.num_host_blocks = num_host_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks = [_Block(i) for i in range(num_device_blocks)]
+        self._free: deque[int] = deque(range(num_device_blocks))
+        self._cached: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
+        self._by_hash: dict[BlockHash, int] = {}
+        self._seqs: dict[int, _SeqBlocks] = {}
+        self._host_free: deque[int] = deque(range(num_host_blocks))
+        self._host_released: list[int] = []  # freed by swap_in this step; reusable after the step
+        self._copies: dict[int, int] = {}  # pending COW copies, dst -> src (insertion ordered)
+        self._pins: dict[int, int] = {}  # COW source -> pending copies reading it (each holds a ref)
+        self._swapped_in: set[int] = set()  # seq ids swapped in this step
+        self._pending_lookup: dict[int, tuple[int, int]] = {}  # seq id -> (queried, hit) until admitted
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # ---- queries -------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a fresh allocation can take: the free list plus evictable cached blocks."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self._host_free)
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        """A copy of the sequence's device block table (empty when it holds none)."""
+        state = self._seqs.get(seq.seq_id)
+        return list(state.device) if state is not None else []
+
+    def has_blocks(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._seqs
+
+    def is_swapped(self, seq: Sequence) -> bool:
+        state = self._seqs.get(seq.seq_id)
+        return state is not None and state.host is not None
+
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Fresh blocks `allocate_slots(seq, num_new_tokens)` would take (growth + COW)."""
+        state = self._seqs.get(seq.seq_id)
+        table = state.device if state is not None else []
+        grow = max(0, self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens) - len(table))
+        return grow + len(self._shared_in_write_range(table, seq.num_computed_tokens, num_new_tokens))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.num_blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+
+    # ---- allocation ----------------------------------------------------------------------------
+
+    def get_computed_blocks(self, seq: Sequence) -> int:
+        """Start a block-less sequence's table with its longest cached prefix; returns cached tokens.
+
+        Only full blocks count, and never the last token: at least one token must be computed so
+        there are logits to sample from. References are taken at once; the lookup is counted in
+        the hit statistics only when a following allocate_slots admits the sequence.
+        """
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"sequence {seq.seq_id} already holds blocks")
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        hits: list[int] = []
+        hashes: list[BlockHash] = []
+        for i in range((seq.num_tokens - 1) // bs):
+            h = hash_block(hashes[-1] if hashes else None, token_slice(seq, i * bs, (i + 1) * bs),
+                           seq.cache_salt)
+            bid = self._by_hash.get(h)
+            if bid is None:
+                break
+            hits.append(bid)
+            hashes.append(h)
+        for bid in hits:
+            self._touch(bid)
+        self._seqs[seq.seq_id] = _SeqBlocks(device=hits, hashes=hashes)
+        cached = len(hits) * bs
+        self._pending_lookup[seq.seq_id] = (seq.num_tokens, cached)
+        return cached
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make the table cover num_computed_tokens + num_new_tokens; False, untouched, if short.
+
+        Shared blocks in the range about to be written get private copies first (copy-on-write);
+        the (src, dst) pair is queued for the runner when the block holds computed tokens.
+        """
+        state = self._seqs.get(seq.seq_id)
+        if state is not None and state.host is not None:
+            raise ValueError(f"sequence {seq.seq_id} is swapped out; swap_in first")
+        table = state.device if state is not None else []
+        start = seq.num_computed_tokens
+        cow = self._shared_in_write_range(table, start, num_new_tokens)
+        grow = max(0, self.blocks_for_tokens(start + num_new_tokens) - len(table))
+        if grow + len(cow) > self.num_free_blocks:
+            return False
+        if state is None:
+            state = self._seqs[seq.seq_id] = _SeqBlocks()
+        for idx in cow:
+            self._copy_on_write(state, idx, keep_contents=idx * self.block_size < start)
+        for _ in range(grow):
+            state.device.append(self._take_free_block())
+        self._commit_lookup(seq.seq_id)
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register hashes of blocks that became full of computed tokens.
+
+        The scheduler calls this after each step (update_from_output), once the runner has
+        written the K/V, so a prefix hit never reads a block that is still being filled.
+        """
+        state = self._seqs.get(seq.seq_id)
+        if not self.enable_prefix_caching or state is None or state.host is not None:
+            return
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(state.device))
+        for i in range(len(state.hashes), num_full):
+            parent = state.hashes[-1] if state.hashes else None
+            h = hash_block(parent, token_slice(seq, i * bs, (i + 1) * bs), seq.cache_salt)
+            state.hashes.append(h)
+            self._register(state.device[i], h)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent; a shared partial block is copied on write."""
+        p = self._seqs.get(parent.seq_id)
+        if p is None or p.host is not None:
+            raise ValueError(f"parent {parent.seq_id} holds no device blocks")
+        if child.seq_id in self._seqs:
+            raise ValueError(f"child {child.seq_id} already holds blocks")
+        for bid in p.device:
+            self._blocks[bid].ref_count += 1
+        self._seqs[child.seq_id] = _SeqBlocks(device=list(p.device), hashes=list(p.hashes))
+
+    def free(self, seq: Sequence) -> None:
+        """Give back every block the sequence holds (device or host); no-op if it holds none."""
+        state = self._seqs.pop(seq.seq_id, None)
+        self._pending_lookup.pop(seq.seq_id, None)
+        self._swapped_in.discard(seq.seq_id)
+        if state is None:
+            return
+        if state.host is not None:
+            self._host_free.extend(state.host)
+        else:
+            self._release_table(state.device)
+
+    # ---- swapping ------------------------------------------------------------------------------
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        """Swappable: on device, no block shared, none still being filled this step, host room."""
+        state = self._seqs.get(seq.seq_id)
+        if state is None or state.host is not None or seq.seq_id in self._swapped_in:
+            return False
+        if any(self._blocks[b].ref_count != 1 or b in self._copies for b in state.device):
+            return False
+        return len(state.device) <= len(self._host_free)
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move the sequence's blocks to host; returns (device, host) copies for the runner."""
+        if not self.can_swap_out(seq):
+            raise ValueError(f"sequence {seq.seq_id} cannot be swapped out")
+        state = self._seqs[seq.seq_id]
+        host = [self._host_free.popleft() for _ in state.device]
+        mapping = list(zip(state.device, host))
+        # The device copies stay valid until the runner reuses them, after the swap-out copies.
+        self._release_table(state.device)
+        state.device, state.host = [], host
+        return mapping
+
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int = 0) -> bool:
+        """Enough free device blocks for the swapped blocks plus growth for num_new_tokens."""
+        state = self._seqs.get(seq.seq_id)
+        if state is None or state.host is None:
+            return False
+        need = max(len(state.host), self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens))
+        return need <= self.num_free_blocks
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Bring a swapped sequence back to fresh device blocks; returns (host, device) copies."""
+        if not self.can_swap_in(seq):
+            raise ValueError(f"sequence {seq.seq_id} cannot be swapped in")
+        state = self._seqs[seq.seq_id]
+        assert state.host is not None
+        device = [self._take_free_block() for _ in state.host]
+        mapping = list(zip(state.host, device))
+        self._host_released.extend(state.host)
+        state.device, state.host = device, None
+        for bid, h in zip(device, state.hashes):
+            self._register(bid, h)
+        self._swapped_in.add(seq.seq_id)
+        return mapping
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """Hand the step's COW copies (src, dst) to the scheduler and close the step."""
+        copies = [(src, dst) for dst, src in self._copies.items()]
+        self._copies.clear()
+        for src, _ in copies:
+            self._unpin(src)
+        self._host_free.extend(self._host_released)
+        self._host_released.clear()
+        self._swapped_in.clear()
+        return copies
+
+    # ---- stats and checks ----------------------------------------------------------------------
+
+    def usage(self) -> KVCacheUsage:
+        used_host = self.num_host_blocks - len(self._host_free)
+        return KVCacheUsage(
+            num_device_blocks=self.num_device_blocks,
+            used_device_blocks=self.num_device_blocks - len(self._free) - len(self._cached),
+            cached_device_blocks=len(self._cached),
+            free_device_blocks=len(self._free),
+            num_host_blocks=self.num_host_blocks,
+            used_host_blocks=used_host,
+            prefix_query_tokens=self.prefix_query_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens,
+        )
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if any bookkeeping invariant fails (used by tests and debug runs)."""
+        free, cached = list(self._free), list(self._cached)
+        assert len(set(free)) == len(free), "duplicate block in the free list"
+        free_set, cached_set = set(free), set(cached)
+        holders = [0] * self.num_device_blocks
+        for state in self._seqs.values():
+            assert state.host is None or not state.device, "sequence on both device and host"
+            assert len(set(state.device)) == len(state.device), "block twice in one table"
+            for bid in state.device:
+                holders[bid] += 1
+        pins: dict[int, int] = {}
+        for src in self._copies.values():
+            holders[src] += 1  # the pending copy keeps its source alive
+            pins[src] = pins.get(src, 0) + 1
+        assert pins == self._pins, "pin counts disagree with pending copies"
+        for block in self._blocks:
+            bid = block.block_id
+            places = (bid in free_set) + (bid in cached_set) + (block.ref_count > 0)
+            assert places == 1, f"block {bid} is in {places} places (ref {block.ref_count})"
+            assert block.ref_count == holders[bid], \
+                f"block {bid}: ref {block.ref_count} != {holders[bid]} holders"
+            if bid in free_set:
+                assert block.block_hash is None, f"free block {bid} carries a hash"
+            if bid in cached_set:
+                assert block.block_hash is not None, f"cached block {bid} has no hash"
+            if block.block_hash is not None:
+                assert self._by_hash.get(block.block_hash) == bid, f"block {bid} hash not mapped to it"
+        for h, bid in self._by_hash.items():
+            assert self._blocks[bid].block_hash == h, f"hash map points at block {bid} with another hash"
+        for dst in self._copies:
+            assert self._blocks[dst].ref_count > 0, f"COW destination {dst} is not held"
+        host_held = [b for s in self._seqs.values() if s.host is not None for b in s.host]
+        host_all = list(self._host_free) + self._host_released + host_held
+        assert sorted(host_all) == list(range(self.num_host_blocks)), "host blocks lost or duplicated"
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _shared_in_write_range(self, table: list[int], start: int, num_new_tokens: int) -> list[int]:
+        """Indices of blocks the next write touches that another table also holds (these need COW).
+
+        A pending copy's reference does not count: copies run before the forward pass writes.
+        """
+        if num_new_tokens <= 0:
+            return []
+        bs = self.block_size
+        last = min(len(table), self.blocks_for_tokens(start + num_new_tokens))
+        return [i for i in range(start // bs, last)
+                if self._blocks[table[i]].ref_count - self._pins.get(table[i], 0) > 1]
+
+    def _copy_on_write(self, state: _SeqBlocks, idx: int, keep_contents: bool) -> None:
+        src = state.device[idx]
+        dst = self._take_free_block()
+        state.device[idx] = dst
+        if keep_contents:
+            self._copies[dst] = src  # our reference on src moves to the pending copy
+            self._pins[src] = self._pins.get(src, 0) + 1
+        else:
+            self._release(src)
+
+    def _take_free_block(self) -> int:
+        if self._free:
+            bid = self._free.popleft()
+        else:
+            bid, _ = self._cached.popitem(last=False)
+            self._evict(bid)
+        self._blocks[bid].ref_count = 1
+        return bid
+
+    def _evict(self, bid: int) -> None:
+        block = self._blocks[bid]
+        assert block.block_hash is not None
+        del self._by_hash[block.block_hash]
+        block.block_hash = None
+
+    def _touch(self, bid: int) -> None:
+        """Take a reference on a prefix-hit block, pulling it out of the LRU if it sat there."""
+        block = self._blocks[bid]
+        if block.ref_count == 0:
+            del self._cached[bid]
+        block.ref_count += 1
+
+    def _release(self, bid: int) -> None:
+        block = self._blocks[bid]
+        block.ref_count -= 1
+        if block.ref_count > 0:
+            return
+        src = self._copies.pop(bid, None)
+        if src is not None:  # nobody will read this COW destination: drop the copy
+            self._unpin(src)
+        if block.block_hash is not None:
+            self._cached[bid] = None
+        else:
+            self._free.append(bid)
+
+    def _unpin(self, src: int) -> None:
+        self._pins[src] -= 1
+        if self._pins[src] == 0:
+            del self._pins[src]
+        self._release(src)
+
+    def _release_table(self, table: list[int]) -> None:
+        # Tail first, so the end of a prefix chain is evicted before its beginning.
+        for bid in reversed(table):
+            self._release(bid)
+
+    def _register(self, bid: int, block_hash: BlockHash) -> None:
+        """Make a full block findable by hash, unless it already is or another block holds the hash."""
+        block = self._blocks[bid]
+        if block.block_hash is not None or block_hash in self._by_hash:
+            return
+        block.block_hash = block_hash
+        self._by_hash[block_hash] = bid
+
+    def _commit_lookup(self, seq_id: int) -> None:
+        queried, hit = self._pending_lookup.pop(seq_id, (0, 0))
+        self.prefix_query_tokens += queried
+        self.prefix_hit_tokens += hit

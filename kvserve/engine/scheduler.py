@@ -1,0 +1,630 @@
+"""Iteration-level scheduler: each step, which sequences compute how many tokens.
+
+Pure Python (no torch, no I/O): it works on token counts and block ids, so the engine, microsecond
+unit tests and the planner's simulator (under a fake clock) all drive the very same code.
+
+Queues: per tier (interactive, batch) a waiting queue made of a `preempted` deque (recompute
+preemptions, re-admitted first) and one FIFO per tenant (picked by virtual-time fairness); one
+`running` list; one `swapped` list. A sequence is in exactly one of them until it finishes.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvserve.config import PreemptionMode, SchedulerConfig, TierLimits
+from kvserve.engine.errors import CapacityExhausted, ContextLengthExceeded
+from kvserve.engine.kv_cache import KVCacheManager, KVCacheUsage
+from kvserve.engine.request import Priority, Sequence, SequenceStatus
+from kvserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+
+# Virtual-time fair queuing weights (VTC's defaults): a generated token costs about two prompt tokens.
+PROMPT_TOKEN_WEIGHT = 1.0
+OUTPUT_TOKEN_WEIGHT = 2.0
+# Output tokens assumed per queued sequence when estimating queue wait (max_tokens caps it).
+EXPECTED_OUTPUT_TOKENS = 256
+# Throughput assumed before the first measurement: low, so early estimates err towards refusing.
+DEFAULT_TOKENS_PER_S = 500.0
+THROUGHPUT_EWMA_ALPHA = 0.2
+
+RUNNING = SequenceStatus.RUNNING
+WAITING = SequenceStatus.WAITING
+SWAPPED = SequenceStatus.SWAPPED
+
+
+def _order_key(seq: Sequence) -> tuple[int, float, int]:
+    """Scheduling order; the maximum is the preemption victim (lowest tier, latest arrival)."""
+    return (int(seq.priority), seq.timings.arrival, seq.seq_id)
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    waiting: dict[Priority, int]  # queue depth per tier (fresh + recompute-preempted)
+    running: int
+    swapped: int
+    blocks_used: int
+    blocks_cached: int
+    blocks_free: int
+    num_preemptions: int  # total since start
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    tokens_per_s: float  # throughput estimate used for queue-wait estimates
+    queue_wait_s: dict[Priority, float]  # estimated wait for a request arriving now
+    kv: KVCacheUsage
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(self.waiting.values())
+
+
+@dataclass
+class _Tier:
+    """One priority tier's waiting work and its tenants' fairness counters."""
+
+    preempted: deque[Sequence] = field(default_factory=deque)  # earliest arrival first
+    by_tenant: dict[str, deque[Sequence]] = field(default_factory=dict)  # only non-empty deques
+    num_waiting: int = 0
+    prompt_tokens: int = 0  # uncomputed tokens of waiting sequences (admission bound)
+    work_tokens: int = 0  # those plus expected output tokens (wait estimate)
+    served: dict[str, float] = field(default_factory=dict)  # VTC counter per tenant
+    live: dict[str, int] = field(default_factory=dict)  # unfinished sequences per active tenant
+
+
+@dataclass
+class _SeqState:
+    queued_prompt_tokens: int = 0  # what this sequence added to its tier's counters while waiting
+    queued_work_tokens: int = 0
+    decode_steps: int = 0  # tokens sampled since last admitted or swapped in (batch quantum)
+
+
+@dataclass
+class _Step:
+    now: float
+    budget: int
+    out: SchedulerOutput = field(default_factory=SchedulerOutput)
+    scheduled: dict[int, ScheduledSequence] = field(default_factory=dict)  # insertion ordered
+    preempted: set[int] = field(default_factory=set)  # seq ids preempted this step: not re-admitted in it
+    deferred: list[Sequence] = field(default_factory=list)  # batch prefill chunks held back
+    # Tiers whose waiting queue may admit no more this step: work ahead of them could not go, and
+    # nothing may overtake it.
+    closed: set[Priority] = field(default_factory=set)
+
+    def close_admission(self, prio: Priority) -> None:
+        """Close admission for `prio` and every lower tier."""
+        self.closed.update(p for p in Priority if p >= prio)
+
+
+class _Admit(enum.Enum):
+    OK = "ok"
+    NO_BUDGET = "no_budget"
+    NO_BLOCKS = "no_blocks"
+
+
+class Scheduler:
+    """Decides each step's batch under a token budget, a sequence cap and the KV block pool."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic,
+                 default_tokens_per_s: float = DEFAULT_TOKENS_PER_S):
+        self.config = config
+        self.kv = kv
+        self._clock = clock
+        self._tiers = {Priority.INTERACTIVE: _Tier(), Priority.BATCH: _Tier()}
+        self._running: list[Sequence] = []
+        self._swapped: list[Sequence] = []
+        self._state: dict[int, _SeqState] = {}
+        self._requests: dict[str, list[Sequence]] = {}
+        self._num_preemptions = 0
+        self._default_tokens_per_s = default_tokens_per_s
+        self._tokens_per_s: float | None = None
+        self._step_started: float | None = None
+
+    # ---- admission -----------------------------------------------------------------------------
+
+    def add_request(self, seqs: list[Sequence]) -> None:
+        """Queue one request's sequences, or refuse the whole request at once.
+
+        Raises ContextLengthExceeded when it can never run (model context, or more KV blocks than
+        the whole pool) and CapacityExhausted when its tier's queue bounds are reached.
+        """
+        for seq in seqs:
+            if seq.status is not WAITING or seq.seq_id in self._state:
+                raise ValueError(f"{seq!r} is not a new waiting sequence")
+            self._check_fits(seq)
+        for prio in sorted({s.priority for s in seqs}):
+            self._check_tier_bounds(prio, [s for s in seqs if s.priority is prio])
+        for seq in seqs:
+            self._track(seq)
+            self._enqueue_back(seq)
+
+    def estimated_queue_wait(self, tier: Priority) -> float:
+        """Seconds of queued work ahead of a request arriving now in `tier` (EWMA throughput)."""
+        ahead = sum(t.work_tokens for prio, t in self._tiers.items() if prio <= tier)
+        return ahead / self.tokens_per_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self._tokens_per_s or self._default_tokens_per_s
+
+    def _check_fits(self, seq: Sequence) -> None:
+        cfg, p, max_tokens = self.config, seq.num_prompt_tokens, seq.sampling.max_tokens
+        if p == 0:
+            raise ValueError("a prompt must contain at least one token")
+        if max_tokens is None and p >= cfg.max_model_len:
+            raise ContextLengthExceeded(
+                f"the prompt has {p} tokens; this model's context length is {cfg.max_model_len}")
+        if max_tokens is not None and p + max_tokens > cfg.max_model_len:
+            raise ContextLengthExceeded(
+                f"the prompt ({p} tokens) plus max_tokens ({max_tokens}) exceeds this model's context "
+                f"length of {cfg.max_model_len} tokens")
+        # K/V is held for every token but the last sampled one.
+        kv_tokens = p + (max_tokens - 1 if max_tokens else 0)
+        need = self.kv.blocks_for_tokens(kv_tokens)
+        if need > self.kv.num_device_blocks:
+            pool = self.kv.num_device_blocks * self.kv.block_size
+            raise ContextLengthExceeded(
+                f"the request needs {kv_tokens} tokens of KV cache ({need} blocks) but the KV cache pool "
+                f"holds only {pool} tokens ({self.kv.num_device_blocks} blocks); shorten the prompt or max_tokens")
+
+    def _check_tier_bounds(self, prio: Priority, seqs: list[Sequence]) -> None:
+        tier, name, limits = self._tiers[prio], prio.name.lower(), self._limits(prio)
+        wait = self.estimated_queue_wait(prio)
+        retry = max(1.0, wait)
+        if tier.num_waiting + len(seqs) > limits.max_waiting:
+            raise CapacityExhausted(f"the {name} queue is full ({tier.num_waiting} waiting, limit "
+                                    f"{limits.max_waiting})", retry_after=retry, reason="queue_full")
+        tokens = sum(s.num_prompt_tokens for s in seqs)
+        # A lone request larger than the bound is let in: it is queued behind nothing.
+        if tier.num_waiting and tier.prompt_tokens + tokens > limits.max_queued_prompt_tokens:
+            raise CapacityExhausted(f"the {name} queue holds {tier.prompt_tokens} prompt tokens (limit "
+                                    f"{limits.max_queued_prompt_tokens})", retry_after=retry, reason="queue_tokens")
+        if wait > limits.max_queue_wait_s:
+            raise CapacityExhausted(f"the estimated {name} queue wait is {wait:.1f}s (limit "
+                                    f"{limits.max_queue_wait_s:.1f}s)",
+                                    retry_after=max(1.0, wait - limits.max_queue_wait_s), reason="queue_wait")
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Build one step's batch.
+
+        Policy, stated:
+        - Work is "tokens owed" (num_tokens - num_computed_tokens); a decode owes 1, a prompt or a
+          recomputed sequence owes many. Each step spends at most max_num_batched_tokens and keeps
+          at most max_num_seqs sequences running.
+        - Order: running decodes (1 token each), running prefill chunks, swapped sequences brought
+          back, waiting interactive, waiting batch. Within each group interactive comes before
+          batch, then earlier arrival. While interactive work waits, running batch prefill chunks
+          go after the interactive admissions (decodes never wait for prefills).
+        - Chunked prefill on: a prompt takes what budget is left. Off: a prompt goes whole or not at
+          all; one longer than the whole budget goes alone in an otherwise empty step (the step
+          exceeds the budget), and everything behind it waits until such a step comes.
+        - Out of blocks for a running sequence: preempt the running sequence with the lowest tier,
+          then latest arrival (possibly itself: then it is not scheduled this step). So batch
+          never preempts interactive. Swap it out (SWAP/AUTO, host room, no shared blocks), else
+          recompute: free its blocks and put it at the front of its tier's queue, where it keeps
+          its arrival and is re-admitted before any fresh request of that tier.
+        - Interactive waiting work takes a seat from the latest running batch sequence when
+          max_num_seqs is reached. Interactive work short of blocks preempts running batch
+          sequences that have used their decode quantum (batch_decode_quantum sampled tokens since
+          admission), latest first; newer batch sequences finish their quantum first (no thrash).
+        - Head-of-line within a tier: a swapped sequence that cannot come back, a waiting head that
+          cannot be admitted, or one preempted earlier in this step closes admission for its tier
+          and the tiers below for the rest of the step, so small requests never overtake a large
+          one forever and a preempted sequence is not re-admitted in the step that evicted it.
+          Batch sequences are not swapped back in while interactive work waits.
+        - Fairness inside a tier: the next fresh waiting sequence is the head of the tenant with the
+          smallest virtual-time counter (weighted tokens served; ties by arrival). A tenant that
+          becomes active is lifted to the smallest counter among active tenants, so idle time
+          does not bank credit.
+        - Waiting sequences never scheduled and older than their tier's queue_timeout_s finish with
+          FINISHED_QUEUE_TIMEOUT. A sequence that cannot fit the KV pool even alone finishes with
+          FINISHED_LENGTH. Both are listed in SchedulerOutput.finished.
+        """
+        step = _Step(now=self._clock(), budget=self.config.max_num_batched_tokens)
+        self._expire_waiting(step)
+        self._schedule_running(step, defer_batch_prefill=self._interactive_waiting())
+        self._schedule_swapped(step)
+        self._schedule_waiting(step, Priority.INTERACTIVE)
+        for seq in step.deferred:
+            if seq.status is RUNNING:
+                self._schedule_running_seq(step, seq)
+        self._schedule_waiting(step, Priority.BATCH)
+        return self._close_step(step)
+
+    def _expire_waiting(self, step: _Step) -> None:
+        for prio, tier in self._tiers.items():
+            timeout = self._limits(prio).queue_timeout_s
+            for queue in list(tier.by_tenant.values()):
+                while queue and step.now - queue[0].timings.arrival > timeout:
+                    self._finish_in_step(step, queue[0], SequenceStatus.FINISHED_QUEUE_TIMEOUT)
+
+    def _schedule_running(self, step: _Step, defer_batch_prefill: bool) -> None:
+        ordered = sorted(self._running, key=_order_key)
+        decodes = [s for s in ordered if s.num_uncomputed_tokens <= 1]
+        prefills = [s for s in ordered if s.num_uncomputed_tokens > 1]
+        for seq in decodes:
+            if seq.status is RUNNING:  # not preempted by an earlier one this step
+                self._schedule_running_seq(step, seq)
+        for seq in prefills:
+            if seq.status is not RUNNING:
+                continue
+            if defer_batch_prefill and seq.priority is Priority.BATCH:
+                step.deferred.append(seq)
+            else:
+                self._schedule_running_seq(step, seq)
+
+    def _schedule_running_seq(self, step: _Step, seq: Sequence) -> None:
+        n = self._num_new_tokens(step, seq)
+        if n == 0:
+            return
+        while not self.kv.allocate_slots(seq, n):
+            victim = max(self._running, key=_order_key)
+            if victim is seq and len(self._running) == 1:
+                self._finish_in_step(step, seq, SequenceStatus.FINISHED_LENGTH)  # cannot fit even alone
+                return
+            self._preempt(step, victim)
+            if victim is seq:
+                return
+        self._add_scheduled(step, seq, n)
+
+    def _schedule_swapped(self, step: _Step) -> None:
+        """Bring swapped sequences back in order. The first that cannot come back stops the rest and
+        closes admission for its tier and below: newer work does not overtake it."""
+        interactive_waiting = self._interactive_waiting()
+        for seq in sorted(self._swapped, key=_order_key):
+            # A batch sequence brought back now would be the first victim of interactive admissions.
+            held_back = seq.priority is Priority.BATCH and interactive_waiting
+            if held_back or not self._try_swap_in(step, seq):
+                step.close_admission(seq.priority)
+                return
+
+    def _try_swap_in(self, step: _Step, seq: Sequence) -> bool:
+        """Swap `seq` in and schedule it; False when it cannot come back this step."""
+        n = self._num_new_tokens(step, seq)
+        if n == 0 or seq.seq_id in step.preempted or len(self._running) >= self.config.max_num_seqs:
+            return False
+        if self._exceeds_pool(seq.num_computed_tokens + n):
+            self._finish_in_step(step, seq, SequenceStatus.FINISHED_LENGTH)
+            return True
+
+        def fits() -> bool:
+            return self.kv.can_swap_in(seq, n)
+
+        if not fits() and not (seq.priority is Priority.INTERACTIVE and self._yield_batch(step, fits)):
+            return False
+        self._swap_in(step, seq, n)
+        return True
+
+    def _schedule_waiting(self, step: _Step, prio: Priority) -> None:
+        tier = self._tiers[prio]
+        while tier.num_waiting and prio not in step.closed and step.budget > 0:
+            seq = self._next_waiting(tier)
+            if seq.seq_id in step.preempted:  # blocks just ran out for it: nothing newer goes either
+                step.close_admission(prio)
+                break
+            if self._exceeds_pool(seq.num_tokens):  # a recomputed sequence outgrew the pool
+                self._finish_in_step(step, seq, SequenceStatus.FINISHED_LENGTH)
+                continue
+            if len(self._running) >= self.config.max_num_seqs:
+                if prio is Priority.INTERACTIVE and self._take_batch_seat(step):
+                    continue
+                step.close_admission(prio)
+                break
+            result = self._try_admit(step, seq)
+            if result is _Admit.OK:
+                continue
+            if result is _Admit.NO_BLOCKS and prio is Priority.INTERACTIVE and \
+                    self._yield_batch(step, lambda: self._try_admit(step, seq) is _Admit.OK):
+                continue
+            step.close_admission(prio)
+
+    def _try_admit(self, step: _Step, seq: Sequence) -> _Admit:
+        """Prefix lookup, then blocks for the first chunk; all or nothing."""
+        cached = self.kv.get_computed_blocks(seq)
+        seq.num_computed_tokens = cached
+        n = self._num_new_tokens(step, seq)
+        if n == 0 or not self.kv.allocate_slots(seq, n):
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
+            return _Admit.NO_BUDGET if n == 0 else _Admit.NO_BLOCKS
+        self._dequeue(seq)
+        if seq.timings.first_scheduled is None:
+            seq.timings.first_scheduled = step.now
+            seq.num_cached_tokens = cached
+        self._start_running(seq)
+        self._add_scheduled(step, seq, n)
+        return _Admit.OK
+
+    def _num_new_tokens(self, step: _Step, seq: Sequence) -> int:
+        owed = seq.num_uncomputed_tokens
+        if owed <= 0 or step.budget <= 0:
+            return 0
+        if owed <= step.budget:
+            return owed
+        if self.config.enable_chunked_prefill:
+            return step.budget
+        if not step.scheduled and step.budget == self.config.max_num_batched_tokens:
+            return owed  # longer than any budget: runs alone
+        return 0
+
+    def _add_scheduled(self, step: _Step, seq: Sequence, n: int) -> None:
+        start = seq.num_computed_tokens
+        step.scheduled[seq.seq_id] = ScheduledSequence(seq=seq, num_new_tokens=n, start=start, block_table=[],
+                                                       sample=start + n >= seq.num_tokens)
+        step.budget -= n
+        self._charge(seq, start, n, +1)
+
+    def _close_step(self, step: _Step) -> SchedulerOutput:
+        out = step.out
+        out.scheduled = list(step.scheduled.values())
+        for ss in out.scheduled:
+            ss.block_table = self.kv.block_table(ss.seq)
+        out.blocks_to_copy = self.kv.take_pending_copies()
+        self._step_started = step.now if out.scheduled else None
+        return out
+
+    # ---- preemption ----------------------------------------------------------------------------
+
+    def _preempt(self, step: _Step, seq: Sequence) -> None:
+        """Take a running sequence off the device: swap when allowed and possible, else recompute."""
+        ss = step.scheduled.pop(seq.seq_id, None)
+        if ss is not None:  # scheduled earlier this step: give its tokens back
+            step.budget += ss.num_new_tokens
+            self._charge(seq, ss.start, ss.num_new_tokens, -1)
+        self._running.remove(seq)
+        seq.num_preemptions += 1
+        self._num_preemptions += 1
+        step.out.preempted.append(seq)
+        step.preempted.add(seq.seq_id)
+        if self.config.preemption_mode is not PreemptionMode.RECOMPUTE and self.kv.can_swap_out(seq):
+            step.out.blocks_to_swap_out.extend(self.kv.swap_out(seq))
+            seq.status = SWAPPED
+            self._swapped.append(seq)
+        else:
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = WAITING
+            self._enqueue_front(seq)
+
+    def _take_batch_seat(self, step: _Step) -> bool:
+        """max_num_seqs reached with interactive work waiting: the latest running batch sequence yields."""
+        batch = [s for s in self._running if s.priority is Priority.BATCH]
+        if not batch:
+            return False
+        self._preempt(step, max(batch, key=_order_key))
+        return True
+
+    def _yield_batch(self, step: _Step, fits: Callable[[], bool]) -> bool:
+        """Preempt running batch sequences past their decode quantum, latest first, until fits()."""
+        quantum = self.config.batch_decode_quantum
+        while True:
+            done = [s for s in self._running
+                    if s.priority is Priority.BATCH and self._state[s.seq_id].decode_steps >= quantum]
+            if not done:
+                return False
+            self._preempt(step, max(done, key=_order_key))
+            if fits():
+                return True
+
+    def _swap_in(self, step: _Step, seq: Sequence, n: int) -> None:
+        step.out.blocks_to_swap_in.extend(self.kv.swap_in(seq))
+        if not self.kv.allocate_slots(seq, n):  # can_swap_in counted these blocks
+            raise AssertionError(f"{seq!r}: no blocks after swap-in")
+        self._swapped.remove(seq)
+        self._start_running(seq)
+        self._add_scheduled(step, seq, n)
+
+    def _start_running(self, seq: Sequence) -> None:
+        seq.status = RUNNING
+        self._running.append(seq)
+        self._state[seq.seq_id].decode_steps = 0
+
+    def _limits(self, prio: Priority) -> TierLimits:
+        return self.config.interactive if prio is Priority.INTERACTIVE else self.config.batch
+
+    def _exceeds_pool(self, num_tokens: int) -> bool:
+        return self.kv.blocks_for_tokens(num_tokens) > self.kv.num_device_blocks
+
+    def _interactive_waiting(self) -> bool:
+        return self._tiers[Priority.INTERACTIVE].num_waiting > 0
+
+    # ---- after the step ------------------------------------------------------------------------
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[int, int]) -> None:
+        """Apply a finished step: advance computed tokens, append sampled tokens, cache full blocks.
+
+        `sampled` maps seq_id to its new token for every scheduled sequence with sample=True.
+        Sequences finished or aborted while the step ran are skipped.
+        """
+        now = self._clock()
+        for ss in output.scheduled:
+            seq = ss.seq
+            if seq.status is not RUNNING:
+                continue
+            seq.num_computed_tokens = ss.start + ss.num_new_tokens
+            if ss.sample and seq.seq_id in sampled:
+                seq.append_token(sampled[seq.seq_id])
+                self._record_token(seq, now)
+            self.kv.cache_full_blocks(seq)
+        self._observe_throughput(output.num_batched_tokens, now)
+
+    def _record_token(self, seq: Sequence, now: float) -> None:
+        t = seq.timings
+        if t.first_token is None:
+            t.first_token = now
+        t.last_token = now
+        t.token_times.append(now)
+        self._state[seq.seq_id].decode_steps += 1
+
+    def _observe_throughput(self, num_tokens: int, now: float) -> None:
+        started, self._step_started = self._step_started, None
+        if started is None or num_tokens <= 0 or now <= started:
+            return
+        rate = num_tokens / (now - started)
+        prev = self._tokens_per_s
+        self._tokens_per_s = rate if prev is None else prev + THROUGHPUT_EWMA_ALPHA * (rate - prev)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start `child` as a copy of running `parent` that shares its blocks (n > 1 sampling).
+
+        The child takes the parent's prompt, progress and arrival. If it has no output yet it takes
+        the parent's too; the engine may instead give it its own sampled token first (only tokens
+        whose K/V is computed must match the parent's). Forks run even past max_num_seqs: the
+        request was admitted whole.
+        """
+        if parent.status is not RUNNING:
+            raise ValueError(f"can only fork a running sequence, not {parent!r}")
+        if child.seq_id in self._state:
+            raise ValueError(f"{child!r} is already scheduled")
+        computed = parent.num_computed_tokens
+        child.prompt_token_ids = list(parent.prompt_token_ids)
+        if not child.output_token_ids:
+            child.output_token_ids = list(parent.output_token_ids)
+        shared_outputs = max(0, computed - parent.num_prompt_tokens)
+        if child.num_tokens <= computed or \
+                child.output_token_ids[:shared_outputs] != parent.output_token_ids[:shared_outputs]:
+            raise ValueError(f"{child!r} does not share the {computed} computed tokens of {parent!r}")
+        child.num_computed_tokens = computed
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.priority, child.tenant, child.cache_salt = parent.priority, parent.tenant, parent.cache_salt
+        child.timings.arrival = parent.timings.arrival
+        child.timings.first_scheduled = parent.timings.first_scheduled
+        self.kv.fork(parent, child)
+        self._track(child)
+        self._start_running(child)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End a sequence (stop, length, abort, timeout): leave every queue and free its blocks."""
+        if not status.finished:
+            raise ValueError(f"{status} is not a finished status")
+        if seq.is_finished:
+            return
+        if seq.seq_id in self._state:
+            self._remove_from_queues(seq)
+            self._untrack(seq)
+        self.kv.free(seq)
+        seq.status = status
+        seq.timings.finished = self._clock()
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every sequence of a request as aborted; returns them (empty if unknown)."""
+        seqs = list(self._requests.get(request_id, ()))
+        for seq in seqs:
+            self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return seqs
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running or self._swapped or any(t.num_waiting for t in self._tiers.values()))
+
+    def stats(self) -> SchedulerStats:
+        usage = self.kv.usage()
+        return SchedulerStats(
+            waiting={prio: t.num_waiting for prio, t in self._tiers.items()},
+            running=len(self._running),
+            swapped=len(self._swapped),
+            blocks_used=usage.used_device_blocks,
+            blocks_cached=usage.cached_device_blocks,
+            blocks_free=usage.free_device_blocks,
+            num_preemptions=self._num_preemptions,
+            prefix_query_tokens=usage.prefix_query_tokens,
+            prefix_hit_tokens=usage.prefix_hit_tokens,
+            tokens_per_s=self.tokens_per_s,
+            queue_wait_s={prio: self.estimated_queue_wait(prio) for prio in self._tiers},
+            kv=usage,
+        )
+
+    def _finish_in_step(self, step: _Step, seq: Sequence, status: SequenceStatus) -> None:
+        self.finish(seq, status)
+        step.out.finished.append(seq)
+
+    # ---- queues and bookkeeping ----------------------------------------------------------------
+
+    def _track(self, seq: Sequence) -> None:
+        """Register a new live sequence: state, request index, tenant activity."""
+        self._state[seq.seq_id] = _SeqState()
+        self._requests.setdefault(seq.request_id, []).append(seq)
+        self._activate_tenant(self._tiers[seq.priority], seq.tenant)
+
+    def _untrack(self, seq: Sequence) -> None:
+        del self._state[seq.seq_id]
+        siblings = self._requests[seq.request_id]
+        siblings.remove(seq)
+        if not siblings:
+            del self._requests[seq.request_id]
+        tier = self._tiers[seq.priority]
+        tier.live[seq.tenant] -= 1
+        if tier.live[seq.tenant] == 0:
+            del tier.live[seq.tenant]
+
+    def _activate_tenant(self, tier: _Tier, tenant: str) -> None:
+        """A tenant becoming active starts no lower than the least-served active tenant (no banked credit)."""
+        if tenant not in tier.live:
+            active = [tier.served.get(t, 0.0) for t in tier.live]
+            floor = min(active) if active else max(tier.served.values(), default=0.0)
+            tier.served[tenant] = max(tier.served.get(tenant, 0.0), floor)
+            tier.live[tenant] = 0
+        tier.live[tenant] += 1
+
+    def _charge(self, seq: Sequence, start: int, n: int, sign: int) -> None:
+        """Add the weighted tokens of a scheduled chunk to its tenant's virtual time."""
+        prompt = max(0, min(start + n, seq.num_prompt_tokens) - start)
+        cost = PROMPT_TOKEN_WEIGHT * prompt + OUTPUT_TOKEN_WEIGHT * (n - prompt)
+        served = self._tiers[seq.priority].served
+        served[seq.tenant] = served.get(seq.tenant, 0.0) + sign * cost
+
+    def _next_waiting(self, tier: _Tier) -> Sequence:
+        if tier.preempted:
+            return tier.preempted[0]
+        heads = (q[0] for q in tier.by_tenant.values())
+        return min(heads, key=lambda s: (tier.served.get(s.tenant, 0.0), s.timings.arrival, s.seq_id))
+
+    def _enqueue_back(self, seq: Sequence) -> None:
+        tier = self._tiers[seq.priority]
+        tier.by_tenant.setdefault(seq.tenant, deque()).append(seq)
+        self._count_waiting(tier, seq)
+
+    def _enqueue_front(self, seq: Sequence) -> None:
+        """Recompute-preempted: ahead of every fresh request of its tier, ordered by arrival."""
+        tier = self._tiers[seq.priority]
+        key = _order_key(seq)
+        idx = next((i for i, s in enumerate(tier.preempted) if _order_key(s) > key), len(tier.preempted))
+        tier.preempted.insert(idx, seq)
+        self._count_waiting(tier, seq)
+
+    def _count_waiting(self, tier: _Tier, seq: Sequence) -> None:
+        st = self._state[seq.seq_id]
+        st.queued_prompt_tokens = seq.num_uncomputed_tokens
+        max_tokens = seq.sampling.max_tokens
+        expected = EXPECTED_OUTPUT_TOKENS if max_tokens is None else min(max_tokens, EXPECTED_OUTPUT_TOKENS)
+        st.queued_work_tokens = st.queued_prompt_tokens + expected
+        tier.num_waiting += 1
+        tier.prompt_tokens += st.queued_prompt_tokens
+        tier.work_tokens += st.queued_work_tokens
+
+    def _dequeue(self, seq: Sequence) -> None:
+        """Remove a waiting sequence from its tier's queue and counters."""
+        tier = self._tiers[seq.priority]
+        if seq in tier.preempted:
+            tier.preempted.remove(seq)
+        else:
+            queue = tier.by_tenant[seq.tenant]
+            queue.remove(seq)
+            if not queue:
+                del tier.by_tenant[seq.tenant]
+        st = self._state[seq.seq_id]
+        tier.num_waiting -= 1
+        tier.prompt_tokens -= st.queued_prompt_tokens
+        tier.work_tokens -= st.queued_work_tokens
+
+    def _remove_from_queues(self, seq: Sequence) -> None:
+        if seq.status is RUNNING:
+            self._running.remove(seq)
+        elif seq.status is SWAPPED:
+            self._swapped.remove(seq)
+        elif seq.status is WAITING:
+            self._dequeue(seq)

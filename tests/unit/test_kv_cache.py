@@ -1,0 +1,399 @@
+"""KVCacheManager: example tests plus a stateful property test that simulates the runner's memory.
+
+The state machine keeps a fake device and host memory (one token id per slot) and plays each step
+the way the runner would: swap-out copies, swap-in copies, COW copies, then the forward writes.
+After every step each sequence's computed tokens must read back from its block table, which checks
+the ordering hazards (reused blocks, pinned COW sources) and not only the counts.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
+
+from kvserve.engine.kv_cache import KVCacheManager, hash_block, num_blocks_for
+from kvserve.engine.request import Sequence
+from kvserve.engine.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+def make_seq(tokens: list[int], salt: str | None = None) -> Sequence:
+    n = next(_ids)
+    return Sequence(seq_id=n, request_id=f"r{n}", prompt_token_ids=list(tokens), sampling=SamplingParams(),
+                    cache_salt=salt)
+
+
+def admit(kv: KVCacheManager, seq: Sequence) -> int:
+    """Prefix lookup + allocation for the whole prompt, as the scheduler does on first schedule."""
+    cached = kv.get_computed_blocks(seq)
+    seq.num_computed_tokens = cached
+    assert kv.allocate_slots(seq, seq.num_tokens - cached)
+    return cached
+
+
+def compute(kv: KVCacheManager, seq: Sequence) -> None:
+    """Pretend the runner computed everything allocated; register full blocks."""
+    seq.num_computed_tokens = seq.num_tokens
+    kv.cache_full_blocks(seq)
+
+
+def all_blocks_back(kv: KVCacheManager) -> bool:
+    u = kv.usage()
+    return u.used_device_blocks == 0 and u.free_device_blocks + u.cached_device_blocks == kv.num_device_blocks
+
+
+# ---- example tests -------------------------------------------------------------------------------
+
+def test_num_blocks_for():
+    assert num_blocks_for(23_040 * 16 * 10, 16, 23_040) == 10
+    assert num_blocks_for(23_040 * 16 * 10 - 1, 16, 23_040) == 9
+    with pytest.raises(ValueError):
+        num_blocks_for(100, 0, 1)
+
+
+def test_allocate_grows_on_demand_and_fails_without_side_effects():
+    kv = KVCacheManager(num_device_blocks=4, block_size=4, enable_prefix_caching=False)
+    seq = make_seq(list(range(6)))
+    assert kv.allocate_slots(seq, 6)
+    assert len(kv.block_table(seq)) == 2
+    seq.num_computed_tokens = 6
+    assert kv.allocate_slots(seq, 2)  # fills block 2
+    assert len(kv.block_table(seq)) == 2
+    big = make_seq(list(range(100, 112)))
+    before = kv.usage()
+    assert not kv.allocate_slots(big, 12)  # needs 3, only 2 free
+    assert kv.usage() == before and not kv.has_blocks(big)
+    kv.free(seq)
+    assert all_blocks_back(kv)
+    kv.check_integrity()
+
+
+def test_prefix_hit_returns_cached_tokens_and_never_the_last_token():
+    kv = KVCacheManager(num_device_blocks=16, block_size=4)
+    prompt = list(range(10))  # 2 full blocks + 2 tokens
+    a = make_seq(prompt, salt="t1")
+    assert admit(kv, a) == 0
+    compute(kv, a)
+    b = make_seq(prompt + [99], salt="t1")
+    assert admit(kv, b) == 8
+    assert kv.block_table(b)[:2] == kv.block_table(a)[:2]
+    # A prompt of exactly two full blocks may reuse only the first: the last token must be computed.
+    c = make_seq(prompt[:8], salt="t1")
+    assert admit(kv, c) == 4
+    u = kv.usage()
+    assert u.prefix_hit_tokens == 12 and u.prefix_query_tokens == 10 + 11 + 8
+    kv.check_integrity()
+    for s in (a, b, c):
+        kv.free(s)
+    assert all_blocks_back(kv)
+    kv.check_integrity()
+
+
+def test_cross_salt_miss():
+    kv = KVCacheManager(num_device_blocks=16, block_size=4)
+    prompt = list(range(13))
+    a = make_seq(prompt, salt="tenant-a")
+    admit(kv, a)
+    compute(kv, a)
+    assert admit(kv, make_seq(prompt, salt="tenant-b")) == 0
+    assert admit(kv, make_seq(prompt, salt=None)) == 0
+    assert admit(kv, make_seq(prompt, salt="tenant-a")) == 12
+    assert hash_block(None, [1, 2], "a") != hash_block(None, [1, 2], None) != hash_block(None, [1, 2], "")
+
+
+def test_freed_hashed_blocks_are_reused_from_the_lru():
+    kv = KVCacheManager(num_device_blocks=8, block_size=4)
+    a = make_seq(list(range(9)))
+    admit(kv, a)
+    compute(kv, a)
+    kv.free(a)
+    u = kv.usage()
+    assert u.cached_device_blocks == 2 and u.used_device_blocks == 0
+    b = make_seq(list(range(9)) + [5])
+    assert admit(kv, b) == 8
+    assert kv.usage().cached_device_blocks == 0
+    kv.check_integrity()
+
+
+def test_lru_eviction_order():
+    kv = KVCacheManager(num_device_blocks=6, block_size=4)
+    seqs = [make_seq([100 * k + i for i in range(5)]) for k in range(3)]  # 1 full block + 1 token each
+    for s in seqs:
+        admit(kv, s)
+        compute(kv, s)
+    for s in seqs:  # freed oldest first: seqs[0]'s full block is least recently used
+        kv.free(s)
+    assert kv.usage().cached_device_blocks == 3
+    # Take the 3 plain free blocks, then one more: that one evicts seqs[0]'s block.
+    filler = make_seq(list(range(1000, 1016)))
+    assert kv.allocate_slots(filler, 16)
+    assert kv.usage().cached_device_blocks == 2
+    for k, expect in ((0, 0), (1, 4), (2, 4)):
+        probe = make_seq(seqs[k].prompt_token_ids + [7])
+        assert kv.get_computed_blocks(probe) == expect
+        kv.free(probe)
+    kv.check_integrity()
+
+
+def test_lru_touch_moves_a_hit_to_the_back():
+    kv = KVCacheManager(num_device_blocks=4, block_size=4)
+    a, b = make_seq(list(range(5))), make_seq(list(range(50, 55)))
+    for s in (a, b):
+        admit(kv, s)
+        compute(kv, s)
+    kv.free(a)
+    kv.free(b)
+    again = make_seq(list(range(5)))  # hit on a's block, then release it: now most recent
+    assert admit(kv, again) == 4
+    kv.free(again)
+    filler = make_seq(list(range(200, 212)))
+    assert kv.allocate_slots(filler, 12)  # 2 free + 1 eviction: b's block goes first
+    assert kv.get_computed_blocks(make_seq(list(range(5)))) == 4
+
+
+def test_fork_shares_blocks_and_copy_on_write_records_the_copy():
+    kv = KVCacheManager(num_device_blocks=8, block_size=4, enable_prefix_caching=False)
+    parent = make_seq(list(range(6)))
+    admit(kv, parent)
+    compute(kv, parent)
+    child = make_seq(list(range(6)))
+    child.num_computed_tokens = parent.num_computed_tokens
+    kv.fork(parent, child)
+    assert kv.block_table(child) == kv.block_table(parent)
+    kv.check_integrity()
+    assert not kv.can_swap_out(parent)  # shared blocks: not swappable
+    shared_full, shared_partial = kv.block_table(parent)
+    parent.append_token(42)
+    assert kv.allocate_slots(parent, 1)  # writes position 6 of the shared partial block
+    new_table = kv.block_table(parent)
+    assert new_table[0] == shared_full and new_table[1] != shared_partial
+    kv.check_integrity()  # the pending copy still holds its source
+    assert kv.take_pending_copies() == [(shared_partial, new_table[1])]
+    child.append_token(43)
+    assert kv.allocate_slots(child, 1)  # child is now the only holder: writes in place
+    assert kv.block_table(child) == [shared_full, shared_partial]
+    assert kv.take_pending_copies() == []
+    for s in (parent, child):
+        kv.free(s)
+    assert all_blocks_back(kv)
+    kv.check_integrity()
+
+
+def test_cow_copy_dropped_when_destination_freed():
+    kv = KVCacheManager(num_device_blocks=8, block_size=4, enable_prefix_caching=False)
+    parent = make_seq(list(range(6)))
+    admit(kv, parent)
+    compute(kv, parent)
+    child = make_seq(list(range(6)))
+    child.num_computed_tokens = 6
+    kv.fork(parent, child)
+    child.append_token(1)
+    assert kv.allocate_slots(child, 1)
+    assert not kv.can_swap_out(child)  # its new block is filled by a copy later this step
+    kv.free(child)
+    kv.check_integrity()
+    assert kv.take_pending_copies() == []
+
+
+def test_cow_source_is_not_reused_before_the_copy_runs():
+    kv = KVCacheManager(num_device_blocks=3, block_size=4, enable_prefix_caching=False)
+    parent = make_seq([1, 2])
+    admit(kv, parent)
+    compute(kv, parent)
+    child = make_seq([1, 2])
+    child.num_computed_tokens = 2
+    kv.fork(parent, child)
+    (src,) = kv.block_table(parent)
+    child.append_token(3)
+    assert kv.allocate_slots(child, 1)
+    kv.free(parent)  # src is now held only by the pending copy
+    other = make_seq(list(range(8)))
+    assert not kv.allocate_slots(other, 8)  # 1 free block left, src is not among them
+    assert kv.take_pending_copies() == [(src, kv.block_table(child)[0])]
+    assert kv.allocate_slots(other, 8)  # after the step src is free again
+    kv.check_integrity()
+
+
+def test_cow_destination_not_swappable_in_its_step():
+    kv = KVCacheManager(num_device_blocks=4, num_host_blocks=4, block_size=4, enable_prefix_caching=False)
+    parent = make_seq([1, 2])
+    admit(kv, parent)
+    compute(kv, parent)
+    child = make_seq([1, 2])
+    child.num_computed_tokens = 2
+    kv.fork(parent, child)
+    child.append_token(3)
+    assert kv.allocate_slots(child, 1)
+    assert all(kv._blocks[b].ref_count == 1 for b in kv.block_table(child))
+    assert not kv.can_swap_out(child)  # swap-out copies run before COW copies
+    kv.take_pending_copies()
+    assert kv.can_swap_out(child)
+
+
+def test_swap_out_and_in_round_trip():
+    kv = KVCacheManager(num_device_blocks=4, num_host_blocks=4, block_size=4)
+    seq = make_seq(list(range(9)))
+    admit(kv, seq)
+    compute(kv, seq)
+    table = kv.block_table(seq)
+    assert kv.can_swap_out(seq)
+    out = kv.swap_out(seq)
+    assert [d for d, _ in out] == table and kv.is_swapped(seq)
+    assert kv.usage().used_host_blocks == 3 and kv.usage().used_device_blocks == 0
+    kv.check_integrity()
+    assert kv.can_swap_in(seq, 1) and not kv.can_swap_in(seq, 8)
+    back = kv.swap_in(seq)
+    assert [h for h, _ in back] == [h for _, h in out]
+    assert not kv.can_swap_out(seq)  # not again in the same step
+    kv.take_pending_copies()
+    assert kv.can_swap_out(seq)
+    kv.free(seq)
+    assert all_blocks_back(kv) and kv.usage().used_host_blocks == 0
+    kv.check_integrity()
+
+
+def test_swap_out_needs_host_room():
+    kv = KVCacheManager(num_device_blocks=4, num_host_blocks=1, block_size=4)
+    seq = make_seq(list(range(8)))
+    admit(kv, seq)
+    assert not kv.can_swap_out(seq)
+
+
+def test_lookup_counted_only_when_admitted():
+    kv = KVCacheManager(num_device_blocks=2, block_size=4)
+    seq = make_seq(list(range(20)))
+    assert kv.get_computed_blocks(seq) == 0
+    assert not kv.allocate_slots(seq, 20)
+    kv.free(seq)
+    assert kv.usage().prefix_query_tokens == 0
+
+
+# ---- stateful property test ----------------------------------------------------------------------
+
+BS = 4
+
+
+class KVMachine(RuleBasedStateMachine):
+    """Random allocate/append/fork/free/swap with a fake runner checking contents each step."""
+
+    seqs = Bundle("seqs")
+
+    def __init__(self):
+        super().__init__()
+        self.kv = KVCacheManager(num_device_blocks=12, num_host_blocks=8, block_size=BS)
+        self.dev: list[list[int | None]] = [[None] * BS for _ in range(12)]
+        self.host: list[list[int | None]] = [[None] * BS for _ in range(8)]
+        self.live: dict[int, Sequence] = {}
+        self.writes: dict[int, tuple[int, int]] = {}  # seq id -> (start, n) scheduled this step
+        self.swap_out_ops: list[tuple[int, int]] = []
+        self.swap_in_ops: list[tuple[int, int]] = []
+
+    @rule(target=seqs, prefix=st.sampled_from([[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], []]),
+          tail=st.lists(st.integers(0, 3), max_size=9), salt=st.sampled_from([None, "a", "b"]),
+          chunk=st.integers(1, 12))
+    def add(self, prefix, tail, salt, chunk):
+        seq = make_seq(prefix + tail or [0], salt)
+        cached = self.kv.get_computed_blocks(seq)
+        assert cached % BS == 0 and cached < seq.num_tokens
+        seq.num_computed_tokens = cached
+        n = min(chunk, seq.num_tokens - cached)
+        if not self.kv.allocate_slots(seq, n):
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
+            return seq  # never admitted: later rules skip it
+        self.live[seq.seq_id] = seq
+        self.writes[seq.seq_id] = (cached, n)
+        return seq
+
+    @rule(seq=seqs, chunk=st.integers(1, 6), token=st.integers(0, 3))
+    def step_seq(self, seq, chunk, token):
+        if seq.seq_id not in self.live or seq.seq_id in self.writes or self.kv.is_swapped(seq):
+            return
+        if seq.num_uncomputed_tokens == 0:
+            seq.append_token(token)
+        n = min(chunk, seq.num_uncomputed_tokens)
+        if self.kv.allocate_slots(seq, n):
+            self.writes[seq.seq_id] = (seq.num_computed_tokens, n)
+
+    @rule(target=seqs, parent=seqs, token=st.integers(0, 3))
+    def fork(self, parent, token):
+        if parent.seq_id not in self.live or parent.seq_id in self.writes or self.kv.is_swapped(parent):
+            return parent
+        child = make_seq(parent.prompt_token_ids, parent.cache_salt)
+        child.output_token_ids = list(parent.output_token_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.kv.fork(parent, child)
+        self.live[child.seq_id] = child
+        if child.num_uncomputed_tokens == 0:
+            child.append_token(token)  # diverge from the parent
+        return child
+
+    @rule(seq=consumes(seqs))
+    def free(self, seq):
+        if seq.seq_id in self.live:
+            self.kv.free(seq)
+            del self.live[seq.seq_id]
+            self.writes.pop(seq.seq_id, None)
+
+    @rule(seq=seqs)
+    def swap_out(self, seq):
+        if seq.seq_id in self.live and self.kv.can_swap_out(seq):
+            self.swap_out_ops += self.kv.swap_out(seq)
+            self.writes.pop(seq.seq_id, None)  # the scheduler unschedules a preempted sequence
+
+    @rule(seq=seqs)
+    def swap_in(self, seq):
+        if seq.seq_id in self.live and self.kv.can_swap_in(seq):
+            self.swap_in_ops += self.kv.swap_in(seq)
+
+    @rule()
+    def end_step(self):
+        """Play the step like the runner: swap-out, swap-in, COW copies, then the forward writes."""
+        copies = self.kv.take_pending_copies()
+        for d, h in self.swap_out_ops:
+            self.host[h] = list(self.dev[d])
+        for h, d in self.swap_in_ops:
+            self.dev[d] = list(self.host[h])
+        for src, dst in copies:
+            self.dev[dst] = list(self.dev[src])
+        for seq_id, (start, n) in self.writes.items():
+            seq = self.live[seq_id]
+            table = self.kv.block_table(seq)
+            tokens = seq.token_ids
+            for pos in range(start, start + n):
+                self.dev[table[pos // BS]][pos % BS] = tokens[pos]
+            seq.num_computed_tokens = start + n
+            self.kv.cache_full_blocks(seq)
+        self.swap_out_ops, self.swap_in_ops, self.writes = [], [], {}
+        self.check_contents()
+
+    def check_contents(self):
+        for seq in self.live.values():
+            if self.kv.is_swapped(seq):
+                continue
+            table = self.kv.block_table(seq)
+            tokens = seq.token_ids
+            got = [self.dev[table[p // BS]][p % BS] for p in range(seq.num_computed_tokens)]
+            assert got == tokens[:seq.num_computed_tokens], f"seq {seq.seq_id} reads wrong K/V"
+
+    @invariant()
+    def integrity(self):
+        self.kv.check_integrity()
+
+    def teardown(self):
+        self.end_step()
+        for seq in list(self.live.values()):
+            self.kv.free(seq)
+        self.kv.take_pending_copies()
+        self.kv.check_integrity()
+        assert all_blocks_back(self.kv)
+        assert self.kv.usage().used_host_blocks == 0
+
+
+KVMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None,
+                                       suppress_health_check=[HealthCheck.too_slow])
+TestKVMachine = KVMachine.TestCase
