@@ -1,0 +1,265 @@
+"""AsyncLLM: the engine behind the server.
+
+The engine runs in its own thread (model loading first, then a step loop while there is work), so
+the event loop only moves bytes. Commands (add, abort) cross into the engine thread through a queue
+and are applied between steps; outputs come back to each request's asyncio queue through
+`call_soon_threadsafe`. Only the engine thread touches the scheduler, the KV manager and the model.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from kvserve.config import EngineConfig
+from kvserve.engine.errors import ModelWarming, ServerDraining
+from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.request import Priority
+from kvserve.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineStatus(str, enum.Enum):
+    WARMING = "warming"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass
+class _Add:
+    kwargs: dict
+    sink: Callable[[RequestOutput], None]
+    done: Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class EngineHealth:
+    status: EngineStatus
+    last_step_at: float | None
+    busy_seconds: float  # wall time spent inside step() since start
+    started_at: float
+    error: str | None = None
+    load_seconds: float | None = None
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, model_id: str | None = None,
+                 on_step: Callable | None = None, on_finish: Callable[[RequestOutput], None] | None = None,
+                 engine_factory: Callable | None = None):
+        self.config = config
+        self.model_id = model_id or config.model
+        self.status = EngineStatus.WARMING
+        self.engine = None
+        self.error: str | None = None
+        self._commands: queue.Queue = queue.Queue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._sinks: dict[str, Callable[[RequestOutput], None]] = {}
+        self._on_step = on_step
+        self._on_finish = on_finish
+        self._engine_factory = engine_factory
+        self.started_at = time.monotonic()
+        self.last_step_at: float | None = None
+        self.last_progress_at = time.monotonic()
+        self.busy_seconds = 0.0
+        self.num_inflight = 0  # requests added and not finished (engine thread writes, others read)
+        self.num_waiting = 0
+        self._thread = threading.Thread(target=self._run, name=f"engine-{self.model_id}", daemon=True)
+        self._ready = threading.Event()
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start(self) -> "AsyncLLM":
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        self._ready.wait(timeout)
+        if self.status == EngineStatus.FAILED:
+            raise RuntimeError(f"engine for {self.model_id} failed to start: {self.error}")
+        return self.status == EngineStatus.READY
+
+    def drain(self) -> None:
+        """Stop admitting; running requests continue."""
+        if self.status == EngineStatus.READY:
+            self.status = EngineStatus.DRAINING
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+        self.status = EngineStatus.STOPPED
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer if self.engine is not None else None
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(self.status, self.last_step_at, self.busy_seconds, self.started_at, self.error,
+                            getattr(self.engine, "load_seconds", None))
+
+    def is_stalled(self, timeout: float) -> bool:
+        """Work is pending but no step has completed for `timeout` seconds (the engine hangs)."""
+        if self.status == EngineStatus.FAILED:
+            return True
+        busy = self.num_inflight > 0 or not self._commands.empty()
+        return busy and time.monotonic() - self.last_progress_at > timeout
+
+    # ---- requests ------------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: Priority | str | None = None,
+                       tenant: str = "default", cache_salt: str | None = None,
+                       messages: list[dict] | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream RequestOutputs (with deltas) until finished. Admission errors raise before the first.
+
+        Closing or cancelling the iterator aborts the request; its blocks are freed within a step.
+        """
+        request_id, outputs = await self.submit(prompt=prompt, params=params, request_id=request_id,
+                                                priority=priority, tenant=tenant, cache_salt=cache_salt,
+                                                messages=messages)
+        finished = False
+        try:
+            while True:
+                out = await outputs.get()
+                yield out
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    async def submit(self, **kwargs) -> tuple[str, asyncio.Queue]:
+        """Add a request; returns (request id, queue of RequestOutputs)."""
+        if self.status == EngineStatus.WARMING:
+            raise ModelWarming(f"model {self.model_id} is still loading; retry shortly")
+        if self.status == EngineStatus.DRAINING:
+            raise ServerDraining(f"model {self.model_id} is draining for shutdown")
+        if self.status != EngineStatus.READY:
+            raise ModelWarming(f"model {self.model_id} is not available ({self.status.value}: {self.error})")
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+
+        def sink(out: RequestOutput) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        done: Future = Future()
+        self._commands.put(_Add(kwargs, sink, done))
+        self._wake.set()
+        request_id = await asyncio.wrap_future(done)
+        return request_id, outputs
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+        self._wake.set()
+
+    async def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        """Tokenize off the engine thread's queue (tokenizers release the GIL)."""
+        if self.engine is None:
+            raise ModelWarming(f"model {self.model_id} is still loading; retry shortly")
+        return await asyncio.to_thread(self.engine.encode_prompt, prompt, messages)
+
+    # ---- the engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            if self._engine_factory is not None:
+                self.engine = self._engine_factory(self.config)
+            else:
+                from kvserve.engine.llm_engine import LLMEngine
+
+                self.engine = LLMEngine(self.config, model_id=self.model_id)
+            self.status = EngineStatus.READY
+        except Exception as e:  # loading failed: report it, never crash the server
+            log.exception("engine for %s failed to load", self.model_id)
+            self.error = f"{type(e).__name__}: {e}"
+            self.status = EngineStatus.FAILED
+            self._ready.set()
+            return
+        self._ready.set()
+        engine = self.engine
+        while not self._stop:
+            self._apply_commands()
+            if not engine.has_unfinished_requests():
+                self.last_progress_at = time.monotonic()
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            t0 = time.monotonic()
+            try:
+                outputs = engine.step()
+            except Exception as e:
+                log.exception("engine step failed for %s", self.model_id)
+                self.error = f"{type(e).__name__}: {e}"
+                self.status = EngineStatus.FAILED
+                self._fail_all()
+                return
+            t1 = time.monotonic()
+            self.busy_seconds += t1 - t0
+            self.last_step_at = self.last_progress_at = t1
+            for out in outputs:
+                self._deliver(out)
+            self._update_counts()
+            if self._on_step is not None:
+                self._on_step(self, engine.last_step)
+
+    def _apply_commands(self) -> None:
+        engine = self.engine
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add):
+                try:
+                    rid = engine.add_request(**cmd.kwargs)
+                except Exception as e:
+                    cmd.done.set_exception(e)
+                    continue
+                self._sinks[rid] = cmd.sink
+                cmd.done.set_result(rid)
+            elif isinstance(cmd, _Abort):
+                out = engine.abort_request(cmd.request_id)
+                sink = self._sinks.pop(cmd.request_id, None)
+                if out is not None:
+                    if sink is not None:
+                        sink(out)
+                    if self._on_finish is not None:
+                        self._on_finish(out)
+        self._update_counts()
+
+    def _deliver(self, out: RequestOutput) -> None:
+        sink = self._sinks.get(out.request_id)
+        if out.finished:
+            self._sinks.pop(out.request_id, None)
+            if self._on_finish is not None:
+                self._on_finish(out)
+        if sink is not None:
+            sink(out)
+
+    def _update_counts(self) -> None:
+        self.num_inflight = self.engine.num_unfinished_requests
+        stats = self.engine.scheduler.stats()
+        self.num_waiting = getattr(stats, "num_waiting", None) or (
+            stats.get("num_waiting", 0) if isinstance(stats, dict) else 0)
+
+    def _fail_all(self) -> None:
+        for rid in list(self._sinks):
+            out = self.engine.abort_request(rid)
+            sink = self._sinks.pop(rid)
+            if out is not None:
+                if self._on_finish is not None:  # aborted requests are accounted for too (usage ledger)
+                    self._on_finish(out)
+                sink(out)

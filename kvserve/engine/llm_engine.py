@@ -1,0 +1,396 @@
+"""LLMEngine (add_request / abort_request / step) and the offline LLM API (generate / chat).
+
+One step: schedule -> execute (runner) -> sample -> update scheduler -> detokenize and check stops.
+Forks for n > 1 are made when the parent's prompt is done: its last prompt position's logits
+are sampled n times, and the children share the prompt's blocks (copy-on-write on the last one).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from kvserve.config import EngineConfig, engine_config_from_kwargs
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.errors import ContextLengthExceeded
+from kvserve.engine.kv_cache import KVCacheManager
+from kvserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvserve.engine.request import Priority, Sequence, SequenceStatus
+from kvserve.engine.sampler import Sampler, SamplingMetadata, make_generator
+from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.scheduler import Scheduler
+from kvserve.models.catalog import resolve_model
+from kvserve.models.loader import build_model, load_checkpoint, resolve_device, resolve_dtype
+from kvserve.models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_MEMORY = 2 << 30
+DEFAULT_GPU_KV_FRACTION = 0.5
+
+
+@dataclass
+class _SeqState:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    output: CompletionOutput
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: Priority
+    tenant: str
+    cache_salt: str | None
+    seqs: list[_SeqState] = field(default_factory=list)
+    forked: bool = False
+    finished: bool = False
+    arrival: float = field(default_factory=time.monotonic)
+
+    def output(self, model: str) -> RequestOutput:
+        parent = self.seqs[0].seq
+        t = parent.timings
+        metrics = RequestMetrics(arrival_time=self.arrival, first_scheduled_time=t.first_scheduled,
+                                 first_token_time=t.first_token, last_token_time=t.last_token,
+                                 finished_time=max((s.seq.timings.finished or 0.0) for s in self.seqs) or None
+                                 if self.finished else None,
+                                 queue_time=t.queue_time,
+                                 num_preemptions=sum(s.seq.num_preemptions for s in self.seqs))
+        # Shallow copies: the engine rebinds (never mutates) delta fields, so a snapshot handed to
+        # another thread stays valid while the engine moves on.
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                             outputs=[replace(s.output) for s in self.seqs], finished=self.finished,
+                             num_cached_tokens=parent.num_cached_tokens, metrics=metrics, model=model)
+
+
+@dataclass
+class StepStats:
+    """What one engine step did; the server's metrics read these."""
+
+    started: float
+    duration: float
+    num_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preempted: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model_id: str | None = None):
+        self.config = config
+        t0 = time.perf_counter()
+        resolved_id, path = resolve_model(config.model)
+        self.model_id = model_id or resolved_id
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        checkpoint = load_checkpoint(path)
+        self.model_config = checkpoint.config
+        self.tokenizer = Tokenizer.from_gguf(path) if checkpoint.format == "gguf" else Tokenizer.from_hf_dir(path)
+        sched_cfg = config.scheduler
+        sched_cfg.max_model_len = min(sched_cfg.max_model_len, self.model_config.max_position_embeddings)
+        self.max_model_len = sched_cfg.max_model_len
+        torch.manual_seed(config.seed)
+        model = build_model(checkpoint, self.dtype, self.device, max_positions=self.max_model_len)
+        del checkpoint
+
+        cache_cfg = config.cache
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        self.kv_bytes_per_token = self.model_config.kv_bytes_per_token_per_element * elem
+        block_bytes = cache_cfg.block_size * self.kv_bytes_per_token
+        if cache_cfg.num_gpu_blocks_override:
+            num_blocks = cache_cfg.num_gpu_blocks_override
+        else:
+            num_blocks = max(1, self._kv_memory_budget() // block_bytes)
+        num_host_blocks = cache_cfg.swap_space // block_bytes
+        self.kv = KVCacheManager(num_blocks, num_host_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(sched_cfg, self.kv)
+        from kvserve.engine.runner import ModelRunner
+
+        self.runner = ModelRunner(model, self.model_config, num_blocks, num_host_blocks, cache_cfg.block_size,
+                                  self.dtype, self.device)
+        self.sampler = Sampler()
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        self._requests: dict[str, _RequestState] = {}
+        self._seq_states: dict[int, _SeqState] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self._dirty: list[_RequestState] = []  # requests whose deltas the next step clears
+        self.last_step: StepStats | None = None
+        self.load_seconds = time.perf_counter() - t0
+        log.info("loaded %s (%s, %s) in %.1fs: %d KV blocks of %d tokens, %d host blocks", self.model_id,
+                 self.dtype, self.device, self.load_seconds, num_blocks, cache_cfg.block_size, num_host_blocks)
+
+    def _kv_memory_budget(self) -> int:
+        if self.config.cache.kv_cache_memory:
+            return self.config.cache.kv_cache_memory
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * DEFAULT_GPU_KV_FRACTION)
+        return DEFAULT_CPU_KV_MEMORY
+
+    # ---- requests ------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
+        if messages is not None:
+            return self.tokenizer.encode_chat(messages)
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
+        return list(prompt)
+
+    def add_request(self, prompt: str | list[int] | None, params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: Priority | str | None = None,
+                    tenant: str = "default", cache_salt: str | None = None,
+                    messages: list[dict] | None = None, prompt_token_ids: list[int] | None = None) -> str:
+        """Queue a request. Raises ContextLengthExceeded / CapacityExhausted at once when refused."""
+        params = params or SamplingParams()
+        ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(prompt, messages)
+        if not ids:
+            raise ValueError("the prompt encodes to no tokens")
+        if len(ids) >= self.max_model_len:
+            raise ContextLengthExceeded(f"prompt has {len(ids)} tokens; this model's context is "
+                                        f"{self.max_model_len} tokens")
+        request_id = request_id or f"req-{next(self._request_ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        priority = Priority.parse(priority)
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - len(ids)
+        seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=ids, sampling=params,
+                       priority=priority, tenant=tenant, cache_salt=cache_salt)
+        self.scheduler.add_request([seq])  # admission control may raise here
+        state = _RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, priority,
+                              tenant, cache_salt, arrival=seq.timings.arrival)
+        self._requests[request_id] = state
+        self._track(state, seq)
+        return request_id
+
+    def _track(self, state: _RequestState, seq: Sequence) -> _SeqState:
+        p = state.params
+        gen = make_generator(p.seed, seq.fork_index, self.device) if p.seed is not None else None
+        detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids,
+                                       skip_special_tokens=p.skip_special_tokens, stop=p.stop,
+                                       include_stop_str_in_output=p.include_stop_str_in_output)
+        ss = _SeqState(seq, detok, gen, CompletionOutput(index=seq.fork_index,
+                                                          logprobs=[] if p.logprobs is not None else None))
+        state.seqs.append(ss)
+        self._seq_states[seq.seq_id] = ss
+        return ss
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output (finish_reason 'abort')."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return None
+        self.scheduler.abort(request_id)
+        for ss in state.seqs:
+            self._seq_states.pop(ss.seq.seq_id, None)
+            if ss.output.finish_reason is None:
+                ss.output.finish_reason = SequenceStatus.FINISHED_ABORTED.finish_reason
+                ss.seq.timings.finished = time.monotonic()
+            ss.output.delta_text, ss.output.delta_token_ids = "", []
+        state.finished = True
+        return state.output(self.model_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration: every scheduled sequence advances; returns outputs of requests that changed."""
+        started = time.monotonic()
+        for state in self._dirty:
+            for ss in state.seqs:
+                ss.output.delta_text, ss.output.delta_token_ids, ss.output.delta_logprobs = "", [], None
+        out = self.scheduler.schedule()
+        touched: dict[str, _RequestState] = {}
+        for seq in out.finished:  # queue timeouts decided by the scheduler
+            ss = self._seq_states.get(seq.seq_id)
+            if ss is not None:
+                self._finish(ss, seq.status, touched)
+        logits = self.runner.execute(out)
+        if logits is not None:
+            self._sample_and_update(out, logits, touched)
+        elif out.scheduled:
+            self.scheduler.update_from_output(out, {})
+        num_prefill = sum(s.num_new_tokens for s in out.scheduled if s.seq.is_prefill or s.num_new_tokens > 1)
+        self.last_step = StepStats(started, time.monotonic() - started, len(out.scheduled), num_prefill,
+                                   out.num_batched_tokens - num_prefill, len(out.preempted))
+        results = []
+        for state in touched.values():
+            state.finished = all(ss.output.finish_reason is not None for ss in state.seqs) and (
+                state.forked or state.params.n == 1 or state.seqs[0].output.finish_reason is not None)
+            results.append(state.output(self.model_id))
+            if state.finished:
+                self._requests.pop(state.request_id, None)
+                for ss in state.seqs:
+                    self._seq_states.pop(ss.seq.seq_id, None)
+        self._dirty = list(touched.values())
+        return results
+
+    def _sample_and_update(self, out, logits: torch.Tensor, touched: dict) -> None:
+        sampled = [s for s in out.scheduled if s.sample]
+        rows: list[int] = []
+        targets: list[tuple[_SeqState, _SeqState | None]] = []  # (state, parent if this is a new fork)
+        for i, s in enumerate(sampled):
+            ss = self._seq_states[s.seq.seq_id]
+            rows.append(i)
+            targets.append((ss, None))
+            state = self._requests[ss.seq.request_id]
+            if state.params.n > 1 and not state.forked:
+                state.forked = True
+                for k in range(1, state.params.n):
+                    child = Sequence(seq_id=next(self._seq_ids), request_id=state.request_id,
+                                     prompt_token_ids=state.prompt_token_ids, sampling=state.params,
+                                     priority=state.priority, tenant=state.tenant, cache_salt=state.cache_salt,
+                                     fork_index=k)
+                    rows.append(i)
+                    targets.append((self._track(state, child), ss))
+        if rows != list(range(len(sampled))):
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        seqs = [t[0].seq for t in targets]
+        md = SamplingMetadata.build([s.sampling for s in seqs], [s.output_token_ids for s in seqs],
+                                    [s.prompt_token_ids for s in seqs], [t[0].generator for t in targets],
+                                    self.eos_token_ids, device=logits.device)
+        result = self.sampler(logits, md)
+        tokens = result.tolist()
+        logprobs = result.logprobs
+        now = time.monotonic()
+        self.scheduler.update_from_output(out, {t[0].seq.seq_id: tok for t, tok in zip(targets, tokens)
+                                                if t[1] is None})
+        for j, ((ss, parent), tok) in enumerate(zip(targets, tokens)):
+            if parent is not None:  # a new fork: shares the parent's computed prompt
+                seq = ss.seq
+                seq.num_computed_tokens = parent.seq.num_computed_tokens
+                seq.num_cached_tokens = parent.seq.num_cached_tokens
+                seq.timings.arrival = parent.seq.timings.arrival
+                seq.timings.first_scheduled = parent.seq.timings.first_scheduled
+                seq.append_token(tok)
+                seq.timings.first_token = seq.timings.last_token = now
+                seq.timings.token_times.append(now)
+                self.scheduler.fork(parent.seq, seq)
+            self._process_token(ss, tok, logprobs[j] if logprobs else None, touched)
+
+    def _process_token(self, ss: _SeqState, token: int, lp, touched: dict) -> None:
+        seq, out, params = ss.seq, ss.output, ss.seq.sampling
+        state = self._requests[seq.request_id]
+        touched[state.request_id] = state
+        if out.finish_reason is not None:
+            return
+        delta = ss.detok.add_token(token)
+        out.token_ids.append(token)
+        out.delta_token_ids = out.delta_token_ids + [token]
+        if lp is not None and out.logprobs is not None:
+            entry = Logprob(token, self.tokenizer.id_to_token(token), lp.logprob, lp.rank,
+                            [(t, self.tokenizer.id_to_token(t), v) for t, v in lp.top])
+            out.logprobs.append(entry)
+            out.delta_logprobs = (out.delta_logprobs or []) + [entry]
+        status, stop_reason = self._check_stop(ss, token)
+        if status is not None:
+            out.stop_reason = stop_reason
+            if not ss.detok.stopped:
+                delta += ss.detok.flush()
+        out.text += delta
+        out.delta_text += delta
+        if status is not None:
+            self._finish(ss, status, touched)
+
+    def _check_stop(self, ss: _SeqState, token: int) -> tuple[SequenceStatus | None, str | int | None]:
+        seq, p = ss.seq, ss.seq.sampling
+        n_out = seq.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED, None
+            if token in p.stop_token_ids:
+                return SequenceStatus.FINISHED_STOPPED, token
+            if ss.detok.stopped:
+                return SequenceStatus.FINISHED_STOPPED, ss.detok.stop_reason
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH, None
+        if seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH, None
+        return None, None
+
+    def _finish(self, ss: _SeqState, status: SequenceStatus, touched: dict) -> None:
+        seq = ss.seq
+        if not seq.is_finished:
+            self.scheduler.finish(seq, status)
+        seq.timings.finished = seq.timings.finished or time.monotonic()
+        ss.output.finish_reason = status.finish_reason
+        state = self._requests.get(seq.request_id)
+        if state is not None:
+            touched[state.request_id] = state
+
+    @staticmethod
+    def reset_deltas(outputs: list[RequestOutput]) -> None:
+        for ro in outputs:
+            for o in ro.outputs:
+                o.delta_text, o.delta_token_ids, o.delta_logprobs = "", [], None
+
+    def stats(self) -> dict:
+        return self.scheduler.stats()
+
+
+class LLM:
+    """Offline batch inference with vLLM's shape: LLM("smollm2-135m").generate(prompts, params)."""
+
+    def __init__(self, model: str, **engine_args):
+        self.engine = LLMEngine(engine_config_from_kwargs(model, **engine_args))
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: str | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run([dict(prompt=p) for p in prompts], sampling_params, use_tqdm, priority)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self._run([dict(prompt=None, messages=m) for m in conversations], sampling_params, use_tqdm, None)
+
+    def _run(self, inputs: list[dict], sampling_params, use_tqdm: bool, priority) -> list[RequestOutput]:
+        from copy import deepcopy
+
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(inputs)
+        if len(sampling_params) != len(inputs):
+            raise ValueError("one SamplingParams per prompt, or a single one for all")
+        engine = self.engine
+        ids = [engine.add_request(params=deepcopy(sp), priority=priority, **inp)
+               for inp, sp in zip(inputs, sampling_params)]
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(ids) >= 8:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        while engine.has_unfinished_requests():
+            for ro in engine.step():
+                if ro.finished:
+                    results[ro.request_id] = ro
+                    if bar:
+                        bar.update(1)
+        if bar:
+            bar.close()
+        outputs = [results[i] for i in ids]
+        LLMEngine.reset_deltas(outputs)
+        return outputs
