@@ -69,6 +69,11 @@ class TierLimits:
     max_queue_wait_s: float = 60.0  # estimated wait above which new requests are refused
     queue_timeout_s: float = 600.0  # a request still waiting after this is finished with QueueTimeout
 
+    @classmethod
+    def unbounded(cls) -> "TierLimits":
+        inf = float("inf")
+        return cls(max_waiting=1 << 62, max_queued_prompt_tokens=1 << 62, max_queue_wait_s=inf, queue_timeout_s=inf)
+
 
 @dataclass
 class SchedulerConfig:
@@ -132,3 +137,99 @@ def engine_config_from_kwargs(model: str, **kwargs) -> EngineConfig:
         else:
             raise TypeError(f"unknown engine argument {key!r}")
     return EngineConfig(model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **top)
+
+
+# ---- the server ------------------------------------------------------------------------------
+
+TIER_NAMES = ("interactive", "batch")
+
+
+@dataclass
+class ServedModel:
+    """One `[[models]]` entry of the server TOML: where the weights are and the engine arguments."""
+
+    id: str
+    source: str
+    role: str = ""  # "fast" | "capable" | "" (model="auto" routing)
+    description: str = ""
+    engine_args: dict = field(default_factory=dict)  # vLLM-style flat args; `interactive`/`batch` tables are TierLimits
+
+    def engine_config(self) -> EngineConfig:
+        args = dict(self.engine_args)
+        tiers = {name: args.pop(name) for name in TIER_NAMES if name in args}
+        config = engine_config_from_kwargs(self.id, **args)
+        for name, limits in tiers.items():
+            if isinstance(limits, dict):
+                from dataclasses import replace
+
+                limits = replace(getattr(config.scheduler, name), **limits)
+            setattr(config.scheduler, name, limits)
+        return config
+
+
+@dataclass
+class AutoRoutingConfig:
+    """model="auto": batch -> fast; short prompts -> fast; else capable while its queue is short and it is ready."""
+
+    short_prompt_chars: int = 256
+    capable_max_queue_depth: int = 4
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    config_path: str | None = None  # the TOML this was read from (None: the packaged default models)
+    models: list[ServedModel] = field(default_factory=list)
+    home: str | None = None  # data directory; None: $KVSERVE_HOME or ~/.kvserve
+    db_path: str | None = None  # None: <home>/kvserve.db
+    stall_timeout_s: float = 30.0  # /health is 503 when work is pending and no step finished for this long
+    shutdown_timeout_s: float = 30.0  # SIGTERM: grace period for running requests
+    ttft_target_ms: dict = field(default_factory=lambda: {"interactive": 500.0, "batch": 10_000.0})
+    max_body_bytes: int = 1 << 20
+    default_max_tokens: int = 1024  # when a request sets no max_tokens (also capped by the remaining context)
+    metrics_window_s: float = 60.0
+    auth_cache_ttl_s: float = 5.0  # a token revoked by another process (the CLI) is refused within this time
+    load_high_fraction: float = 0.5  # x-kvserve-load "high" at this fraction of a tier's queue bound
+    load_shedding_fraction: float = 0.9  # "shedding" at this fraction
+    auto: AutoRoutingConfig = field(default_factory=AutoRoutingConfig)
+    log_level: str = "info"
+
+    @classmethod
+    def from_toml(cls, path: str | None = None, **overrides) -> "ServerConfig":
+        """Read `[server]` and `[[models]]` from a TOML file (default: the packaged models file).
+
+        Keys of a `[[models]]` entry other than id/source/role/description/install are engine
+        arguments for that model (max_num_seqs, kv_cache_memory, max_model_len, ...), and its
+        `interactive` / `batch` tables are the tier admission limits (TierLimits fields).
+        """
+        import tomllib
+        from pathlib import Path
+
+        from kvserve.models.catalog import DEFAULT_CONFIG
+
+        data = tomllib.loads(Path(path or DEFAULT_CONFIG).read_text())
+        server = dict(data.get("server", {}))
+        auto = server.pop("auto", {})
+        for key in ("max_body_bytes",):
+            if key in server and isinstance(server[key], str):
+                server[key] = parse_bytes(server[key])
+        models_data = data.get("models")
+        if not models_data and path is not None:
+            models_data = tomllib.loads(Path(DEFAULT_CONFIG).read_text()).get("models", [])
+        known = {"id", "source", "role", "description", "install"}
+        models = [ServedModel(id=m["id"], source=m["source"], role=m.get("role", ""),
+                              description=m.get("description", ""),
+                              engine_args={k: v for k, v in m.items() if k not in known})
+                  for m in models_data or []]
+        names = {f for f in cls.__dataclass_fields__} - {"models", "auto", "config_path"}
+        unknown = set(server) - names
+        if unknown:
+            raise TypeError(f"unknown [server] keys in {path}: {sorted(unknown)}")
+        cfg = cls(config_path=str(path) if path else None, models=models, auto=AutoRoutingConfig(**auto), **server)
+        for key, value in overrides.items():
+            if value is not None:
+                setattr(cfg, key, value)
+        for m in cfg.models:
+            m.engine_config()  # fail at start-up on a bad engine argument, not in the engine thread
+        return cfg

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvserve.config import EngineConfig, engine_config_from_kwargs
+from kvserve.config import EngineConfig, TierLimits, engine_config_from_kwargs
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.errors import ContextLengthExceeded
 from kvserve.engine.kv_cache import KVCacheManager
@@ -349,7 +349,11 @@ class LLM:
     """Offline batch inference with vLLM's shape: LLM("smollm2-135m").generate(prompts, params)."""
 
     def __init__(self, model: str, **engine_args):
-        self.engine = LLMEngine(engine_config_from_kwargs(model, **engine_args))
+        config = engine_config_from_kwargs(model, **engine_args)
+        if "interactive" not in engine_args and "batch" not in engine_args:
+            # Offline work is all submitted at once: queue bounds are for servers, not for a batch job.
+            config.scheduler.interactive = config.scheduler.batch = TierLimits.unbounded()
+        self.engine = LLMEngine(config)
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
