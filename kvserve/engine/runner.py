@@ -12,7 +12,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.engine.scheduler_output import SchedulerOutput
-from kvserve.models.attention import AttentionMetadata, PrefillChunk
+from kvserve.models.attention import AttentionMetadata, PrefillChunk, kv_cache_shape
 
 
 @dataclass
@@ -33,10 +33,10 @@ class ModelRunner:
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
-        shape = (num_device_blocks, block_size, config.num_kv_heads, config.head_dim)
+        shape = kv_cache_shape(num_device_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(config.num_layers)]
-        host_shape = (num_host_blocks,) + shape[1:]
+        host_shape = kv_cache_shape(num_host_blocks, block_size, config.num_kv_heads, config.head_dim)
         pin = device.type == "cuda"
         self.host_caches = [(torch.zeros(host_shape, dtype=dtype, pin_memory=pin),
                              torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
@@ -61,8 +61,8 @@ class ModelRunner:
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src_dev)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst_dev)
         for (sk, sv), (dk, dv) in zip(src_caches, dst_caches):
-            dk.index_copy_(0, dst, sk.index_select(0, src).to(dst_dev, non_blocking=True))
-            dv.index_copy_(0, dst, sv.index_select(0, src).to(dst_dev, non_blocking=True))
+            dk.index_copy_(1, dst, sk.index_select(1, src).to(dst_dev, non_blocking=True))  # dim 1: blocks
+            dv.index_copy_(1, dst, sv.index_select(1, src).to(dst_dev, non_blocking=True))
 
     # ---- forward ---------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
@@ -115,7 +115,7 @@ class ModelRunner:
             tables = [d.block_table[:max_blocks] + [0] * (max_blocks - len(d.block_table[:max_blocks])) for d in dec]
             meta.decode_block_tables = torch.tensor(tables, dtype=torch.long).to(dev, non_blocking=True)
             meta.decode_context_lens = torch.tensor(lens, dtype=torch.long).to(dev, non_blocking=True)
-            meta.decode_max_context = max(lens)
+            meta.decode_max_context, meta.decode_min_context = max(lens), min(lens)
         meta.prefills = [PrefillChunk(begin, n, ctx, torch.tensor(table, dtype=torch.long).to(dev, non_blocking=True))
                          for begin, n, ctx, table in prefills]
         ids = torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)

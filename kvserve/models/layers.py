@@ -64,10 +64,20 @@ class Rotary(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
         self.half = head_dim // 2
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hkv, D] -> rotated, in the input dtype."""
-        cos = self.cos.index_select(0, positions)[:, None, :].to(q.dtype)
-        sin = self.sin.index_select(0, positions)[:, None, :].to(q.dtype)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] -> rotated, in the input dtype.
+
+        `cache` (per forward pass) keeps the looked-up cos/sin so the layers share one lookup.
+        """
+        key = ("rotary", id(self))
+        found = cache.get(key) if cache is not None else None
+        if found is None:
+            found = (self.cos.index_select(0, positions)[:, None, :].to(q.dtype),
+                     self.sin.index_select(0, positions)[:, None, :].to(q.dtype))
+            if cache is not None:
+                cache[key] = found
+        cos, sin = found
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -134,7 +144,7 @@ class SelfAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, meta.cache)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
