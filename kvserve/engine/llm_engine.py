@@ -92,7 +92,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         checkpoint = load_checkpoint(path)
         self.model_config = checkpoint.config
-        self.tokenizer = Tokenizer.from_gguf(path) if checkpoint.format == "gguf" else Tokenizer.from_hf_dir(path)
+        self.tokenizer = (Tokenizer.from_gguf_metadata(checkpoint.metadata, name=self.model_id)
+                          if checkpoint.format == "gguf" else Tokenizer.from_hf_dir(path))
         sched_cfg = config.scheduler
         sched_cfg.max_model_len = min(sched_cfg.max_model_len, self.model_config.max_position_embeddings)
         self.max_model_len = sched_cfg.max_model_len
@@ -291,7 +292,10 @@ class LLMEngine:
         touched[state.request_id] = state
         if out.finish_reason is not None:
             return
-        delta = ss.detok.add_token(token)
+        # As vLLM: an eos / stop_token_ids token that ends the sequence stays in token_ids but its text
+        # is left out of the output unless include_stop_str_in_output.
+        skip_text = not params.include_stop_str_in_output and self._is_stop_token(seq, token)
+        delta = "" if skip_text else ss.detok.add_token(token)
         out.token_ids.append(token)
         out.delta_token_ids = out.delta_token_ids + [token]
         if lp is not None and out.logprobs is not None:
@@ -308,6 +312,11 @@ class LLMEngine:
         out.delta_text += delta
         if status is not None:
             self._finish(ss, status, touched)
+
+    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
+        p = seq.sampling
+        return seq.num_output_tokens >= p.min_tokens and (
+            (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids)
 
     def _check_stop(self, ss: _SeqState, token: int) -> tuple[SequenceStatus | None, str | int | None]:
         seq, p = ss.seq, ss.seq.sampling

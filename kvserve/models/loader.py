@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.models.gguf_file import GGUFFile, GGUFTensor
 
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 _HF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Gemma3ForCausalLM": "gemma3",
@@ -32,6 +33,7 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor]  # HF names, float32 unless the file stored another float dtype
     path: Path
     format: str  # "gguf" | "hf"
+    metadata: dict | None = None  # GGUF key/values (the tokenizer is built from them without a second read)
 
 
 # ---- dtype and device ------------------------------------------------------------------------
@@ -66,19 +68,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 # ---- GGUF ------------------------------------------------------------------------------------
-
-def gguf_metadata(reader) -> dict:
-    """Scalar and array metadata fields (tokenizer arrays excluded: they are large)."""
-    out = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key not in ("tokenizer.ggml.model",):
-            continue
-        try:
-            out[key] = field.contents()
-        except Exception:  # a field type gguf cannot render: skip it
-            continue
-    return out
-
 
 def config_from_gguf(meta: dict) -> ModelConfig:
     arch = meta.get("general.architecture")
@@ -145,31 +134,30 @@ def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _dequantize(tensor) -> np.ndarray:
+def _dequantize(file: GGUFFile, tensor: GGUFTensor) -> np.ndarray:
     from gguf import GGMLQuantizationType, quants
 
-    if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-        data = np.asarray(tensor.data)
+    data = file.data(tensor)
+    qtype = GGMLQuantizationType(tensor.type)
+    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        data = np.array(data, dtype=np.float32)  # own the memory: the file's map is closed after loading
     else:
-        data = quants.dequantize(tensor.data, tensor.tensor_type)
-    shape = tuple(int(x) for x in reversed(tensor.shape))  # GGUF lists ne0 (innermost) first
-    return data.reshape(shape)
+        data = quants.dequantize(data, qtype)
+    return data.reshape(tuple(reversed(tensor.shape)))  # GGUF lists ne0 (innermost) first
 
 
 def load_gguf(path: str | os.PathLike) -> Checkpoint:
-    import gguf
-
     path = Path(path)
-    reader = gguf.GGUFReader(str(path))
-    meta = gguf_metadata(reader)
+    file = GGUFFile(path)
+    meta = file.metadata
     config = config_from_gguf(meta)
     arch = config.architecture
     tensors: dict[str, torch.Tensor] = {}
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        arrays = list(pool.map(_dequantize, reader.tensors))
-    for t, array in zip(reader.tensors, arrays):
+        arrays = list(pool.map(lambda t: _dequantize(file, t), file.tensors))
+    for t, array in zip(file.tensors, arrays):
         name = hf_name_for_gguf(t.name, arch)
-        w = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+        w = torch.from_numpy(np.asarray(array, dtype=np.float32))
         if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
             w = unpermute_rope_rows(w, config.num_heads)
         elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
@@ -185,7 +173,9 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
         from dataclasses import replace
 
         config = replace(config, tie_word_embeddings=False)
-    return Checkpoint(config=config, tensors=tensors, path=path, format="gguf")
+    del arrays
+    file.close()
+    return Checkpoint(config=config, tensors=tensors, path=path, format="gguf", metadata=meta)
 
 
 # ---- Hugging Face safetensors directory -------------------------------------------------------

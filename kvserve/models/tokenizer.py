@@ -76,78 +76,7 @@ class ChatTemplateError(ValueError):
 # GGUF metadata
 # --------------------------------------------------------------------------------------------------------------------
 
-_GGUF_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_NUMPY = {0: "u1", 1: "i1", 2: "u2", 3: "i2", 4: "u4", 5: "i4", 6: "f4", 7: "?", 10: "u8", 11: "i8", 12: "f8"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """All key/value metadata of a GGUF file, without touching tensor data.
-
-    `gguf.GGUFReader` builds a numpy view per string (11 s for Gemma's 262k-token vocabulary); this walks the
-    header once with `struct` (about 0.1 s). Strings are `str`, string arrays `list[str]`, numeric arrays numpy
-    arrays, scalars Python numbers.
-    """
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        return _parse_gguf_kv(mm, str(path))
-    finally:
-        mm.close()
-
-
-def _parse_gguf_kv(buf: mmap.mmap, name: str) -> dict[str, Any]:
-    if buf[:4] != b"GGUF":
-        raise ValueError(f"{name} is not a GGUF file (bad magic)")
-    endian = "<"
-    (version,) = struct.unpack_from("<I", buf, 4)
-    if version & 0xFFFF == 0:  # a big-endian file reads as a huge little-endian version
-        endian = ">"
-        (version,) = struct.unpack_from(">I", buf, 4)
-    if version < 2:
-        raise ValueError(f"{name}: GGUF v{version} is not supported (v2 and v3 are)")
-    _tensor_count, kv_count = struct.unpack_from(endian + "QQ", buf, 8)
-    u64 = struct.Struct(endian + "Q").unpack_from
-    u32 = struct.Struct(endian + "I").unpack_from
-    pos = 24
-
-    def read_str(pos: int) -> tuple[str, int]:
-        (n,) = u64(buf, pos)
-        pos += 8
-        return buf[pos : pos + n].decode("utf-8", "replace"), pos + n
-
-    meta: dict[str, Any] = {}
-    for _ in range(kv_count):
-        key, pos = read_str(pos)
-        (vtype,) = u32(buf, pos)
-        pos += 4
-        if vtype == _GGUF_STRING:
-            meta[key], pos = read_str(pos)
-        elif vtype == _GGUF_ARRAY:
-            (etype,) = u32(buf, pos)
-            (count,) = u64(buf, pos + 4)
-            pos += 12
-            if etype == _GGUF_STRING:
-                values = [""] * count
-                for i in range(count):
-                    (n,) = u64(buf, pos)
-                    pos += 8
-                    values[i] = buf[pos : pos + n].decode("utf-8", "replace")
-                    pos += n
-                meta[key] = values
-            elif etype in _GGUF_NUMPY:
-                dtype = np.dtype(endian + _GGUF_NUMPY[etype])
-                meta[key] = np.frombuffer(buf, dtype=dtype, count=count, offset=pos).copy()
-                pos += count * dtype.itemsize
-            else:
-                raise ValueError(f"{name}: GGUF key {key!r} is an array of unsupported type {etype}")
-        elif vtype in _GGUF_SCALAR:
-            fmt = endian + _GGUF_SCALAR[vtype]
-            (meta[key],) = struct.unpack_from(fmt, buf, pos)
-            pos += struct.calcsize(fmt)
-        else:
-            raise ValueError(f"{name}: GGUF key {key!r} has unsupported value type {vtype}")
-    return meta
+from kvserve.models.gguf_file import read_gguf_metadata  # noqa: E402  (re-exported)
 
 
 def _metadata_from_reader(reader: Any) -> dict[str, Any]:
