@@ -251,9 +251,7 @@ class AsyncLLM:
 
     def _update_counts(self) -> None:
         self.num_inflight = self.engine.num_unfinished_requests
-        stats = self.engine.scheduler.stats()
-        self.num_waiting = getattr(stats, "num_waiting", None) or (
-            stats.get("num_waiting", 0) if isinstance(stats, dict) else 0)
+        self.num_waiting = self.engine.scheduler.stats().num_waiting
 
     def _fail_all(self) -> None:
         for rid in list(self._sinks):

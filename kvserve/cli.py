@@ -1,0 +1,290 @@
+"""The `kvserve` command: serve | models | generate | chat | tenants | bench.
+
+Thin on purpose: each subcommand parses its arguments and calls into the package.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+
+# ---- serve --------------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvserve.config import ServerConfig
+    from kvserve.server.app import create_app, make_server
+    from kvserve.server.auth import ensure_dev_tenant
+    from kvserve.store import Store
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = ServerConfig.from_toml(args.config, host=args.host, port=args.port, stall_timeout_s=args.stall_timeout,
+                                 shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)
+    app = create_app(cfg)
+    state = app.state.kv
+    state.home.mkdir(parents=True, exist_ok=True)
+    with Store(state.db_path) as store:
+        token, created = ensure_dev_tenant(store, state.home)
+    base = f"http://{cfg.host}:{cfg.port}"
+    first = cfg.models[0].id if cfg.models else "MODEL"
+    shown = token or "$KVSERVE_TOKEN"
+    lines = [f"kvserve: serving {', '.join(m.id for m in cfg.models)} on {base} (models load in the background; "
+             f"GET {base}/ready says when)",
+             f"  data directory: {state.home}"]
+    if token and created:
+        lines.append(f"  created development tenant 'dev'; its token (kept in {state.home / 'dev-token'}, mode 0600):")
+    elif token:
+        lines.append(f"  development token (from {state.home / 'dev-token'}):")
+    else:
+        lines.append("  tenants exist: use one of their tokens (create one: kvserve tenants create NAME)")
+    if token:
+        lines.append(f"  {token}")
+    lines += ["  try:",
+              f"  curl -N {base}/v1/chat/completions -H 'Authorization: Bearer {shown}' "
+              f"-H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{first}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
+              f"\"stream\": true}}'"]
+    print("\n".join(lines), flush=True)
+    make_server(app, cfg.host, cfg.port, args.log_level).run()
+    return 0
+
+
+# ---- models -------------------------------------------------------------------------------------
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from kvserve.config import ServerConfig
+
+    cfg = ServerConfig.from_toml(args.config)
+    width = max([len(m.id) for m in cfg.models] + [2])
+    print(f"{'ID':<{width}}  {'ROLE':<8} SOURCE")
+    for m in cfg.models:
+        print(f"{m.id:<{width}}  {m.role or '-':<8} {m.source}")
+    return 0
+
+
+# ---- generate / chat (offline engine) ------------------------------------------------------------
+
+
+def _offline_engine(model: str, config_path: str | None, engine_args: dict):
+    """An LLMEngine for a catalog id (from --config or the default models file) or a path."""
+    from dataclasses import replace
+
+    from kvserve.config import ServedModel, ServerConfig
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.models.catalog import resolve_source
+
+    cfg = ServerConfig.from_toml(config_path)
+    entry = next((m for m in cfg.models if m.id == model), None)
+    if entry is None:
+        entry = ServedModel(id=os.path.basename(model.rstrip("/")), source=model)
+    entry = replace(entry, engine_args={**entry.engine_args, **{k: v for k, v in engine_args.items() if v is not None}})
+    engine_config = entry.engine_config()
+    path = resolve_source(entry.source, entry.engine_args.get("install", ""))
+    return LLMEngine(replace(engine_config, model=str(path)), model_id=entry.id)
+
+
+def _stream(engine, out=sys.stdout, **request) -> str:
+    """Run one request through the engine's step loop, printing deltas as they arrive; returns the text."""
+    rid = engine.add_request(**request)
+    text = ""
+    while engine.has_unfinished_requests():
+        for ro in engine.step():
+            if ro.request_id != rid:
+                continue
+            delta = ro.outputs[0].delta_text
+            if delta:
+                out.write(delta)
+                out.flush()
+                text += delta
+    return text
+
+
+def _params(args: argparse.Namespace):
+    from kvserve.engine.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          seed=args.seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine = _offline_engine(args.model, args.config, {"max_model_len": args.max_model_len})
+    params = _params(args)
+    if args.chat:
+        _stream(engine, prompt=None, messages=[{"role": "user", "content": args.prompt}], params=params)
+    else:
+        _stream(engine, prompt=args.prompt, params=params)
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Interactive REPL (or one message per line of piped stdin); history is kept; /reset, /exit."""
+    from copy import deepcopy
+
+    engine = _offline_engine(args.model, args.config, {"max_model_len": args.max_model_len})
+    params = _params(args)
+    interactive = sys.stdin.isatty()
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    if interactive:
+        print(f"chatting with {args.model}; /reset clears the history, /exit or Ctrl-D quits", file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            reply = _stream(engine, prompt=None, messages=history, params=deepcopy(params))
+        except Exception as e:  # e.g. the history outgrew the context
+            print(f"\nerror: {e}", file=sys.stderr)
+            history.pop()
+            continue
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        history.append({"role": "assistant", "content": reply})
+    return 0
+
+
+# ---- tenants --------------------------------------------------------------------------------------
+
+
+def _store():
+    from kvserve.store import Store, default_db_path
+
+    path = default_db_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return Store(path)
+
+
+def cmd_tenants(args: argparse.Namespace) -> int:
+    from kvserve.store import TenantError
+
+    with _store() as store:
+        if args.tenants_cmd == "create":
+            try:
+                _, token = store.create_tenant(args.name)
+            except TenantError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 1
+            print(f"created tenant {args.name!r}; its API token (shown once, keep it secret):")
+            print(token)
+            return 0
+        if args.tenants_cmd == "list":
+            tenants = store.list_tenants()
+            if not tenants:
+                print("no tenants (create one: kvserve tenants create NAME)")
+                return 0
+            width = max(len(t.name) for t in tenants)
+            print(f"{'NAME':<{width}}  {'STATUS':<8} {'TOKENS':>6}  CREATED")
+            for t in tenants:
+                created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t.created_at))
+                print(f"{t.name:<{width}}  {'revoked' if t.revoked else 'active':<8} {t.active_tokens:>6}  {created}")
+            return 0
+        if args.tenants_cmd == "revoke":
+            if store.revoke_tenant(args.name):
+                print(f"revoked tenant {args.name!r} and all its tokens")
+                return 0
+            print(f"error: no active tenant {args.name!r}", file=sys.stderr)
+            return 1
+    return 2
+
+
+# ---- bench (placeholder for the load generator) ----------------------------------------------------
+
+
+def _add_bench(sub) -> None:
+    """`kvserve bench ...`: delegates to kvserve.bench.cli (add_arguments(parser), run(args) -> int) when present."""
+    parser = sub.add_parser("bench", help="load generator against a running server")
+    try:
+        from kvserve.bench.cli import add_arguments, run  # type: ignore[import-not-found]
+    except ImportError:
+        parser.add_argument("rest", nargs=argparse.REMAINDER)
+        parser.set_defaults(func=lambda a: (print("kvserve bench: the load generator is not available yet",
+                                                  file=sys.stderr), 2)[1])
+        return
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+# ---- main ----------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="LLM serving: paged KV cache, continuous batching, "
+                                                                 "tenants, priorities, admission control")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    s.add_argument("--config", help="server TOML ([server] and [[models]]); default: the packaged models file")
+    s.add_argument("--host", default=None, help="default 127.0.0.1 (or [server].host)")
+    s.add_argument("--port", type=int, default=None, help="default 8000 (or [server].port)")
+    s.add_argument("--stall-timeout", type=float, default=None,
+                   help="seconds without an engine step while work is pending before /health is 503 (default 30)")
+    s.add_argument("--shutdown-timeout", type=float, default=None,
+                   help="SIGTERM grace period for running requests, seconds (default 30)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.set_defaults(func=cmd_serve)
+
+    m = sub.add_parser("models", help="list the models of the catalog")
+    m.add_argument("--config", help="server TOML (default: the packaged models file)")
+    m.set_defaults(func=cmd_models)
+
+    def sampling_args(p):
+        p.add_argument("--model", required=True, help="catalog id, .gguf path or HF checkpoint directory")
+        p.add_argument("--config", help="models TOML (default: the packaged one)")
+        p.add_argument("--max-tokens", type=int, default=256)
+        p.add_argument("--temperature", type=float, default=0.7)
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--seed", type=int, default=None)
+        p.add_argument("--max-model-len", type=int, default=None)
+
+    g = sub.add_parser("generate", help="stream one completion to stdout (offline engine)")
+    sampling_args(g)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
+    g.add_argument("prompt")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat (or one message per line on stdin)")
+    sampling_args(c)
+    c.add_argument("--system", default=None, help="a system message")
+    c.set_defaults(func=cmd_chat)
+
+    t = sub.add_parser("tenants", help="manage tenants and their API tokens")
+    tsub = t.add_subparsers(dest="tenants_cmd", required=True)
+    tc = tsub.add_parser("create", help="create a tenant; prints its token once, alone on the last line")
+    tc.add_argument("name")
+    tsub.add_parser("list", help="list tenants")
+    tr = tsub.add_parser("revoke", help="revoke a tenant and all its tokens")
+    tr.add_argument("name")
+    t.set_defaults(func=cmd_tenants)
+
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""create_app(config): the FastAPI app. The lifespan opens the store and starts one engine thread per
+model (models load in the background: the server answers at once, 503 model_warming until ready).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from kvserve.config import ServerConfig
+from kvserve.server.errors import install_exception_handlers
+from kvserve.server.routes import ops, v1
+from kvserve.server.state import ServerState
+
+log = logging.getLogger(__name__)
+
+
+def create_app(config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig.from_toml()
+    state = ServerState(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await state.startup()
+        try:
+            yield
+        finally:
+            await state.shutdown()
+
+    app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    app.state.kv = state
+    install_exception_handlers(app)
+    app.include_router(v1.router)
+    app.include_router(ops.router)
+    return app
+
+
+def make_server(app: FastAPI, host: str, port: int, log_level: str = "info"):
+    """A uvicorn Server whose first SIGTERM/SIGINT drains instead of closing the listening socket.
+
+    Draining: new requests get 503 server_draining while running ones finish (at most
+    shutdown_timeout_s), then uvicorn shuts down (lifespan stops the engines, closes the store).
+    A second signal exits at once.
+    """
+    import uvicorn
+
+    state: ServerState = app.state.kv
+
+    class DrainingServer(uvicorn.Server):
+        _drain_task: asyncio.Task | None = None
+
+        def handle_exit(self, sig, frame) -> None:
+            loop = state.loop
+            if self._drain_task is None and sig in (signal.SIGTERM, signal.SIGINT) and loop is not None \
+                    and not self.should_exit:
+                log.info("received %s: draining (grace %.0fs); send it again to exit now",
+                         signal.Signals(sig).name, state.config.shutdown_timeout_s)
+
+                async def drain_then_exit():
+                    await state.drain(state.config.shutdown_timeout_s)
+                    self.should_exit = True
+
+                self._drain_task = True  # type: ignore[assignment]
+                loop.call_soon_threadsafe(lambda: setattr(self, "_drain_task", loop.create_task(drain_then_exit())))
+                return
+            super().handle_exit(sig, frame)
+
+    cfg = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                         access_log=log_level == "debug")
+    return DrainingServer(cfg)

@@ -1,0 +1,139 @@
+"""The one place where errors become HTTP responses, always in OpenAI's error schema.
+
+    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+
+Typed engine errors (`KVServeError` subclasses) carry their own status, type and code; server-side
+refusals (auth, body size, idempotency) raise `APIError`. FastAPI's default 422 body is never sent.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvserve.engine.errors import CapacityExhausted, KVServeError, ModelNotFound
+from kvserve.engine.sampling import InvalidSamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """A refusal decided by the server itself (not the engine)."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+
+def error_body(message: str, type: str = "invalid_request_error", code: str | None = None,
+               param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
+                   param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type, code, param), status_code=status, headers=headers)
+
+
+def retry_after_header(seconds: float | None) -> str:
+    """Retry-After as an integer number of seconds, at least 1."""
+    try:
+        value = float(seconds) if seconds is not None else 1.0
+    except (TypeError, ValueError):
+        value = 1.0
+    if not math.isfinite(value):
+        value = 1.0
+    return str(max(1, math.ceil(value)))
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "tuple", "set"}
+
+
+def _is_type_tag(part: str) -> bool:
+    """pydantic puts the union member tried into `loc` (('stop', 'list[str]')); those are not params."""
+    return (part in _TYPE_TAGS or "[" in part or "(" in part or "-" in part or part[:1].isupper())
+
+
+def _loc_to_param(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")
+             and (isinstance(p, int) or not _is_type_tag(str(p)))]
+    if not parts:
+        return None
+    out = parts[0]
+    for p in parts[1:]:
+        out += f"[{p}]" if p.isdigit() else f".{p}"
+    return out
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    first = errors[0] if errors else {}
+    param = _loc_to_param(tuple(first.get("loc", ())))
+    msg = first.get("msg", "invalid request")
+    if param:
+        msg = f"{param}: {msg}"
+    if len(errors) > 1:
+        msg += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return msg, param
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Map any exception to the APIError the client sees (status, type, code, headers)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, CapacityExhausted):
+        return APIError(exc.http_status, str(exc), exc.error_type, exc.code,
+                        headers={"Retry-After": retry_after_header(exc.retry_after)})
+    if isinstance(exc, ModelNotFound):
+        return APIError(exc.http_status, str(exc), exc.error_type, exc.code, param="model")
+    if isinstance(exc, KVServeError):
+        headers = {"Retry-After": "1"} if exc.http_status == 503 else None
+        return APIError(exc.http_status, str(exc), exc.error_type, exc.code, headers=headers)
+    if isinstance(exc, InvalidSamplingParams):
+        return APIError(400, str(exc), "invalid_request_error", "invalid_value", param=exc.param)
+    if isinstance(exc, (ValidationError, RequestValidationError)):
+        msg, param = validation_message(list(exc.errors()))
+        return APIError(400, msg, "invalid_request_error", "invalid_value", param=param)
+    if isinstance(exc, json.JSONDecodeError):
+        return APIError(400, f"request body is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})",
+                        "invalid_request_error", "invalid_json")
+    if isinstance(exc, ValueError):  # tokenization, chat template, token ids out of range, ...
+        return APIError(400, str(exc) or type(exc).__name__, "invalid_request_error", "invalid_value")
+    return APIError(500, "internal server error", "server_error", "internal_error")
+
+
+def api_error_response(exc: BaseException, extra_headers: dict[str, str] | None = None) -> JSONResponse:
+    err = to_api_error(exc)
+    headers = {**err.headers, **(extra_headers or {})}
+    return error_response(err.status, err.message, err.type, err.code, err.param, headers)
+
+
+def install_exception_handlers(app: FastAPI) -> None:
+    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
+        return api_error_response(exc)
+
+    async def on_http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(exc.status_code, str(exc.detail), "invalid_request_error", code,
+                              headers=getattr(exc, "headers", None))
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(500, "internal server error", "server_error", "internal_error")
+
+    for cls in (APIError, KVServeError, InvalidSamplingParams, RequestValidationError, ValidationError,
+                json.JSONDecodeError, ValueError):
+        app.add_exception_handler(cls, on_api_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_exception)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,260 @@
+"""Serving metrics: Prometheus exposition (vLLM's names under `kvserve:`) and a sliding window.
+
+Request and step samples are recorded from the engine threads (AsyncLLM's on_finish / on_step
+hooks): prometheus_client metrics are thread-safe and the window is guarded by a lock. Gauges that
+describe the present (running, waiting, KV usage, prefix-cache counters) are read at scrape time
+by a custom collector, so they are never stale.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvserve.server.router import percentile
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass(frozen=True)
+class RequestSample:
+    at: float  # monotonic time the request finished
+    model: str
+    tier: str
+    ttft_s: float | None
+    tpot_s: float | None
+    e2e_s: float | None
+    queue_s: float | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class StepSample:
+    at: float
+    model: str
+    duration_s: float
+    prefill_tokens: int
+    decode_tokens: int
+    preempted: int
+
+
+@dataclass(frozen=True)
+class LiveModelStats:
+    """The present state of one model, read at scrape / query time."""
+
+    model: str
+    running: int
+    waiting: dict  # tier -> count
+    kv_usage: float  # fraction of device blocks held
+    prefix_queries: int  # cumulative tokens looked up
+    prefix_hits: int  # cumulative tokens served from the cache
+
+
+class ServingWindow:
+    """The last `window_s` seconds of finished requests and engine steps, per model."""
+
+    def __init__(self, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        self.window_s = window_s
+        self.clock = clock
+        self.started = clock()
+        self._requests: deque[RequestSample] = deque()
+        self._steps: deque[StepSample] = deque()
+        self._lock = threading.Lock()
+        self._cache: dict = {}
+
+    def add_request(self, sample: RequestSample) -> None:
+        with self._lock:
+            self._requests.append(sample)
+            self._prune(self.clock())
+            self._cache.clear()
+
+    def add_step(self, sample: StepSample) -> None:
+        with self._lock:
+            self._steps.append(sample)
+            self._prune(self.clock())
+
+    def _prune(self, now: float) -> None:
+        cutoff = now - self.window_s
+        while self._requests and self._requests[0].at < cutoff:
+            self._requests.popleft()
+        while self._steps and self._steps[0].at < cutoff:
+            self._steps.popleft()
+
+    def snapshot(self, model: str | None = None) -> tuple[list[RequestSample], list[StepSample]]:
+        with self._lock:
+            self._prune(self.clock())
+            reqs = [r for r in self._requests if model is None or r.model == model]
+            steps = [s for s in self._steps if model is None or s.model == model]
+        return reqs, steps
+
+    def ttft_p50_ms(self, model: str, tier: str | None = None) -> float | None:
+        """Median TTFT over the window (cached until the window changes: read on every response)."""
+        key = ("ttft50", model, tier)
+        now = self.clock()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None and now - hit[1] < 1.0:
+                return hit[0]
+        reqs, _ = self.snapshot(model)
+        vals = sorted(r.ttft_s for r in reqs if r.ttft_s is not None and (tier is None or r.tier == tier))
+        p = percentile(vals, 50)
+        value = None if p is None else p * 1000
+        with self._lock:
+            self._cache[key] = (value, now)
+        return value
+
+    def queue_p50_ms(self, model: str, tier: str | None = None) -> float | None:
+        reqs, _ = self.snapshot(model)
+        vals = sorted(r.queue_s for r in reqs if r.queue_s is not None and (tier is None or r.tier == tier))
+        p = percentile(vals, 50)
+        return None if p is None else p * 1000
+
+    def summary(self, model: str, live: LiveModelStats | None) -> dict:
+        """The body of GET /v1/metrics/serving for one model."""
+        reqs, steps = self.snapshot(model)
+        now = self.clock()
+        span = max(1e-9, min(self.window_s, now - self.started))
+
+        def pct(attr: str, q: float) -> float | None:
+            vals = sorted(getattr(r, attr) for r in reqs if getattr(r, attr) is not None)
+            p = percentile(vals, q)
+            return None if p is None else round(p * 1000, 3)
+
+        prompt = sum(r.prompt_tokens for r in reqs)
+        cached = sum(r.cached_tokens for r in reqs)
+        busy = sum(s.duration_s for s in steps)
+        return {
+            "model": model,
+            "window_s": self.window_s,
+            "requests": len(reqs),
+            "ttft_p50_ms": pct("ttft_s", 50),
+            "ttft_p99_ms": pct("ttft_s", 99),
+            "tpot_p50_ms": pct("tpot_s", 50),
+            "tpot_p99_ms": pct("tpot_s", 99),
+            "e2e_p99_ms": pct("e2e_s", 99),
+            "queue_time_p50_ms": pct("queue_s", 50),
+            "queue_depth": dict(live.waiting) if live else {"interactive": 0, "batch": 0},
+            "running": live.running if live else 0,
+            "kv_cache_used_pct": round(100 * live.kv_usage, 3) if live else 0.0,
+            "prefix_cache_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
+            "preemptions": sum(s.preempted for s in steps),
+            "engine_util": round(min(1.0, busy / span), 4),
+            "tokens_per_s": round(sum(s.decode_tokens for s in steps) / span, 3),  # decode (generated) tokens
+            "prefill_tokens_per_s": round(sum(s.prefill_tokens for s in steps) / span, 3),
+        }
+
+
+class _LiveCollector:
+    """Scrape-time gauges and cumulative prefix-cache counters, read from the engines."""
+
+    def __init__(self, read: Callable[[], Iterable[LiveModelStats]]):
+        self.read = read
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        running = GaugeMetricFamily("kvserve:num_requests_running", "Requests in the running batch",
+                                    labels=["model_name"])
+        waiting = GaugeMetricFamily("kvserve:num_requests_waiting", "Requests waiting to be scheduled",
+                                    labels=["model_name", "tier"])
+        kv = GaugeMetricFamily("kvserve:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)",
+                               labels=["model_name"])
+        hits = CounterMetricFamily("kvserve:prefix_cache_hits", "Prompt tokens served from the prefix cache",
+                                   labels=["model_name"])
+        queries = CounterMetricFamily("kvserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      labels=["model_name"])
+        for s in self.read():
+            running.add_metric([s.model], s.running)
+            for tier, n in s.waiting.items():
+                waiting.add_metric([s.model, tier], n)
+            kv.add_metric([s.model], s.kv_usage)
+            hits.add_metric([s.model], s.prefix_hits)
+            queries.add_metric([s.model], s.prefix_queries)
+        yield from (running, waiting, kv, hits, queries)
+
+
+class ServerMetrics:
+    """Prometheus metrics on the app's own registry, plus the sliding window."""
+
+    def __init__(self, window_s: float = 60.0, live: Callable[[], Iterable[LiveModelStats]] | None = None):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.window = ServingWindow(window_s)
+        labels = ["model_name", "tier"]
+        r = self.registry
+        self.ttft = Histogram("kvserve:time_to_first_token_seconds", "Time to first token", labels,
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("kvserve:time_per_output_token_seconds", "Time per output token after the first",
+                              labels, buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("kvserve:e2e_request_latency_seconds", "End-to-end request latency", labels,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("kvserve:request_queue_time_seconds", "Time waiting before first schedule", labels,
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("kvserve:prompt_tokens", "Prompt tokens of finished requests", labels,
+                                     registry=r)
+        self.generation_tokens = Counter("kvserve:generation_tokens", "Generated tokens of finished requests",
+                                         labels, registry=r)
+        self.requests = Counter("kvserve:request_success", "Finished requests by finish reason",
+                                labels + ["finished_reason"], registry=r)
+        self.preemptions = Counter("kvserve:num_preemptions", "Sequences preempted", ["model_name"], registry=r)
+        self.rejections = Counter("kvserve:admission_rejections", "Requests refused at admission",
+                                  labels + ["reason"], registry=r)
+        if live is not None:
+            r.register(_LiveCollector(live))
+
+    def observe_finished(self, model: str, tier: str, out) -> None:
+        """From on_finish (engine thread): one RequestOutput that just finished or was aborted."""
+        m = out.metrics
+        ttft = m.ttft if m else None
+        e2e = m.e2e if m else None
+        queue = m.queue_time if m else None
+        tpot = None
+        first = out.outputs[0] if out.outputs else None
+        if m and m.first_token_time is not None and m.last_token_time is not None and first and len(first.token_ids) > 1:
+            tpot = (m.last_token_time - m.first_token_time) / (len(first.token_ids) - 1)
+        completion = out.num_completion_tokens
+        lab = (model, tier)
+        if ttft is not None:
+            self.ttft.labels(*lab).observe(ttft)
+        if tpot is not None:
+            self.tpot.labels(*lab).observe(tpot)
+        if e2e is not None:
+            self.e2e.labels(*lab).observe(e2e)
+        if queue is not None:
+            self.queue.labels(*lab).observe(queue)
+        self.prompt_tokens.labels(*lab).inc(out.num_prompt_tokens)
+        self.generation_tokens.labels(*lab).inc(completion)
+        reason = first.finish_reason if first else None
+        self.requests.labels(model, tier, reason or "unknown").inc()
+        self.window.add_request(RequestSample(self.window.clock(), model, tier, ttft, tpot, e2e, queue,
+                                              out.num_prompt_tokens, min(out.num_cached_tokens, out.num_prompt_tokens),
+                                              completion))
+
+    def observe_step(self, model: str, step) -> None:
+        """From on_step (engine thread): one engine step's StepStats."""
+        if step is None:
+            return
+        preempted = getattr(step, "num_preempted", 0) or 0
+        if preempted:
+            self.preemptions.labels(model).inc(preempted)
+        self.window.add_step(StepSample(self.window.clock(), model, getattr(step, "duration", 0.0),
+                                        getattr(step, "num_prefill_tokens", 0), getattr(step, "num_decode_tokens", 0),
+                                        preempted))
+
+    def reject(self, model: str, tier: str, reason: str) -> None:
+        self.rejections.labels(model, tier, reason).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

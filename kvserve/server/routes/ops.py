@@ -1,0 +1,48 @@
+"""Operational endpoints (no auth): /health, /ready, /metrics."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvserve.engine.async_engine import EngineStatus
+from kvserve.server.state import ServerState
+
+router = APIRouter()
+
+
+def _models(state: ServerState) -> dict:
+    out = {}
+    for h in state.models.values():
+        health = h.llm.health()
+        out[h.id] = {"status": health.status.value, "stalled": h.llm.is_stalled(state.config.stall_timeout_s),
+                     "inflight": h.llm.num_inflight, "error": health.error,
+                     "load_seconds": None if health.load_seconds is None else round(health.load_seconds, 3)}
+    return out
+
+
+@router.get("/health")
+async def health(request: Request):
+    """503 when an engine failed or stalled (work pending and no step for --stall-timeout seconds)."""
+    state: ServerState = request.app.state.kv
+    models = _models(state)
+    bad = [m for m, v in models.items() if v["stalled"] or v["status"] == EngineStatus.FAILED.value]
+    body = {"status": "unhealthy" if bad else "ok", "draining": state.draining, "models": models}
+    if bad:
+        body["unhealthy_models"] = bad
+    return JSONResponse(body, status_code=503 if bad else 200)
+
+
+@router.get("/ready")
+async def ready(request: Request):
+    """200 only when every model is loaded and the server is not draining."""
+    state: ServerState = request.app.state.kv
+    models = {h.id: h.status.value for h in state.models.values()}
+    ok = not state.draining and all(s == EngineStatus.READY.value for s in models.values())
+    return JSONResponse({"ready": ok, "draining": state.draining, "models": models}, status_code=200 if ok else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    state: ServerState = request.app.state.kv
+    return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
