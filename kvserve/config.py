@@ -94,6 +94,7 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     seed: int = 0
+    int4_decode: bool = True  # CPU + bfloat16: small decode batches read the GGUF's own Q4_0/Q4_1 weights packed
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

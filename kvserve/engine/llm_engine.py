@@ -98,7 +98,8 @@ class LLMEngine:
         sched_cfg.max_model_len = min(sched_cfg.max_model_len, self.model_config.max_position_embeddings)
         self.max_model_len = sched_cfg.max_model_len
         torch.manual_seed(config.seed)
-        model = build_model(checkpoint, self.dtype, self.device, max_positions=self.max_model_len)
+        model = build_model(checkpoint, self.dtype, self.device, max_positions=self.max_model_len,
+                            int4_decode=config.int4_decode)
         del checkpoint
 
         cache_cfg = config.cache

@@ -8,7 +8,7 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.models.attention import AttentionMetadata
-from kvserve.models.layers import Embedding, RMSNorm, frozen
+from kvserve.models.layers import Embedding, FusedLinear, Linear, RMSNorm, frozen
 
 # HF checkpoint names of the projections that we fuse into one matmul.
 _FUSED = {
@@ -59,6 +59,24 @@ class CausalLM(nn.Module):
         return torch.nn.functional.linear(hidden, self.lm_head).float()
 
     # ---- weights -------------------------------------------------------------------------
+    def attach_int4(self, int4: dict, dtype: torch.dtype) -> int:
+        """Pack the checkpoint's 4-bit matrices for small-batch decode; returns how many modules got one."""
+        from kvserve.models.int4 import Int4Weight, PackedInt4
+
+        count = 0
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}."
+            for module_name, module in layer.named_modules():
+                if not isinstance(module, (FusedLinear, Linear)) or module.bias is not None:
+                    continue
+                parts = _FUSED.get(module_name, (module_name,))
+                found = [int4.get(f"{prefix}{p}.weight") for p in parts]
+                if all(f is not None for f in found):
+                    module.packed = PackedInt4(Int4Weight.cat(found), dtype)
+                    count += 1
+        return count
+
+
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load HF-named tensors (q/k/v and gate/up are fused here). Missing or unknown names raise."""
         params = dict(self.named_parameters())

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.models.int4 import MAX_PACKED_ROWS
+
 
 def frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
@@ -93,6 +95,7 @@ class FusedLinear(nn.Module):
         self.splits = list(out_features)
         self.weight = frozen(torch.empty(sum(out_features), in_features))
         self.bias = frozen(torch.zeros(sum(out_features))) if bias else None
+        self.packed = None  # PackedInt4 for small-batch decode (models/int4.py)
 
     def load(self, parts: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> None:
         self.weight.data = torch.cat(parts, dim=0).to(self.weight.dtype).contiguous()
@@ -100,7 +103,7 @@ class FusedLinear(nn.Module):
             self.bias.data = torch.cat(biases, dim=0).to(self.bias.dtype)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight, self.bias).split(self.splits, dim=-1)
+        return linear(self, x).split(self.splits, dim=-1)
 
 
 class Linear(nn.Module):
@@ -108,9 +111,18 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = frozen(torch.empty(out_features, in_features))
         self.bias = frozen(torch.zeros(out_features)) if bias else None
+        self.packed = None  # PackedInt4 for small-batch decode (models/int4.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(self, x)
+
+
+def linear(module: "Linear | FusedLinear", x: torch.Tensor) -> torch.Tensor:
+    """Dense matmul, or the packed 4-bit kernel for a few rows (weight-read-bound decode)."""
+    packed = module.packed
+    if packed is not None and x.shape[0] <= MAX_PACKED_ROWS and x.dtype == packed.dtype:
+        return packed.matmul(x)
+    return F.linear(x, module.weight, module.bias)
 
 
 class SelfAttention(nn.Module):

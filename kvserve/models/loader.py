@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +17,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.models.gguf_file import GGUFFile, GGUFTensor
+from kvserve.models.int4 import Q4_0, Q4_1, Int4Weight, packed_kernel_available, unpack_gguf_q4
 
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 _HF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Gemma3ForCausalLM": "gemma3",
@@ -34,6 +35,7 @@ class Checkpoint:
     path: Path
     format: str  # "gguf" | "hf"
     metadata: dict | None = None  # GGUF key/values (the tokenizer is built from them without a second read)
+    int4: dict[str, Int4Weight] = field(default_factory=dict)  # the file's own Q4_0/Q4_1 matrices, unpacked
 
 
 # ---- dtype and device ------------------------------------------------------------------------
@@ -155,16 +157,27 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
     tensors: dict[str, torch.Tensor] = {}
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
         arrays = list(pool.map(lambda t: _dequantize(file, t), file.tensors))
+    int4: dict[str, Int4Weight] = {}
     for t, array in zip(file.tensors, arrays):
         name = hf_name_for_gguf(t.name, arch)
         w = torch.from_numpy(np.asarray(array, dtype=np.float32))
+        packed = None
+        if t.type in (Q4_0, Q4_1) and len(t.shape) == 2 and name.startswith("model.layers."):
+            packed = unpack_gguf_q4(file.data(t), t.type)
+        heads = None
         if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
-            w = unpermute_rope_rows(w, config.num_heads)
+            heads = config.num_heads
         elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
-            w = unpermute_rope_rows(w, config.num_kv_heads)
+            heads = config.num_kv_heads
         elif arch == "gemma3" and name.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm scale; HF stores w
+        if heads is not None:
+            w = unpermute_rope_rows(w, heads)
+            if packed is not None:
+                packed = packed.permute_rows(lambda x, h=heads: unpermute_rope_rows(x, h))
         tensors[name] = w
+        if packed is not None:
+            int4[name] = packed
     if config.vocab_size == 0:
         from dataclasses import replace
 
@@ -175,7 +188,7 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
         config = replace(config, tie_word_embeddings=False)
     del arrays
     file.close()
-    return Checkpoint(config=config, tensors=tensors, path=path, format="gguf", metadata=meta)
+    return Checkpoint(config=config, tensors=tensors, path=path, format="gguf", metadata=meta, int4=int4)
 
 
 # ---- Hugging Face safetensors directory -------------------------------------------------------
@@ -267,8 +280,12 @@ def model_class(config: ModelConfig):
 
 
 def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
-                max_positions: int | None = None):
-    """Instantiate the model on `device` in `dtype` and load the checkpoint's weights into it."""
+                max_positions: int | None = None, int4_decode: bool = True):
+    """Instantiate the model on `device` in `dtype` and load the checkpoint's weights into it.
+
+    int4_decode: on the CPU in bfloat16, also keep the file's Q4_0/Q4_1 matrices packed for
+    small-batch decode (see models/int4.py).
+    """
     from dataclasses import replace
 
     config = checkpoint.config
@@ -277,6 +294,9 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
     model = model_class(config)(config)
     model.load_weights(checkpoint.tensors)
     model = model.to(device=device, dtype=dtype)
+    if int4_decode and checkpoint.int4 and device.type == "cpu" and dtype == torch.bfloat16 \
+            and packed_kernel_available():
+        model.attach_int4(checkpoint.int4, dtype)
     model.eval()
     return model
 
