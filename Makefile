@@ -23,7 +23,8 @@ test: $(STAMP)
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PY) -m kvserve.bench.suite
+	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m kvserve.bench.suite $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,545 @@
+"""Render BENCHMARKS.md and the plots from a suite session in bench_results/ (measuring is elsewhere).
+
+  python -m kvserve.bench.report [--session bench_results/latest] [--markdown BENCHMARKS.md] [--plots docs/bench]
+
+Tables hold the median of the runs of each workload, with [min-max] when there are several, ratios
+of kvserve to each peer, the machine and its ceilings, and the exact commands. A partial session (a
+target skipped or failed, a workload missing) renders what is there and says what is not.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Callable
+
+from kvserve.bench.targets import REPO
+
+TARGET_ORDER = ["kvserve", "vllm", "llamacpp-bf16", "llamacpp-q4_1", "hf-static", "fake"]
+TARGET_LABEL = {"kvserve": "kvserve", "vllm": "vLLM CPU", "llamacpp-bf16": "llama.cpp BF16",
+                "llamacpp-q4_1": "llama.cpp Q4_1", "hf-static": "HF static batching"}
+
+
+# ---- loading -------------------------------------------------------------------------------------------------------
+
+
+class Session:
+    def __init__(self, root: Path):
+        self.root = root.resolve()
+        meta = root / "meta.json"
+        self.meta: dict = json.loads(meta.read_text()) if meta.exists() else {}
+
+    def runs(self, target: str, job: str, prefix: str = "run") -> list[dict]:
+        out = []
+        for p in sorted((self.root / target / job).glob(f"{prefix}*.json")):
+            try:
+                out.append(json.loads(p.read_text()))
+            except (OSError, ValueError):
+                continue
+        return out
+
+    def targets(self) -> list[str]:
+        names = set(self.meta.get("targets", {}))
+        for p in self.root.iterdir():
+            if p.is_dir() and (any(q.is_dir() for q in p.iterdir()) or (p / "baseline.json").exists()):
+                names.add(p.name)
+        return [n for n in TARGET_ORDER if n in names] + sorted(n for n in names if n not in TARGET_ORDER)
+
+    def jobs(self, target: str) -> list[str]:
+        d = self.root / target
+        return sorted(p.name for p in d.iterdir() if p.is_dir()) if d.is_dir() else []
+
+
+def _get(d: dict, path: str) -> Any:
+    cur: Any = d
+    for part in path.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return None
+        cur = cur[part]
+    return cur
+
+
+def values(runs: list[dict], path: str | Callable[[dict], Any]) -> list[float]:
+    out = []
+    for r in runs:
+        v = path(r) if callable(path) else _get(r, path)
+        if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)):
+            out.append(float(v))
+    return out
+
+
+def med(vals: list[float]) -> float | None:
+    return statistics.median(vals) if vals else None
+
+
+def fmt(vals: list[float], digits: int = 1, pct: bool = False) -> str:
+    if not vals:
+        return "-"
+    scale = 100.0 if pct else 1.0
+    m = statistics.median(vals) * scale
+    s = f"{m:.{digits}f}" + ("%" if pct else "")
+    if len(vals) > 1:
+        s += f" [{min(vals) * scale:.{digits}f}-{max(vals) * scale:.{digits}f}]"
+    return s
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or b == 0:
+        return "-"
+    return f"{a / b:.2f}x"
+
+
+def error_share(r: dict, kind: str) -> float:
+    n = r.get("num_requests") or 0
+    return (r.get("error_counts", {}).get(kind, 0) / n) if n else 0.0
+
+
+def other_errors(r: dict) -> int:
+    return sum(v for k, v in (r.get("error_counts") or {}).items() if k != "429")
+
+
+# ---- markdown ------------------------------------------------------------------------------------------------------
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+class Report:
+    def __init__(self, session: Session, plots_dir: Path, md_path: Path):
+        self.s = session
+        self.plots_dir = plots_dir
+        self.md_path = md_path
+        self.targets = [t for t in session.targets() if t != "hf-static"]
+        self.out: list[str] = []
+        self.headline: dict[str, dict[str, float | None]] = {}
+
+    def w(self, text: str = "") -> None:
+        self.out.append(text)
+
+    def shape(self, job: str) -> dict:
+        return next((j.get("shape") or {} for j in self.s.meta.get("jobs", []) if j.get("name") == job), {})
+
+    def label(self, t: str) -> str:
+        return TARGET_LABEL.get(t, t)
+
+    def missing(self, job: str) -> list[str]:
+        return [self.label(t) for t in self.targets if not self.s.runs(t, job)]
+
+    def note_missing(self, *jobs: str) -> None:
+        miss = sorted({m for j in jobs for m in self.missing(j)})
+        if miss:
+            self.w(f"\nNo results for: {', '.join(miss)}.")
+
+    # -- sections ------------------------------------------------------------------------------------------------------
+
+    def header(self) -> None:
+        m = self.s.meta
+        self.w("# Benchmarks")
+        self.w()
+        self.w("Generated by `python -m kvserve.bench.report` from the suite session "
+               f"`{self.s.root.name}` (`bench_results/`, not committed). Do not edit by hand: rerun "
+               "`make bench` (kvserve alone) or `BENCH_PEERS=1 make bench` (with the peers), which measure "
+               "and then render this file and the plots in `docs/bench/`.")
+        if m.get("quick"):
+            self.w()
+            self.w("**This is a `--quick` session: tiny sizes to smoke-test the pipeline. The numbers mean nothing.**")
+        self.w()
+        g = m.get("git") or {}
+        self.w(f"- Session started {m.get('started', '?')}, finished {m.get('finished', 'not finished')}; "
+               f"commit `{(g.get('commit') or '?')[:12]}`{' (with uncommitted changes)' if g.get('dirty') else ''}.")
+        self.w(f"- Workloads {', '.join(m.get('workloads', []))}, {m.get('runs', '?')} run(s) each with a distinct "
+               "seed; tables give the median of the runs and [min-max] when there are several. Workload "
+               "definitions: `shared/WORKLOADS.md`.")
+        self.w("- Client for every engine: `kvserve bench serve` (streaming, `include_usage`, vLLM's metric "
+               "definitions: TTFT = first streamed token chunk, TPOT = (e2e - TTFT)/(output tokens - 1) per request, "
+               "ITL = gaps between chunks, throughput = tokens / benchmark duration). Latencies in ms.")
+        self.w("- Engines ran one after the other on the same machine, each started and stopped by the suite, "
+               "the client on the same cores as the server.")
+
+    def machine(self) -> None:
+        m = self.s.meta
+        c = m.get("ceilings") or {}
+        mach = c.get("machine") or {}
+        self.w("\n## Machine\n")
+        if not c:
+            self.w("Machine ceilings were not measured in this session.")
+            return
+        flags = ", ".join(f for f in ("avx512f", "avx512_bf16", "amx") if mach.get(f)) or "none of avx512f/bf16/amx"
+        self.w(f"- CPU: {mach.get('cpu_model', '?')}, {mach.get('nproc', '?')} cores visible, "
+               f"{mach.get('mem_gib', '?')} GiB RAM; {flags}. Load average at the start: "
+               f"{' '.join(mach.get('loadavg', []))}.")
+        self.w(f"- torch {c.get('torch')}, {c.get('torch_threads')} threads, CPU capability {c.get('cpu_capability')}; "
+               f"Python {mach.get('python')}.")
+        params = (m.get("model_params") or {}).get("params") or 134_515_008
+        self.w()
+        rows = []
+        for name in ("bf16", "fp32"):
+            f = c.get(f"matmul_{name}_flops")
+            if f:
+                rows.append([f"{name} matmul, {c.get('matmul_n')}x{c.get('matmul_n')} (best / median)",
+                             f"{f / 1e9:.1f} / {c.get(f'matmul_{name}_flops_median', f) / 1e9:.1f} GFLOP/s",
+                             f"{f / (2 * params):.0f} tok/s"])
+        if c.get("copy_bytes_per_s"):
+            rows.append([f"copy bandwidth, {c.get('copy_mib')} MiB fp32 tensor (read + write; best / median)",
+                         f"{c['copy_bytes_per_s'] / 1e9:.1f} / {c.get('copy_bytes_per_s_median', 0) / 1e9:.1f} GB/s",
+                         "-"])
+        self.w(table(["ceiling (torch, this session)", "measured", "tokens/s ceiling = FLOP/s / (2 x params)"], rows))
+        self.w(f"\nParameters: {params / 1e6:.1f} M ({(m.get('model_params') or {}).get('model', 'SmolLM2-135M')}, "
+               "tied embeddings counted once). Measured by `" + m.get("ceilings_command", "python -m "
+                                                                     "kvserve.bench.ceilings") + "`.")
+
+    def engines(self) -> None:
+        self.w("\n## Engines\n")
+        rows = []
+        for t in self.s.targets():
+            info = (self.s.meta.get("targets") or {}).get(t, {})
+            status = info.get("status", "?")
+            if info.get("reason"):
+                status += f": {info['reason']}"
+            startups = ", ".join(f"{v} {s.get('startup_s')} s" for v, s in (info.get("servers") or {}).items()
+                                 if s.get("startup_s") is not None)
+            rows.append([self.label(t), info.get("engine", "?"), str(info.get("dtype", "?")),
+                         str(info.get("threads", "?")), startups or "-", status])
+        self.w(table(["target", "engine", "dtype / weights", "threads", "startup to ready", "status"], rows))
+
+    def w1_w2(self) -> None:
+        self.w("\n## W1 throughput and W2 single-stream latency\n")
+        c = self.s.meta.get("ceilings") or {}
+        params = (self.s.meta.get("model_params") or {}).get("params") or 134_515_008
+        ceil_bf16 = (c.get("matmul_bf16_flops") or 0) / (2 * params) or None
+        rows = []
+        for t in self.targets:
+            w1, w2 = self.s.runs(t, "W1"), self.s.runs(t, "W2")
+            out_tps = values(w1, "output_throughput")
+            h = self.headline.setdefault(t, {})
+            h["W1 out tok/s"] = med(out_tps)
+            h["W2 TTFT p50"] = med(values(w2, "median_ttft_ms"))
+            h["W2 TPOT p50"] = med(values(w2, "median_tpot_ms"))
+            frac = f"{med(out_tps) / ceil_bf16:.1%}" if out_tps and ceil_bf16 else "-"
+            tot = values(w1, "total_token_throughput")
+            frac_tot = f"{med(tot) / ceil_bf16:.1%}" if tot and ceil_bf16 else "-"
+            rows.append([self.label(t), fmt(out_tps), fmt(values(w1, "request_throughput"), 3), fmt(tot),
+                         f"{frac} / {frac_tot}", fmt(values(w1, "median_ttft_ms"), 0),
+                         fmt(values(w1, "median_tpot_ms")), fmt(values(w2, "median_ttft_ms"), 0),
+                         fmt(values(w2, "median_tpot_ms")), fmt(values(w2, "median_itl_ms")),
+                         str(sum(r.get("failed", 0) for r in w1 + w2))])
+        self.w(table(["target", "W1 out tok/s", "W1 req/s", "W1 total tok/s",
+                      "W1 out / total tok/s vs bf16 ceiling", "W1 TTFT p50", "W1 TPOT p50", "W2 TTFT p50",
+                      "W2 TPOT p50", "W2 ITL p50", "failed"], rows))
+        s1, s2 = self.shape("W1"), self.shape("W2")
+        if s1 and s2:
+            self.w(f"\nW1: {s1['num_prompts']} requests, {s1['input']} prompt / {s1['output']} output tokens "
+                   f"(`ignore_eos`), at most {s1['max_concurrency']} in flight. W2: {s2['num_prompts']} requests, "
+                   f"{s2['input']} / {s2['output']}, one at a time.")
+        self.w("The ceiling is the bf16 matmul peak over "
+               "2 x parameters (decode-only arithmetic, no attention); prefill tokens cost the same FLOPs per "
+               "token, hence the second figure.")
+        self.note_missing("W1", "W2")
+
+    def w3(self) -> None:
+        self.w("\n## W3 tier isolation\n")
+        rows = []
+        for t in self.targets:
+            flood, alone = self.s.runs(t, "W3-flood"), self.s.runs(t, "W3-alone")
+            fi = "tiers.interactive."
+            h = self.headline.setdefault(t, {})
+            h["W3 TTFT p99 (flood)"] = med(values(flood, fi + "p99_ttft_ms"))
+            rows.append([self.label(t), fmt(values(flood, fi + "median_ttft_ms"), 0),
+                         fmt(values(flood, fi + "p99_ttft_ms"), 0), fmt(values(alone, fi + "median_ttft_ms"), 0),
+                         fmt(values(alone, fi + "p99_ttft_ms"), 0), fmt(values(flood, fi + "median_tpot_ms")),
+                         fmt(values(flood, "tiers.batch.output_throughput")),
+                         fmt(values(flood, fi + "completed"), 0),
+                         str(sum((_get(r, fi + "failed") or 0) for r in flood + alone))])
+        self.w(table(["target", "interactive TTFT p50, with flood", "p99, with flood", "TTFT p50, alone",
+                      "p99, alone", "interactive TPOT p50, with flood", "batch out tok/s (completed only)",
+                      "interactive requests / run", "interactive failed"], rows))
+        shape = self.shape("W3-flood")
+        if shape:
+            self.w(f"\nInteractive tier: chat requests (~{shape['interactive_io'][0]} prompt tokens with the chat "
+                   f"template / {shape['interactive_io'][1]} output) at {shape['interactive_rate']} request/s, "
+                   f"evenly spaced, for {shape['duration']} s (`priority: interactive`). Flood: "
+                   f"{shape['batch_concurrency']} batch requests always in flight "
+                   f"({shape['batch_io'][0]} / {shape['batch_io'][1]} tokens, `priority: batch`), cancelled when "
+                   "the interactive requests are done; its tokens/s counts only batch requests that finished. "
+                   "Engines without priorities (the peers, unless BENCH_VLLM_PRIORITY=1) get no priority field.")
+        self.note_missing("W3-flood", "W3-alone")
+        if (self.plots_dir / "w3_ttft_cdf.png").exists():
+            self.w(f"\n![W3 TTFT CDF]({self.rel(self.plots_dir / 'w3_ttft_cdf.png')})")
+
+    def w4(self) -> None:
+        self.w("\n## W4 prefix reuse\n")
+        rows = []
+        for t in self.targets:
+            on, off = self.s.runs(t, "W4"), self.s.runs(t, "W4-nocache")
+            a, b = med(values(on, "median_ttft_ms")), med(values(off, "median_ttft_ms"))
+            self.headline.setdefault(t, {})["W4 TTFT p50"] = a
+            cached = values(on, "cached_prompt_tokens")
+            total = values(on, "total_input_tokens")
+            hit = f"{sum(cached) / sum(total):.0%}" if cached and total and sum(total) else "-"
+            rows.append([self.label(t), fmt(values(on, "median_ttft_ms"), 0), fmt(values(off, "median_ttft_ms"), 0),
+                         ratio(b, a), hit, fmt(values(on, "output_throughput")),
+                         fmt(values(off, "output_throughput"))])
+        self.w(table(["target", "TTFT p50, reuse on", "TTFT p50, reuse off", "speed-up", "cached prompt tokens "
+                      "(server usage)", "out tok/s on", "out tok/s off"], rows))
+        s4 = self.shape("W4")
+        if s4:
+            self.w(f"\n{s4['num_prompts']} requests sharing a {s4['prefix']}-token prefix, each with its own "
+                   f"{s4['suffix']} tokens, {s4['output']} output, {s4['max_concurrency']} in flight.")
+        self.w("Reuse off: kvserve `enable_prefix_caching = false`, vLLM `--no-enable-prefix-caching`, llama.cpp "
+               "`--no-cache-prompt` (on: its slot prompt cache).")
+        self.note_missing("W4", "W4-nocache")
+
+    def w5(self) -> None:
+        self.w("\n## W5 overload\n")
+        rows = []
+        for t in self.targets:
+            runs = self.s.runs(t, "W5")
+            rate = values(runs, lambda r: (r.get("config", {}).get("tiers") or [{}])[0].get("request_rate"))
+            good = values(runs, "request_goodput")
+            self.headline.setdefault(t, {})["W5 goodput"] = med(good)
+            rows.append([self.label(t), fmt(rate, 2), fmt(values(runs, "num_requests"), 0), fmt(good, 2),
+                         fmt(values(runs, "request_throughput"), 2),
+                         fmt(values(runs, lambda r: error_share(r, "429")), 1, pct=True),
+                         fmt(values(runs, other_errors), 0), fmt(values(runs, "median_ttft_ms"), 0),
+                         fmt(values(runs, "p99_ttft_ms"), 0)])
+        self.w(table(["target", "offered req/s (3x W1)", "requests sent", "goodput req/s (TTFT <= 1 s)",
+                      "completed req/s", "429 share", "other errors", "TTFT p50 (admitted)", "TTFT p99"], rows))
+        s5 = self.shape("W5") or {"duration": "?"}
+        self.w(f"\nPoisson arrivals at 3x the request rate W1 sustained on the same engine, for {s5['duration']} s; "
+               "requests in flight at the end finish. Goodput = requests whose TTFT was at most 1 s, per "
+               "second of the run.")
+        self.note_missing("W5")
+
+    def ratios(self) -> None:
+        peers = [t for t in self.targets if t != "kvserve"]
+        if "kvserve" not in self.headline or not peers:
+            return
+        self.w("\n## kvserve against each peer\n")
+        metrics = [("W1 out tok/s", "higher"), ("W2 TTFT p50", "lower"), ("W2 TPOT p50", "lower"),
+                   ("W3 TTFT p99 (flood)", "lower"), ("W4 TTFT p50", "lower"), ("W5 goodput", "higher")]
+        rows = []
+        ours = self.headline["kvserve"]
+        for name, better in metrics:
+            row = [f"{name} ({better} is better)", "-" if ours.get(name) is None else f"{ours[name]:.1f}"]
+            for p in peers:
+                row.append(ratio(ours.get(name), self.headline.get(p, {}).get(name)))
+            rows.append(row)
+        self.w(table(["figure", "kvserve"] + [f"kvserve / {self.label(p)}" for p in peers], rows))
+
+    def sweep(self) -> None:
+        self.w("\n## Throughput against concurrency\n")
+        if (self.plots_dir / "throughput_vs_concurrency.png").exists():
+            self.w(f"![throughput against concurrency]({self.rel(self.plots_dir / 'throughput_vs_concurrency.png')})\n")
+        rows = []
+        concs = sorted({int(j[len("SWEEP-c"):]) for t in self.targets for j in self.s.jobs(t)
+                        if j.startswith("SWEEP-c")})
+        if not concs:
+            self.w("No sweep in this session.")
+            return
+        for t in self.targets:
+            rows.append([self.label(t)] + [fmt(values(self.s.runs(t, f"SWEEP-c{c}"), "output_throughput"))
+                                           for c in concs])
+        self.w(table(["target"] + [f"c={c}" for c in concs], rows))
+        s = self.shape(f"SWEEP-c{concs[0]}") or {"input": "?", "output": "?"}
+        self.w(f"\nOutput tokens/s, {s['input']} / {s['output']} tokens, 2 x c requests (at least 8, or 4 with "
+               "--quick), at most c in flight; one run each.")
+
+    def client_check(self) -> None:
+        rows = []
+        for job in ("W1", "W2"):
+            ours, theirs = self.s.runs("kvserve", job), self.s.runs("kvserve", job, prefix="vllm-client-run")
+            if not theirs:
+                continue
+            for key, label, d in (("output_throughput", "out tok/s", 1), ("request_throughput", "req/s", 3),
+                                  ("median_ttft_ms", "TTFT p50", 0), ("p99_ttft_ms", "TTFT p99", 0),
+                                  ("median_tpot_ms", "TPOT p50", 1), ("median_itl_ms", "ITL p50", 1),
+                                  ("median_e2el_ms", "E2E p50", 0)):
+                a, b = values(ours, key), values(theirs, key)
+                rows.append([job, label, fmt(a, d), fmt(b, d), ratio(med(a), med(b))])
+        self.w("\n## Client agreement: `kvserve bench serve` against `vllm bench serve`\n")
+        if not rows:
+            self.w("Not measured in this session (needs BENCH_PEERS=1 and vLLM installed: the suite then runs "
+                   "`vllm bench serve` against kvserve right after each W1/W2 run of our client, same shape).")
+            return
+        self.w(table(["workload", "figure", "kvserve bench serve", "vllm bench serve", "ratio"], rows))
+        self.w("\nSame server, same workload shape, interleaved runs (ours, then vLLM's, per seed). Differences "
+               "within the run-to-run spread of either client are noise.")
+
+    def hf_static(self) -> None:
+        p = self.s.root / "hf-static" / "baseline.json"
+        self.w("\n## Hugging Face static batching (no server)\n")
+        if not p.exists():
+            info = (self.s.meta.get("targets") or {}).get("hf-static")
+            self.w("Not run in this session" + (f" ({info.get('status')}: {info.get('reason', '')})." if info else "."))
+            return
+        data = json.loads(p.read_text())
+        rows = [[r["dtype"], str(r["batch"]), f"{r['gen_s_median']:.2f}", f"{r['out_tok_per_s']:.1f}",
+                 f"{r['prefill_s_median']:.2f}", f"{r['decode_tok_per_s']:.1f}"] for r in data.get("results", [])]
+        self.w(table(["dtype", "batch", "generate s", "out tok/s", "prefill s", "decode-only tok/s"], rows))
+        self.w(f"\n`model.generate`, greedy, B prompts of {data.get('in_len')} tokens, exactly {data.get('out_len')} "
+               f"new tokens, median of {data.get('reps')}; torch {data.get('torch')}, {data.get('torch_threads')} "
+               "threads. Compare B=32 with W1 and B=1 with W2.")
+
+    def commands(self) -> None:
+        self.w("\n## Exact commands\n")
+        self.w("Reproduce everything: `make bench` (kvserve) or `BENCH_PEERS=1 make bench` (all engines; a "
+               "missing peer is skipped unless `BENCH_PEERS_SETUP=1`). Per engine, the servers and the first "
+               "run's client command of each workload (`--seed` goes up by one per run; `$SESSION` is the "
+               "results directory; the kvserve token is passed in `KVSERVE_API_KEY`):")
+        for t in self.s.targets():
+            info = (self.s.meta.get("targets") or {}).get(t, {})
+            if not info.get("servers") and not info.get("commands"):
+                continue
+            self.w(f"\n### {self.label(t)}\n")
+            self.w("```bash")
+            for v, s in (info.get("servers") or {}).items():
+                self.w(f"# server ({v})")
+                self.w(s.get("command", "?"))
+            for name, cmd in (info.get("commands") or {}).items():
+                self.w(f"# {name}")
+                self.w(cmd)
+            self.w("```")
+            notes = [s.get("note") for s in (info.get("servers") or {}).values() if s.get("note")]
+            if notes:
+                self.w("\n```toml\n" + notes[0].split(":\n", 1)[-1].rstrip() + "\n```")
+
+    def rel(self, p: Path) -> str:
+        try:
+            return str(p.resolve().relative_to(self.md_path.resolve().parent))
+        except ValueError:
+            return str(p)
+
+    def render(self) -> str:
+        self.header()
+        self.machine()
+        self.engines()
+        self.w1_w2()
+        self.w3()
+        self.w4()
+        self.w5()
+        self.sweep()
+        self.ratios()
+        self.client_check()
+        self.hf_static()
+        self.commands()
+        return "\n".join(self.out) + "\n"
+
+
+# ---- plots -----------------------------------------------------------------------------------------------------------
+
+
+def plots(session: Session, out_dir: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plots")
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    made = []
+    targets = [t for t in session.targets() if t != "hf-static"]
+    quick = " (--quick: not real numbers)" if session.meta.get("quick") else ""
+
+    # throughput against concurrency
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    any_line = False
+    for t in targets:
+        pts = []
+        for job in session.jobs(t):
+            if job.startswith("SWEEP-c"):
+                v = values(session.runs(t, job), "output_throughput")
+                if v:
+                    pts.append((int(job[len("SWEEP-c"):]), statistics.median(v)))
+        if not pts:  # fall back on W2 (c=1) and W1 (c=32)
+            for job, c in (("W2", 1), ("W1", 32)):
+                v = values(session.runs(t, job), "output_throughput")
+                if v:
+                    pts.append((c, statistics.median(v)))
+        if pts:
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=TARGET_LABEL.get(t, t))
+            any_line = True
+    if any_line:
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.set_xlabel("max concurrency (requests in flight)")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title("Throughput against concurrency, 256 in / 128 out" + quick)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        p = out_dir / "throughput_vs_concurrency.png"
+        fig.tight_layout()
+        fig.savefig(p, dpi=110)
+        made.append(p)
+    plt.close(fig)
+
+    # W3 TTFT CDF, interactive tier, with and without the flood
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    any_line = False
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, t in enumerate(targets):
+        for job, style, what in (("W3-flood", "-", "with batch flood"), ("W3-alone", "--", "alone")):
+            ttfts = []
+            for r in session.runs(t, job):
+                for tier, ttft, err in zip(r.get("tier_of", []), r.get("ttfts", []), r.get("errors", [])):
+                    if tier == "interactive" and not err:
+                        ttfts.append(ttft * 1000.0)
+            if ttfts:
+                ttfts.sort()
+                ys = [(k + 1) / len(ttfts) for k in range(len(ttfts))]
+                ax.step(ttfts, ys, where="post", linestyle=style, color=colors[i % len(colors)],
+                        label=f"{TARGET_LABEL.get(t, t)}, {what}")
+                any_line = True
+    if any_line:
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.set_xlabel("interactive TTFT (ms, log scale)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title("W3: interactive TTFT CDF" + quick)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        p = out_dir / "w3_ttft_cdf.png"
+        fig.tight_layout()
+        fig.savefig(p, dpi=110)
+        made.append(p)
+    plt.close(fig)
+    return made
+
+
+def add_report_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    ap.add_argument("--session", default=str(REPO / "bench_results" / "latest"),
+                    help="a session directory (default bench_results/latest)")
+    ap.add_argument("--markdown", default=str(REPO / "BENCHMARKS.md"), help="default BENCHMARKS.md at the repo root")
+    ap.add_argument("--plots", default=str(REPO / "docs" / "bench"), help="default docs/bench/")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvserve.bench.report", description=__doc__.split("\n\n")[0])
+    return render(add_report_arguments(ap).parse_args(argv))
+
+
+def render(a: argparse.Namespace) -> int:
+    root = Path(a.session)
+    if not root.is_dir():
+        print(f"no session directory {root} (run python -m kvserve.bench.suite first)")
+        return 1
+    session = Session(root)
+    made = plots(session, Path(a.plots))
+    md = Report(session, Path(a.plots), Path(a.markdown)).render()
+    Path(a.markdown).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.markdown).write_text(md)
+    print(f"wrote {a.markdown}" + (f" and {', '.join(str(p) for p in made)}" if made else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,79 @@
+"""The benchmark pipeline end to end: `python -m kvserve.bench.suite --quick` starts a server, runs the
+workloads with `kvserve bench serve`, stops it, and `kvserve.bench.report` renders BENCHMARKS.md and
+the plots from the results. Against the fake server (no model: seconds) and, when the shipped SmolLM2
+is installed, against `kvserve serve` itself (W1 and W2 only)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_suite(tmp_path: Path, *args: str, timeout: float = 600) -> Path:
+    env = {**os.environ, "BENCH_LOCK": "none", "BENCH_PEERS": "0"}
+    r = subprocess.run([sys.executable, "-m", "kvserve.bench.suite", "--quick", "--out", str(tmp_path),
+                        "--session", "s", *args], cwd=str(REPO), env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    return tmp_path / "s"
+
+
+@pytest.mark.slow
+def test_suite_and_report_against_the_fake_server(tmp_path):
+    root = run_suite(tmp_path, "--targets", "fake", "--w5-rate", "10")
+    meta = json.loads((root / "meta.json").read_text())
+    assert meta["targets"]["fake"]["status"] == "done"
+    assert meta["ceilings"]["matmul_bf16_flops"] > 0 and meta["ceilings"]["copy_bytes_per_s"] > 0
+    for job in ("W1", "W2", "W3-flood", "W3-alone", "W4", "W4-nocache", "W5", "SWEEP-c1", "SWEEP-c4"):
+        res = json.loads((root / "fake" / job / "run0.json").read_text())
+        assert res["completed"] > 0 and res["failed"] == 0, (job, res["error_counts"])
+    w3 = json.loads((root / "fake" / "W3-flood" / "run0.json").read_text())
+    assert w3["tiers"]["interactive"]["completed"] == 8 and w3["tiers"]["batch"]["cancelled"] == 2
+    w5 = json.loads((root / "fake" / "W5" / "run0.json").read_text())
+    assert w5["config"]["tiers"][0]["request_rate"] == 10.0
+    md = (root / "BENCHMARKS.md").read_text()
+    for heading in ("## Machine", "## W1 throughput", "## W3 tier isolation", "## W4 prefix reuse", "## W5 overload",
+                    "## Throughput against concurrency", "## Exact commands"):
+        assert heading in md
+    assert "| fake |" in md and "--quick" in md
+    if importlib.util.find_spec("matplotlib"):
+        assert (root / "plots" / "throughput_vs_concurrency.png").stat().st_size > 1000
+        assert (root / "plots" / "w3_ttft_cdf.png").stat().st_size > 1000
+    # the report renders again on its own, from the results alone
+    out = tmp_path / "again.md"
+    r = subprocess.run([sys.executable, "-m", "kvserve.bench.report", "--session", str(root), "--markdown", str(out),
+                        "--plots", str(tmp_path / "p")], cwd=str(REPO), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and out.read_text().count("| fake |") >= 5
+
+
+@pytest.mark.slow
+def test_missing_peers_are_skipped_and_said(tmp_path, monkeypatch):
+    monkeypatch.setenv("PEERS_DIR", str(tmp_path / "no-peers"))
+    root = run_suite(tmp_path, "--targets", "vllm,llamacpp-bf16,hf-static", "--workloads", "W2")
+    meta = json.loads((root / "meta.json").read_text())
+    for name in ("vllm", "llamacpp-bf16", "hf-static"):
+        assert meta["targets"][name]["status"] == "skipped" and meta["targets"][name]["reason"]
+    md = (root / "BENCHMARKS.md").read_text()
+    assert "skipped" in md
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_suite_quick_against_kvserve(tmp_path, smollm2_gguf_path):
+    root = run_suite(tmp_path, "--targets", "kvserve", "--workloads", "W1,W2", timeout=900)
+    meta = json.loads((root / "meta.json").read_text())
+    assert meta["targets"]["kvserve"]["status"] == "done", meta["targets"]["kvserve"]
+    for job, n in (("W1", 8), ("W2", 2)):
+        res = json.loads((root / "kvserve" / job / "run0.json").read_text())
+        assert res["completed"] == n and res["failed"] == 0, res["error_counts"]
+        assert res["total_output_tokens"] == n * 16 and res["usage_reported"] == n
+        # the random prompts re-tokenize on the server to exactly the length we meant
+        assert res["server_prompt_tokens"] == res["input_lens"] == [32] * n
+    assert "| kvserve |" in (root / "BENCHMARKS.md").read_text()
