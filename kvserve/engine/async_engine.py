@@ -78,6 +78,7 @@ class AsyncLLM:
         self.busy_seconds = 0.0
         self.num_inflight = 0  # requests added and not finished (engine thread writes, others read)
         self.num_waiting = 0
+        self.stats = None  # SchedulerStats after the latest step (written by the engine thread only)
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.model_id}", daemon=True)
         self._ready = threading.Event()
 
@@ -189,6 +190,15 @@ class AsyncLLM:
             self._ready.set()
             return
         self._ready.set()
+        try:
+            self._loop()
+        except Exception as e:  # a broken engine fails its requests and reports; it never hangs them
+            log.exception("engine loop failed for %s", self.model_id)
+            self.error = f"{type(e).__name__}: {e}"
+            self.status = EngineStatus.FAILED
+            self._fail_all()
+
+    def _loop(self) -> None:
         engine = self.engine
         while not self._stop:
             self._apply_commands()
@@ -198,14 +208,7 @@ class AsyncLLM:
                 self._wake.clear()
                 continue
             t0 = time.monotonic()
-            try:
-                outputs = engine.step()
-            except Exception as e:
-                log.exception("engine step failed for %s", self.model_id)
-                self.error = f"{type(e).__name__}: {e}"
-                self.status = EngineStatus.FAILED
-                self._fail_all()
-                return
+            outputs = engine.step()
             t1 = time.monotonic()
             self.busy_seconds += t1 - t0
             self.last_step_at = self.last_progress_at = t1
@@ -251,11 +254,22 @@ class AsyncLLM:
 
     def _update_counts(self) -> None:
         self.num_inflight = self.engine.num_unfinished_requests
-        self.num_waiting = self.engine.scheduler.stats().num_waiting
+        self.stats = self.engine.scheduler.stats()  # an immutable snapshot other threads may read
+        self.num_waiting = self.stats.num_waiting
 
     def _fail_all(self) -> None:
+        while True:  # requests not yet added: refuse them
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add):
+                cmd.done.set_exception(ModelWarming(f"model {self.model_id} failed: {self.error}"))
         for rid in list(self._sinks):
-            out = self.engine.abort_request(rid)
+            try:
+                out = self.engine.abort_request(rid)
+            except Exception:
+                out = None
             sink = self._sinks.pop(rid)
             if out is not None:
                 if self._on_finish is not None:  # aborted requests are accounted for too (usage ledger)

@@ -114,39 +114,23 @@ class ModelHandle:
         return getattr(self.engine_config.scheduler, tier).max_waiting
 
     def waiting_by_tier(self) -> dict[str, int]:
-        """Waiting requests per tier, read from the scheduler (a racy read of counters: fine for signals)."""
+        """Waiting requests per tier, from the engine thread's latest stats snapshot."""
+        stats = self.llm.stats
         counts = {t: 0 for t in TIER_NAMES}
-        engine = self.engine
-        if engine is None:
-            return counts
-        try:
-            stats = engine.scheduler.stats()
-        except Exception:  # the scheduler is mid-update in its thread; fall back to the total
-            stats = None
-        by_tier = _tier_counts(stats)
-        if by_tier is not None:
-            counts.update(by_tier)
-        else:
-            counts["interactive"] = self.llm.num_waiting
+        if stats is not None:
+            counts.update({p.name.lower(): n for p, n in stats.waiting.items()})
         return counts
 
     def queue_depth(self, tier: str) -> int:
         return self.waiting_by_tier().get(tier, 0)
 
     def live_stats(self) -> LiveModelStats:
-        engine = self.engine
+        stats = self.llm.stats
         waiting = self.waiting_by_tier()
-        if engine is None:
+        if stats is None:
             return LiveModelStats(self.id, 0, waiting, 0.0, 0, 0)
-        usage = engine.kv.usage()
-        running = max(0, self.llm.num_inflight - sum(waiting.values()))
-        try:
-            stats = engine.scheduler.stats()
-            running = int(_get(stats, "running", _get(stats, "num_running", running)))
-        except Exception:
-            pass
-        return LiveModelStats(self.id, running, waiting, usage.device_usage, usage.prefix_query_tokens,
-                              usage.prefix_hit_tokens)
+        return LiveModelStats(self.id, stats.running, waiting, stats.kv.device_usage, stats.prefix_query_tokens,
+                              stats.prefix_hit_tokens)
 
     def load(self, tier: str) -> LoadLevel:
         cfg = self.state.config
@@ -175,32 +159,6 @@ class ModelHandle:
             raise ServerDraining(f"model {self.id} is draining for shutdown")
         raise APIError(503, f"model {self.id} failed: {self.llm.error}", "model_unavailable", "model_failed",
                        headers={"Retry-After": "30"})
-
-
-def _get(stats, key, default=None):
-    if stats is None:
-        return default
-    if isinstance(stats, dict):
-        return stats.get(key, default)
-    return getattr(stats, key, default)
-
-
-def _tier_counts(stats) -> dict[str, int] | None:
-    """Per-tier waiting counts from whatever shape Scheduler.stats() has."""
-    if stats is None:
-        return None
-    for key in ("waiting_by_tier", "num_waiting_by_tier", "waiting"):
-        v = _get(stats, key)
-        if isinstance(v, dict):
-            return {str(getattr(k, "name", k)).lower(): int(n) for k, n in v.items()}
-    found = {}
-    for tier in TIER_NAMES:
-        for key in (f"num_waiting_{tier}", f"waiting_{tier}"):
-            v = _get(stats, key)
-            if v is not None:
-                found[tier] = int(v)
-                break
-    return found or None
 
 
 class ServerState:

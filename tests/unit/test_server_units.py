@@ -11,7 +11,9 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from kvserve.config import ServedModel, ServerConfig
+from kvserve.config import SchedulerConfig, ServedModel, ServerConfig
+from kvserve.engine.kv_cache import KVCacheManager
+from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.errors import CapacityExhausted, ContextLengthExceeded, ModelNotFound, ModelWarming
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.engine.sampling import InvalidSamplingParams
@@ -291,9 +293,8 @@ class _FakeEngine:
     def __init__(self, config):
         self.requests = {}
         self.release = threading.Event()
-        self.scheduler = SimpleNamespace(stats=lambda: {"waiting": {"interactive": 0, "batch": 0}, "running": 0})
-        self.kv = SimpleNamespace(usage=lambda: SimpleNamespace(device_usage=0.0, prefix_query_tokens=0,
-                                                                prefix_hit_tokens=0))
+        self.kv = KVCacheManager(8)
+        self.scheduler = Scheduler(SchedulerConfig(), self.kv)  # pure Python: the real stats shape
 
     def add_request(self, prompt=None, request_id=None, **kw):
         self.requests[request_id] = prompt
