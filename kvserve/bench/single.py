@@ -1,0 +1,85 @@
+"""Load time, resident memory and single-sequence decode speed of each model and dtype.
+
+    python -m kvserve.bench.single [--models smollm2-135m,gemma3-270m] [--dtypes float32,bfloat16] [--tokens 64]
+
+Each (model, dtype) runs in a fresh process so the resident-memory figure is that model's alone.
+Decode speed is the offline engine's: one greedy sequence, `--tokens` tokens after the first,
+timed from the first token to the last (prefill excluded), median of `--runs` runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def measure(model: str, dtype: str, tokens: int, runs: int, int4_decode: bool) -> dict:
+    from kvserve import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model, dtype=dtype, kv_cache_memory="256MiB", swap_space=0, int4_decode=int4_decode)
+    load_s = time.perf_counter() - t0
+    rss = _rss_mib()
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
+    rates = []
+    for i in range(runs + 1):  # the first run warms up
+        engine.add_request("The history of the city begins", params, request_id=f"r{i}")
+        first = last = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                now = time.perf_counter()
+                if first is None and out.outputs[0].token_ids:
+                    first = now
+                last = now
+        if i:
+            rates.append(tokens / (last - first))
+    import torch
+
+    return {"model": model, "dtype": dtype, "int4_decode": int4_decode, "load_s": round(load_s, 2),
+            "rss_mib": round(rss), "decode_tok_s": round(statistics.median(rates), 1),
+            "decode_ms_per_token": round(1000 / statistics.median(rates), 2), "threads": torch.get_num_threads()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2-135m,gemma3-270m")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--no-int4-decode", action="store_true")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        model, dtype = args.child.split(":")
+        print(json.dumps(measure(model, dtype, args.tokens, args.runs, not args.no_int4_decode)))
+        return
+    rows = []
+    for model in args.models.split(","):
+        for dtype in args.dtypes.split(","):
+            cmd = [sys.executable, "-m", "kvserve.bench.single", "--child", f"{model}:{dtype}",
+                   "--tokens", str(args.tokens), "--runs", str(args.runs)] + (
+                ["--no-int4-decode"] if args.no_int4_decode else [])
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            rows.append(json.loads(out.strip().splitlines()[-1]))
+    print("| model | dtype | load s | RSS MiB | decode tok/s | ms/token |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['dtype']} | {r['load_s']} | {r['rss_mib']} | {r['decode_tok_s']} | "
+              f"{r['decode_ms_per_token']} |")
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
