@@ -274,7 +274,9 @@ class LLMEngine:
         now = time.monotonic()
         self.scheduler.update_from_output(out, {t[0].seq.seq_id: tok for t, tok in zip(targets, tokens)
                                                 if t[1] is None})
-        for j, ((ss, parent), tok) in enumerate(zip(targets, tokens)):
+        # Forks first: processing the parent's token may finish it (max_tokens=1, eos, a stop) and free
+        # the blocks its forks are to share.
+        for (ss, parent), tok in zip(targets, tokens):
             if parent is not None:  # a new fork: shares the parent's computed prompt
                 seq = ss.seq
                 seq.num_computed_tokens = parent.seq.num_computed_tokens
@@ -285,6 +287,7 @@ class LLMEngine:
                 seq.timings.first_token = seq.timings.last_token = now
                 seq.timings.token_times.append(now)
                 self.scheduler.fork(parent.seq, seq)
+        for j, ((ss, _), tok) in enumerate(zip(targets, tokens)):
             self._process_token(ss, tok, logprobs[j] if logprobs else None, touched)
 
     def _process_token(self, ss: _SeqState, token: int, lp, touched: dict) -> None:

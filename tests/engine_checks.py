@@ -1,0 +1,236 @@
+"""Helpers for the engine tests: engines that share loaded weights, a step-by-step driver that records
+what the scheduler did, output comparison across engine settings, and leak checks.
+
+Used by tests/unit/test_engine_tiny.py (tiny GGUF models) and tests/integration/test_engine.py (SmolLM2).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from copy import deepcopy
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvserve.config import TierLimits, engine_config_from_kwargs
+from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.sampling import SamplingParams
+
+# Batched float32 kernels may round differently from single-sequence ones: a greedy pick may flip only
+# where the reference's two best logits were this close (the logprob gap equals the logit gap).
+NEAR_TIE = 1e-4
+
+
+@contextlib.contextmanager
+def shared_weights():
+    """Engines built inside share one loaded copy of each model's weights.
+
+    Loading SmolLM2 costs seconds; the tests build several engines with different KV pools and
+    scheduler settings. Only the (read-only) weights are shared: each engine still has its own
+    tokenizer, scheduler, KV manager and runner with its own cache tensors.
+    """
+    import kvserve.engine.llm_engine as llm_engine
+
+    real_load, real_build = llm_engine.load_checkpoint, llm_engine.build_model
+    checkpoints, models = {}, {}
+
+    def load_checkpoint(path):
+        key = str(path)
+        if key not in checkpoints:
+            checkpoints[key] = real_load(path)
+        return checkpoints[key]
+
+    def build_model(checkpoint, dtype, device, **kwargs):
+        key = (str(checkpoint.path), dtype, str(device), tuple(sorted(kwargs.items())))
+        if key not in models:
+            models[key] = real_build(checkpoint, dtype, device, **kwargs)
+        return models[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llm_engine, "load_checkpoint", load_checkpoint)
+        mp.setattr(llm_engine, "build_model", build_model)
+        yield
+    checkpoints.clear()
+    models.clear()
+
+
+def make_engine(model, **kwargs):
+    """An LLMEngine; admission bounds are off unless given (the tests queue whole batches at once)."""
+    from kvserve.engine.llm_engine import LLMEngine
+
+    for tier in ("interactive", "batch"):
+        kwargs.setdefault(tier, TierLimits.unbounded())
+    return LLMEngine(engine_config_from_kwargs(str(model), **kwargs))
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Intra-op threads for a test module. On a shared, oversubscribed CPU a second OpenMP thread makes
+    small matmuls many times slower (spin-waiting for a busy core), so the engine tests run on one."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@dataclass
+class Req:
+    prompt: list[int] | str
+    params: SamplingParams
+    priority: str | None = None
+    cache_salt: str | None = None
+
+
+@dataclass
+class Run:
+    """Final outputs (in request order) and what the scheduler did to produce them."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    steps: int = 0
+    max_running: int = 0
+    max_swapped: int = 0
+    preemptions: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    cow_copies: int = 0
+    chunked_prefills: int = 0  # scheduled prompt chunks that did not reach the end of the prompt
+    max_batched_tokens: int = 0
+
+    @property
+    def tokens(self) -> list[list[list[int]]]:
+        return [[o.token_ids for o in ro.outputs] for ro in self.outputs]
+
+
+@contextlib.contextmanager
+def recording(engine, run: Run):
+    """Wrap the engine's scheduler so that every SchedulerOutput is tallied into `run`."""
+    real = engine.scheduler.schedule
+
+    def schedule():
+        out = real()
+        run.preemptions += len(out.preempted)
+        run.swapped_out_blocks += len(out.blocks_to_swap_out)
+        run.swapped_in_blocks += len(out.blocks_to_swap_in)
+        run.cow_copies += len(out.blocks_to_copy)
+        run.chunked_prefills += sum(1 for s in out.scheduled if not s.sample)
+        run.max_batched_tokens = max(run.max_batched_tokens, out.num_batched_tokens)
+        return out
+
+    engine.scheduler.schedule = schedule
+    try:
+        yield run
+    finally:
+        del engine.scheduler.schedule
+
+
+def drive(engine, requests: list[Req], max_steps: int = 100_000) -> Run:
+    """Add all requests, step until every one finishes; checks that streamed deltas add up to the finals."""
+    run = Run()
+    streamed: dict[tuple[str, int], list[int]] = defaultdict(list)
+    streamed_text: dict[tuple[str, int], str] = defaultdict(str)
+    final: dict[str, RequestOutput] = {}
+    with recording(engine, run):
+        ids = [engine.add_request(r.prompt, deepcopy(r.params), priority=r.priority, cache_salt=r.cache_salt)
+               for r in requests]
+        while engine.has_unfinished_requests():
+            for ro in engine.step():
+                for o in ro.outputs:
+                    streamed[ro.request_id, o.index] += o.delta_token_ids
+                    streamed_text[ro.request_id, o.index] += o.delta_text
+                if ro.finished:
+                    final[ro.request_id] = ro
+            stats = engine.scheduler.stats()
+            run.max_running = max(run.max_running, stats.running)
+            run.max_swapped = max(run.max_swapped, stats.swapped)
+            run.steps += 1
+            assert run.steps <= max_steps, f"not done after {max_steps} steps"
+    for rid, ro in final.items():
+        for o in ro.outputs:
+            assert o.finish_reason is not None, f"{rid}[{o.index}] finished without a reason"
+            assert streamed[rid, o.index] == o.token_ids, f"{rid}[{o.index}]: deltas != token_ids"
+            assert streamed_text[rid, o.index] == o.text, f"{rid}[{o.index}]: delta text != text"
+    run.outputs = [final[i] for i in ids]
+    return run
+
+
+def assert_no_leaks(engine) -> None:
+    """Nothing is running or queued, and every device block is free or cached; no host block is held."""
+    engine.kv.check_integrity()
+    assert not engine.has_unfinished_requests()
+    assert not engine.scheduler.has_unfinished()
+    u = engine.kv.usage()
+    assert u.used_device_blocks == 0, f"{u.used_device_blocks} device blocks still held: {u}"
+    assert u.free_device_blocks + u.cached_device_blocks == u.num_device_blocks, u
+    assert u.used_host_blocks == 0, f"{u.used_host_blocks} host blocks still held: {u}"
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for k, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return k
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@dataclass
+class Divergence:
+    request: int
+    index: int  # fork index
+    position: int
+    ref_token: int
+    got_token: int | None
+    gap: float | None  # reference's top-1 minus top-2 logprob at the position (None: greedy does not apply)
+    top: list | None
+
+    def __str__(self) -> str:
+        return (f"request {self.request}[{self.index}] diverges at output position {self.position}: reference "
+                f"token {self.ref_token}, got {self.got_token}; reference top-2 gap {self.gap} (top {self.top})")
+
+
+def compare_outputs(reference: Run | list[RequestOutput], got: Run | list[RequestOutput], label: str,
+                    requests: list[Req] | None = None, max_diverged: int = 1, near_tie: float = NEAR_TIE,
+                    logprob_tol: float | None = None) -> None:
+    """Assert `got` generates what `reference` did, request by request and fork by fork.
+
+    Greedy outputs may diverge in at most `max_diverged` sequences, and only at a near-tie: at the
+    first differing position the reference (run with logprobs >= 2) had its two best logits within
+    `near_tie` and `got` picked the runner-up. Sampled (temperature > 0) outputs of `requests` must
+    match exactly.
+    With logprob_tol, the sampled tokens' logprobs must also agree on the common prefix.
+    """
+    ref_outs = reference.outputs if isinstance(reference, Run) else reference
+    got_outs = got.outputs if isinstance(got, Run) else got
+    assert len(ref_outs) == len(got_outs)
+    diverged: list[Divergence] = []
+    worst_lp = 0.0
+    for i, (ref, out) in enumerate(zip(ref_outs, got_outs)):
+        assert ref.prompt_token_ids == out.prompt_token_ids, f"{label}: request {i} has another prompt"
+        assert len(ref.outputs) == len(out.outputs), f"{label}: request {i}: {len(out.outputs)} outputs"
+        for r, o in zip(ref.outputs, out.outputs):
+            k = first_difference(r.token_ids, o.token_ids)
+            common = len(r.token_ids) if k is None else k
+            if logprob_tol is not None and r.logprobs and o.logprobs:
+                for a, b in zip(r.logprobs[:common], o.logprobs[:common]):
+                    worst_lp = max(worst_lp, abs(a.logprob - b.logprob))
+            if k is None:
+                assert r.finish_reason == o.finish_reason, f"{label}: request {i}: finish reason differs"
+                continue
+            got_token = o.token_ids[k] if k < len(o.token_ids) else None
+            gap = top = None
+            if r.logprobs and k < len(r.logprobs) and len(r.logprobs[k].top) >= 2:
+                top = [(t, v) for t, _, v in r.logprobs[k].top[:2]]
+                gap = top[0][1] - top[1][1]
+            diverged.append(Divergence(i, o.index, k, r.token_ids[k] if k < len(r.token_ids) else None,
+                                       got_token, gap, top))
+    listing = "\n  ".join(map(str, diverged))
+    assert len(diverged) <= max_diverged, f"{label}: {len(diverged)} sequences diverged:\n  {listing}"
+    for d in diverged:
+        if requests is not None:
+            assert requests[d.request].params.greedy, f"{label}: a sampled (seeded) sequence diverged: {d}"
+        assert d.gap is not None, f"{label}: a sequence without top-2 logprobs diverged: {d}"
+        assert d.gap < near_tie and d.got_token == d.top[1][0], f"{label}: divergence not at a near-tie: {d}"
+    if logprob_tol is not None:
+        assert worst_lp <= logprob_tol, f"{label}: logprobs differ by up to {worst_lp:.3g} (> {logprob_tol})"

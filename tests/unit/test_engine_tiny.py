@@ -1,0 +1,331 @@
+"""The whole engine (scheduler, KV manager, runner, sampler, detokenizer) on tiny random GGUF models.
+
+Both tiny Llama and tiny Gemma 3 (5 of 6 layers with an 8-token sliding window; prompts are longer
+than the window and decoding goes past it). The same checks as tests/integration/test_engine.py,
+small enough to run in seconds: outputs do not depend on what else is batched, on chunked prefill,
+on prefix caching, on the block size or on preemption (swap and recompute); aborts leak nothing;
+n > 1 forks and copy-on-write are right.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from kvserve.config import TierLimits, engine_config_from_kwargs
+from kvserve.engine.sampling import SamplingParams
+from tests.engine_checks import (Req, assert_no_leaks, compare_outputs, drive, make_engine, shared_weights,
+                                 torch_threads)
+
+MAX_TOKENS = 10
+HOT = 5.0
+
+
+@pytest.fixture(scope="module")
+def _weights():
+    with torch_threads(1), shared_weights():
+        yield
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def tiny(request, _weights, tiny_llama_gguf, tiny_gemma_gguf):
+    return tiny_llama_gguf if request.param == "llama" else tiny_gemma_gguf
+
+
+def engine(path, **kwargs):
+    args = dict(dtype="float32", num_gpu_blocks_override=256, swap_space="2MiB", max_num_seqs=32)
+    args.update(kwargs)
+    return make_engine(path, **args)
+
+
+def rand_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 40_000) for _ in range(n)]
+
+
+def mixed_requests(seed: int = 0) -> list[Req]:
+    """16 requests: prompts of 3..70 tokens (four share a prefix of 29-40 tokens), mostly greedy with top-2
+    logprobs, two seeded samples and two seeded n=2 forks; output lengths differ, so sequences finish
+    at different steps and new ones are admitted into a running batch."""
+    rng = random.Random(seed)
+    shared = rand_tokens(rng, 40)
+    lengths = [3, 5, 9, 12, 17, 20, 31, 33, 47, 64, 70, 26, 15, 7, 38, 55]
+    reqs = []
+    for i, n in enumerate(lengths):
+        prompt = shared[:min(n - 2, 40)] + rand_tokens(rng, n - min(n - 2, 40)) if i % 2 == 0 and n > 20 \
+            else rand_tokens(rng, n)
+        max_tokens = MAX_TOKENS - (i % 4)
+        if i in (5, 11):
+            params = SamplingParams(temperature=HOT, seed=100 + i, max_tokens=max_tokens, ignore_eos=True)
+        elif i in (8, 13):
+            params = SamplingParams(n=2, temperature=HOT, seed=200 + i, max_tokens=max_tokens, ignore_eos=True,
+                                    logprobs=2)
+        else:
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+        reqs.append(Req(prompt, params))
+    return reqs
+
+
+def blocks_needed(reqs: list[Req], block_size: int = 16) -> tuple[int, int]:
+    """(blocks for the whole batch at its end, blocks for the largest single sequence)."""
+    each = [-(-(len(r.prompt) + r.params.max_tokens) // block_size) for r in reqs for _ in range(r.params.n)]
+    return sum(each), max(each)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """Each request alone (one in flight at a time) on one engine with prefix caching on; and that engine."""
+    reqs = mixed_requests()
+    eng = engine(tiny)
+    alone = [drive(eng, [r]).outputs[0] for r in reqs]
+    assert_no_leaks(eng)
+    return reqs, alone, eng
+
+
+CONDITIONS = {
+    "chunked prefill, budget 24, no prefix caching": dict(enable_prefix_caching=False, max_num_batched_tokens=24),
+    "no chunked prefill, budget 48": dict(enable_chunked_prefill=False, max_num_batched_tokens=48),
+    "block size 4, budget 40": dict(block_size=4, max_num_batched_tokens=40),
+    "swap preemption": dict(preemption_mode="swap", enable_prefix_caching=False),
+    "recompute preemption": dict(preemption_mode="recompute"),
+}
+
+
+def test_batch_with_prefix_hits_matches_alone(reference):
+    reqs, alone, eng = reference
+    run = drive(eng, reqs)  # the alone runs left every prompt's full blocks in the prefix cache
+    compare_outputs(alone, run, "batch of 16, prefix-cache hits", requests=reqs)
+    assert run.max_running >= 8
+    assert sum(ro.num_cached_tokens for ro in run.outputs) >= 16 * 8
+    assert_no_leaks(eng)
+
+
+@pytest.mark.parametrize("condition", list(CONDITIONS))
+def test_output_invariance(tiny, reference, condition):
+    reqs, alone, _ = reference
+    kwargs = dict(CONDITIONS[condition])
+    if "preemption" in condition:
+        total, largest = blocks_needed(reqs)
+        kwargs["num_gpu_blocks_override"] = max(largest + 1, total // 3)
+    eng = engine(tiny, **kwargs)
+    run = drive(eng, reqs)
+    compare_outputs(alone, run, condition, requests=reqs)
+    assert_no_leaks(eng)
+    if condition.startswith("chunked prefill"):
+        assert run.chunked_prefills > 0 and run.max_batched_tokens <= 24
+    if condition.startswith("no chunked"):
+        assert run.chunked_prefills == 0 and run.max_batched_tokens > 48  # the 64 and 70 token prompts ran alone
+    if condition == "swap preemption":
+        assert run.preemptions > 0 and run.max_swapped > 0 and run.swapped_in_blocks > 0
+    if condition == "recompute preemption":
+        assert run.preemptions > 0 and run.max_swapped == 0 and run.swapped_out_blocks == 0
+        assert sum(ro.metrics.num_preemptions for ro in run.outputs) == run.preemptions
+
+
+def test_long_generation_past_the_window(tiny):
+    """Decode far past the sliding window (and several blocks), alone and next to a chunked prompt."""
+    rng = random.Random(3)
+    long_gen = Req(rand_tokens(rng, 11), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2))
+    other = Req(rand_tokens(rng, 90), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2))
+    alone = [drive(engine(tiny), [r]).outputs[0] for r in (long_gen, other)]
+    eng = engine(tiny, max_num_batched_tokens=16, block_size=8)
+    run = drive(eng, [long_gen, other])
+    compare_outputs(alone, run, "long decode + chunked neighbour", requests=[long_gen, other])
+    assert_no_leaks(eng)
+
+
+# ---- forks (n > 1) and copy-on-write --------------------------------------------------------------
+
+def test_forks_seeded_distinct_reproducible_and_cow(tiny):
+    rng = random.Random(5)
+    prompt = rand_tokens(rng, 21)  # not block-aligned: the forks share a partial last block
+    eng = engine(tiny)
+    # A hot temperature: the random tiny models are very sure of themselves.
+    sampled = SamplingParams(n=4, temperature=HOT, seed=42, max_tokens=8, ignore_eos=True)
+    greedy = SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True)
+    run = drive(eng, [Req(prompt, sampled), Req(prompt, greedy)])
+    forks = [o.token_ids for o in run.outputs[0].outputs]
+    assert [o.index for o in run.outputs[0].outputs] == [0, 1, 2, 3]
+    assert len({tuple(f) for f in forks}) == 4, forks
+    assert all(len(f) == 8 for f in forks)
+    assert run.cow_copies > 0  # the shared partial block was copied before a fork wrote into it
+    assert_no_leaks(eng)
+
+    # Same seed, same outputs; fork i draws from seed + i, so it equals an n=1 request with that seed;
+    # greedy forks equal the n=1 greedy output (their K/V is right after copy-on-write).
+    singles = [Req(prompt, SamplingParams(temperature=HOT, seed=42 + i, max_tokens=8, ignore_eos=True))
+               for i in range(4)]
+    again = drive(eng, [Req(prompt, sampled), *singles, Req(prompt, SamplingParams(temperature=0, max_tokens=8,
+                                                                                   ignore_eos=True))])
+    assert [o.token_ids for o in again.outputs[0].outputs] == forks
+    assert [ro.outputs[0].token_ids for ro in again.outputs[1:5]] == forks
+    assert [o.token_ids for o in run.outputs[1].outputs] == [again.outputs[5].outputs[0].token_ids] * 3
+    assert_no_leaks(eng)
+
+
+def test_forks_when_the_first_token_ends_the_request(tiny):
+    """The parent finishes on the token it samples for all forks (max_tokens=1, a stop token, a stop
+    string): the forks must still get their token and share the prompt's blocks (regression: the
+    parent used to free them first, and forking it raised)."""
+    rng = random.Random(10)
+    prompt = rand_tokens(rng, 21)
+    eng = engine(tiny)
+    first = drive(eng, [Req(prompt, SamplingParams(temperature=0, max_tokens=1))]).outputs[0].outputs[0].token_ids
+    text = eng.tokenizer.decode(first)
+    reqs = [Req(prompt, SamplingParams(n=4, temperature=HOT, seed=1, max_tokens=1, logprobs=1)),
+            Req(prompt, SamplingParams(n=3, temperature=0, max_tokens=5, stop_token_ids=first)),
+            Req(prompt, SamplingParams(n=2, temperature=0, max_tokens=5, stop=[text] if text else ["~"]))]
+    run = drive(eng, reqs)
+    assert [len(ro.outputs) for ro in run.outputs] == [4, 3, 2]
+    assert all(len(o.token_ids) == 1 and o.finish_reason == "length" for o in run.outputs[0].outputs)
+    assert all(o.token_ids == first and o.finish_reason == "stop" and o.stop_reason == first[0]
+               for o in run.outputs[1].outputs)
+    if text:
+        assert all(o.token_ids == first and o.finish_reason == "stop" and o.text == ""
+                   for o in run.outputs[2].outputs)
+    assert_no_leaks(eng)
+
+
+def test_forks_under_preemption(tiny):
+    """Forked sequences hold shared blocks (not swappable): they are recomputed; outputs stay the same."""
+    rng = random.Random(6)
+    reqs = [Req(rand_tokens(rng, 18 + 7 * i), SamplingParams(n=3, temperature=HOT, seed=i, max_tokens=12,
+                                                            ignore_eos=True)) for i in range(6)]
+    ref = drive(engine(tiny), reqs)
+    total, largest = blocks_needed(reqs)
+    eng = engine(tiny, num_gpu_blocks_override=max(largest + 1, total // 3), preemption_mode="auto")
+    run = drive(eng, reqs)
+    assert run.preemptions > 0
+    assert run.tokens == ref.tokens
+    assert_no_leaks(eng)
+
+
+# ---- aborts ------------------------------------------------------------------------------------------
+
+def test_aborts_at_random_points_leak_nothing(tiny):
+    """Requests of every kind aborted while waiting, running, swapped out or mid-prefill, under
+    preemption pressure; the engine then still generates what a fresh one does."""
+    rng = random.Random(7)
+    shared = rand_tokens(rng, 48)
+    eng = engine(tiny, num_gpu_blocks_override=40, swap_space="1MiB", max_num_batched_tokens=64, max_num_seqs=16)
+    live: list[str] = []
+    aborted = 0
+    swapped_steps = 0
+    for step in range(60):
+        for _ in range(rng.randrange(0, 6)):
+            head = shared[:rng.randrange(1, 48)] if rng.random() < 0.4 else []
+            prompt = head + rand_tokens(rng, rng.randrange(1, 60))
+            params = SamplingParams(n=rng.choice([1, 1, 1, 2, 3]), temperature=rng.choice([0.0, 1.0]),
+                                    seed=rng.randrange(1000), max_tokens=rng.randrange(1, 30), ignore_eos=True)
+            live.append(eng.add_request(prompt, params, priority=rng.choice(["interactive", "batch"])))
+        for ro in eng.step():
+            if ro.finished:
+                live.remove(ro.request_id)
+        eng.kv.check_integrity()
+        swapped_steps += eng.scheduler.stats().swapped > 0
+        for rid in rng.sample(live, k=min(len(live), rng.randrange(0, 3))):
+            out = eng.abort_request(rid)
+            assert out is not None and out.finished
+            assert all(o.finish_reason is not None for o in out.outputs)
+            live.remove(rid)
+            aborted += 1
+    assert aborted > 20 and swapped_steps > 0  # some aborts found sequences swapped out
+    for rid in live:
+        eng.abort_request(rid)
+    assert eng.abort_request("no-such-request") is None
+    assert_no_leaks(eng)
+    req = Req(rand_tokens(rng, 30), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2))
+    compare_outputs(drive(engine(tiny), [req]), drive(eng, [req]), "after the aborts", requests=[req])
+    assert_no_leaks(eng)
+
+
+def test_async_cancel_frees_blocks(tiny):
+    from kvserve.engine.async_engine import AsyncLLM
+
+    rng = random.Random(8)
+    config = engine_config_from_kwargs(str(tiny), dtype="float32", num_gpu_blocks_override=64, swap_space=0)
+    llm = AsyncLLM(config).start()
+    try:
+        assert llm.wait_ready(60)
+        eng = llm.engine
+        baseline = eng.kv.usage().used_device_blocks
+        long_params = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0)
+
+        async def consume(started: asyncio.Event):
+            async for _ in llm.generate(rand_tokens(rng, 40), long_params):
+                started.set()
+
+        async def main():
+            started = asyncio.Event()
+            task = asyncio.create_task(consume(started))
+            waiter = asyncio.create_task(started.wait())
+            await asyncio.wait([waiter, task], timeout=60, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                task.result()  # it failed: raise its error here
+            assert started.is_set()
+            other = llm.generate(rand_tokens(rng, 20), SamplingParams(max_tokens=5, ignore_eos=True, temperature=0))
+            first = await other.__anext__()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            outs = [first] + [o async for o in other]
+            return outs[-1]
+
+        last = asyncio.run(main())
+        assert last.finished and len(last.outputs[0].token_ids) == 5
+        for _ in range(500):  # the abort is applied between steps of the engine thread
+            if not eng.has_unfinished_requests() and llm.num_inflight == 0:
+                break
+            time.sleep(0.01)
+        assert eng.kv.usage().used_device_blocks == baseline
+        assert_no_leaks(eng)
+    finally:
+        llm.stop()
+
+
+# ---- admission ---------------------------------------------------------------------------------------
+
+def test_admission_errors(tiny):
+    from kvserve.engine.errors import CapacityExhausted, ContextLengthExceeded
+
+    eng = engine(tiny, interactive=TierLimits(max_waiting=2))
+    rng = random.Random(9)
+    ids = [eng.add_request(rand_tokens(rng, 10), SamplingParams(max_tokens=4)) for _ in range(2)]
+    with pytest.raises(CapacityExhausted):
+        eng.add_request(rand_tokens(rng, 10), SamplingParams(max_tokens=4))
+    with pytest.raises(ContextLengthExceeded):
+        eng.add_request(rand_tokens(rng, eng.max_model_len), SamplingParams(max_tokens=4))
+    with pytest.raises(ContextLengthExceeded):
+        eng.add_request(rand_tokens(rng, 10), SamplingParams(max_tokens=eng.max_model_len))
+    for rid in ids:
+        eng.abort_request(rid)
+    assert_no_leaks(eng)
+
+
+# ---- the comparison itself ---------------------------------------------------------------------------
+
+def test_compare_outputs_allows_one_near_tie_only():
+    from kvserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+
+    def out(tokens, gaps=None):
+        lps = None if gaps is None else [Logprob(t, "", -0.1, 1, [(t, "", -0.1), (t + 1, "", -0.1 - g)])
+                                         for t, g in zip(tokens, gaps)]
+        return RequestOutput("r", None, [1], [CompletionOutput(0, token_ids=tokens, finish_reason="length",
+                                                               logprobs=lps)], True)
+
+    ref = [out([10, 20, 30], [0.5, 5e-5, 0.5]), out([10, 20, 30], [0.5, 0.5, 0.5])]
+    greedy = [Req([1], SamplingParams(temperature=0))] * 2
+    compare_outputs(ref, [out([10, 20, 30]), out([10, 20, 30])], "same")
+    compare_outputs(ref, [out([10, 21, 5]), out([10, 20, 30])], "runner-up at a near-tie", requests=greedy)
+    with pytest.raises(AssertionError, match="not at a near-tie"):
+        compare_outputs(ref, [out([10, 20, 30]), out([10, 21, 5])], "runner-up, clear winner")
+    with pytest.raises(AssertionError, match="not at a near-tie"):
+        compare_outputs(ref, [out([10, 22, 5]), out([10, 20, 30])], "not the runner-up")
+    with pytest.raises(AssertionError, match="2 sequences diverged"):
+        compare_outputs(ref, [out([10, 21, 5]), out([11, 20, 30])], "two")
+    with pytest.raises(AssertionError, match="sampled"):
+        compare_outputs(ref, [out([10, 21, 5]), out([10, 20, 30])], "sampled",
+                        requests=[Req([1], SamplingParams(temperature=1.0, seed=1))] * 2)
+    with pytest.raises(AssertionError, match="1 sequences diverged"):
+        compare_outputs(ref, [out([10, 21, 5]), out([10, 20, 30])], "none allowed", max_diverged=0)
