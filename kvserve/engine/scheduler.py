@@ -29,10 +29,16 @@ EXPECTED_OUTPUT_TOKENS = 256
 # Throughput assumed before the first measurement: low, so early estimates err towards refusing.
 DEFAULT_TOKENS_PER_S = 500.0
 THROUGHPUT_EWMA_ALPHA = 0.2
+# Prefill rate assumed before the first measurement, relative to the default decode rate.
+PREFILL_SPEEDUP = 8.0
 
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
 SWAPPED = SequenceStatus.SWAPPED
+
+
+def _ewma(prev: float | None, value: float) -> float:
+    return value if prev is None else prev + THROUGHPUT_EWMA_ALPHA * (value - prev)
 
 
 def _order_key(seq: Sequence) -> tuple[int, float, int]:
@@ -68,7 +74,7 @@ class _Tier:
     by_tenant: dict[str, deque[Sequence]] = field(default_factory=dict)  # only non-empty deques
     num_waiting: int = 0
     prompt_tokens: int = 0  # uncomputed tokens of waiting sequences (admission bound)
-    work_tokens: int = 0  # those plus expected output tokens (wait estimate)
+    output_tokens: int = 0  # expected output tokens of waiting sequences (wait estimate)
     served: dict[str, float] = field(default_factory=dict)  # VTC counter per tenant
     live: dict[str, int] = field(default_factory=dict)  # unfinished sequences per active tenant
 
@@ -76,7 +82,7 @@ class _Tier:
 @dataclass
 class _SeqState:
     queued_prompt_tokens: int = 0  # what this sequence added to its tier's counters while waiting
-    queued_work_tokens: int = 0
+    queued_output_tokens: int = 0
     decode_steps: int = 0  # tokens sampled since last admitted or swapped in (batch quantum)
 
 
@@ -119,6 +125,7 @@ class Scheduler:
         self._num_preemptions = 0
         self._default_tokens_per_s = default_tokens_per_s
         self._tokens_per_s: float | None = None
+        self._prefill_tokens_per_s: float | None = None
         self._step_started: float | None = None
 
     # ---- admission -----------------------------------------------------------------------------
@@ -140,13 +147,24 @@ class Scheduler:
             self._enqueue_back(seq)
 
     def estimated_queue_wait(self, tier: Priority) -> float:
-        """Seconds of queued work ahead of a request arriving now in `tier` (EWMA throughput)."""
-        ahead = sum(t.work_tokens for prio, t in self._tiers.items() if prio <= tier)
-        return ahead / self.tokens_per_s
+        """Seconds of queued work ahead of a request arriving now in `tier`.
+
+        Prompt tokens and generated tokens cost very differently (a prefill step computes thousands
+        of tokens in the time a decode step makes one per sequence), so each is timed at its own
+        EWMA rate: queued prompt tokens at the prefill rate, expected outputs at the decode rate.
+        """
+        ahead = [t for prio, t in self._tiers.items() if prio <= tier]
+        return (sum(t.prompt_tokens for t in ahead) / self.prefill_tokens_per_s
+                + sum(t.output_tokens for t in ahead) / self.tokens_per_s)
 
     @property
     def tokens_per_s(self) -> float:
+        """Generated (decode) tokens per second over the batch, EWMA."""
         return self._tokens_per_s or self._default_tokens_per_s
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self._prefill_tokens_per_s or PREFILL_SPEEDUP * self._default_tokens_per_s
 
     def _check_fits(self, seq: Sequence) -> None:
         cfg, p, max_tokens = self.config, seq.num_prompt_tokens, seq.sampling.max_tokens
@@ -449,7 +467,8 @@ class Scheduler:
                 seq.append_token(sampled[seq.seq_id])
                 self._record_token(seq, now)
             self.kv.cache_full_blocks(seq)
-        self._observe_throughput(output.num_batched_tokens, now)
+        decode = sum(1 for ss in output.scheduled if ss.num_new_tokens == 1)
+        self._observe_throughput(output.num_batched_tokens - decode, decode, now)
 
     def _record_token(self, seq: Sequence, now: float) -> None:
         t = seq.timings
@@ -459,13 +478,19 @@ class Scheduler:
         t.token_times.append(now)
         self._state[seq.seq_id].decode_steps += 1
 
-    def _observe_throughput(self, num_tokens: int, now: float) -> None:
+    def _observe_throughput(self, prefill: int, decode: int, now: float) -> None:
+        """Decode-only steps time the decode rate; steps with prefill time the prefill rate, after
+        taking off what their decodes cost at the decode rate."""
         started, self._step_started = self._step_started, None
-        if started is None or num_tokens <= 0 or now <= started:
+        if started is None or prefill + decode <= 0 or now <= started:
             return
-        rate = num_tokens / (now - started)
-        prev = self._tokens_per_s
-        self._tokens_per_s = rate if prev is None else prev + THROUGHPUT_EWMA_ALPHA * (rate - prev)
+        elapsed = now - started
+        if not prefill:
+            self._tokens_per_s = _ewma(self._tokens_per_s, decode / elapsed)
+            return
+        decode_time = decode / self._tokens_per_s if self._tokens_per_s else 0.0
+        self._prefill_tokens_per_s = _ewma(self._prefill_tokens_per_s, prefill / max(elapsed - decode_time,
+                                                                                      0.1 * elapsed))
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -601,10 +626,10 @@ class Scheduler:
         st.queued_prompt_tokens = seq.num_uncomputed_tokens
         max_tokens = seq.sampling.max_tokens
         expected = EXPECTED_OUTPUT_TOKENS if max_tokens is None else min(max_tokens, EXPECTED_OUTPUT_TOKENS)
-        st.queued_work_tokens = st.queued_prompt_tokens + expected
+        st.queued_output_tokens = expected
         tier.num_waiting += 1
         tier.prompt_tokens += st.queued_prompt_tokens
-        tier.work_tokens += st.queued_work_tokens
+        tier.output_tokens += st.queued_output_tokens
 
     def _dequeue(self, seq: Sequence) -> None:
         """Remove a waiting sequence from its tier's queue and counters."""
@@ -619,7 +644,7 @@ class Scheduler:
         st = self._state[seq.seq_id]
         tier.num_waiting -= 1
         tier.prompt_tokens -= st.queued_prompt_tokens
-        tier.work_tokens -= st.queued_work_tokens
+        tier.output_tokens -= st.queued_output_tokens
 
     def _remove_from_queues(self, seq: Sequence) -> None:
         if seq.status is RUNNING:

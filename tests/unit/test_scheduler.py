@@ -339,14 +339,16 @@ def test_admission_queued_prompt_tokens():
 
 def test_admission_estimated_wait_and_throughput_estimate():
     h = Harness(interactive=TierLimits(max_queue_wait_s=1.0))
-    h.sched._default_tokens_per_s = 100.0
-    h.add(prompt_len=90, max_tokens=20)  # 110 tokens of work ahead: 1.1 s
-    assert h.sched.estimated_queue_wait(I) == pytest.approx(1.1)
+    h.sched._default_tokens_per_s = 20.0  # decode; prefill defaults to PREFILL_SPEEDUP x that
+    h.add(prompt_len=80, max_tokens=20)  # 80 prompt tokens at 160/s + 20 outputs at 20/s: 1.5 s
+    assert h.sched.estimated_queue_wait(I) == pytest.approx(80 / 160 + 20 / 20)
     with pytest.raises(CapacityExhausted) as err:
         h.add(prompt_len=4)
     assert err.value.reason == "queue_wait" and err.value.retry_after >= 1.0
-    h.step()  # 90 tokens in 0.01 s: the EWMA now says 9000 tokens/s
-    assert h.sched.tokens_per_s == pytest.approx(9000.0)
+    h.step()  # a prefill-only step: 80 tokens in 0.01 s -> 8000 prefill tokens/s
+    assert h.sched.prefill_tokens_per_s == pytest.approx(8000.0)
+    h.step()  # a decode-only step: 1 token in 0.01 s -> 100 decode tokens/s
+    assert h.sched.tokens_per_s == pytest.approx(100.0)
     h.add(prompt_len=4)
 
 
@@ -484,7 +486,7 @@ def test_a_thousand_aborted_requests_leak_nothing():
     s = h.sched
     assert not s._state and not s._requests and not s._running and not s._swapped
     for tier in s._tiers.values():
-        assert tier.num_waiting == tier.prompt_tokens == tier.work_tokens == 0
+        assert tier.num_waiting == tier.prompt_tokens == tier.output_tokens == 0
         assert not tier.preempted and not tier.by_tenant and not tier.live
     out = h.step()
     assert out.is_empty
