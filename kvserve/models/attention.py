@@ -52,16 +52,22 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter new tokens' K/V ([T, Hkv, D]) into their cache slots."""
+    """Scatter new tokens' K/V ([T, Hkv, D]) into their cache slots (a 2-D row scatter, as _gather)."""
     h, nb, bs, d = key_cache.shape
-    key_cache.view(h, nb * bs, d).index_copy_(1, slot_mapping, key.transpose(0, 1).to(key_cache.dtype))
-    value_cache.view(h, nb * bs, d).index_copy_(1, slot_mapping, value.transpose(0, 1).to(value_cache.dtype))
+    rows = (torch.arange(h, device=key.device)[:, None] * (nb * bs) + slot_mapping[None, :]).reshape(-1)
+    key_cache.view(h * nb * bs, d).index_copy_(0, rows, key.transpose(0, 1).reshape(-1, d).to(key_cache.dtype))
+    value_cache.view(h * nb * bs, d).index_copy_(0, rows, value.transpose(0, 1).reshape(-1, d).to(value_cache.dtype))
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[H, N, bs, D] gathered at block_ids [k] -> [H, k * bs, D]."""
-    h, _, bs, d = cache.shape
-    return cache.index_select(1, block_ids).view(h, -1, d)
+    """[H, N, bs, D] gathered at block_ids [k] -> [H, k * bs, D].
+
+    Done as a row gather on the [H * N, bs * D] view (one contiguous block of one head per row):
+    torch's 2-D row index_select runs at copy speed, about twice the 4-D gather along dim 1.
+    """
+    h, n, bs, d = cache.shape
+    rows = (torch.arange(h, device=cache.device)[:, None] * n + block_ids[None, :]).reshape(-1)
+    return cache.view(h * n, bs * d).index_select(0, rows).view(h, -1, d)
 
 
 def _decode_mask(meta: AttentionMetadata, num_keys: int, key_offset: int, window: int | None,
