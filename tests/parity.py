@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.engine.runner import BatchItem, ModelRunner
+from kvserve.models.hf_reference import hf_model_from_checkpoint
 from kvserve.models.loader import Checkpoint, build_model
 
 BLOCK = 16
@@ -12,33 +13,7 @@ BLOCK = 16
 
 def hf_reference(ck: Checkpoint):
     """transformers' model for the same architecture with identical weights, float32, eager."""
-    c = ck.config
-    common = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                  num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-                  num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-                  max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings)
-    if c.architecture == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        cfg = LlamaConfig(rope_theta=c.rope_theta, **common)
-        model = LlamaForCausalLM(cfg)
-    else:
-        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-        cfg = Gemma3TextConfig(
-            sliding_window=c.sliding_window, query_pre_attn_scalar=int(c.query_pre_attn_scalar),
-            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": c.rope_theta},
-                             "sliding_attention": {"rope_type": "default", "rope_theta": c.rope_local_theta}},
-            layer_types=["sliding_attention" if c.is_sliding(i) else "full_attention" for i in range(c.num_layers)],
-            **common)
-        model = Gemma3ForCausalLM(cfg)
-    model.config._attn_implementation = "eager"
-    result = model.load_state_dict(ck.tensors, strict=False)
-    assert not result.unexpected_keys, result.unexpected_keys
-    assert set(result.missing_keys) <= {"lm_head.weight"}, result.missing_keys
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model.eval()
+    return hf_model_from_checkpoint(ck, torch.float32, attn="eager")
 
 
 @torch.no_grad()

@@ -122,42 +122,12 @@ def build_hf_model(model: str, dtype: str):
     import torch
 
     from kvserve.models.catalog import resolve_model
+    from kvserve.models.hf_reference import hf_model_from_checkpoint
     from kvserve.models.loader import load_checkpoint
 
     _, path = resolve_model(model)
-    ck = load_checkpoint(path)
-    c = ck.config
-    common = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                  num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-                  num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-                  max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings)
-    if c.architecture == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        hf = LlamaForCausalLM(LlamaConfig(rope_theta=c.rope_theta, **common))
-    elif c.architecture == "gemma3":
-        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-        cfg = Gemma3TextConfig(
-            sliding_window=c.sliding_window, query_pre_attn_scalar=int(c.query_pre_attn_scalar),
-            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": c.rope_theta},
-                             "sliding_attention": {"rope_type": "default", "rope_theta": c.rope_local_theta}},
-            layer_types=["sliding_attention" if c.is_sliding(i) else "full_attention" for i in range(c.num_layers)],
-            **common)
-        hf = Gemma3ForCausalLM(cfg)
-    else:
-        raise ValueError(f"no transformers class for {c.architecture}")
-    result = hf.load_state_dict(ck.tensors, strict=False)
-    if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
-        raise RuntimeError(f"weights do not match transformers' model: {result}")
-    if c.tie_word_embeddings:
-        hf.tie_weights()
-    del ck
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
-    hf = hf.to(torch_dtype).eval()
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    return hf
+    return hf_model_from_checkpoint(load_checkpoint(path), torch_dtype)
 
 
 def run_hf_static(hf, prompts: list[list[int]], lengths: list[int], batch: int) -> dict:

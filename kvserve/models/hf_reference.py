@@ -1,0 +1,43 @@
+"""transformers' own model for one of our checkpoints, with identical weights.
+
+The numerical reference of the parity tests and the static-batching baseline of the benchmarks.
+transformers is a test/bench dependency only, imported when this is called.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvserve.models.loader import Checkpoint
+
+
+def hf_model_from_checkpoint(ck: Checkpoint, dtype: torch.dtype = torch.float32, attn: str | None = None):
+    c = ck.config
+    common = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                  num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                  num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+                  max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings)
+    if c.architecture == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig(rope_theta=c.rope_theta, **common))
+    elif c.architecture == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        model = Gemma3ForCausalLM(Gemma3TextConfig(
+            sliding_window=c.sliding_window, query_pre_attn_scalar=int(c.query_pre_attn_scalar),
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": c.rope_theta},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": c.rope_local_theta}},
+            layer_types=["sliding_attention" if c.is_sliding(i) else "full_attention" for i in range(c.num_layers)],
+            **common))
+    else:
+        raise ValueError(f"no transformers class for architecture {c.architecture!r}")
+    if attn is not None:
+        model.config._attn_implementation = attn
+    result = model.load_state_dict(ck.tensors, strict=False)
+    if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
+        raise RuntimeError(f"weights do not match transformers' model: {result}")
+    if c.tie_word_embeddings:
+        model.tie_weights()
+    model.generation_config.eos_token_id = None  # generate exactly the asked-for tokens
+    model.generation_config.pad_token_id = 0
+    return model.to(dtype).eval()
