@@ -535,6 +535,9 @@ def render(a: argparse.Namespace) -> int:
     session = Session(root)
     made = plots(session, Path(a.plots))
     md = Report(session, Path(a.plots), Path(a.markdown)).render()
+    analysis = Path(a.plots) / "analysis.md"
+    if analysis.exists():  # hand-written reading of the numbers (targets, profile), kept across renders
+        md = md.rstrip("\n") + "\n\n" + analysis.read_text()
     Path(a.markdown).parent.mkdir(parents=True, exist_ok=True)
     Path(a.markdown).write_text(md)
     print(f"wrote {a.markdown}" + (f" and {', '.join(str(p) for p in made)}" if made else ""))
