@@ -30,15 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.bench_cmd == "serve":
-        from kvserve.bench.loadgen import run_args
+        from kvserve.bench.loadgen import run_cli
 
-        argv = sys.argv[sys.argv.index("serve") + 1:] if "serve" in sys.argv else None
-        try:
-            result = run_args(args, argv)
-        except (ValueError, RuntimeError) as e:
-            print(f"kvserve bench serve: error: {e}", file=sys.stderr)
-            return 2
-        return 0 if result["completed"] > 0 else 1
+        return run_cli(args, sys.argv[sys.argv.index("serve") + 1:] if "serve" in sys.argv else None)
     if args.bench_cmd == "suite":
         from kvserve.bench.suite import finish_args, run_suite
 

@@ -633,7 +633,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_bench_arguments(parser)
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    return run_cli(parser.parse_args(argv), argv)
+
+
+def run_cli(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """Run parsed `kvserve bench serve` arguments; the exit status (2: bad arguments, 1: nothing completed)."""
     try:
         result = run_args(args, argv)
     except (ValueError, RuntimeError) as e:
