@@ -297,8 +297,10 @@ def _split_candidates_numpy(tokens: Sequence[str], vocab: Mapping[str, int]) -> 
 
 
 def _bos_eos_post_processor(
-    backend: _BackendTokenizer, bos: str | None, eos: str | None, add_bos: bool, add_eos: bool
+    backend: _BackendTokenizer, bos_id: int | None, eos_id: int | None, add_bos: bool, add_eos: bool
 ) -> Any:
+    bos = backend.id_to_token(bos_id) if bos_id is not None else None
+    eos = backend.id_to_token(eos_id) if eos_id is not None else None
     single, pair, specials = "$A", "$A $B", []
     if add_bos and bos is not None:
         single, pair = f"{bos} {single}", f"{bos} $A {bos} $B"
@@ -470,13 +472,7 @@ class Tokenizer:
         # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise.
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
-        backend.post_processor = _bos_eos_post_processor(
-            backend,
-            backend.id_to_token(bos) if bos is not None else None,
-            backend.id_to_token(eos) if eos is not None else None,
-            add_bos,
-            add_eos,
-        )
+        backend.post_processor = _bos_eos_post_processor(backend, bos, eos, add_bos, add_eos)
         template = meta.get("tokenizer.chat_template")
         if not template:
             template = _shipped_template("gemma" if backend.token_to_id("<start_of_turn>") is not None else "chatml")
@@ -525,13 +521,7 @@ class Tokenizer:
             want_bos = bool(config.get("add_bos_token", has_bos))
             want_eos = bool(config.get("add_eos_token", has_eos))
             if (want_bos, want_eos) != (has_bos, has_eos):
-                backend.post_processor = _bos_eos_post_processor(
-                    backend,
-                    backend.id_to_token(bos) if bos is not None else None,
-                    backend.id_to_token(eos) if eos is not None else None,
-                    want_bos,
-                    want_eos,
-                )
+                backend.post_processor = _bos_eos_post_processor(backend, bos, eos, want_bos, want_eos)
         template = _hf_chat_template(root, config)
         if not template:
             template = _shipped_template("gemma" if backend.token_to_id("<start_of_turn>") is not None else "chatml")
