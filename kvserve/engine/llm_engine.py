@@ -57,10 +57,12 @@ class _RequestState:
     def output(self, model: str) -> RequestOutput:
         parent = self.seqs[0].seq
         t = parent.timings
+        finished_time = None
+        if self.finished:
+            finished_time = max((s.seq.timings.finished or 0.0) for s in self.seqs) or None
         metrics = RequestMetrics(arrival_time=self.arrival, first_scheduled_time=t.first_scheduled,
                                  first_token_time=t.first_token, last_token_time=t.last_token,
-                                 finished_time=max((s.seq.timings.finished or 0.0) for s in self.seqs) or None
-                                 if self.finished else None,
+                                 finished_time=finished_time,
                                  queue_time=t.queue_time,
                                  num_preemptions=sum(s.seq.num_preemptions for s in self.seqs))
         # Shallow copies: the engine rebinds (never mutates) delta fields, so a snapshot handed to
