@@ -9,6 +9,10 @@ One forward pass carries a flattened batch: the first `num_decode_tokens` tokens
 decodes (one per sequence), the rest are prefill chunks, one contiguous run per sequence. Decodes are
 attended in one batched gather + matmul over their block tables; each prefill chunk is one SDPA call
 over its gathered context (a handful per step, never a per-token loop).
+
+On the CPU, decode attention and the K/V writes go through the native kernels of
+`kvserve.kernels.cpu` when they build (they read the cache through the block tables in place instead
+of gathering a dense copy per layer); the torch code below is the reference and the fallback.
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from kvserve.kernels import cpu as cpu_kernels
 
 
 @dataclass
@@ -87,8 +93,26 @@ def _decode_mask(meta: AttentionMetadata, num_keys: int, key_offset: int, window
     return mask
 
 
-def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+def _native_kernels(cache: torch.Tensor) -> "cpu_kernels.NativeKernels | None":
+    if cache.device.type != "cpu":
+        return None
+    lib = cpu_kernels.load()
+    return lib if lib is not None and lib.supports(cache) else None
+
+
+def _decode_attention(native: "cpu_kernels.NativeKernels | None", query: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                      window: int | None) -> torch.Tensor:
+    """The decodes' attention [D, Hq, hd], by the native kernel or by the torch reference."""
+    if native is not None:
+        return native.decode_attention(query[:meta.num_decode_tokens], key_cache, value_cache,
+                                       meta.decode_block_tables, meta.decode_context_lens, scale, window)
+    return _decode_attention_torch(query, key_cache, value_cache, meta, scale, window)
+
+
+def _decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+    """One gather over the block tables, then masked batched matmuls (any device)."""
     d = meta.num_decode_tokens
     num_kv_heads, _, bs, head_dim = key_cache.shape
     group = query.shape[1] // num_kv_heads
@@ -139,12 +163,17 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
     Writes the new K/V into the cache first, then attends through the block tables.
     """
-    write_kv(key_cache, value_cache, key, value, meta.slot_mapping)
-    if meta.num_decode_tokens and not meta.prefills:
-        return _decode_attention(query, key_cache, value_cache, meta, scale, sliding_window)
+    native = _native_kernels(key_cache)
+    if native is not None:
+        native.write_kv(key_cache, value_cache, key, value, meta.slot_mapping)
+    else:
+        write_kv(key_cache, value_cache, key, value, meta.slot_mapping)
+    d = meta.num_decode_tokens
+    if d and not meta.prefills:
+        return _decode_attention(native, query, key_cache, value_cache, meta, scale, sliding_window)
     out = torch.empty_like(query)
-    if meta.num_decode_tokens:
-        out[:meta.num_decode_tokens] = _decode_attention(query, key_cache, value_cache, meta, scale, sliding_window)
+    if d:
+        out[:d] = _decode_attention(native, query, key_cache, value_cache, meta, scale, sliding_window)
     for chunk in meta.prefills:
         o = _prefill_attention(query, key, value, key_cache, value_cache, chunk, scale, sliding_window)
         out[chunk.query_start:chunk.query_start + chunk.query_len] = o.transpose(0, 1)

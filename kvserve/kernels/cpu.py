@@ -1,0 +1,145 @@
+"""Build, cache and call the CPU paged-attention kernels (`paged_attention_cpu.cpp`) through ctypes.
+
+The source is compiled once per machine with the system g++ (-O3 -march=native -fopenmp) into
+`$KVSERVE_KERNEL_CACHE` (default ~/.cache/kvserve/kernels), keyed by a hash of the source, the
+compiler and the CPU's flags, so a cache shared between machines never loads a binary built for
+another CPU. Without a compiler, or with KVSERVE_NATIVE_KERNELS=0, `load()` returns None and
+attention stays on the torch path: the kernels are a speed-up, never a requirement.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
+# Never -ffast-math: linking it adds crtfastmath, which turns on flush-to-zero for the whole process.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+_lock = threading.Lock()
+_library: "NativeKernels | None | bool" = False  # False: not tried yet
+
+
+def enabled() -> bool:
+    return os.environ.get("KVSERVE_NATIVE_KERNELS", "1") not in ("0", "false", "no", "")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVSERVE_KERNEL_CACHE", Path.home() / ".cache" / "kvserve" / "kernels"))
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compile the kernels (or reuse the cached build); returns the shared library's path."""
+    cxx = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler (g++) found")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_flags()]).encode())
+    name = f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
+    for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"kvserve-kernels-{os.getuid()}"):
+        target = folder / name
+        if target.exists():
+            return target
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if os.access(folder, os.W_OK):
+                break
+        except OSError:  # a read-only home: build under the temp dir instead
+            continue
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"compiling {SOURCE.name} failed:\n{proc.stderr[-2000:]}")
+        os.replace(out, target)  # atomic: concurrent builders each land a complete file
+    return target
+
+
+class NativeKernels:
+    """The loaded library, with typed entry points per dtype."""
+
+    def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path))  # CDLL calls release the GIL
+        self.path = path
+        self._decode, self._write = {}, {}
+        for dtype, suffix in _SUFFIX.items():
+            f = getattr(lib, f"kvserve_decode_attention_{suffix}")
+            f.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR] + [_I64] * 7 + [_F32]
+            f.restype = None
+            self._decode[dtype] = f
+            w = getattr(lib, f"kvserve_write_kv_{suffix}")
+            w.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR] + [_I64] * 4
+            w.restype = None
+            self._write[dtype] = w
+
+    def supports(self, cache: torch.Tensor) -> bool:
+        return cache.device.type == "cpu" and cache.dtype in self._decode and cache.is_contiguous()
+
+    def write_kv(self, key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """key/value [T, Hkv, D] -> cache slots; slots are int64 and contiguous."""
+        h, nb, bs, d = key_cache.shape
+        key, value = _rows(key.to(key_cache.dtype)), _rows(value.to(key_cache.dtype))
+        self._write[key_cache.dtype](key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0),
+                                     key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
+                                     key.shape[0], h, nb * bs, d)
+
+    def decode_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                         window: int | None) -> torch.Tensor:
+        """query [D, Hq, hd] -> [D, Hq, hd]; block_tables [D, max_blocks] and context_lens [D] int64."""
+        h, nb, bs, d = key_cache.shape
+        query = _rows(query.to(key_cache.dtype))
+        num_seqs, num_heads = query.shape[0], query.shape[1]
+        out = torch.empty((num_seqs, num_heads, d), dtype=key_cache.dtype)
+        self._decode[key_cache.dtype](query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+                                      block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
+                                      out.data_ptr(), num_seqs, num_heads, h, nb, bs, d, window or 0, scale)
+        return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] with each token's heads contiguous (any token stride), as the kernels read it."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
+
+
+def load() -> NativeKernels | None:
+    """The kernels, built on first call; None (and one warning) when they cannot be built."""
+    global _library
+    if _library is not False:
+        return _library
+    with _lock:
+        if _library is False:
+            if not enabled():
+                _library = None
+            else:
+                try:
+                    _library = NativeKernels(build())
+                except Exception as exc:  # no compiler, failed build: the torch path still serves
+                    log.warning("native CPU attention kernels unavailable, using the torch path: %s", exc)
+                    _library = None
+    return _library

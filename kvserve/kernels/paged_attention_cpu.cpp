@@ -1,0 +1,287 @@
+// Paged-attention decode and KV-cache writes for the CPU, reading K/V in place through block tables.
+//
+// The torch path gathers every decode sequence's blocks into a dense copy per layer and then runs
+// many tiny GEMMs; here each (sequence, kv head) task streams its blocks once for the scores and once
+// for the values, so a decode step reads the KV cache once at memory speed. Built by
+// kvserve/kernels/cpu.py with g++ -O3 -march=native -fopenmp and called through ctypes (the GIL is
+// released for the call). OpenMP resolves to the libgomp torch has already loaded, so torch's thread
+// pool and this one are the same threads.
+//
+// Layouts (row-major): query [tokens, q_heads, head_dim] with a token stride; caches
+// [kv_heads, num_blocks, block_size, head_dim]; block_tables [seqs, table_stride] int64;
+// context_lens [seqs] int64 (including the new token); out [seqs, q_heads, head_dim] contiguous.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+struct bf16 { uint16_t bits; };
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) {
+  uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void store(float x, float* dst) { *dst = x; }
+inline void store(float x, bf16* dst) {  // round to nearest even, as torch's float -> bfloat16
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if (std::isnan(x)) { dst->bits = 0x7FC0; return; }
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  dst->bits = static_cast<uint16_t>(u >> 16);
+}
+
+
+#if defined(__AVX512F__)
+// 16 lanes of a row as fp32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// exp over 16 lanes: 2^(x log2 e) split into 2^n (scalef) and a degree-6 polynomial for 2^f, f in [-0.5, 0.5];
+// relative error ~2e-7, as good as expf for a softmax.
+inline __m512 exp16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// r[j] = sum of the 16 lanes of v[j]: a transposing tree of unpacks and shuffles (about 3 ops per row
+// instead of a dependent horizontal reduction per row).
+inline __m512 hsum16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [v2i, v2i+1, v2i, v2i+1] partial sums
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per lane: rows 4i..4i+3
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
+#endif
+
+// One (sequence, kv head) task: the group's query rows q [group, hd] (fp32, pre-scaled) against the
+// visible keys [start, len) of one head, through the block table; writes out [group, hd].
+// Keys are visited block by block (no per-key division); `scores` holds group * (len - start) floats.
+template <typename T>
+struct Task {
+  const float* q;
+  int64_t group, hd;
+  const T* k_head;
+  const T* v_head;
+  const int64_t* table;
+  int64_t block_size, start, len;
+  float* scores;
+  T* out;
+
+  int64_t n() const { return len - start; }
+  // f(t, row pointer) for every visible key of the given cache head, in order.
+  template <typename F>
+  void for_each_key(const T* head, F&& f) const {
+    for (int64_t b = start / block_size; b * block_size < len; ++b) {
+      const int64_t t0 = std::max(start, b * block_size), t1 = std::min(len, (b + 1) * block_size);
+      const T* row = head + (table[b] * block_size + (t0 - b * block_size)) * hd;
+      for (int64_t t = t0; t < t1; ++t, row += hd) f(t - start, row);
+    }
+  }
+};
+
+template <typename T>
+void softmax_rows(float* scores, int64_t rows, int64_t n) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* sg = scores + g * n;
+    float mx = -INFINITY, sum = 0.f;
+    int64_t i0 = 0;
+#if defined(__AVX512F__)
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (; i0 + 16 <= n; i0 += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sg + i0));
+    mx = _mm512_reduce_max_ps(vmax);
+#endif
+    for (int64_t i = i0; i < n; ++i) mx = std::max(mx, sg[i]);
+    i0 = 0;
+#if defined(__AVX512F__)
+    __m512 vsum = _mm512_setzero_ps();
+    const __m512 vmx = _mm512_set1_ps(mx);
+    for (; i0 + 16 <= n; i0 += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + i0), vmx));
+      _mm512_storeu_ps(sg + i0, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    sum = _mm512_reduce_add_ps(vsum);
+#endif
+    for (int64_t i = i0; i < n; ++i) { sg[i] = std::exp(sg[i] - mx); sum += sg[i]; }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
+  }
+}
+
+// Portable version (any head_dim, any ISA).
+template <typename T>
+void attend_generic(const Task<T>& task, std::vector<float>& acc) {
+  const int64_t n = task.n(), hd = task.hd;
+  for (int64_t g = 0; g < task.group; ++g) {
+    const float* qg = task.q + g * hd;
+    float* sg = task.scores + g * n;
+    task.for_each_key(task.k_head, [&](int64_t i, const T* k) {
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < hd; ++d) dot += qg[d] * to_float(k[d]);
+      sg[i] = dot;
+    });
+  }
+  softmax_rows<T>(task.scores, task.group, n);
+  acc.assign(task.group * hd, 0.f);
+  task.for_each_key(task.v_head, [&](int64_t i, const T* v) {
+    for (int64_t g = 0; g < task.group; ++g) {
+      const float p = task.scores[g * n + i];
+      float* ag = acc.data() + g * hd;
+      for (int64_t d = 0; d < hd; ++d) ag[d] += p * to_float(v[d]);
+    }
+  });
+  for (int64_t j = 0; j < task.group * hd; ++j) store(acc[j], task.out + j);
+}
+
+#if defined(__AVX512F__)
+// head_dim = 16 * C, accumulators held in registers (query rows one at a time, at most 8 vectors live).
+template <typename T, int C>
+void attend_avx512(const Task<T>& task) {
+  const int64_t n = task.n();
+  constexpr int64_t hd = 16 * C;
+  for (int64_t g = 0; g < task.group; ++g) {
+    __m512 qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(task.q + g * hd + 16 * c);
+    float* sg = task.scores + g * n;
+    __m512 part[16];  // per-key partial sums, reduced 16 keys at a time
+    task.for_each_key(task.k_head, [&](int64_t i, const T* k) {
+      __m512 a = _mm512_mul_ps(qv[0], load16(k));
+      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], load16(k + 16 * c), a);
+      part[i & 15] = a;
+      if ((i & 15) == 15) _mm512_storeu_ps(sg + i - 15, hsum16(part));
+    });
+    if (const int64_t rem = n & 15) {
+      for (int64_t j = rem; j < 16; ++j) part[j] = _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(sg + n - rem, static_cast<__mmask16>((1u << rem) - 1), hsum16(part));
+    }
+  }
+  softmax_rows<T>(task.scores, task.group, n);
+  constexpr int W = C < 8 ? C : 8;
+  alignas(64) float tmp[16 * W];
+  for (int64_t g = 0; g < task.group; ++g) {
+    const float* pg = task.scores + g * n;
+    for (int c0 = 0; c0 < C; c0 += W) {
+      __m512 acc[W];
+      for (int c = 0; c < W; ++c) acc[c] = _mm512_setzero_ps();
+      task.for_each_key(task.v_head, [&](int64_t i, const T* v) {
+        const __m512 p = _mm512_set1_ps(pg[i]);
+        for (int c = 0; c < W; ++c) acc[c] = _mm512_fmadd_ps(p, load16(v + 16 * (c0 + c)), acc[c]);
+      });
+      for (int c = 0; c < W; ++c) _mm512_store_ps(tmp + 16 * c, acc[c]);
+      T* dst = task.out + g * hd + 16 * c0;
+      for (int j = 0; j < 16 * W; ++j) store(tmp[j], dst + j);
+    }
+  }
+}
+#endif
+
+template <typename T>
+void attend(const Task<T>& task, std::vector<float>& acc) {
+#if defined(__AVX512F__)
+  switch (task.hd) {
+    case 64: return attend_avx512<T, 4>(task);
+    case 128: return attend_avx512<T, 8>(task);
+    case 256: return attend_avx512<T, 16>(task);
+    default: break;
+  }
+#endif
+  attend_generic(task, acc);
+}
+
+template <typename T>
+void decode_attention(const T* query, int64_t query_token_stride, const T* key_cache, const T* value_cache,
+                      const int64_t* block_tables, int64_t table_stride, const int64_t* context_lens, T* out,
+                      int64_t num_seqs, int64_t num_q_heads, int64_t num_kv_heads, int64_t num_blocks,
+                      int64_t block_size, int64_t head_dim, int64_t window, float scale) {
+  const int64_t group = num_q_heads / num_kv_heads;
+  const int64_t hd = head_dim;
+#pragma omp parallel
+  {
+    std::vector<float> q(group * hd), acc, scores;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < num_seqs * num_kv_heads; ++task) {
+      const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
+      const int64_t len = context_lens[s];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      scores.resize(group * (len - start));
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = query + s * query_token_stride + (h * group + g) * hd;
+        for (int64_t d = 0; d < hd; ++d) q[g * hd + d] = to_float(src[d]) * scale;
+      }
+      const int64_t head_stride = num_blocks * block_size * hd;
+      attend(Task<T>{q.data(), group, hd, key_cache + h * head_stride, value_cache + h * head_stride,
+                     block_tables + s * table_stride, block_size, start, len, scores.data(),
+                     out + (s * num_q_heads + h * group) * hd},
+             acc);
+    }
+  }
+}
+
+// key/value [tokens, kv_heads, head_dim] with a token stride (heads contiguous) -> cache slots.
+template <typename T>
+void write_kv(const T* key, const T* value, int64_t key_token_stride, int64_t value_token_stride, T* key_cache,
+              T* value_cache, const int64_t* slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
+              int64_t num_slots, int64_t head_dim) {
+  const size_t row = head_dim * sizeof(T);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slot_mapping[t];
+    if (slot < 0) continue;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      std::memcpy(key_cache + (h * num_slots + slot) * head_dim, key + t * key_token_stride + h * head_dim, row);
+      std::memcpy(value_cache + (h * num_slots + slot) * head_dim, value + t * value_token_stride + h * head_dim, row);
+    }
+  }
+}
+
+}  // namespace
+
+#define KVSERVE_EXPORT(SUFFIX, T)                                                                                  \
+  extern "C" void kvserve_decode_attention_##SUFFIX(                                                            \
+      const void* query, int64_t query_token_stride, const void* key_cache, const void* value_cache,              \
+      const int64_t* block_tables, int64_t table_stride, const int64_t* context_lens, void* out, int64_t num_seqs, \
+      int64_t num_q_heads, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size, int64_t head_dim,        \
+      int64_t window, float scale) {                                                                             \
+    decode_attention<T>(static_cast<const T*>(query), query_token_stride, static_cast<const T*>(key_cache),      \
+                        static_cast<const T*>(value_cache), block_tables, table_stride, context_lens,            \
+                        static_cast<T*>(out), num_seqs, num_q_heads, num_kv_heads, num_blocks, block_size,       \
+                        head_dim, window, scale);                                                                \
+  }                                                                                                              \
+  extern "C" void kvserve_write_kv_##SUFFIX(const void* key, const void* value, int64_t key_token_stride,        \
+                                            int64_t value_token_stride, void* key_cache, void* value_cache,      \
+                                            const int64_t* slot_mapping, int64_t num_tokens,                     \
+                                            int64_t num_kv_heads, int64_t num_slots, int64_t head_dim) {         \
+    write_kv<T>(static_cast<const T*>(key), static_cast<const T*>(value), key_token_stride, value_token_stride,  \
+                static_cast<T*>(key_cache), static_cast<T*>(value_cache), slot_mapping, num_tokens,              \
+                num_kv_heads, num_slots, head_dim);                                                              \
+  }
+
+KVSERVE_EXPORT(f32, float)
+KVSERVE_EXPORT(bf16, bf16)

@@ -1,0 +1,150 @@
+"""The native CPU paged-attention kernels agree with the torch reference path they replace."""
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+
+from kvserve.kernels import cpu as cpu_kernels
+from kvserve.models import attention as A
+
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler on this machine")
+
+
+@pytest.fixture(scope="module")
+def native():
+    lib = cpu_kernels.load()
+    assert lib is not None, "g++ is present, so the kernels must build"
+    return lib
+
+
+def _paged_setup(dtype, num_seqs, num_heads, num_kv_heads, head_dim, block_size, lens, seed=0):
+    """Random caches with each sequence's blocks scattered over the pool; padded block tables as the runner makes."""
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max((n + block_size - 1) // block_size for n in lens)
+    num_blocks = sum((n + block_size - 1) // block_size for n in lens) + 7
+    shape = A.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+    kc = torch.randn(shape, generator=g).to(dtype)
+    vc = torch.randn(shape, generator=g).to(dtype)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for n in lens:
+        need = (n + block_size - 1) // block_size
+        tables.append([free.pop() for _ in range(need)] + [0] * (max_blocks - need))
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=g).to(dtype)
+    meta = A.AttentionMetadata(slot_mapping=torch.zeros(num_seqs, dtype=torch.long), num_decode_tokens=num_seqs,
+                               decode_block_tables=torch.tensor(tables), decode_context_lens=torch.tensor(lens),
+                               decode_max_context=max(lens), decode_min_context=min(lens))
+    return q, kc, vc, meta
+
+
+CASES = [  # (heads, kv heads, head_dim, block size, window): SmolLM2, Gemma 3 (local and global), generic dims
+    (9, 3, 64, 16, None),
+    (4, 1, 256, 16, 512),
+    (4, 1, 256, 16, None),
+    (8, 8, 128, 8, None),
+    (6, 2, 48, 16, 20),  # head_dim not a multiple of 16: the portable path
+    (2, 1, 32, 4, 7),
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", CASES)
+def test_decode_attention_matches_torch(native, dtype, heads, kv_heads, head_dim, block_size, window):
+    rng = random.Random(head_dim * 31 + block_size)
+    lens = [1, 2, block_size, block_size + 1] + [rng.randint(1, 700) for _ in range(8)]
+    q, kc, vc, meta = _paged_setup(dtype, len(lens), heads, kv_heads, head_dim, block_size, lens)
+    scale = head_dim ** -0.5
+    ref = A._decode_attention_torch(q, kc, vc, meta, scale, window)
+    out = native.decode_attention(q, kc, vc, meta.decode_block_tables, meta.decode_context_lens, scale, window)
+    assert out.shape == ref.shape and out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:  # both accumulate in fp32; the torch path rounds its probabilities to bf16 before P @ V
+        torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=3e-2)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_torch_from_a_fused_projection_view(native, dtype):
+    heads, kv_heads, hd, bs, tokens = 9, 3, 64, 16, 37
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * hd).to(dtype)
+    _, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    k, v = k.view(tokens, kv_heads, hd), v.view(tokens, kv_heads, hd)  # strided views, as the model passes them
+    slots = torch.randperm(20 * bs)[:tokens]
+    shape = A.kv_cache_shape(20, bs, kv_heads, hd)
+    ref_k, ref_v, nat_k, nat_v = (torch.zeros(shape, dtype=dtype) for _ in range(4))
+    A.write_kv(ref_k, ref_v, k, v, slots)
+    native.write_kv(nat_k, nat_v, k, v, slots)
+    assert torch.equal(ref_k, nat_k) and torch.equal(ref_v, nat_v)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_same_with_and_without_native_kernels(native, dtype, monkeypatch):
+    """A mixed step (decodes + a fresh prefill + a continued chunk) through both paths of paged_attention."""
+    heads, kv_heads, hd, bs = 9, 3, 64, 16
+    g = torch.Generator().manual_seed(3)
+    shape = A.kv_cache_shape(64, bs, kv_heads, hd)
+    base_k, base_v = torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+    dec_lens = [5, 40, 100]  # context incl. the new token
+    tables = [list(range(0, 1)), list(range(1, 4)), list(range(4, 11))]
+    prefill_table = list(range(11, 14))  # fresh prompt of 33 tokens
+    cont_table = list(range(14, 18))  # 20 cached + 30 new tokens
+    slots = [tables[i][(n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(dec_lens)]
+    slots += [prefill_table[p // bs] * bs + p % bs for p in range(33)]
+    slots += [cont_table[p // bs] * bs + p % bs for p in range(20, 50)]
+    total = len(slots)
+    q = torch.randn(total, heads, hd, generator=g).to(dtype)
+    k = torch.randn(total, kv_heads, hd, generator=g).to(dtype)
+    v = torch.randn(total, kv_heads, hd, generator=g).to(dtype)
+    max_blocks = max(len(t) for t in tables)
+
+    def run():
+        meta = A.AttentionMetadata(
+            slot_mapping=torch.tensor(slots), num_decode_tokens=3,
+            decode_block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables]),
+            decode_context_lens=torch.tensor(dec_lens), decode_max_context=100, decode_min_context=5,
+            prefills=[A.PrefillChunk(3, 33, 33, torch.tensor(prefill_table)),
+                      A.PrefillChunk(36, 30, 50, torch.tensor(cont_table))])
+        kc, vc = base_k.clone(), base_v.clone()
+        out = A.paged_attention(q, k, v, kc, vc, meta, hd ** -0.5)
+        return out, kc, vc
+
+    with_native = run()
+    monkeypatch.setattr(cpu_kernels, "_library", None)  # as when no compiler is found
+    reference = run()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0, atol=3e-2)
+    torch.testing.assert_close(with_native[0].float(), reference[0].float(), **tol)
+    assert torch.equal(with_native[1], reference[1]) and torch.equal(with_native[2], reference[2])
+
+
+@needs_compiler
+def test_loading_the_library_keeps_denormals(native):
+    """A library linked with -ffast-math would set flush-to-zero process-wide and change sampling."""
+    tiny = torch.tensor([1e-38], dtype=torch.float32) / 1000
+    assert tiny.item() != 0.0
+
+
+@needs_compiler
+def test_build_is_cached_per_source_and_falls_back_when_disabled(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_KERNEL_CACHE", str(tmp_path))
+    first = cpu_kernels.build()
+    assert first.parent == tmp_path and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_kernels.build() == first and first.stat().st_mtime_ns == mtime  # reused, not rebuilt
+    monkeypatch.setenv("KVSERVE_NATIVE_KERNELS", "0")
+    monkeypatch.setattr(cpu_kernels, "_library", False)
+    assert cpu_kernels.load() is None
+
+
+def test_missing_compiler_is_an_error_that_load_turns_into_the_torch_path(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "build", lambda: (_ for _ in ()).throw(RuntimeError("no C++ compiler")))
+    monkeypatch.setattr(cpu_kernels, "_library", False)
+    monkeypatch.setenv("KVSERVE_NATIVE_KERNELS", "1")
+    assert cpu_kernels.load() is None
+    q, kc, vc, meta = _paged_setup(torch.float32, 2, 4, 2, 16, 4, [3, 9])
+    assert A._native_kernels(kc) is None
