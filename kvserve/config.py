@@ -95,6 +95,7 @@ class EngineConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     seed: int = 0
     int4_decode: bool = True  # CPU + bfloat16: small decode batches read the GGUF's own Q4_0/Q4_1 weights packed
+    onednn_weights: bool = True  # CPU + bfloat16: projections use weights pre-reordered into oneDNN's blocked layout
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

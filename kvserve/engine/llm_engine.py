@@ -101,7 +101,8 @@ class LLMEngine:
         self.max_model_len = sched_cfg.max_model_len
         torch.manual_seed(config.seed)
         model = build_model(checkpoint, self.dtype, self.device, max_positions=self.max_model_len,
-                            int4_decode=config.int4_decode)
+                            int4_decode=config.int4_decode,
+                            onednn_weights=config.onednn_weights)
         del checkpoint
 
         cache_cfg = config.cache

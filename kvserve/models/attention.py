@@ -139,21 +139,23 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                        window: int | None) -> torch.Tensor:
     s, n = chunk.query_start, chunk.query_len
     group = query.shape[1] // key.shape[1]
-    q = query[s:s + n].transpose(0, 1)  # [Hq, n, D]
+    # SDPA inputs are 4-D ([1, heads, tokens, D]): with 3-D inputs torch's CPU dispatcher skips its flash
+    # kernel for the math path, 5-25x slower on prompts of 128-2048 tokens here.
+    q = query[s:s + n].transpose(0, 1)[None]
     if chunk.start_pos == 0 and (window is None or n <= window):
         # A fresh prompt sees only its own tokens: attend to this step's K/V, no gather needed.
-        k = key[s:s + n].transpose(0, 1)
-        v = value[s:s + n].transpose(0, 1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
-    k = _gather(key_cache, chunk.block_table)[:, :chunk.context_len]
-    v = _gather(value_cache, chunk.block_table)[:, :chunk.context_len]
+        k = key[s:s + n].transpose(0, 1)[None]
+        v = value[s:s + n].transpose(0, 1)[None]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)[0]
+    k = _gather(key_cache, chunk.block_table)[None, :, :chunk.context_len]
+    v = _gather(value_cache, chunk.block_table)[None, :, :chunk.context_len]
     qpos = torch.arange(chunk.start_pos, chunk.context_len, device=query.device)[:, None]
     kpos = torch.arange(chunk.context_len, device=query.device)[None, :]
     allowed = kpos <= qpos
     if window is not None:
         allowed &= kpos > qpos - window
     return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed, scale=scale,
-                                          enable_gqa=group > 1)
+                                          enable_gqa=group > 1)[0]
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

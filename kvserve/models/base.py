@@ -8,7 +8,7 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.models.attention import AttentionMetadata
-from kvserve.models.layers import Embedding, FusedLinear, Linear, RMSNorm, frozen
+from kvserve.models.layers import Embedding, FusedLinear, Linear, RMSNorm, frozen, onednn_linear, prepack_onednn
 
 # HF checkpoint names of the projections that we fuse into one matmul.
 _FUSED = {
@@ -33,6 +33,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=self.norm_unit_offset)
         self.lm_head_weight = None if config.tie_word_embeddings else frozen(
             torch.empty(config.vocab_size, config.hidden_size))
+        self.lm_head_onednn = None  # the LM head in oneDNN's blocked layout (prepack_onednn)
 
     def make_rotary(self) -> nn.Module:
         """Rotary tables shared by the layers (buffers, built once)."""
@@ -56,7 +57,20 @@ class CausalLM(nn.Module):
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head_onednn is not None:
+            return onednn_linear(hidden, self.lm_head_onednn, None).float()
         return torch.nn.functional.linear(hidden, self.lm_head).float()
+
+    def prepack_onednn(self) -> None:
+        """Reorder every projection (and the LM head) into oneDNN's layout; the dense copies are freed,
+        except the LM head's when it is tied to the embedding table, which lookups still read."""
+        for module in self.modules():
+            if isinstance(module, (FusedLinear, Linear)):
+                module.onednn = prepack_onednn(module.weight.data)
+                module.weight.data = module.weight.data.new_empty(0)
+        self.lm_head_onednn = prepack_onednn(self.lm_head.data)
+        if self.lm_head_weight is not None:
+            self.lm_head_weight.data = self.lm_head_weight.data.new_empty(0)
 
     # ---- weights -------------------------------------------------------------------------
     def attach_int4(self, int4: dict, dtype: torch.dtype) -> int:

@@ -96,6 +96,7 @@ class FusedLinear(nn.Module):
         self.weight = frozen(torch.empty(sum(out_features), in_features))
         self.bias = frozen(torch.zeros(sum(out_features))) if bias else None
         self.packed = None  # PackedInt4 for small-batch decode (models/int4.py)
+        self.onednn = None  # the weight in oneDNN's blocked layout (prepack_onednn)
 
     def load(self, parts: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> None:
         self.weight.data = torch.cat(parts, dim=0).to(self.weight.dtype).contiguous()
@@ -112,6 +113,7 @@ class Linear(nn.Module):
         self.weight = frozen(torch.empty(out_features, in_features))
         self.bias = frozen(torch.zeros(out_features)) if bias else None
         self.packed = None  # PackedInt4 for small-batch decode (models/int4.py)
+        self.onednn = None  # the weight in oneDNN's blocked layout (prepack_onednn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(self, x)
@@ -122,7 +124,45 @@ def linear(module: "Linear | FusedLinear", x: torch.Tensor) -> torch.Tensor:
     packed = module.packed
     if packed is not None and x.shape[0] <= MAX_PACKED_ROWS and x.dtype == packed.dtype:
         return packed.matmul(x)
+    if module.onednn is not None:
+        return onednn_linear(x, module.onednn, module.bias)
     return F.linear(x, module.weight, module.bias)
+
+
+def onednn_prepack_available() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def prepack_onednn(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 [out, in] weight reordered once into oneDNN's blocked layout (an opaque tensor).
+
+    F.linear hands oneDNN a plain-layout weight and it reorders it on every call; with the reorder
+    done at load time the projections ran 1.3-1.9x faster at 1-300 rows on this machine's AMX cores
+    (same results: it is the same kernel). Inductor's CPU freezing pass does the same.
+    """
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
+def onednn_rows(m: int) -> int:
+    """Rows a matmul of m rows is run at: exact up to 16, then multiples of 16.
+
+    oneDNN builds (JIT-compiles, 1-3 ms) a kernel per distinct shape; a serving engine's token counts
+    take hundreds of values, so unbucketed it spends its first minutes compiling and can overflow the
+    primitive cache. The padded rows are nearly free: at these sizes the matmul is bound by reading
+    the weight.
+    """
+    return m if m <= 16 else (m + 15) // 16 * 16
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    m = x.shape[0]
+    padded = onednn_rows(m)
+    if padded != m:
+        x = torch.cat([x, x.new_zeros(padded - m, x.shape[1])])
+    out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")[:m]
+    return out.view(*shape[:-1], out.shape[-1])
 
 
 class SelfAttention(nn.Module):

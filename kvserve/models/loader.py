@@ -17,6 +17,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.models.gguf_file import GGUFFile, GGUFTensor
+from kvserve.models.layers import onednn_prepack_available
 from kvserve.models.int4 import Q4_0, Q4_1, Int4Weight, packed_kernel_available, unpack_gguf_q4
 
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
@@ -280,11 +281,13 @@ def model_class(config: ModelConfig):
 
 
 def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
-                max_positions: int | None = None, int4_decode: bool = True):
+                max_positions: int | None = None, int4_decode: bool = True, onednn_weights: bool = True):
     """Instantiate the model on `device` in `dtype` and load the checkpoint's weights into it.
 
     int4_decode: on the CPU in bfloat16, also keep the file's Q4_0/Q4_1 matrices packed for
     small-batch decode (see models/int4.py).
+    onednn_weights: on the CPU in bfloat16, reorder the projection weights once into oneDNN's blocked
+    layout (see layers.prepack_onednn), instead of on every matmul.
     """
     from dataclasses import replace
 
@@ -297,6 +300,8 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
     if int4_decode and checkpoint.int4 and device.type == "cpu" and dtype == torch.bfloat16 \
             and packed_kernel_available():
         model.attach_int4(checkpoint.int4, dtype)
+    if onednn_weights and device.type == "cpu" and dtype == torch.bfloat16 and onednn_prepack_available():
+        model.prepack_onednn()
     model.eval()
     return model
 
