@@ -82,6 +82,7 @@ class NativeKernels:
 
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))  # CDLL calls release the GIL
+        self._lib = lib
         self.path = path
         self._decode, self._write = {}, {}
         for dtype, suffix in _SUFFIX.items():
@@ -93,6 +94,17 @@ class NativeKernels:
             w.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR] + [_I64] * 4
             w.restype = None
             self._write[dtype] = w
+        self._rms_norm = self._bind("rms_norm", [_PTR] + [_I64] * 5 + [_PTR, _F32, _I64, _PTR])
+        self._rotary = self._bind("rotary", [_PTR] + [_I64] * 4 + [_PTR, _PTR, _PTR])
+        self._gated_act = self._bind("gated_act", [_PTR, _I64, _I64, _I64, _PTR])
+
+    def _bind(self, name: str, argtypes: list) -> dict:
+        fns = {}
+        for dtype, suffix in _SUFFIX.items():
+            f = getattr(self._lib, f"kvserve_{name}_{suffix}")
+            f.argtypes, f.restype = argtypes, None
+            fns[dtype] = f
+        return fns
 
     def supports(self, cache: torch.Tensor) -> bool:
         return cache.device.type == "cpu" and cache.dtype in self._decode and cache.is_contiguous()
@@ -117,6 +129,38 @@ class NativeKernels:
         self._decode[key_cache.dtype](query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
                                       block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
                                       out.data_ptr(), num_seqs, num_heads, h, nb, bs, d, window or 0, scale)
+        return out
+
+
+    # ---- fused elementwise ops (CPU tensors of a supported dtype; callers check `handles`) ----
+    def handles(self, x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.dtype in self._decode
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+        """RMSNorm of x [..., dim] (2-D, or 3-D with rows contiguous) -> a new contiguous tensor."""
+        if x.stride(-1) != 1 or x.dim() not in (2, 3) or weight.dtype != x.dtype:
+            x = x.reshape(-1, x.shape[-1]).contiguous() if x.dim() != 3 else x.contiguous()
+        weight = weight.to(x.dtype).contiguous()
+        a, b = x.shape[0], (x.shape[1] if x.dim() == 3 else 1)
+        sa, sb = x.stride(0), (x.stride(1) if x.dim() == 3 else 0)
+        out = torch.empty(x.shape, dtype=x.dtype)
+        self._rms_norm[x.dtype](x.data_ptr(), a, b, sa, sb, x.shape[-1], weight.data_ptr(), eps, int(unit_offset),
+                                out.data_ptr())
+        return out
+
+    def rotary_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate-half rotary in place on x [T, heads, dim] (heads contiguous); cos/sin fp32 [positions, dim]."""
+        x = _rows(x)
+        self._rotary[x.dtype](x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), x.shape[2], positions.data_ptr(),
+                              cos.data_ptr(), sin.data_ptr())
+        return x
+
+    def gated_act(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+        """act(gate) * up for gate_up [T, 2n] (gate first) -> [T, n]; activation 'silu' or 'gelu_tanh'."""
+        gate_up = gate_up.contiguous()
+        t, n = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((t, n), dtype=gate_up.dtype)
+        self._gated_act[gate_up.dtype](gate_up.data_ptr(), t, n, 0 if activation == "silu" else 1, out.data_ptr())
         return out
 
 

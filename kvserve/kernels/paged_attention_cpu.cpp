@@ -47,6 +47,20 @@ inline __m512 load16(const bf16* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+inline void store16(__m512 v, float* p) { _mm512_storeu_ps(p, v); }
+inline void store16(__m512 v, bf16* p) {  // round to nearest even (finite values), as store()
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+inline __m512 round16(__m512 v, const float*) { return v; }
+inline __m512 round16(__m512 v, const bf16*) {  // the value a bf16 store would keep
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
 
 // exp over 16 lanes: 2^(x log2 e) split into 2^n (scalef) and a degree-6 polynomial for 2^f, f in [-0.5, 0.5];
 // relative error ~2e-7, as good as expf for a softmax.
@@ -261,6 +275,112 @@ void write_kv(const T* key, const T* value, int64_t key_token_stride, int64_t va
   }
 }
 
+
+// ---- fused elementwise ops of a decoder layer (one pass each instead of 3-8 torch ops) ----
+
+inline float round_to(float x, const float*) { return x; }
+inline float round_to(float x, const bf16*) { bf16 b; store(x, &b); return to_float(b); }
+
+// RMSNorm over rows of width `dim` of a [a, b, dim] view (strides sa, sb; rows contiguous), into a
+// contiguous [a * b, dim] output. Llama: weight * dtype(x * r), rounded as torch rounds it; Gemma
+// (unit_offset): dtype(x * r * (1 + weight)), the reference's float32 scaling.
+template <typename T>
+void rms_norm(const T* x, int64_t a, int64_t b, int64_t sa, int64_t sb, int64_t dim, const T* weight, float eps,
+              bool unit_offset, T* out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t row = 0; row < a * b; ++row) {
+    const T* xr = x + (row / b) * sa + (row % b) * sb;
+    T* o = out + row * dim;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < dim; ++i) { const float v = to_float(xr[i]); ss += v * v; }
+    const float r = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+    int64_t i0 = 0;
+#if defined(__AVX512F__)
+    const __m512 vr = _mm512_set1_ps(r), one = _mm512_set1_ps(1.f);
+    for (; i0 + 16 <= dim; i0 += 16) {
+      const __m512 h = _mm512_mul_ps(load16(xr + i0), vr), w = load16(weight + i0);
+      store16(unit_offset ? _mm512_mul_ps(h, _mm512_add_ps(one, w)) : _mm512_mul_ps(w, round16(h, o)), o + i0);
+    }
+#endif
+    for (int64_t i = i0; i < dim; ++i) {
+      const float h = to_float(xr[i]) * r, w = to_float(weight[i]);
+      store(unit_offset ? h * (1.f + w) : w * round_to(h, o), o + i);
+    }
+  }
+}
+
+// Rotate-half rotary embedding in place on x [tokens, heads, dim] (token stride st, heads contiguous),
+// cos/sin fp32 tables [max_positions, dim] looked up by position; computed in fp32, rounded once.
+template <typename T>
+void rotary(T* x, int64_t tokens, int64_t heads, int64_t st, int64_t dim, const int64_t* positions,
+            const float* cos_table, const float* sin_table) {
+  const int64_t half = dim / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* c = cos_table + positions[t] * dim;
+    const float* sn = sin_table + positions[t] * dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      T* v = x + t * st + h * dim;
+      int64_t i0 = 0;
+#if defined(__AVX512F__)
+      for (; i0 + 16 <= half; i0 += 16) {
+        const __m512 x1 = load16(v + i0), x2 = load16(v + i0 + half);
+        store16(_mm512_fmsub_ps(x1, _mm512_loadu_ps(c + i0), _mm512_mul_ps(x2, _mm512_loadu_ps(sn + i0))), v + i0);
+        store16(_mm512_fmadd_ps(x2, _mm512_loadu_ps(c + i0 + half), _mm512_mul_ps(x1, _mm512_loadu_ps(sn + i0 + half))),
+                v + i0 + half);
+      }
+#endif
+      for (int64_t i = i0; i < half; ++i) {
+        const float x1 = to_float(v[i]), x2 = to_float(v[i + half]);
+        store(x1 * c[i] - x2 * sn[i], v + i);
+        store(x2 * c[i + half] + x1 * sn[i + half], v + i + half);
+      }
+    }
+  }
+}
+
+// out [tokens, n] = act(gate) * up from gate_up [tokens, 2n]; act 0 = SiLU, 1 = GELU (tanh approximation).
+template <typename T>
+void gated_act(const T* gate_up, int64_t tokens, int64_t n, int act, T* out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* g = gate_up + t * 2 * n;
+    const T* u = g + n;
+    T* o = out + t * n;
+    int64_t i0 = 0;
+#if defined(__AVX512F__)
+    const __m512 one = _mm512_set1_ps(1.f), half = _mm512_set1_ps(0.5f);
+    for (; i0 + 16 <= n; i0 += 16) {
+      const __m512 x = load16(g + i0);
+      __m512 a;
+      if (act == 0) {  // x * sigmoid(x)
+        a = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+      } else {  // 0.5 x (1 + tanh(y)), tanh(y) = 1 - 2 / (exp(2y) + 1)
+        const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+        const __m512 y = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                       _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
+        const __m512 e = exp16(_mm512_add_ps(y, y));
+        const __m512 th = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
+        a = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, th));
+      }
+      store16(_mm512_mul_ps(round16(a, o), load16(u + i0)), o + i0);
+    }
+#endif
+    for (int64_t i = i0; i < n; ++i) {
+      const float x = to_float(g[i]);
+      float a;
+      if (act == 0) {
+        a = x / (1.f + std::exp(-x));
+      } else {
+        const float y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+        a = 0.5f * x * (1.f + std::tanh(y));
+      }
+      store(round_to(a, o) * to_float(u[i]), o + i);
+    }
+  }
+}
+
 }  // namespace
 
 #define KVSERVE_EXPORT(SUFFIX, T)                                                                                  \
@@ -285,3 +405,23 @@ void write_kv(const T* key, const T* value, int64_t key_token_stride, int64_t va
 
 KVSERVE_EXPORT(f32, float)
 KVSERVE_EXPORT(bf16, bf16)
+
+#define KVSERVE_EXPORT_ELEMENTWISE(SUFFIX, T)                                                                    \
+  extern "C" void kvserve_rms_norm_##SUFFIX(const void* x, int64_t a, int64_t b, int64_t sa, int64_t sb,         \
+                                            int64_t dim, const void* weight, float eps, int64_t unit_offset,     \
+                                            void* out) {                                                         \
+    rms_norm<T>(static_cast<const T*>(x), a, b, sa, sb, dim, static_cast<const T*>(weight), eps, unit_offset != 0, \
+                static_cast<T*>(out));                                                                           \
+  }                                                                                                              \
+  extern "C" void kvserve_rotary_##SUFFIX(void* x, int64_t tokens, int64_t heads, int64_t st, int64_t dim,       \
+                                          const int64_t* positions, const float* cos_table,                      \
+                                          const float* sin_table) {                                              \
+    rotary<T>(static_cast<T*>(x), tokens, heads, st, dim, positions, cos_table, sin_table);                     \
+  }                                                                                                              \
+  extern "C" void kvserve_gated_act_##SUFFIX(const void* gate_up, int64_t tokens, int64_t n, int64_t act,        \
+                                             void* out) {                                                        \
+    gated_act<T>(static_cast<const T*>(gate_up), tokens, n, static_cast<int>(act), static_cast<T*>(out));      \
+  }
+
+KVSERVE_EXPORT_ELEMENTWISE(f32, float)
+KVSERVE_EXPORT_ELEMENTWISE(bf16, bf16)

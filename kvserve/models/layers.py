@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.kernels import cpu as cpu_kernels
 from kvserve.models.int4 import MAX_PACKED_ROWS
 
 
@@ -24,12 +25,23 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        native = _native(x)
+        if native is not None and self.weight.dtype == x.dtype:
+            return native.rms_norm(x, self.weight, self.eps, self.unit_offset)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:  # Gemma: scale in float32, then cast (as the reference does)
             return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)  # Llama: cast, then scale
+
+
+def _native(x: torch.Tensor) -> "cpu_kernels.NativeKernels | None":
+    """The fused CPU kernels when they serve this tensor (CPU, fp32/bf16, built), else None: torch ops."""
+    if x.device.type != "cpu":
+        return None
+    lib = cpu_kernels.load()
+    return lib if lib is not None and lib.handles(x) else None
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -59,12 +71,25 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.max_positions = max_positions
+        cos, sin = self._tables(torch.device("cpu"))
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
         self.half = head_dim // 2
+
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), self.inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1).to(device)
+        return emb.cos(), emb.sin()
+
+    def _apply(self, fn, recurse=True):
+        """Moves follow the model; dtype casts do not: the tables stay float32 (the native kernel reads them
+        so, and the torch path casts each lookup, as the reference computes cos/sin in float32 then casts)."""
+        super()._apply(fn, recurse)
+        if self.cos.dtype != torch.float32:
+            self.cos, self.sin = self._tables(self.cos.device)
+        return self
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +97,15 @@ class Rotary(nn.Module):
 
         `cache` (per forward pass) keeps the looked-up cos/sin so the layers share one lookup.
         """
+        native = _native(q)
+        if native is not None and k.dtype == q.dtype:
+            if cache is None or ("rotary_checked", id(self)) not in cache:  # the kernel does not bounds-check
+                if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+                    raise IndexError(f"position {int(positions.max())} beyond the rotary table ({self.cos.shape[0]})")
+                if cache is not None:
+                    cache[("rotary_checked", id(self))] = True
+            return (native.rotary_(q, positions, self.cos, self.sin),
+                    native.rotary_(k, positions, self.cos, self.sin))
         key = ("rotary", id(self))
         found = cache.get(key) if cache is not None else None
         if found is None:
@@ -211,6 +245,9 @@ class GatedMLP(nn.Module):
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        native = _native(x)
+        if native is not None:
+            return self.down_proj(native.gated_act(linear(self.gate_up_proj, x), self.activation))
         gate, up = self.gate_up_proj(x)
         if self.activation == "silu":
             gate = F.silu(gate)

@@ -148,3 +148,87 @@ def test_missing_compiler_is_an_error_that_load_turns_into_the_torch_path(monkey
     assert cpu_kernels.load() is None
     q, kc, vc, meta = _paged_setup(torch.float32, 2, 4, 2, 16, 4, [3, 9])
     assert A._native_kernels(kc) is None
+
+
+# ---- fused elementwise kernels against the torch code of models/layers.py ----------------------------
+
+def _torch_path(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_library", None)
+
+
+def _close(out, ref, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:  # one rounding instead of the torch path's several: within a bf16 ulp or two
+        torch.testing.assert_close(out.float(), ref.float(), rtol=1.6e-2, atol=1e-2)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_rms_norm_matches_torch(native, dtype, unit_offset, monkeypatch):
+    from kvserve.models.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(1)
+    norm = RMSNorm(72, 1e-6, unit_offset=unit_offset)
+    norm.weight.data = (torch.randn(72, generator=g) * 0.3 + (0 if unit_offset else 1)).to(dtype)
+    hidden = (torch.randn(13, 72, generator=g) * 3).to(dtype)  # 72: a 16-lane body and a scalar tail
+    qkv = torch.randn(5, 7 * 72, generator=g).to(dtype)
+    heads = qkv[:, :4 * 72].view(5, 4, 72)  # QK-norm input: a strided view of the fused projection
+    from kvserve.models import layers
+
+    assert layers._native(hidden) is native  # the kernel path runs first, then the torch one
+    outs = [norm(hidden), norm(heads)]
+    _torch_path(monkeypatch)
+    assert layers._native(hidden) is None
+    refs = [norm(hidden), norm(heads)]
+    for out, ref in zip(outs, refs):
+        assert out.shape == ref.shape and out.dtype == dtype
+        _close(out, ref, dtype)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_matches_torch_in_place_on_projection_views(native, dtype, monkeypatch):
+    from kvserve.models.layers import Rotary
+
+    rot = Rotary(64, 512, 10000.0).to(dtype)  # as build_model casts the whole model
+    assert rot.cos.dtype == torch.float32  # the tables the kernel reads stay float32
+    g = torch.Generator().manual_seed(2)
+    positions = torch.tensor([0, 1, 7, 300, 511, 42])
+    qkv = torch.randn(6, (9 + 2 * 3) * 64, generator=g).to(dtype)
+
+    def views(t):
+        return t[:, :9 * 64].view(6, 9, 64), t[:, 9 * 64:12 * 64].view(6, 3, 64)
+
+    q, k = rot(positions, *views(qkv.clone()), {})
+    _torch_path(monkeypatch)
+    q_ref, k_ref = rot(positions, *views(qkv.clone()), {})
+    _close(q, q_ref, dtype)
+    _close(k, k_ref, dtype)
+
+
+@needs_compiler
+def test_rotary_refuses_positions_beyond_its_table(native):
+    from kvserve.models.layers import Rotary
+
+    rot = Rotary(16, 8, 10000.0)
+    q = torch.randn(2, 2, 16)
+    with pytest.raises(IndexError):
+        rot(torch.tensor([3, 8]), q, q.clone(), {})
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_mlp_matches_torch(native, dtype, activation, monkeypatch):
+    from kvserve.models.layers import GatedMLP
+
+    g = torch.Generator().manual_seed(4)
+    mlp = GatedMLP(40, 56, activation)  # 56: not a multiple of 16
+    mlp.gate_up_proj.weight.data = (torch.randn(112, 40, generator=g) * 0.5).to(dtype)
+    mlp.down_proj.weight.data = (torch.randn(40, 56, generator=g) * 0.2).to(dtype)
+    x = (torch.randn(9, 40, generator=g) * 2).to(dtype)
+    out = mlp(x)
+    _torch_path(monkeypatch)
+    _close(out, mlp(x), dtype)
