@@ -99,6 +99,8 @@ inline __m512 hsum16(const __m512* v) {
 template <typename T>
 struct Task {
   const float* q;
+  const T* q_raw;  // the same rows as stored (unscaled), group rows hd apart
+  float scale;
   int64_t group, hd;
   const T* k_head;
   const T* v_head;
@@ -217,8 +219,86 @@ void attend_avx512(const Task<T>& task) {
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// bfloat16 with AVX512-BF16: q.k and p.v as bf16 pair dot products (VDPBF16PS) on the rows as stored,
+// no conversions; p is rounded to bf16 as the torch path rounds it. head_dim = 32 * C.
+template <int C>
+void attend_bf16_dp(const Task<bf16>& task, std::vector<int64_t>& rows, std::vector<uint16_t>& probs) {
+  const int64_t n = task.n();
+  constexpr int64_t hd = 32 * C;
+  rows.resize(n + 1);
+  task.for_each_key(task.k_head, [&](int64_t i, const bf16* k) { rows[i] = k - task.k_head; });
+  rows[n] = rows[n - 1];  // the partner of an odd last key (weighted 0)
+  // The rows are scattered 2 KiB blocks in DRAM: ask for the values' lines now, while q.k runs.
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t off = 0; off < hd * 2; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(task.v_head + rows[i]) + off, _MM_HINT_T1);
+  const __m512 scale = _mm512_set1_ps(task.scale);
+  for (int64_t g = 0; g < task.group; ++g) {
+    __m512bh qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(task.q_raw + g * hd + 32 * c);
+    float* sg = task.scores + g * n;
+    __m512 part[16];
+    for (int64_t i = 0; i < n; ++i) {
+      const bf16* k = task.k_head + rows[i];
+      if (g == 0 && i + 16 < n)
+        for (int64_t off = 0; off < hd * 2; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(task.k_head + rows[i + 16]) + off, _MM_HINT_T0);
+      __m512 a = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+      part[i & 15] = a;
+      if ((i & 15) == 15) _mm512_storeu_ps(sg + i - 15, _mm512_mul_ps(hsum16(part), scale));
+    }
+    if (const int64_t rem = n & 15) {
+      for (int64_t j = rem; j < 16; ++j) part[j] = _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(sg + n - rem, static_cast<__mmask16>((1u << rem) - 1), _mm512_mul_ps(hsum16(part), scale));
+    }
+  }
+  softmax_rows<bf16>(task.scores, task.group, n);
+  const int64_t n2 = (n + 1) & ~int64_t(1);
+  probs.resize(task.group * n2);
+  for (int64_t g = 0; g < task.group; ++g) {
+    for (int64_t i = 0; i < n; ++i) store(task.scores[g * n + i], reinterpret_cast<bf16*>(&probs[g * n2 + i]));
+    if (n2 != n) probs[g * n2 + n] = 0;
+  }
+  for (int64_t g = 0; g < task.group; ++g) {
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(probs.data() + g * n2);
+    __m512 acc[2 * C];
+    for (int c = 0; c < 2 * C; ++c) acc[c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 2) {
+      const bf16* v0 = task.v_head + rows[i];
+      const bf16* v1 = task.v_head + rows[i + 1];
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[i / 2]));
+      for (int c = 0; c < C; ++c) {
+        const __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
+        // per 128-bit lane: (v0[d], v1[d]) pairs for d = 8L..8L+3 (lo) and 8L+4..8L+7 (hi)
+        acc[2 * c] = _mm512_dpbf16_ps(acc[2 * c], p, (__m512bh)_mm512_unpacklo_epi16(a, b));
+        acc[2 * c + 1] = _mm512_dpbf16_ps(acc[2 * c + 1], p, (__m512bh)_mm512_unpackhi_epi16(a, b));
+      }
+    }
+    bf16* dst = task.out + g * hd;
+    for (int c = 0; c < C; ++c) {  // back to dimension order: [lo.L0 hi.L0 lo.L1 hi.L1], [lo.L2 hi.L2 lo.L3 hi.L3]
+      const __m512 lo = acc[2 * c], hi = acc[2 * c + 1];
+      const __m512 x = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m512 y = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));
+      store16(_mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(3, 1, 2, 0)), dst + 32 * c);
+      store16(_mm512_shuffle_f32x4(y, y, _MM_SHUFFLE(3, 1, 2, 0)), dst + 32 * c + 16);
+    }
+  }
+}
+#endif
+
+struct Scratch {
+  std::vector<float> acc;
+  std::vector<int64_t> rows;
+  std::vector<uint16_t> probs;
+};
+
+inline void attend(const Task<bf16>& task, Scratch& scratch);
+inline void attend(const Task<float>& task, Scratch& scratch);
+
 template <typename T>
-void attend(const Task<T>& task, std::vector<float>& acc) {
+void attend_any(const Task<T>& task, Scratch& scratch) {
 #if defined(__AVX512F__)
   switch (task.hd) {
     case 64: return attend_avx512<T, 4>(task);
@@ -227,7 +307,20 @@ void attend(const Task<T>& task, std::vector<float>& acc) {
     default: break;
   }
 #endif
-  attend_generic(task, acc);
+  attend_generic(task, scratch.acc);
+}
+
+inline void attend(const Task<float>& task, Scratch& scratch) { attend_any(task, scratch); }
+inline void attend(const Task<bf16>& task, Scratch& scratch) {
+#if defined(__AVX512BF16__)
+  switch (task.hd) {
+    case 64: return attend_bf16_dp<2>(task, scratch.rows, scratch.probs);
+    case 128: return attend_bf16_dp<4>(task, scratch.rows, scratch.probs);
+    case 256: return attend_bf16_dp<8>(task, scratch.rows, scratch.probs);
+    default: break;
+  }
+#endif
+  attend_any(task, scratch);
 }
 
 template <typename T>
@@ -239,7 +332,8 @@ void decode_attention(const T* query, int64_t query_token_stride, const T* key_c
   const int64_t hd = head_dim;
 #pragma omp parallel
   {
-    std::vector<float> q(group * hd), acc, scores;
+    std::vector<float> q(group * hd), scores;
+    Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_seqs * num_kv_heads; ++task) {
       const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
@@ -251,10 +345,10 @@ void decode_attention(const T* query, int64_t query_token_stride, const T* key_c
         for (int64_t d = 0; d < hd; ++d) q[g * hd + d] = to_float(src[d]) * scale;
       }
       const int64_t head_stride = num_blocks * block_size * hd;
-      attend(Task<T>{q.data(), group, hd, key_cache + h * head_stride, value_cache + h * head_stride,
-                     block_tables + s * table_stride, block_size, start, len, scores.data(),
-                     out + (s * num_q_heads + h * group) * hd},
-             acc);
+      attend(Task<T>{q.data(), query + s * query_token_stride + h * group * hd, scale, group, hd,
+                     key_cache + h * head_stride, value_cache + h * head_stride, block_tables + s * table_stride,
+                     block_size, start, len, scores.data(), out + (s * num_q_heads + h * group) * hd},
+             scratch);
     }
   }
 }
