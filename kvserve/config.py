@@ -86,6 +86,9 @@ class SchedulerConfig:
     batch: TierLimits = field(default_factory=lambda: TierLimits(max_waiting=4096, max_queue_wait_s=3600.0,
                                                                  queue_timeout_s=7200.0))
     batch_decode_quantum: int = 64  # batch seqs yield after this many decode steps when interactive work waits
+    # While interactive sequences run or wait, batch-tier prefill chunks get at most this many tokens per
+    # step in all: a step's length is what interactive work waits for, at every token (TTFT and TPOT).
+    interactive_batch_prefill_tokens: int = 256
 
 
 @dataclass

@@ -90,6 +90,7 @@ class _SeqState:
 class _Step:
     now: float
     budget: int
+    batch_prefill_budget: int  # batch-tier prefill tokens still allowed (smaller while interactive is active)
     out: SchedulerOutput = field(default_factory=SchedulerOutput)
     scheduled: dict[int, ScheduledSequence] = field(default_factory=dict)  # insertion ordered
     preempted: set[int] = field(default_factory=set)  # seq ids preempted this step: not re-admitted in it
@@ -147,15 +148,31 @@ class Scheduler:
             self._enqueue_back(seq)
 
     def estimated_queue_wait(self, tier: Priority) -> float:
-        """Seconds of queued work ahead of a request arriving now in `tier`.
+        """Seconds before a request arriving now in `tier` is admitted (gets a seat and starts prefill).
 
-        Prompt tokens and generated tokens cost very differently (a prefill step computes thousands
-        of tokens in the time a decode step makes one per sequence), so each is timed at its own
-        EWMA rate: queued prompt tokens at the prefill rate, expected outputs at the decode rate.
+        Two parts, each timed at its own EWMA rate (a prefill step computes thousands of tokens in
+        the time a decode step makes one per sequence):
+        - the prompt tokens queued ahead of it (its tier and above), at the prefill rate;
+        - the wait for a seat: when the running sequences plus those queued ahead fill max_num_seqs,
+          it starts only as running sequences finish. A running sequence has max_tokens minus what it
+          has generated left (EXPECTED_OUTPUT_TOKENS without max_tokens; an upper bound when EOS
+          comes first), one token per decode step, and a decode step of the running batch takes
+          len(running) / decode rate. Seats needed beyond the running ones free up a round later
+          each, a round being the expected output of the queued requests.
         """
         ahead = [t for prio, t in self._tiers.items() if prio <= tier]
-        return (sum(t.prompt_tokens for t in ahead) / self.prefill_tokens_per_s
-                + sum(t.output_tokens for t in ahead) / self.tokens_per_s)
+        prefill = sum(t.prompt_tokens for t in ahead) / self.prefill_tokens_per_s
+        waiting = sum(t.num_waiting for t in ahead)
+        need = waiting + 1 - (self.config.max_num_seqs - len(self._running))
+        if need <= 0 or not self._running:
+            return prefill
+        left = sorted(max(1, (s.sampling.max_tokens or EXPECTED_OUTPUT_TOKENS) - s.num_output_tokens)
+                      for s in self._running)
+        steps = left[min(need, len(left)) - 1]
+        if need > len(left):
+            round_tokens = sum(t.output_tokens for t in ahead) / max(1, waiting)
+            steps += -(-(need - len(left)) // self.config.max_num_seqs) * round_tokens
+        return prefill + steps * len(self._running) / self.tokens_per_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -216,6 +233,9 @@ class Scheduler:
           back, waiting interactive, waiting batch. Within each group interactive comes before
           batch, then earlier arrival. While interactive work waits, running batch prefill chunks
           go after the interactive admissions (decodes never wait for prefills).
+        - While interactive sequences run or wait, batch-tier prefill chunks share at most
+          interactive_batch_prefill_tokens per step (chunked prefill on): the flood keeps decoding
+          and prefilling, in steps short enough for interactive TTFT and TPOT.
         - Chunked prefill on: a prompt takes what budget is left. Off: a prompt goes whole or not at
           all; one longer than the whole budget goes alone in an otherwise empty step (the step
           exceeds the budget), and everything behind it waits until such a step comes.
@@ -241,7 +261,10 @@ class Scheduler:
           FINISHED_QUEUE_TIMEOUT. A sequence that cannot fit the KV pool even alone finishes with
           FINISHED_LENGTH. Both are listed in SchedulerOutput.finished.
         """
-        step = _Step(now=self._clock(), budget=self.config.max_num_batched_tokens)
+        cfg = self.config
+        step = _Step(now=self._clock(), budget=cfg.max_num_batched_tokens,
+                     batch_prefill_budget=cfg.interactive_batch_prefill_tokens if self._interactive_active()
+                     else cfg.max_num_batched_tokens)
         self._expire_waiting(step)
         self._schedule_running(step, defer_batch_prefill=self._interactive_waiting())
         self._schedule_swapped(step)
@@ -358,12 +381,15 @@ class Scheduler:
 
     def _num_new_tokens(self, step: _Step, seq: Sequence) -> int:
         owed = seq.num_uncomputed_tokens
-        if owed <= 0 or step.budget <= 0:
+        budget = step.budget
+        if owed > 1 and seq.priority is Priority.BATCH and self.config.enable_chunked_prefill:
+            budget = min(budget, step.batch_prefill_budget)
+        if owed <= 0 or budget <= 0:
             return 0
-        if owed <= step.budget:
+        if owed <= budget:
             return owed
         if self.config.enable_chunked_prefill:
-            return step.budget
+            return budget
         if not step.scheduled and step.budget == self.config.max_num_batched_tokens:
             return owed  # longer than any budget: runs alone
         return 0
@@ -373,6 +399,8 @@ class Scheduler:
         step.scheduled[seq.seq_id] = ScheduledSequence(seq=seq, num_new_tokens=n, start=start, block_table=[],
                                                        sample=start + n >= seq.num_tokens)
         step.budget -= n
+        if n > 1 and seq.priority is Priority.BATCH:
+            step.batch_prefill_budget -= n
         self._charge(seq, start, n, +1)
 
     def _close_step(self, step: _Step) -> SchedulerOutput:
@@ -391,6 +419,8 @@ class Scheduler:
         ss = step.scheduled.pop(seq.seq_id, None)
         if ss is not None:  # scheduled earlier this step: give its tokens back
             step.budget += ss.num_new_tokens
+            if ss.num_new_tokens > 1 and seq.priority is Priority.BATCH:
+                step.batch_prefill_budget += ss.num_new_tokens
             self._charge(seq, ss.start, ss.num_new_tokens, -1)
         self._running.remove(seq)
         seq.num_preemptions += 1
@@ -448,6 +478,10 @@ class Scheduler:
 
     def _interactive_waiting(self) -> bool:
         return self._tiers[Priority.INTERACTIVE].num_waiting > 0
+
+    def _interactive_active(self) -> bool:
+        return self._interactive_waiting() or any(s.priority is Priority.INTERACTIVE
+                                                  for group in (self._running, self._swapped) for s in group)
 
     # ---- after the step ------------------------------------------------------------------------
 

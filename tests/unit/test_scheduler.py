@@ -338,17 +338,20 @@ def test_admission_queued_prompt_tokens():
 
 
 def test_admission_estimated_wait_and_throughput_estimate():
-    h = Harness(interactive=TierLimits(max_queue_wait_s=1.0))
+    h = Harness(max_num_seqs=1, interactive=TierLimits(max_queue_wait_s=1.0))
     h.sched._default_tokens_per_s = 20.0  # decode; prefill defaults to PREFILL_SPEEDUP x that
-    h.add(prompt_len=80, max_tokens=20)  # 80 prompt tokens at 160/s + 20 outputs at 20/s: 1.5 s
-    assert h.sched.estimated_queue_wait(I) == pytest.approx(80 / 160 + 20 / 20)
+    h.add(prompt_len=80, max_tokens=31)
+    assert h.sched.estimated_queue_wait(I) == pytest.approx(80 / 160)  # a free seat: its prompt only
+    h.step()  # a prefill-only step: 80 tokens in 0.01 s -> 8000 prefill tokens/s
+    assert h.sched.prefill_tokens_per_s == pytest.approx(8000.0)
+    # The one seat is held for 30 more tokens at 20 tokens/s: 1.5 s, over the 1 s bound.
+    assert h.sched.estimated_queue_wait(I) == pytest.approx(30 / 20)
     with pytest.raises(CapacityExhausted) as err:
         h.add(prompt_len=4)
     assert err.value.reason == "queue_wait" and err.value.retry_after >= 1.0
-    h.step()  # a prefill-only step: 80 tokens in 0.01 s -> 8000 prefill tokens/s
-    assert h.sched.prefill_tokens_per_s == pytest.approx(8000.0)
     h.step()  # a decode-only step: 1 token in 0.01 s -> 100 decode tokens/s
     assert h.sched.tokens_per_s == pytest.approx(100.0)
+    assert h.sched.estimated_queue_wait(I) == pytest.approx(29 / 100)
     h.add(prompt_len=4)
 
 
@@ -531,3 +534,46 @@ def test_random_workloads_complete_without_leaks(requests, mode, chunked, num_bl
         if seq.status is SequenceStatus.FINISHED_LENGTH:
             assert seq.num_output_tokens == seq.sampling.max_tokens
     assert h.all_blocks_back()
+
+
+# ---- step length while interactive work is active (W3) ------------------------------------------------
+
+def test_batch_prefill_is_capped_while_interactive_work_is_active():
+    h = Harness(max_num_batched_tokens=64, interactive_batch_prefill_tokens=16)
+    flood = [h.add(prompt_len=200, max_tokens=50, priority=B) for _ in range(3)]
+    out = h.step()
+    assert out.num_batched_tokens == 64  # no interactive work: the whole budget goes to batch prefill
+    chat = h.add(prompt_len=24, max_tokens=6, priority=I)
+    capped_steps = 0
+    while chat.status is not SequenceStatus.FINISHED_LENGTH:
+        out = h.step()
+        batch_prefill = sum(ss.num_new_tokens for ss in out.scheduled
+                            if ss.seq.priority is B and ss.num_new_tokens > 1)
+        assert batch_prefill <= 16
+        capped_steps += 1
+    assert chat.num_output_tokens == 6 and capped_steps >= 6
+    out = h.step()  # interactive done: batch prefill gets the whole budget again
+    assert sum(ss.num_new_tokens for ss in out.scheduled if ss.seq.priority is B) > 16
+    h.run()
+    assert all(s.num_output_tokens == 50 for s in flood)
+
+
+def test_queue_wait_estimate_counts_the_seats_held_by_running_sequences():
+    """max_num_seqs full: a new request waits for running sequences to finish, not just for the queue."""
+    h = Harness(max_num_seqs=2)
+    h.sched._default_tokens_per_s = 100.0  # decode tokens/s over the batch
+    a = h.add(prompt_len=8, max_tokens=30)
+    b = h.add(prompt_len=8, max_tokens=10)
+    h.step()  # both admitted and prefilled: 2 seats taken
+    assert len(h.sched._running) == 2 and h.sched.tokens_per_s == pytest.approx(100.0)
+    prefill_rate = h.sched.prefill_tokens_per_s
+    # b has 9 tokens left (one sampled at prefill); a decode step of 2 sequences takes 2 / 100 s.
+    assert h.sched.estimated_queue_wait(I) == pytest.approx(9 * 2 / 100.0)
+    c = h.add(prompt_len=8, max_tokens=20)
+    # Two seats needed now: a's, with 29 tokens left, is the second to free; c's prompt waits too.
+    assert h.sched.estimated_queue_wait(I) == pytest.approx(8 / prefill_rate + 29 * 2 / 100.0)
+    h.add(prompt_len=8, max_tokens=20)
+    h.add(prompt_len=8, max_tokens=20)
+    # Four seats: two from the running ones (the later after 29 steps), two more a round (20 tokens) later.
+    assert h.sched.estimated_queue_wait(I) == pytest.approx(24 / prefill_rate + (29 + 20) * 2 / 100.0)
+    assert c.status is SequenceStatus.WAITING
