@@ -99,7 +99,7 @@ def build_jobs(workloads: list[str], runs: int, quick: bool) -> list[Job]:
     if "W5" in workloads:
         dur = 8 if q else 60
         # the rate (3x what W1 sustained on the same target) is filled in at run time
-        jobs.append(Job("W5", "W5", "plain", _random(*io_) + ["--duration", str(dur), "--goodput-ttft-ms", "1000"],
+        jobs.append(Job("W5", "W5", "overload", _random(*io_) + ["--duration", str(dur), "--goodput-ttft-ms", "1000"],
                         500, runs, shape={"input": io_[0], "output": io_[1], "duration": dur, "rate_factor": 3}))
     if "SWEEP" in workloads:
         for c in (QUICK_SWEEP_CONCURRENCY if q else SWEEP_CONCURRENCY):
