@@ -371,6 +371,10 @@ class LlamaCppTarget(Target):
                 "-t", str(self.threads), "-tb", str(self.threads)]
         if variant != "ctx32k-cache":
             argv.append("--no-cache-prompt")
+        if self.precision == "q4_1":
+            # On this Intel (AMX) machine llama-server 11434 dies with SIGSEGV right after "llama threadpool
+            # init" while repacking Q4_1 weights; without the repack it serves (the plain Q4_1 kernels).
+            argv.append("--no-repack")
         argv.append("--no-webui")
         return ServerSpec(argv, ready_path="/health", startup_timeout=300)
 
