@@ -41,6 +41,11 @@ def _ewma(prev: float | None, value: float) -> float:
     return value if prev is None else prev + THROUGHPUT_EWMA_ALPHA * (value - prev)
 
 
+def _batch_prefill_tokens(seq: Sequence, n: int) -> int:
+    """Of n tokens scheduled for seq, those that count against a step's batch prefill budget."""
+    return n if n > 1 and seq.priority is Priority.BATCH else 0
+
+
 def _order_key(seq: Sequence) -> tuple[int, float, int]:
     """Scheduling order; the maximum is the preemption victim (lowest tier, latest arrival)."""
     return (int(seq.priority), seq.timings.arrival, seq.seq_id)
@@ -382,7 +387,7 @@ class Scheduler:
     def _num_new_tokens(self, step: _Step, seq: Sequence) -> int:
         owed = seq.num_uncomputed_tokens
         budget = step.budget
-        if owed > 1 and seq.priority is Priority.BATCH and self.config.enable_chunked_prefill:
+        if _batch_prefill_tokens(seq, owed) and self.config.enable_chunked_prefill:
             budget = min(budget, step.batch_prefill_budget)
         if owed <= 0 or budget <= 0:
             return 0
@@ -399,8 +404,7 @@ class Scheduler:
         step.scheduled[seq.seq_id] = ScheduledSequence(seq=seq, num_new_tokens=n, start=start, block_table=[],
                                                        sample=start + n >= seq.num_tokens)
         step.budget -= n
-        if n > 1 and seq.priority is Priority.BATCH:
-            step.batch_prefill_budget -= n
+        step.batch_prefill_budget -= _batch_prefill_tokens(seq, n)
         self._charge(seq, start, n, +1)
 
     def _close_step(self, step: _Step) -> SchedulerOutput:
@@ -419,8 +423,7 @@ class Scheduler:
         ss = step.scheduled.pop(seq.seq_id, None)
         if ss is not None:  # scheduled earlier this step: give its tokens back
             step.budget += ss.num_new_tokens
-            if ss.num_new_tokens > 1 and seq.priority is Priority.BATCH:
-                step.batch_prefill_budget += ss.num_new_tokens
+            step.batch_prefill_budget += _batch_prefill_tokens(seq, ss.num_new_tokens)
             self._charge(seq, ss.start, ss.num_new_tokens, -1)
         self._running.remove(seq)
         seq.num_preemptions += 1
