@@ -1,10 +1,11 @@
-"""Build, cache and call the CPU paged-attention kernels (`paged_attention_cpu.cpp`) through ctypes.
+"""Build, cache and call the CPU kernels of `paged_attention_cpu.cpp` through ctypes: paged decode
+attention and KV writes, and the fused RMSNorm, rotary and gated activations of a decoder layer.
 
 The source is compiled once per machine with the system g++ (-O3 -march=native -fopenmp) into
 `$KVSERVE_KERNEL_CACHE` (default ~/.cache/kvserve/kernels), keyed by a hash of the source, the
 compiler and the CPU's flags, so a cache shared between machines never loads a binary built for
 another CPU. Without a compiler, or with KVSERVE_NATIVE_KERNELS=0, `load()` returns None and
-attention stays on the torch path: the kernels are a speed-up, never a requirement.
+the model stays on its torch ops: the kernels are a speed-up, never a requirement.
 """
 from __future__ import annotations
 
@@ -81,24 +82,17 @@ class NativeKernels:
     """The loaded library, with typed entry points per dtype."""
 
     def __init__(self, path: Path):
-        lib = ctypes.CDLL(str(path))  # CDLL calls release the GIL
-        self._lib = lib
+        self._lib = ctypes.CDLL(str(path))  # CDLL calls release the GIL
         self.path = path
-        self._decode, self._write = {}, {}
-        for dtype, suffix in _SUFFIX.items():
-            f = getattr(lib, f"kvserve_decode_attention_{suffix}")
-            f.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR] + [_I64] * 7 + [_F32]
-            f.restype = None
-            self._decode[dtype] = f
-            w = getattr(lib, f"kvserve_write_kv_{suffix}")
-            w.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR] + [_I64] * 4
-            w.restype = None
-            self._write[dtype] = w
+        self._decode = self._bind("decode_attention", [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR]
+                                  + [_I64] * 7 + [_F32])
+        self._write = self._bind("write_kv", [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR] + [_I64] * 4)
         self._rms_norm = self._bind("rms_norm", [_PTR] + [_I64] * 5 + [_PTR, _F32, _I64, _PTR])
         self._rotary = self._bind("rotary", [_PTR] + [_I64] * 4 + [_PTR, _PTR, _PTR])
         self._gated_act = self._bind("gated_act", [_PTR, _I64, _I64, _I64, _PTR])
 
     def _bind(self, name: str, argtypes: list) -> dict:
+        """kvserve_<name>_<f32|bf16> per torch dtype, typed."""
         fns = {}
         for dtype, suffix in _SUFFIX.items():
             f = getattr(self._lib, f"kvserve_{name}_{suffix}")
@@ -106,8 +100,9 @@ class NativeKernels:
             fns[dtype] = f
         return fns
 
-    def supports(self, cache: torch.Tensor) -> bool:
-        return cache.device.type == "cpu" and cache.dtype in self._decode and cache.is_contiguous()
+    def handles(self, x: torch.Tensor) -> bool:
+        """A CPU tensor of a dtype the kernels are built for."""
+        return x.device.type == "cpu" and x.dtype in _SUFFIX
 
     def write_kv(self, key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -131,20 +126,20 @@ class NativeKernels:
                                       out.data_ptr(), num_seqs, num_heads, h, nb, bs, d, window or 0, scale)
         return out
 
-
-    # ---- fused elementwise ops (CPU tensors of a supported dtype; callers check `handles`) ----
-    def handles(self, x: torch.Tensor) -> bool:
-        return x.device.type == "cpu" and x.dtype in self._decode
-
+    # ---- fused elementwise ops (callers check `handles`) ----
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
-        """RMSNorm of x [..., dim] (2-D, or 3-D with rows contiguous) -> a new contiguous tensor."""
-        if x.stride(-1) != 1 or x.dim() not in (2, 3) or weight.dtype != x.dtype:
-            x = x.reshape(-1, x.shape[-1]).contiguous() if x.dim() != 3 else x.contiguous()
+        """RMSNorm of x [..., dim] -> a new contiguous tensor of x's shape. 2-D and 3-D inputs are read
+        through their strides (rows must be contiguous); others are flattened to rows first."""
+        shape = x.shape
+        if x.dim() not in (2, 3):
+            x = x.reshape(-1, shape[-1])
+        if x.stride(-1) != 1:
+            x = x.contiguous()
         weight = weight.to(x.dtype).contiguous()
         a, b = x.shape[0], (x.shape[1] if x.dim() == 3 else 1)
         sa, sb = x.stride(0), (x.stride(1) if x.dim() == 3 else 0)
-        out = torch.empty(x.shape, dtype=x.dtype)
-        self._rms_norm[x.dtype](x.data_ptr(), a, b, sa, sb, x.shape[-1], weight.data_ptr(), eps, int(unit_offset),
+        out = torch.empty(shape, dtype=x.dtype)
+        self._rms_norm[x.dtype](x.data_ptr(), a, b, sa, sb, shape[-1], weight.data_ptr(), eps, int(unit_offset),
                                 out.data_ptr())
         return out
 
@@ -169,6 +164,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
         return x
     return x.contiguous()
+
+
+def for_tensor(x: torch.Tensor) -> NativeKernels | None:
+    """The kernels when they serve this tensor (CPU, fp32/bf16, built), else None: use torch ops."""
+    if x.device.type != "cpu":
+        return None
+    lib = load()
+    return lib if lib is not None and lib.handles(x) else None
 
 
 def load() -> NativeKernels | None:

@@ -1,4 +1,5 @@
-// Paged-attention decode and KV-cache writes for the CPU, reading K/V in place through block tables.
+// CPU kernels: paged-attention decode and KV-cache writes, reading K/V in place through block tables,
+// and the fused elementwise ops of a decoder layer (RMSNorm, rotary, gated activations).
 //
 // The torch path gathers every decode sequence's blocks into a dense copy per layer and then runs
 // many tiny GEMMs; here each (sequence, kv head) task streams its blocks once for the scores and once
@@ -47,19 +48,17 @@ inline __m512 load16(const bf16* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-inline void store16(__m512 v, float* p) { _mm512_storeu_ps(p, v); }
-inline void store16(__m512 v, bf16* p) {  // round to nearest even (finite values), as store()
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
-}
 inline __m512 round16(__m512 v, const float*) { return v; }
-inline __m512 round16(__m512 v, const bf16*) {  // the value a bf16 store would keep
+inline __m512 round16(__m512 v, const bf16*) {  // round to nearest even (finite values), as store()
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
   return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void store16(__m512 v, float* p) { _mm512_storeu_ps(p, v); }
+inline void store16(__m512 v, bf16* p) {  // the high halves of the rounded values
+  const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(round16(v, p)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
 }
 
 // exp over 16 lanes: 2^(x log2 e) split into 2^n (scalef) and a degree-6 polynomial for 2^f, f in [-0.5, 0.5];
@@ -93,12 +92,13 @@ inline __m512 hsum16(const __m512* v) {
 }
 #endif
 
-// One (sequence, kv head) task: the group's query rows q [group, hd] (fp32, pre-scaled) against the
-// visible keys [start, len) of one head, through the block table; writes out [group, hd].
+// One (sequence, kv head) task: the group's query rows against the visible keys [start, len) of one head,
+// through the block table; writes out [group, hd]. `q` is filled by attend_any (fp32, pre-scaled) for
+// the paths that want it; the AVX512-BF16 path reads q_raw as stored.
 // Keys are visited block by block (no per-key division); `scores` holds group * (len - start) floats.
 template <typename T>
 struct Task {
-  const float* q;
+  const float* q;  // [group, hd], fp32 * scale; null until attend_any converts q_raw
   const T* q_raw;  // the same rows as stored (unscaled), group rows hd apart
   float scale;
   int64_t group, hd;
@@ -121,7 +121,6 @@ struct Task {
   }
 };
 
-template <typename T>
 void softmax_rows(float* scores, int64_t rows, int64_t n) {
   for (int64_t g = 0; g < rows; ++g) {
     float* sg = scores + g * n;
@@ -165,7 +164,7 @@ void attend_generic(const Task<T>& task, std::vector<float>& acc) {
       sg[i] = dot;
     });
   }
-  softmax_rows<T>(task.scores, task.group, n);
+  softmax_rows(task.scores, task.group, n);
   acc.assign(task.group * hd, 0.f);
   task.for_each_key(task.v_head, [&](int64_t i, const T* v) {
     for (int64_t g = 0; g < task.group; ++g) {
@@ -199,7 +198,7 @@ void attend_avx512(const Task<T>& task) {
       _mm512_mask_storeu_ps(sg + n - rem, static_cast<__mmask16>((1u << rem) - 1), hsum16(part));
     }
   }
-  softmax_rows<T>(task.scores, task.group, n);
+  softmax_rows(task.scores, task.group, n);
   constexpr int W = C < 8 ? C : 8;
   alignas(64) float tmp[16 * W];
   for (int64_t g = 0; g < task.group; ++g) {
@@ -254,7 +253,7 @@ void attend_bf16_dp(const Task<bf16>& task, std::vector<int64_t>& rows, std::vec
       _mm512_mask_storeu_ps(sg + n - rem, static_cast<__mmask16>((1u << rem) - 1), _mm512_mul_ps(hsum16(part), scale));
     }
   }
-  softmax_rows<bf16>(task.scores, task.group, n);
+  softmax_rows(task.scores, task.group, n);
   const int64_t n2 = (n + 1) & ~int64_t(1);
   probs.resize(task.group * n2);
   for (int64_t g = 0; g < task.group; ++g) {
@@ -289,7 +288,7 @@ void attend_bf16_dp(const Task<bf16>& task, std::vector<int64_t>& rows, std::vec
 #endif
 
 struct Scratch {
-  std::vector<float> acc;
+  std::vector<float> q, acc;
   std::vector<int64_t> rows;
   std::vector<uint16_t> probs;
 };
@@ -298,7 +297,11 @@ inline void attend(const Task<bf16>& task, Scratch& scratch);
 inline void attend(const Task<float>& task, Scratch& scratch);
 
 template <typename T>
-void attend_any(const Task<T>& task, Scratch& scratch) {
+void attend_any(const Task<T>& raw, Scratch& scratch) {
+  Task<T> task = raw;
+  scratch.q.resize(task.group * task.hd);
+  for (int64_t j = 0; j < task.group * task.hd; ++j) scratch.q[j] = to_float(task.q_raw[j]) * task.scale;
+  task.q = scratch.q.data();
 #if defined(__AVX512F__)
   switch (task.hd) {
     case 64: return attend_avx512<T, 4>(task);
@@ -332,7 +335,7 @@ void decode_attention(const T* query, int64_t query_token_stride, const T* key_c
   const int64_t hd = head_dim;
 #pragma omp parallel
   {
-    std::vector<float> q(group * hd), scores;
+    std::vector<float> scores;
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_seqs * num_kv_heads; ++task) {
@@ -340,12 +343,8 @@ void decode_attention(const T* query, int64_t query_token_stride, const T* key_c
       const int64_t len = context_lens[s];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       scores.resize(group * (len - start));
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = query + s * query_token_stride + (h * group + g) * hd;
-        for (int64_t d = 0; d < hd; ++d) q[g * hd + d] = to_float(src[d]) * scale;
-      }
       const int64_t head_stride = num_blocks * block_size * hd;
-      attend(Task<T>{q.data(), query + s * query_token_stride + h * group * hd, scale, group, hd,
+      attend(Task<T>{nullptr, query + s * query_token_stride + h * group * hd, scale, group, hd,
                      key_cache + h * head_stride, value_cache + h * head_stride, block_tables + s * table_stride,
                      block_size, start, len, scores.data(), out + (s * num_q_heads + h * group) * hd},
              scratch);

@@ -93,13 +93,6 @@ def _decode_mask(meta: AttentionMetadata, num_keys: int, key_offset: int, window
     return mask
 
 
-def _native_kernels(cache: torch.Tensor) -> "cpu_kernels.NativeKernels | None":
-    if cache.device.type != "cpu":
-        return None
-    lib = cpu_kernels.load()
-    return lib if lib is not None and lib.supports(cache) else None
-
-
 def _decode_attention(native: "cpu_kernels.NativeKernels | None", query: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                       window: int | None) -> torch.Tensor:
@@ -165,7 +158,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
     Writes the new K/V into the cache first, then attends through the block tables.
     """
-    native = _native_kernels(key_cache)
+    native = cpu_kernels.for_tensor(key_cache) if key_cache.is_contiguous() else None
     if native is not None:
         native.write_kv(key_cache, value_cache, key, value, meta.slot_mapping)
     else:

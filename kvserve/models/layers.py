@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        native = _native(x)
+        native = cpu_kernels.for_tensor(x)
         if native is not None and self.weight.dtype == x.dtype:
             return native.rms_norm(x, self.weight, self.eps, self.unit_offset)
         dtype = x.dtype
@@ -34,14 +34,6 @@ class RMSNorm(nn.Module):
         if self.unit_offset:  # Gemma: scale in float32, then cast (as the reference does)
             return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)  # Llama: cast, then scale
-
-
-def _native(x: torch.Tensor) -> "cpu_kernels.NativeKernels | None":
-    """The fused CPU kernels when they serve this tensor (CPU, fp32/bf16, built), else None: torch ops."""
-    if x.device.type != "cpu":
-        return None
-    lib = cpu_kernels.load()
-    return lib if lib is not None and lib.handles(x) else None
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -97,7 +89,7 @@ class Rotary(nn.Module):
 
         `cache` (per forward pass) keeps the looked-up cos/sin so the layers share one lookup.
         """
-        native = _native(q)
+        native = cpu_kernels.for_tensor(q)
         if native is not None and k.dtype == q.dtype:
             if cache is None or ("rotary_checked", id(self)) not in cache:  # the kernel does not bounds-check
                 if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
@@ -245,7 +237,7 @@ class GatedMLP(nn.Module):
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        native = _native(x)
+        native = cpu_kernels.for_tensor(x)
         if native is not None:
             return self.down_proj(native.gated_act(linear(self.gate_up_proj, x), self.activation))
         gate, up = self.gate_up_proj(x)

@@ -147,7 +147,7 @@ def test_missing_compiler_is_an_error_that_load_turns_into_the_torch_path(monkey
     monkeypatch.setenv("KVSERVE_NATIVE_KERNELS", "1")
     assert cpu_kernels.load() is None
     q, kc, vc, meta = _paged_setup(torch.float32, 2, 4, 2, 16, 4, [3, 9])
-    assert A._native_kernels(kc) is None
+    assert cpu_kernels.for_tensor(kc) is None
 
 
 # ---- fused elementwise kernels against the torch code of models/layers.py ----------------------------
@@ -175,13 +175,12 @@ def test_rms_norm_matches_torch(native, dtype, unit_offset, monkeypatch):
     hidden = (torch.randn(13, 72, generator=g) * 3).to(dtype)  # 72: a 16-lane body and a scalar tail
     qkv = torch.randn(5, 7 * 72, generator=g).to(dtype)
     heads = qkv[:, :4 * 72].view(5, 4, 72)  # QK-norm input: a strided view of the fused projection
-    from kvserve.models import layers
-
-    assert layers._native(hidden) is native  # the kernel path runs first, then the torch one
-    outs = [norm(hidden), norm(heads)]
+    assert cpu_kernels.for_tensor(hidden) is native  # the kernel path runs first, then the torch one
+    deep = torch.randn(2, 3, 4, 72, generator=g).to(dtype)  # more than 3 dims: flattened to rows, shape kept
+    outs = [norm(hidden), norm(heads), norm(deep)]
     _torch_path(monkeypatch)
-    assert layers._native(hidden) is None
-    refs = [norm(hidden), norm(heads)]
+    assert cpu_kernels.for_tensor(hidden) is None
+    refs = [norm(hidden), norm(heads), norm(deep)]
     for out, ref in zip(outs, refs):
         assert out.shape == ref.shape and out.dtype == dtype
         _close(out, ref, dtype)
