@@ -102,7 +102,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         model = build_model(checkpoint, self.dtype, self.device, max_positions=self.max_model_len,
                             int4_decode=config.int4_decode,
-                            onednn_weights=config.onednn_weights)
+                            onednn_weights=config.onednn_weights, native_decoder=config.native_decoder)
         del checkpoint
 
         cache_cfg = config.cache

@@ -23,7 +23,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
+_HERE = Path(__file__).parent
+SOURCES = [_HERE / "paged_attention_cpu.cpp", _HERE / "decoder_cpu.cpp"]  # compiled into one library
+HEADERS = [_HERE / "cpu_common.h"]
 # Never -ffast-math: linking it adds crtfastmath, which turns on flush-to-zero for the whole process.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -57,7 +59,8 @@ def build(compiler: str | None = None) -> Path:
     if not cxx:
         raise RuntimeError("no C++ compiler (g++) found")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_flags()]).encode())
+    texts = [f.read_text() for f in SOURCES + HEADERS]
+    key = hashlib.sha256("\0".join([*texts, version, " ".join(FLAGS), _cpu_flags()]).encode())
     name = f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
     for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"kvserve-kernels-{os.getuid()}"):
         target = folder / name
@@ -71,9 +74,9 @@ def build(compiler: str | None = None) -> Path:
             continue
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+        proc = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", str(out)], capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE.name} failed:\n{proc.stderr[-2000:]}")
+            raise RuntimeError(f"compiling the CPU kernels failed:\n{proc.stderr[-2000:]}")
         os.replace(out, target)  # atomic: concurrent builders each land a complete file
     return target
 
@@ -88,8 +91,18 @@ class NativeKernels:
                                   + [_I64] * 7 + [_F32])
         self._write = self._bind("write_kv", [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR] + [_I64] * 4)
         self._rms_norm = self._bind("rms_norm", [_PTR] + [_I64] * 5 + [_PTR, _F32, _I64, _PTR])
+        self._add_rms_norm = self._bind("add_rms_norm", [_PTR, _PTR, _I64, _I64, _PTR, _F32, _I64, _PTR])
+        self._qk_rope_write = self._bind("qk_rope_write_kv", [_PTR] + [_I64] * 5 + [_PTR] * 5
+                                         + [_F32, _I64, _PTR, _PTR, _PTR, _I64])
         self._rotary = self._bind("rotary", [_PTR] + [_I64] * 4 + [_PTR, _PTR, _PTR])
         self._gated_act = self._bind("gated_act", [_PTR, _I64, _I64, _I64, _PTR])
+        self._lib.kvserve_amx_available.restype = _I64
+        self.amx = bool(self._lib.kvserve_amx_available())  # AMX tiles compiled in and granted by the kernel
+        self._pack = self._lib.kvserve_pack_weight_bf16
+        self._pack.argtypes, self._pack.restype = [_PTR, _I64, _I64, _PTR], None
+        self._decode_forward = self._lib.kvserve_decode_forward_bf16
+        self._decode_forward.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR]
+        self._decode_forward.restype = None
 
     def _bind(self, name: str, argtypes: list) -> dict:
         """kvserve_<name>_<f32|bf16> per torch dtype, typed."""
@@ -143,6 +156,36 @@ class NativeKernels:
                                 out.data_ptr())
         return out
 
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + residual), x + residual) for [..., dim] tensors; the sum is written into `residual`
+        (in place, one rounding as torch's add) unless residual is not contiguous, then into a copy."""
+        if not residual.is_contiguous():
+            residual = residual.contiguous()
+        x = x.to(residual.dtype).contiguous()
+        weight = weight.to(x.dtype).contiguous()
+        dim = x.shape[-1]
+        out = torch.empty(residual.shape, dtype=x.dtype)
+        self._add_rms_norm[x.dtype](x.data_ptr(), residual.data_ptr(), x.numel() // dim, dim, weight.data_ptr(), eps,
+                                    int(unit_offset), out.data_ptr())
+        return out, residual
+
+    def qk_rope_write_kv(self, qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, positions: torch.Tensor,
+                         cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None,
+                         k_norm: torch.Tensor | None, norm_eps: float, norm_unit_offset: bool,
+                         key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """On qkv [T, (Hq + 2 Hkv) * D] (rows contiguous, any row stride), in place: optional per-head RMSNorm
+        of q and k (weights [D]), rotary of q and k, then k and v copied into their cache slots (int64,
+        < 0 skips). Callers check that the dtypes agree and the positions lie inside the cos/sin tables."""
+        _, nb, bs, d = key_cache.shape
+        if qkv.stride(-1) != 1 or qkv.dtype != key_cache.dtype or qkv.shape[-1] != (num_q_heads + 2 * num_kv_heads) * d:
+            raise ValueError("qkv must be [T, (Hq + 2 Hkv) * D] in the cache's dtype with contiguous rows")
+        norms = [None if w is None else w.to(qkv.dtype).contiguous() for w in (q_norm, k_norm)]
+        self._qk_rope_write[qkv.dtype](
+            qkv.data_ptr(), qkv.shape[0], qkv.stride(0), num_q_heads, num_kv_heads, d, positions.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), *[None if w is None else w.data_ptr() for w in norms], norm_eps,
+            int(norm_unit_offset), key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(), nb * bs)
+
     def rotary_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate-half rotary in place on x [T, heads, dim] (heads contiguous); cos/sin fp32 [positions, dim]."""
         x = _rows(x)
@@ -157,6 +200,47 @@ class NativeKernels:
         out = torch.empty((t, n), dtype=gate_up.dtype)
         self._gated_act[gate_up.dtype](gate_up.data_ptr(), t, n, 0 if activation == "silu" else 1, out.data_ptr())
         return out
+
+
+    # ---- the fused decode step (decoder_cpu.cpp; needs `amx`) ----
+    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """A bf16 [N, K] weight (N % 16 == 0, K % 32 == 0) in the AMX tile layout, as a flat tensor."""
+        n, k = weight.shape
+        if weight.dtype != torch.bfloat16 or n % 16 or k % 32:
+            raise ValueError(f"pack_weight takes bf16 [N, K] with N % 16 == 0 and K % 32 == 0, got {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+        weight = weight.contiguous()
+        packed = torch.empty(n * k, dtype=torch.bfloat16)
+        self._pack(weight.data_ptr(), n, k, packed.data_ptr())
+        return packed
+
+    def decode_forward(self, model_params: ctypes.Structure, layer_params: ctypes.Array, hidden: torch.Tensor,
+                       positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                       context_lens: torch.Tensor) -> torch.Tensor:
+        """hidden [D, H] bf16 embeddings -> the final-normed hidden states, in place (see decoder_cpu.cpp)."""
+        if not self.amx:
+            raise RuntimeError("the fused decode step needs AMX")
+        hidden = hidden.contiguous()
+        self._decode_forward(ctypes.byref(model_params), layer_params, hidden.data_ptr(), hidden.shape[0],
+                             positions.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
+                             block_tables.stride(0), context_lens.data_ptr())
+        return hidden
+
+
+class LayerParams(ctypes.Structure):
+    """decoder_cpu.cpp's LayerParams: one layer's packed weights, norms, cache and rotary tables, by address."""
+
+    _fields_ = [(name, _PTR) for name in ("attn_in_norm", "attn_out_norm", "mlp_in_norm", "mlp_out_norm", "q_norm",
+                                          "k_norm", "qkv", "o", "gate_up", "down", "key_cache", "value_cache",
+                                          "cos", "sin")] + [("window", _I64), ("scale", _F32)]
+
+
+class ModelParams(ctypes.Structure):
+    """decoder_cpu.cpp's ModelParams."""
+
+    _fields_ = [(name, _I64) for name in ("num_layers", "hidden", "q_heads", "kv_heads", "head_dim", "intermediate",
+                                          "num_blocks", "block_size", "act")] + [
+        ("eps", _F32), ("norm_unit_offset", _I64), ("final_norm", _PTR)]
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -153,16 +153,18 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                    scale: float, sliding_window: int | None = None, kv_written: bool = False) -> torch.Tensor:
     """query [T, Hq, D], key/value [T, Hkv, D] (this step's new tokens) -> output [T, Hq, D].
 
-    Writes the new K/V into the cache first, then attends through the block tables.
+    Writes the new K/V into the cache first (unless the caller's fused kernel did: `kv_written`), then
+    attends through the block tables.
     """
     native = cpu_kernels.for_tensor(key_cache) if key_cache.is_contiguous() else None
-    if native is not None:
-        native.write_kv(key_cache, value_cache, key, value, meta.slot_mapping)
-    else:
-        write_kv(key_cache, value_cache, key, value, meta.slot_mapping)
+    if not kv_written:
+        if native is not None:
+            native.write_kv(key_cache, value_cache, key, value, meta.slot_mapping)
+        else:
+            write_kv(key_cache, value_cache, key, value, meta.slot_mapping)
     d = meta.num_decode_tokens
     if d and not meta.prefills:
         return _decode_attention(native, query, key_cache, value_cache, meta, scale, sliding_window)

@@ -34,6 +34,7 @@ class CausalLM(nn.Module):
         self.lm_head_weight = None if config.tie_word_embeddings else frozen(
             torch.empty(config.vocab_size, config.hidden_size))
         self.lm_head_onednn = None  # the LM head in oneDNN's blocked layout (prepack_onednn)
+        self.native_decoder = None  # runs decode-only steps in one native call (attach_native_decoder)
 
     def make_rotary(self) -> nn.Module:
         """Rotary tables shared by the layers (buffers, built once)."""
@@ -52,14 +53,25 @@ class CausalLM(nn.Module):
         h = self.embed_tokens(input_ids)
         if self.embedding_scale is not None:
             h = h * torch.tensor(self.embedding_scale, dtype=h.dtype)
+        if self.native_decoder is not None and self.native_decoder.applies(h, meta, kv_caches):
+            return self.native_decoder(h, positions, kv_caches, meta)
+        residual = None  # the residual stream; each layer hands back its last branch unadded (see layers)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, positions, kv_cache, meta)
-        return self.norm(h)
+            h, residual = layer(h, residual, positions, kv_cache, meta)
+        return self.norm.add_forward(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_onednn is not None:
             return onednn_linear(hidden, self.lm_head_onednn, None).float()
         return torch.nn.functional.linear(hidden, self.lm_head).float()
+
+    def attach_native_decoder(self) -> bool:
+        """Pack the projections for the fused native decode step where it applies (CPU, bf16, AMX); must
+        run before `prepack_onednn` frees the dense weights. Returns whether it attached."""
+        from kvserve.models.native_decoder import NativeDecoder
+
+        self.native_decoder = NativeDecoder.build(self)
+        return self.native_decoder is not None
 
     def prepack_onednn(self) -> None:
         """Reorder every projection (and the LM head) into oneDNN's layout; the dense copies are freed,

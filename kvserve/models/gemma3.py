@@ -25,9 +25,19 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = GatedMLP(hidden, config.intermediate_size, "gelu_tanh")
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset=True)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, kv_cache, meta) -> torch.Tensor:
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), positions, kv_cache, meta))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+    def norm_roles(self) -> dict[str, RMSNorm]:
+        """The norms by their place in the layer (models/native_decoder.py runs the layer from these)."""
+        return {"attn_in": self.input_layernorm, "attn_out": self.post_attention_layernorm,
+                "mlp_in": self.pre_feedforward_layernorm, "mlp_out": self.post_feedforward_layernorm}
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, kv_cache,
+                meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """(branch, residual) -> (post-normed mlp branch, residual), as the Llama layer: each residual add is
+        fused into the pre-norm that follows it."""
+        x, residual = self.input_layernorm.add_forward(x, residual)
+        attn = self.post_attention_layernorm(self.self_attn(x, positions, kv_cache, meta))
+        x, residual = self.pre_feedforward_layernorm.add_forward(attn, residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
 class Gemma3ForCausalLM(CausalLM):

@@ -35,6 +35,17 @@ class RMSNorm(nn.Module):
             return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)  # Llama: cast, then scale
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual stream's add fused with the norm that follows it
+        (one native pass; the sum may be written into `residual`). residual None: (norm(x), x)."""
+        if residual is None:
+            return self(x), x
+        native = cpu_kernels.for_tensor(x)
+        if native is not None and self.weight.dtype == x.dtype == residual.dtype:
+            return native.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
+        residual = x + residual
+        return self(residual), residual
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -91,11 +102,7 @@ class Rotary(nn.Module):
         """
         native = cpu_kernels.for_tensor(q)
         if native is not None and k.dtype == q.dtype:
-            if cache is None or ("rotary_checked", id(self)) not in cache:  # the kernel does not bounds-check
-                if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
-                    raise IndexError(f"position {int(positions.max())} beyond the rotary table ({self.cos.shape[0]})")
-                if cache is not None:
-                    cache[("rotary_checked", id(self))] = True
+            self.check_positions(positions, cache)
             return (native.rotary_(q, positions, self.cos, self.sin),
                     native.rotary_(k, positions, self.cos, self.sin))
         key = ("rotary", id(self))
@@ -107,6 +114,14 @@ class Rotary(nn.Module):
                 cache[key] = found
         cos, sin = found
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def check_positions(self, positions: torch.Tensor, cache: dict | None) -> None:
+        """The native kernels index the fp32 tables unchecked: check once per forward pass (`cache`)."""
+        if cache is None or ("rotary_checked", id(self)) not in cache:
+            if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+                raise IndexError(f"position {int(positions.max())} beyond the rotary table ({self.cos.shape[0]})")
+            if cache is not None:
+                cache[("rotary_checked", id(self))] = True
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x1, x2 = x[..., : self.half], x[..., self.half:]
@@ -216,14 +231,26 @@ class SelfAttention(nn.Module):
         from kvserve.models.attention import paged_attention
 
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k, meta.cache)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        qkv = linear(self.qkv_proj, x)
+        key_cache, value_cache = kv_cache
+        q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_proj.splits, dim=-1))
+        native = cpu_kernels.for_tensor(qkv)
+        if native is not None and qkv.dtype == key_cache.dtype and key_cache.is_contiguous():
+            # QK norm, rotary and the K/V cache writes in one pass over the new tokens.
+            self.rotary.check_positions(positions, meta.cache)
+            norm = self.q_norm
+            native.qk_rope_write_kv(qkv, self.num_heads, self.num_kv_heads, positions, self.rotary.cos,
+                                    self.rotary.sin, norm and norm.weight, self.k_norm and self.k_norm.weight,
+                                    norm.eps if norm else 0.0, bool(norm and norm.unit_offset), key_cache,
+                                    value_cache, meta.slot_mapping)
+            written = True
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(positions, q, k, meta.cache)
+            written = False
+        o = paged_attention(q, k, v, key_cache, value_cache, meta, self.scale, self.sliding_window,
+                            kv_written=written)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -19,9 +19,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, "silu")
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, kv_cache, meta) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def norm_roles(self) -> dict[str, RMSNorm]:
+        """The norms by their place in the layer (models/native_decoder.py runs the layer from these)."""
+        return {"attn_in": self.input_layernorm, "mlp_in": self.post_attention_layernorm}
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, kv_cache,
+                meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """(branch, residual) -> (mlp branch, residual): the stream is residual + branch, and each add is
+        fused into the norm that reads it (the last one into the model's final norm)."""
+        x, residual = self.input_layernorm.add_forward(x, residual)
+        x, residual = self.post_attention_layernorm.add_forward(self.self_attn(x, positions, kv_cache, meta), residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(CausalLM):

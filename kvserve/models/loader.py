@@ -281,13 +281,16 @@ def model_class(config: ModelConfig):
 
 
 def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
-                max_positions: int | None = None, int4_decode: bool = True, onednn_weights: bool = True):
+                max_positions: int | None = None, int4_decode: bool = True, onednn_weights: bool = True,
+                native_decoder: bool = True):
     """Instantiate the model on `device` in `dtype` and load the checkpoint's weights into it.
 
     int4_decode: on the CPU in bfloat16, also keep the file's Q4_0/Q4_1 matrices packed for
     small-batch decode (see models/int4.py).
     onednn_weights: on the CPU in bfloat16, reorder the projection weights once into oneDNN's blocked
     layout (see layers.prepack_onednn), instead of on every matmul.
+    native_decoder: on the CPU in bfloat16 with AMX, run decode-only steps through the fused native
+    decoder (see models/native_decoder.py).
     """
     from dataclasses import replace
 
@@ -300,6 +303,8 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
     if int4_decode and checkpoint.int4 and device.type == "cpu" and dtype == torch.bfloat16 \
             and packed_kernel_available():
         model.attach_int4(checkpoint.int4, dtype)
+    if native_decoder and device.type == "cpu" and dtype == torch.bfloat16:
+        model.attach_native_decoder()
     if onednn_weights and device.type == "cpu" and dtype == torch.bfloat16 and onednn_prepack_available():
         model.prepack_onednn()
     model.eval()

@@ -1,0 +1,544 @@
+// Shared by the CPU kernel sources: bf16 helpers, paged decode attention, and the per-row pieces of
+// a decoder layer (RMSNorm, rotary, gated activations). Everything is in an anonymous namespace: each
+// source compiled into the library gets its own inlined copy.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+struct bf16 { uint16_t bits; };
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) {
+  uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void store(float x, float* dst) { *dst = x; }
+inline void store(float x, bf16* dst) {  // round to nearest even, as torch's float -> bfloat16
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if (std::isnan(x)) { dst->bits = 0x7FC0; return; }
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  dst->bits = static_cast<uint16_t>(u >> 16);
+}
+
+
+#if defined(__AVX512F__)
+// 16 lanes of a row as fp32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 round16(__m512 v, const float*) { return v; }
+inline __m512 round16(__m512 v, const bf16*) {  // round to nearest even (finite values), as store()
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void store16(__m512 v, float* p) { _mm512_storeu_ps(p, v); }
+inline void store16(__m512 v, bf16* p) {  // the high halves of the rounded values
+  const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(round16(v, p)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+
+// exp over 16 lanes: 2^(x log2 e) split into 2^n (scalef) and a degree-6 polynomial for 2^f, f in [-0.5, 0.5];
+// relative error ~2e-7, as good as expf for a softmax.
+inline __m512 exp16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// r[j] = sum of the 16 lanes of v[j]: a transposing tree of unpacks and shuffles (about 3 ops per row
+// instead of a dependent horizontal reduction per row).
+inline __m512 hsum16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [v2i, v2i+1, v2i, v2i+1] partial sums
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per lane: rows 4i..4i+3
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
+#endif
+
+// One (sequence, kv head) task: the group's query rows against the visible keys [start, len) of one head,
+// through the block table; writes out [group, hd]. `q` is filled by attend_any (fp32, pre-scaled) for
+// the paths that want it; the AVX512-BF16 path reads q_raw as stored.
+// Keys are visited block by block (no per-key division); `scores` holds group * (len - start) floats.
+template <typename T>
+struct Task {
+  const float* q;  // [group, hd], fp32 * scale; null until attend_any converts q_raw
+  const T* q_raw;  // the same rows as stored (unscaled), group rows hd apart
+  float scale;
+  int64_t group, hd;
+  const T* k_head;
+  const T* v_head;
+  const int64_t* table;
+  int64_t block_size, start, len;
+  float* scores;
+  T* out;
+
+  int64_t n() const { return len - start; }
+  // f(t, row pointer) for every visible key of the given cache head, in order.
+  template <typename F>
+  void for_each_key(const T* head, F&& f) const {
+    for (int64_t b = start / block_size; b * block_size < len; ++b) {
+      const int64_t t0 = std::max(start, b * block_size), t1 = std::min(len, (b + 1) * block_size);
+      const T* row = head + (table[b] * block_size + (t0 - b * block_size)) * hd;
+      for (int64_t t = t0; t < t1; ++t, row += hd) f(t - start, row);
+    }
+  }
+};
+
+void softmax_rows(float* scores, int64_t rows, int64_t n) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* sg = scores + g * n;
+    float mx = -INFINITY, sum = 0.f;
+    int64_t i0 = 0;
+#if defined(__AVX512F__)
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (; i0 + 16 <= n; i0 += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sg + i0));
+    mx = _mm512_reduce_max_ps(vmax);
+#endif
+    for (int64_t i = i0; i < n; ++i) mx = std::max(mx, sg[i]);
+    i0 = 0;
+#if defined(__AVX512F__)
+    __m512 vsum = _mm512_setzero_ps();
+    const __m512 vmx = _mm512_set1_ps(mx);
+    for (; i0 + 16 <= n; i0 += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + i0), vmx));
+      _mm512_storeu_ps(sg + i0, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    sum = _mm512_reduce_add_ps(vsum);
+#endif
+    for (int64_t i = i0; i < n; ++i) { sg[i] = std::exp(sg[i] - mx); sum += sg[i]; }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
+  }
+}
+
+// Portable version (any head_dim, any ISA).
+template <typename T>
+void attend_generic(const Task<T>& task, std::vector<float>& acc) {
+  const int64_t n = task.n(), hd = task.hd;
+  for (int64_t g = 0; g < task.group; ++g) {
+    const float* qg = task.q + g * hd;
+    float* sg = task.scores + g * n;
+    task.for_each_key(task.k_head, [&](int64_t i, const T* k) {
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < hd; ++d) dot += qg[d] * to_float(k[d]);
+      sg[i] = dot;
+    });
+  }
+  softmax_rows(task.scores, task.group, n);
+  acc.assign(task.group * hd, 0.f);
+  task.for_each_key(task.v_head, [&](int64_t i, const T* v) {
+    for (int64_t g = 0; g < task.group; ++g) {
+      const float p = task.scores[g * n + i];
+      float* ag = acc.data() + g * hd;
+      for (int64_t d = 0; d < hd; ++d) ag[d] += p * to_float(v[d]);
+    }
+  });
+  for (int64_t j = 0; j < task.group * hd; ++j) store(acc[j], task.out + j);
+}
+
+#if defined(__AVX512F__)
+// head_dim = 16 * C, accumulators held in registers (query rows one at a time, at most 8 vectors live).
+template <typename T, int C>
+void attend_avx512(const Task<T>& task) {
+  const int64_t n = task.n();
+  constexpr int64_t hd = 16 * C;
+  for (int64_t g = 0; g < task.group; ++g) {
+    __m512 qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(task.q + g * hd + 16 * c);
+    float* sg = task.scores + g * n;
+    __m512 part[16];  // per-key partial sums, reduced 16 keys at a time
+    task.for_each_key(task.k_head, [&](int64_t i, const T* k) {
+      __m512 a = _mm512_mul_ps(qv[0], load16(k));
+      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], load16(k + 16 * c), a);
+      part[i & 15] = a;
+      if ((i & 15) == 15) _mm512_storeu_ps(sg + i - 15, hsum16(part));
+    });
+    if (const int64_t rem = n & 15) {
+      for (int64_t j = rem; j < 16; ++j) part[j] = _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(sg + n - rem, static_cast<__mmask16>((1u << rem) - 1), hsum16(part));
+    }
+  }
+  softmax_rows(task.scores, task.group, n);
+  constexpr int W = C < 8 ? C : 8;
+  alignas(64) float tmp[16 * W];
+  for (int64_t g = 0; g < task.group; ++g) {
+    const float* pg = task.scores + g * n;
+    for (int c0 = 0; c0 < C; c0 += W) {
+      __m512 acc[W];
+      for (int c = 0; c < W; ++c) acc[c] = _mm512_setzero_ps();
+      task.for_each_key(task.v_head, [&](int64_t i, const T* v) {
+        const __m512 p = _mm512_set1_ps(pg[i]);
+        for (int c = 0; c < W; ++c) acc[c] = _mm512_fmadd_ps(p, load16(v + 16 * (c0 + c)), acc[c]);
+      });
+      for (int c = 0; c < W; ++c) _mm512_store_ps(tmp + 16 * c, acc[c]);
+      T* dst = task.out + g * hd + 16 * c0;
+      for (int j = 0; j < 16 * W; ++j) store(tmp[j], dst + j);
+    }
+  }
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// bfloat16 with AVX512-BF16: q.k and p.v as bf16 pair dot products (VDPBF16PS) on the rows as stored,
+// no conversions; p is rounded to bf16 as the torch path rounds it. head_dim = 32 * C.
+template <int C>
+void attend_bf16_dp(const Task<bf16>& task, std::vector<int64_t>& rows, std::vector<uint16_t>& probs) {
+  const int64_t n = task.n();
+  constexpr int64_t hd = 32 * C;
+  rows.resize(n + 1);
+  task.for_each_key(task.k_head, [&](int64_t i, const bf16* k) { rows[i] = k - task.k_head; });
+  rows[n] = rows[n - 1];  // the partner of an odd last key (weighted 0)
+  // The rows are scattered 2 KiB blocks in DRAM: ask for the values' lines now, while q.k runs.
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t off = 0; off < hd * 2; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(task.v_head + rows[i]) + off, _MM_HINT_T1);
+  const __m512 scale = _mm512_set1_ps(task.scale);
+  for (int64_t g = 0; g < task.group; ++g) {
+    __m512bh qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(task.q_raw + g * hd + 32 * c);
+    float* sg = task.scores + g * n;
+    __m512 part[16];
+    for (int64_t i = 0; i < n; ++i) {
+      const bf16* k = task.k_head + rows[i];
+      if (g == 0 && i + 16 < n)
+        for (int64_t off = 0; off < hd * 2; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(task.k_head + rows[i + 16]) + off, _MM_HINT_T0);
+      __m512 a = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+      part[i & 15] = a;
+      if ((i & 15) == 15) _mm512_storeu_ps(sg + i - 15, _mm512_mul_ps(hsum16(part), scale));
+    }
+    if (const int64_t rem = n & 15) {
+      for (int64_t j = rem; j < 16; ++j) part[j] = _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(sg + n - rem, static_cast<__mmask16>((1u << rem) - 1), _mm512_mul_ps(hsum16(part), scale));
+    }
+  }
+  softmax_rows(task.scores, task.group, n);
+  const int64_t n2 = (n + 1) & ~int64_t(1);
+  probs.resize(task.group * n2);
+  for (int64_t g = 0; g < task.group; ++g) {
+    for (int64_t i = 0; i < n; ++i) store(task.scores[g * n + i], reinterpret_cast<bf16*>(&probs[g * n2 + i]));
+    if (n2 != n) probs[g * n2 + n] = 0;
+  }
+  for (int64_t g = 0; g < task.group; ++g) {
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(probs.data() + g * n2);
+    __m512 acc[2 * C];
+    for (int c = 0; c < 2 * C; ++c) acc[c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 2) {
+      const bf16* v0 = task.v_head + rows[i];
+      const bf16* v1 = task.v_head + rows[i + 1];
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[i / 2]));
+      for (int c = 0; c < C; ++c) {
+        const __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
+        // per 128-bit lane: (v0[d], v1[d]) pairs for d = 8L..8L+3 (lo) and 8L+4..8L+7 (hi)
+        acc[2 * c] = _mm512_dpbf16_ps(acc[2 * c], p, (__m512bh)_mm512_unpacklo_epi16(a, b));
+        acc[2 * c + 1] = _mm512_dpbf16_ps(acc[2 * c + 1], p, (__m512bh)_mm512_unpackhi_epi16(a, b));
+      }
+    }
+    bf16* dst = task.out + g * hd;
+    for (int c = 0; c < C; ++c) {  // back to dimension order: [lo.L0 hi.L0 lo.L1 hi.L1], [lo.L2 hi.L2 lo.L3 hi.L3]
+      const __m512 lo = acc[2 * c], hi = acc[2 * c + 1];
+      const __m512 x = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m512 y = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));
+      store16(_mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(3, 1, 2, 0)), dst + 32 * c);
+      store16(_mm512_shuffle_f32x4(y, y, _MM_SHUFFLE(3, 1, 2, 0)), dst + 32 * c + 16);
+    }
+  }
+}
+#endif
+
+struct Scratch {
+  std::vector<float> q, acc;
+  std::vector<int64_t> rows;
+  std::vector<uint16_t> probs;
+};
+
+inline void attend(const Task<bf16>& task, Scratch& scratch);
+inline void attend(const Task<float>& task, Scratch& scratch);
+
+template <typename T>
+void attend_any(const Task<T>& raw, Scratch& scratch) {
+  Task<T> task = raw;
+  scratch.q.resize(task.group * task.hd);
+  for (int64_t j = 0; j < task.group * task.hd; ++j) scratch.q[j] = to_float(task.q_raw[j]) * task.scale;
+  task.q = scratch.q.data();
+#if defined(__AVX512F__)
+  switch (task.hd) {
+    case 64: return attend_avx512<T, 4>(task);
+    case 128: return attend_avx512<T, 8>(task);
+    case 256: return attend_avx512<T, 16>(task);
+    default: break;
+  }
+#endif
+  attend_generic(task, scratch.acc);
+}
+
+inline void attend(const Task<float>& task, Scratch& scratch) { attend_any(task, scratch); }
+inline void attend(const Task<bf16>& task, Scratch& scratch) {
+#if defined(__AVX512BF16__)
+  switch (task.hd) {
+    case 64: return attend_bf16_dp<2>(task, scratch.rows, scratch.probs);
+    case 128: return attend_bf16_dp<4>(task, scratch.rows, scratch.probs);
+    case 256: return attend_bf16_dp<8>(task, scratch.rows, scratch.probs);
+    default: break;
+  }
+#endif
+  attend_any(task, scratch);
+}
+
+// A batch of single-token decodes over the paged cache; run(task) attends one (sequence, kv head) task.
+template <typename T>
+struct DecodeBatch {
+  const T* query;  // [seqs, q_heads, hd] with a token stride
+  int64_t query_token_stride;
+  const T* key_cache;
+  const T* value_cache;  // [kv_heads, num_blocks, block_size, hd]
+  const int64_t* block_tables;
+  int64_t table_stride;
+  const int64_t* context_lens;
+  T* out;  // [seqs, q_heads, hd] contiguous
+  int64_t num_seqs, num_q_heads, num_kv_heads, num_blocks, block_size, hd, window;
+  float scale;
+
+  int64_t tasks() const { return num_seqs * num_kv_heads; }
+  void run(int64_t task, std::vector<float>& scores, Scratch& scratch) const {
+    const int64_t s = task / num_kv_heads, h = task % num_kv_heads, group = num_q_heads / num_kv_heads;
+    const int64_t len = context_lens[s];
+    const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    scores.resize(group * (len - start));
+    const int64_t head_stride = num_blocks * block_size * hd;
+    attend(Task<T>{nullptr, query + s * query_token_stride + h * group * hd, scale, group, hd,
+                   key_cache + h * head_stride, value_cache + h * head_stride, block_tables + s * table_stride,
+                   block_size, start, len, scores.data(), out + (s * num_q_heads + h * group) * hd},
+           scratch);
+  }
+};
+
+template <typename T>
+void decode_attention(const DecodeBatch<T>& batch) {
+#pragma omp parallel
+  {
+    std::vector<float> scores;
+    Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < batch.tasks(); ++task) batch.run(task, scores, scratch);
+  }
+}
+
+// key/value [tokens, kv_heads, head_dim] with a token stride (heads contiguous) -> cache slots.
+template <typename T>
+void write_kv(const T* key, const T* value, int64_t key_token_stride, int64_t value_token_stride, T* key_cache,
+              T* value_cache, const int64_t* slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
+              int64_t num_slots, int64_t head_dim) {
+  const size_t row = head_dim * sizeof(T);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slot_mapping[t];
+    if (slot < 0) continue;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      std::memcpy(key_cache + (h * num_slots + slot) * head_dim, key + t * key_token_stride + h * head_dim, row);
+      std::memcpy(value_cache + (h * num_slots + slot) * head_dim, value + t * value_token_stride + h * head_dim, row);
+    }
+  }
+}
+
+
+// ---- fused elementwise ops of a decoder layer (one pass each instead of 3-8 torch ops) ----
+
+inline float round_to(float x, const float*) { return x; }
+inline float round_to(float x, const bf16*) { bf16 b; store(x, &b); return to_float(b); }
+
+// One row of RMSNorm: Llama: weight * dtype(x * r), rounded as torch rounds it; Gemma (unit_offset):
+// dtype(x * r * (1 + weight)), the reference's float32 scaling. `o` may alias `xr` (in place).
+template <typename T>
+inline void norm_row(const T* xr, T* o, int64_t dim, const T* weight, float eps, bool unit_offset) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < dim; ++i) { const float v = to_float(xr[i]); ss += v * v; }
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+  int64_t i0 = 0;
+#if defined(__AVX512F__)
+  const __m512 vr = _mm512_set1_ps(r), one = _mm512_set1_ps(1.f);
+  for (; i0 + 16 <= dim; i0 += 16) {
+    const __m512 h = _mm512_mul_ps(load16(xr + i0), vr), w = load16(weight + i0);
+    store16(unit_offset ? _mm512_mul_ps(h, _mm512_add_ps(one, w)) : _mm512_mul_ps(w, round16(h, o)), o + i0);
+  }
+#endif
+  for (int64_t i = i0; i < dim; ++i) {
+    const float h = to_float(xr[i]) * r, w = to_float(weight[i]);
+    store(unit_offset ? h * (1.f + w) : w * round_to(h, o), o + i);
+  }
+}
+
+// RMSNorm over rows of width `dim` of a [a, b, dim] view (strides sa, sb; rows contiguous), into a
+// contiguous [a * b, dim] output.
+template <typename T>
+void rms_norm(const T* x, int64_t a, int64_t b, int64_t sa, int64_t sb, int64_t dim, const T* weight, float eps,
+              bool unit_offset, T* out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t row = 0; row < a * b; ++row)
+    norm_row(x + (row / b) * sa + (row % b) * sb, out + row * dim, dim, weight, eps, unit_offset);
+}
+
+// The residual stream's add fused with the next norm: residual = dtype(x + residual) in place (one
+// rounding, as torch's add), out = RMSNorm(residual). x, residual and out are contiguous [rows, dim].
+template <typename T>
+inline void add_norm_row(const T* xr, T* rr, T* o, int64_t dim, const T* weight, float eps, bool unit_offset) {
+  int64_t i0 = 0;
+#if defined(__AVX512F__)
+  for (; i0 + 16 <= dim; i0 += 16) store16(_mm512_add_ps(load16(xr + i0), load16(rr + i0)), rr + i0);
+#endif
+  for (int64_t i = i0; i < dim; ++i) store(to_float(xr[i]) + to_float(rr[i]), rr + i);
+  norm_row(static_cast<const T*>(rr), o, dim, weight, eps, unit_offset);
+}
+
+template <typename T>
+void add_rms_norm(const T* x, T* residual, int64_t rows, int64_t dim, const T* weight, float eps, bool unit_offset,
+                  T* out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t row = 0; row < rows; ++row)
+    add_norm_row(x + row * dim, residual + row * dim, out + row * dim, dim, weight, eps, unit_offset);
+}
+
+// Rotate-half rotary of one head's row in place, by one position's fp32 cos/sin rows; fp32 math, one rounding.
+template <typename T>
+inline void rotate_row(T* v, int64_t dim, const float* c, const float* sn) {
+  const int64_t half = dim / 2;
+  int64_t i0 = 0;
+#if defined(__AVX512F__)
+  for (; i0 + 16 <= half; i0 += 16) {
+    const __m512 x1 = load16(v + i0), x2 = load16(v + i0 + half);
+    store16(_mm512_fmsub_ps(x1, _mm512_loadu_ps(c + i0), _mm512_mul_ps(x2, _mm512_loadu_ps(sn + i0))), v + i0);
+    store16(_mm512_fmadd_ps(x2, _mm512_loadu_ps(c + i0 + half), _mm512_mul_ps(x1, _mm512_loadu_ps(sn + i0 + half))),
+            v + i0 + half);
+  }
+#endif
+  for (int64_t i = i0; i < half; ++i) {
+    const float x1 = to_float(v[i]), x2 = to_float(v[i + half]);
+    store(x1 * c[i] - x2 * sn[i], v + i);
+    store(x2 * c[i + half] + x1 * sn[i + half], v + i + half);
+  }
+}
+
+// Rotary in place on x [tokens, heads, dim] (token stride st, heads contiguous), cos/sin fp32 tables
+// [max_positions, dim] looked up by position.
+template <typename T>
+void rotary(T* x, int64_t tokens, int64_t heads, int64_t st, int64_t dim, const int64_t* positions,
+            const float* cos_table, const float* sin_table) {
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < heads; ++h)
+      rotate_row(x + t * st + h * dim, dim, cos_table + positions[t] * dim, sin_table + positions[t] * dim);
+}
+
+// Everything between the QKV projection and attention, in one pass over the new tokens: on qkv
+// [tokens, q_heads + 2 kv_heads, dim] (token stride st, heads contiguous) optionally RMSNorm each q
+// and k head (Gemma's QK norm; null weights skip it), rotate q and k in place, and copy k and v into
+// their cache slots (slot < 0: not written). Attention then reads q (and, for prefill, k/v) from qkv.
+template <typename T>
+struct QkvStep {
+  int64_t q_heads, kv_heads, dim;
+  const float* cos_table;
+  const float* sin_table;
+  const T* q_norm;  // null: no QK norm
+  const T* k_norm;
+  float norm_eps;
+  bool norm_unit_offset;
+  T* key_cache;
+  T* value_cache;
+  int64_t num_slots;
+
+  void token(T* tok, int64_t position, int64_t slot) const {
+    const float* c = cos_table + position * dim;
+    const float* sn = sin_table + position * dim;
+    for (int64_t h = 0; h < q_heads + kv_heads; ++h) {
+      T* v = tok + h * dim;
+      const T* w = h < q_heads ? q_norm : k_norm;
+      if (w != nullptr) norm_row(static_cast<const T*>(v), v, dim, w, norm_eps, norm_unit_offset);
+      rotate_row(v, dim, c, sn);
+    }
+    if (slot < 0) return;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      std::memcpy(key_cache + (h * num_slots + slot) * dim, tok + (q_heads + h) * dim, dim * sizeof(T));
+      std::memcpy(value_cache + (h * num_slots + slot) * dim, tok + (q_heads + kv_heads + h) * dim, dim * sizeof(T));
+    }
+  }
+};
+
+template <typename T>
+void qk_rope_write_kv(const QkvStep<T>& step, T* qkv, int64_t tokens, int64_t st, const int64_t* positions,
+                      const int64_t* slot_mapping) {
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < tokens; ++t) step.token(qkv + t * st, positions[t], slot_mapping[t]);
+}
+
+#if defined(__AVX512F__)
+// act 0: SiLU, x * sigmoid(x); 1: GELU (tanh approximation), 0.5 x (1 + tanh(y)) with tanh(y) = 1 - 2 / (exp(2y) + 1).
+inline __m512 activation16(__m512 x, int act) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  if (act == 0) return _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+  const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+  const __m512 y = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f), _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
+  const __m512 e = exp16(_mm512_add_ps(y, y));
+  const __m512 th = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(one, th));
+}
+#endif
+
+// out [tokens, n] = act(gate) * up from gate_up [tokens, 2n]; act 0 = SiLU, 1 = GELU (tanh approximation).
+template <typename T>
+void gated_act(const T* gate_up, int64_t tokens, int64_t n, int act, T* out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* g = gate_up + t * 2 * n;
+    const T* u = g + n;
+    T* o = out + t * n;
+    int64_t i0 = 0;
+#if defined(__AVX512F__)
+    for (; i0 + 16 <= n; i0 += 16) store16(_mm512_mul_ps(round16(activation16(load16(g + i0), act), o), load16(u + i0)), o + i0);
+#endif
+    for (int64_t i = i0; i < n; ++i) {
+      const float x = to_float(g[i]);
+      float a;
+      if (act == 0) {
+        a = x / (1.f + std::exp(-x));
+      } else {
+        const float y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+        a = 0.5f * x * (1.f + std::tanh(y));
+      }
+      store(round_to(a, o) * to_float(u[i]), o + i);
+    }
+  }
+}
+
+}  // namespace

@@ -1,0 +1,133 @@
+"""A decode step's whole decoder stack as one native call (kernels/decoder_cpu.cpp), on AMX tiles.
+
+Decode steps on the CPU are bound by reading the weights and the KV cache, but driven op by op from
+Python each small op started with cold caches after the previous op's weight stream, and the dispatch
+around ~300 ops per step cost about as much as the memory traffic. `NativeDecoder` packs the
+projection weights once into the kernel's tile layout and runs every layer of a decode-only step in
+one call; prefill and mixed steps keep the per-op path (SDPA prefill, oneDNN projections).
+
+It serves bfloat16 Llama and Gemma 3 layers on CPUs with AMX (and a kernel that grants it); `build`
+returns None for anything else, and the model keeps its per-op path. The per-op path stays the
+reference: tests compare the two.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvserve.kernels import cpu as cpu_kernels
+from kvserve.models.attention import AttentionMetadata
+from kvserve.models.int4 import MAX_PACKED_ROWS
+from kvserve.models.layers import FusedLinear, Linear, RMSNorm
+
+_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+def _interleave_gate_up(weight: torch.Tensor) -> torch.Tensor:
+    """[gate; up] rows -> 16-row blocks alternating gate, up (the kernel's gated epilogue reads pairs)."""
+    two_i, k = weight.shape
+    return weight.view(2, two_i // 32, 16, k).transpose(0, 1).reshape(two_i, k)
+
+
+class NativeDecoder:
+    """Packed weights and the per-layer parameter table for `NativeKernels.decode_forward`."""
+
+    def __init__(self, model, native: cpu_kernels.NativeKernels):
+        self.native = native
+        self.model = model
+        config = model.config
+        first = model.layers[0]
+        norms = [first.norm_roles()[role] for role in ("attn_in", "mlp_in")]
+        self.params = cpu_kernels.ModelParams(
+            num_layers=len(model.layers), hidden=config.hidden_size, q_heads=config.num_heads,
+            kv_heads=config.num_kv_heads, head_dim=config.head_dim, intermediate=config.intermediate_size,
+            act=_ACTIVATIONS[first.mlp.activation], eps=norms[0].eps, norm_unit_offset=int(norms[0].unit_offset),
+            final_norm=model.norm.weight.data_ptr())
+        self.int4_small_batches = any(m.packed is not None for m in model.modules()
+                                      if isinstance(m, (Linear, FusedLinear)))
+        self._packed = []  # keeps the packed tensors alive; the table holds their addresses
+        self._layers = cpu_kernels.LayerParams * len(model.layers)
+        self._static = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            roles = layer.norm_roles()
+            packed = {
+                "qkv": native.pack_weight(attn.qkv_proj.weight.data),
+                "o": native.pack_weight(attn.o_proj.weight.data),
+                "gate_up": native.pack_weight(_interleave_gate_up(mlp.gate_up_proj.weight.data)),
+                "down": native.pack_weight(mlp.down_proj.weight.data),
+            }
+            self._packed.append(packed)
+            fields = {name: tensor.data_ptr() for name, tensor in packed.items()}
+            for role in ("attn_in", "attn_out", "mlp_in", "mlp_out"):
+                fields[f"{role}_norm"] = roles[role].weight.data_ptr() if role in roles else None
+            for name in ("q_norm", "k_norm"):
+                norm = getattr(attn, name)
+                fields[name] = norm.weight.data_ptr() if norm is not None else None
+            fields.update(cos=attn.rotary.cos.data_ptr(), sin=attn.rotary.sin.data_ptr(),
+                          window=attn.sliding_window or 0, scale=attn.scale)
+            self._static.append(fields)
+        self._rotaries = list({id(layer.self_attn.rotary): layer.self_attn.rotary for layer in model.layers}.values())
+        self._table_key = None
+        self._table = None
+
+    @classmethod
+    def build(cls, model) -> "NativeDecoder | None":
+        """The fused decoder for this model, or None where it does not apply (see the module docstring)."""
+        native = cpu_kernels.load()
+        if native is None or not native.amx or not cls.supports(model):
+            return None
+        return cls(model, native)
+
+    @staticmethod
+    def supports(model) -> bool:
+        c = model.config
+        params = list(model.parameters())
+        if not params or any(p.device.type != "cpu" or p.dtype != torch.bfloat16 for p in params):
+            return False
+        q_width, qkv_width = c.num_heads * c.head_dim, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        if c.hidden_size % 32 or q_width % 32 or c.intermediate_size % 32 or qkv_width % 16:
+            return False  # the tile layout wants K % 32 and N % 16
+        norms: set[tuple[float, bool]] = {(model.norm.eps, model.norm.unit_offset)}
+        for layer in model.layers:
+            if not hasattr(layer, "norm_roles"):
+                return False
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.qkv_proj.bias is not None or attn.o_proj.bias is not None \
+                    or mlp.activation not in _ACTIVATIONS or attn.qkv_proj.weight.numel() == 0:
+                return False  # biases are not fused; dense weights must still be here to pack
+            if attn.rotary.cos.dtype != torch.float32:
+                return False
+            found = [n for n in layer.norm_roles().values()] + [n for n in (attn.q_norm, attn.k_norm) if n is not None]
+            norms |= {(n.eps, n.unit_offset) for n in found if isinstance(n, RMSNorm)}
+        return len(norms) == 1  # the kernel takes one eps and one weight convention
+
+    def applies(self, h: torch.Tensor, meta: AttentionMetadata, kv_caches) -> bool:
+        """A decode-only step the kernel serves: bf16 contiguous caches; small batches stay on the 4-bit
+        weights when the checkpoint brought them (they read a quarter of the bytes)."""
+        m = h.shape[0]
+        if meta.prefills or meta.num_decode_tokens != m or m == 0:
+            return False
+        if self.int4_small_batches and m <= MAX_PACKED_ROWS:
+            return False
+        key_cache = kv_caches[0][0]
+        return key_cache.dtype == torch.bfloat16 and key_cache.is_contiguous() and key_cache.device.type == "cpu"
+
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        for rotary in self._rotaries:  # the kernel indexes the cos/sin tables unchecked
+            rotary.check_positions(positions, meta.cache)
+        _, num_blocks, block_size, _ = kv_caches[0][0].shape
+        self.params.num_blocks, self.params.block_size = num_blocks, block_size
+        return self.native.decode_forward(self.params, self._layer_table(kv_caches), h, positions, meta.slot_mapping,
+                                          meta.decode_block_tables, meta.decode_context_lens)
+
+    def _layer_table(self, kv_caches) -> ctypes.Array:
+        """The per-layer table, rebuilt only when the caches move (they are allocated once per engine)."""
+        key = tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches)
+        if key != self._table_key:
+            self._table = self._layers(*[
+                cpu_kernels.LayerParams(key_cache=k, value_cache=v, **fields)
+                for fields, (k, v) in zip(self._static, key)])
+            self._table_key = key
+        return self._table

@@ -1,0 +1,104 @@
+"""The fused native decode step (models/native_decoder.py, kernels/decoder_cpu.cpp) against the per-op path,
+on tiny random Llama and Gemma 3 models written as GGUF, in bfloat16 through the paged cache."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvserve.engine.runner import BatchItem
+from kvserve.kernels import cpu as cpu_kernels
+from kvserve.models.attention import AttentionMetadata, PrefillChunk
+from kvserve.models.loader import load_checkpoint
+from kvserve.models.native_decoder import NativeDecoder
+from tests.parity import PagedHarness, rel_err
+
+native = cpu_kernels.load()
+needs_amx = pytest.mark.skipif(native is None or not native.amx, reason="the fused decoder needs AMX tiles")
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def checkpoint(request, tiny_llama_gguf, tiny_gemma_gguf):
+    return load_checkpoint(tiny_llama_gguf if request.param == "llama" else tiny_gemma_gguf)
+
+
+class CountingDecoder(NativeDecoder):
+    calls = 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return super().__call__(*args)
+
+
+def _decode_run(ck, dtype, fused: bool, batch: int, steps: int = 4, seed: int = 0):
+    """Prefill `batch` prompts one by one, then `steps` decode-only steps of the whole batch; returns the
+    decode logits [steps, batch, vocab], the harness, and how many steps the fused decoder ran."""
+    h = PagedHarness(ck, num_blocks=64 + batch * 8, dtype=dtype)
+    decoder = h.model.native_decoder
+    if fused:
+        assert decoder is not None, "bf16 on an AMX CPU: the fused decoder must attach"
+        decoder.__class__ = CountingDecoder
+    else:
+        h.model.native_decoder = None
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 20000) for _ in range(rng.randrange(3, 40))] for _ in range(batch)]
+    tables = [h.new_table(len(p) + steps) for p in prompts]
+    for p, t in zip(prompts, tables):
+        h.runner.forward([BatchItem(p, 0, t)])
+    logits = []
+    for s in range(steps):
+        items = [BatchItem([rng.randrange(3, 20000)], len(p) + s, t) for p, t in zip(prompts, tables)]
+        logits.append(h.runner.forward(items, all_logits=True).float())
+    return torch.stack(logits), h, decoder.calls if fused else 0
+
+
+@needs_amx
+@pytest.mark.parametrize("batch", [1, 18, 37])  # one tile row block, a partial second one, two blocks of 32
+def test_fused_decode_matches_the_per_op_path(checkpoint, batch):
+    fused, hf, calls = _decode_run(checkpoint, torch.bfloat16, True, batch)
+    per_op, hp, _ = _decode_run(checkpoint, torch.bfloat16, False, batch)
+    reference, _, _ = _decode_run(checkpoint, torch.float32, False, batch)
+    assert calls == 4, "every decode-only step goes through the fused decoder"
+    assert rel_err(fused, per_op) <= 2e-2
+    # As accurate as the per-op bf16 path against float32 (they differ only in accumulation order).
+    assert rel_err(fused, reference) <= 1.25 * rel_err(per_op, reference) + 1e-3
+    # The K/V it wrote into the cache are the per-op path's.
+    for (kf, vf), (kp, vp) in zip(hf.runner.kv_caches, hp.runner.kv_caches):
+        assert rel_err(kf, kp.float()) <= 2e-2 and rel_err(vf, vp.float()) <= 2e-2
+
+
+@needs_amx
+def test_only_decode_only_steps_take_the_fused_path(checkpoint):
+    h = PagedHarness(checkpoint, dtype=torch.bfloat16)
+    decoder = h.model.native_decoder
+    caches = h.runner.kv_caches
+    x = torch.zeros(3, checkpoint.config.hidden_size, dtype=torch.bfloat16)
+    decode = AttentionMetadata(slot_mapping=torch.zeros(3, dtype=torch.int64), num_decode_tokens=3)
+    mixed = AttentionMetadata(slot_mapping=torch.zeros(3, dtype=torch.int64), num_decode_tokens=1,
+                              prefills=[PrefillChunk(1, 2, 2, torch.zeros(1, dtype=torch.int64))])
+    assert decoder.applies(x, decode, caches)
+    assert not decoder.applies(x, mixed, caches)
+    decoder.int4_small_batches = True  # the checkpoint's 4-bit weights serve batches of up to 4 rows
+    assert not decoder.applies(x, decode, caches)
+    assert decoder.applies(torch.zeros(5, x.shape[1], dtype=torch.bfloat16),
+                           AttentionMetadata(slot_mapping=torch.zeros(5, dtype=torch.int64), num_decode_tokens=5),
+                           caches)
+
+
+def test_falls_back_to_the_per_op_path_without_amx_or_bf16(checkpoint, monkeypatch):
+    assert PagedHarness(checkpoint, dtype=torch.float32).model.native_decoder is None
+    if native is not None:
+        monkeypatch.setattr(native, "amx", False)
+    assert PagedHarness(checkpoint, dtype=torch.bfloat16).model.native_decoder is None
+
+
+@needs_amx
+def test_pack_weight_checks_the_tile_shape():
+    with pytest.raises(ValueError):
+        native.pack_weight(torch.zeros(24, 64, dtype=torch.bfloat16))  # N % 16 != 0
+    with pytest.raises(ValueError):
+        native.pack_weight(torch.zeros(32, 48, dtype=torch.bfloat16))  # K % 32 != 0
+    w = torch.arange(32 * 64, dtype=torch.float32).reshape(32, 64).bfloat16()
+    packed = native.pack_weight(w).view(2, 2, 16, 16, 2)  # [N/16, K/32, pair rows, cols, 2]
+    assert packed[1, 0, 3, 5, 1] == w[16 + 5, 2 * 3 + 1] and packed[0, 1, 0, 2, 0] == w[2, 32]
