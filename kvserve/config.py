@@ -99,7 +99,7 @@ class EngineConfig:
     seed: int = 0
     int4_decode: bool = True  # CPU + bfloat16: small decode batches read the GGUF's own Q4_0/Q4_1 weights packed
     onednn_weights: bool = True  # CPU + bfloat16: projections use weights pre-reordered into oneDNN's blocked layout
-    native_decoder: bool = True  # CPU + bfloat16 + AMX: decode-only steps run as one native call (models/native_decoder.py)
+    native_decoder: bool = True  # CPU + bfloat16 + AMX: steps run as one native call (models/native_decoder.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

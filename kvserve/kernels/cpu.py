@@ -100,9 +100,9 @@ class NativeKernels:
         self.amx = bool(self._lib.kvserve_amx_available())  # AMX tiles compiled in and granted by the kernel
         self._pack = self._lib.kvserve_pack_weight_bf16
         self._pack.argtypes, self._pack.restype = [_PTR, _I64, _I64, _PTR], None
-        self._decode_forward = self._lib.kvserve_decode_forward_bf16
-        self._decode_forward.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR]
-        self._decode_forward.restype = None
+        self._forward = self._lib.kvserve_forward_bf16
+        self._forward.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR]
+        self._forward.restype = None
 
     def _bind(self, name: str, argtypes: list) -> dict:
         """kvserve_<name>_<f32|bf16> per torch dtype, typed."""
@@ -202,7 +202,7 @@ class NativeKernels:
         return out
 
 
-    # ---- the fused decode step (decoder_cpu.cpp; needs `amx`) ----
+    # ---- the fused decoder stack (decoder_cpu.cpp; needs `amx`) ----
     def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """A bf16 [N, K] weight (N % 16 == 0, K % 32 == 0) in the AMX tile layout, as a flat tensor."""
         n, k = weight.shape
@@ -214,16 +214,17 @@ class NativeKernels:
         self._pack(weight.data_ptr(), n, k, packed.data_ptr())
         return packed
 
-    def decode_forward(self, model_params: ctypes.Structure, layer_params: ctypes.Array, hidden: torch.Tensor,
-                       positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                       context_lens: torch.Tensor) -> torch.Tensor:
-        """hidden [D, H] bf16 embeddings -> the final-normed hidden states, in place (see decoder_cpu.cpp)."""
+    def forward(self, model_params: ctypes.Structure, layer_params: ctypes.Array, hidden: torch.Tensor,
+                positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                context_lens: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H] bf16 embeddings -> the final-normed hidden states, in place (see decoder_cpu.cpp).
+        Per token: positions, slots, context_lens [T] and block_tables [T, width], all int64."""
         if not self.amx:
-            raise RuntimeError("the fused decode step needs AMX")
+            raise RuntimeError("the fused decoder needs AMX")
         hidden = hidden.contiguous()
-        self._decode_forward(ctypes.byref(model_params), layer_params, hidden.data_ptr(), hidden.shape[0],
-                             positions.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
-                             block_tables.stride(0), context_lens.data_ptr())
+        self._forward(ctypes.byref(model_params), layer_params, hidden.data_ptr(), hidden.shape[0],
+                      positions.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+                      context_lens.data_ptr())
         return hidden
 
 

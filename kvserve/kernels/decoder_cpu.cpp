@@ -1,6 +1,8 @@
-// A whole decode step's decoder stack in one native call, on AMX tiles: for a batch of single-token
-// decodes, every layer's norms, QKV/O/gate-up/down projections, rotary, KV writes and paged attention,
-// inside one OpenMP parallel region with a barrier between phases.
+// A step's whole decoder stack in one native call, on AMX tiles: every layer's norms, QKV/O/gate-up/down
+// projections, rotary, KV writes and paged attention, inside one OpenMP parallel region with a barrier
+// between phases. Each token is a row: a decode, or a prefill token attending to its own prefix through
+// its row of the block table (all of a step's K/V are written before any attention reads them), so
+// decode, prefill and mixed steps run the same code.
 //
 // Why: on the 2-core CPU machines a decode step of 32 sequences is bound by reading the weights and the
 // KV cache, yet driven from Python each of its ~300 small ops per step started cold (the previous
@@ -182,9 +184,10 @@ extern "C" void kvserve_pack_weight_bf16(const void* weight, int64_t n, int64_t 
     }
 }
 
-// hidden [m, H]: in, the token embeddings; out, the final norm of the last residual stream. One token
-// per sequence: positions, slot_mapping, context_lens [m] and block_tables [m, table_stride].
-extern "C" void kvserve_decode_forward_bf16(const ModelParams* mp, const LayerParams* layers, void* hidden_ptr,
+// hidden [m, H]: in, the token embeddings; out, the final norm of the last residual stream. Per token:
+// positions, slot_mapping, context_lens (keys it attends to, itself included) [m] and its sequence's
+// block table, block_tables [m, table_stride].
+extern "C" void kvserve_forward_bf16(const ModelParams* mp, const LayerParams* layers, void* hidden_ptr,
                                             int64_t m, const int64_t* positions, const int64_t* slot_mapping,
                                             const int64_t* block_tables, int64_t table_stride,
                                             const int64_t* context_lens) {

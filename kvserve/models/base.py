@@ -34,7 +34,7 @@ class CausalLM(nn.Module):
         self.lm_head_weight = None if config.tie_word_embeddings else frozen(
             torch.empty(config.vocab_size, config.hidden_size))
         self.lm_head_onednn = None  # the LM head in oneDNN's blocked layout (prepack_onednn)
-        self.native_decoder = None  # runs decode-only steps in one native call (attach_native_decoder)
+        self.native_decoder = None  # runs a whole step in one native call where it applies (attach_native_decoder)
 
     def make_rotary(self) -> nn.Module:
         """Rotary tables shared by the layers (buffers, built once)."""
@@ -66,7 +66,7 @@ class CausalLM(nn.Module):
         return torch.nn.functional.linear(hidden, self.lm_head).float()
 
     def attach_native_decoder(self) -> bool:
-        """Pack the projections for the fused native decode step where it applies (CPU, bf16, AMX); must
+        """Pack the projections for the fused native decoder where it applies (CPU, bf16, AMX); must
         run before `prepack_onednn` frees the dense weights. Returns whether it attached."""
         from kvserve.models.native_decoder import NativeDecoder
 

@@ -289,7 +289,7 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
     small-batch decode (see models/int4.py).
     onednn_weights: on the CPU in bfloat16, reorder the projection weights once into oneDNN's blocked
     layout (see layers.prepack_onednn), instead of on every matmul.
-    native_decoder: on the CPU in bfloat16 with AMX, run decode-only steps through the fused native
+    native_decoder: on the CPU in bfloat16 with AMX, run steps through the fused native
     decoder (see models/native_decoder.py).
     """
     from dataclasses import replace
@@ -300,12 +300,11 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
     model = model_class(config)(config)
     model.load_weights(checkpoint.tensors)
     model = model.to(device=device, dtype=dtype)
-    if int4_decode and checkpoint.int4 and device.type == "cpu" and dtype == torch.bfloat16 \
-            and packed_kernel_available():
-        model.attach_int4(checkpoint.int4, dtype)
-    if native_decoder and device.type == "cpu" and dtype == torch.bfloat16:
-        model.attach_native_decoder()
-    if onednn_weights and device.type == "cpu" and dtype == torch.bfloat16 and onednn_prepack_available():
+    cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
+    fused = native_decoder and cpu_bf16 and model.attach_native_decoder()
+    if int4_decode and not fused and checkpoint.int4 and cpu_bf16 and packed_kernel_available():
+        model.attach_int4(checkpoint.int4, dtype)  # the fused decoder beats it even on single decodes
+    if onednn_weights and cpu_bf16 and onednn_prepack_available():
         model.prepack_onednn()
     model.eval()
     return model

@@ -1,4 +1,4 @@
-"""The fused native decode step (models/native_decoder.py, kernels/decoder_cpu.cpp) against the per-op path,
+"""The fused native decoder (models/native_decoder.py, kernels/decoder_cpu.cpp) against the per-op path,
 on tiny random Llama and Gemma 3 models written as GGUF, in bfloat16 through the paged cache."""
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class CountingDecoder(NativeDecoder):
 
 def _decode_run(ck, dtype, fused: bool, batch: int, steps: int = 4, seed: int = 0):
     """Prefill `batch` prompts one by one, then `steps` decode-only steps of the whole batch; returns the
-    decode logits [steps, batch, vocab], the harness, and how many steps the fused decoder ran."""
+    decode logits [steps, batch, vocab], the harness, and how many forward passes the fused decoder ran."""
     h = PagedHarness(ck, num_blocks=64 + batch * 8, dtype=dtype)
     decoder = h.model.native_decoder
     if fused:
@@ -59,7 +59,7 @@ def test_fused_decode_matches_the_per_op_path(checkpoint, batch):
     fused, hf, calls = _decode_run(checkpoint, torch.bfloat16, True, batch)
     per_op, hp, _ = _decode_run(checkpoint, torch.bfloat16, False, batch)
     reference, _, _ = _decode_run(checkpoint, torch.float32, False, batch)
-    assert calls == 4, "every decode-only step goes through the fused decoder"
+    assert calls == batch + 4, "the short prefills and every decode step go through the fused decoder"
     assert rel_err(fused, per_op) <= 2e-2
     # As accurate as the per-op bf16 path against float32 (they differ only in accumulation order).
     assert rel_err(fused, reference) <= 1.25 * rel_err(per_op, reference) + 1e-3
@@ -69,21 +69,38 @@ def test_fused_decode_matches_the_per_op_path(checkpoint, batch):
 
 
 @needs_amx
-def test_only_decode_only_steps_take_the_fused_path(checkpoint):
+def test_mixed_step_with_chunks_and_a_prefix_matches_the_per_op_path(checkpoint):
+    """One flattened step mixing decodes, continued chunks (attending to cached tokens) and a fresh prompt."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 20000) for _ in range(n)] for n in (23, 31, 9, 40, 17)]
+    fused = PagedHarness(checkpoint, dtype=torch.bfloat16)
+    fused.model.native_decoder.__class__ = CountingDecoder
+    per_op = PagedHarness(checkpoint, dtype=torch.bfloat16)
+    per_op.model.native_decoder = None
+    reference = PagedHarness(checkpoint, dtype=torch.float32)
+    a, b, r = (torch.cat(h.mixed_batch(prompts)) for h in (fused, per_op, reference))
+    assert fused.model.native_decoder.calls > 0
+    assert rel_err(a, b.float()) <= 2e-2
+    assert rel_err(a, r) <= 1.25 * rel_err(b, r) + 1e-3
+
+
+@needs_amx
+def test_which_steps_take_the_fused_path(checkpoint):
     h = PagedHarness(checkpoint, dtype=torch.bfloat16)
     decoder = h.model.native_decoder
     caches = h.runner.kv_caches
     x = torch.zeros(3, checkpoint.config.hidden_size, dtype=torch.bfloat16)
     decode = AttentionMetadata(slot_mapping=torch.zeros(3, dtype=torch.int64), num_decode_tokens=3)
     mixed = AttentionMetadata(slot_mapping=torch.zeros(3, dtype=torch.int64), num_decode_tokens=1,
-                              prefills=[PrefillChunk(1, 2, 2, torch.zeros(1, dtype=torch.int64))])
-    assert decoder.applies(x, decode, caches)
-    assert not decoder.applies(x, mixed, caches)
-    decoder.int4_small_batches = True  # the checkpoint's 4-bit weights serve batches of up to 4 rows
+                              prefills=[PrefillChunk(1, 2, 600, torch.zeros(38, dtype=torch.int64))])
+    assert decoder.applies(x, decode, caches) and decoder.applies(x, mixed, caches)
+    decoder.max_attention_keys = 1000  # the chunk's 2 tokens attend to 599 + 600 keys
+    assert not decoder.applies(x, mixed, caches) and decoder.applies(x, decode, caches)
+    decoder.max_tokens = 2
     assert not decoder.applies(x, decode, caches)
-    assert decoder.applies(torch.zeros(5, x.shape[1], dtype=torch.bfloat16),
-                           AttentionMetadata(slot_mapping=torch.zeros(5, dtype=torch.int64), num_decode_tokens=5),
-                           caches)
+    h.runner.kv_caches = [(k.float(), v.float()) for k, v in caches]
+    decoder.max_tokens = 1024
+    assert not decoder.applies(x, decode, h.runner.kv_caches)  # the kernel reads bf16 caches only
 
 
 def test_falls_back_to_the_per_op_path_without_amx_or_bf16(checkpoint, monkeypatch):
@@ -102,3 +119,17 @@ def test_pack_weight_checks_the_tile_shape():
     w = torch.arange(32 * 64, dtype=torch.float32).reshape(32, 64).bfloat16()
     packed = native.pack_weight(w).view(2, 2, 16, 16, 2)  # [N/16, K/32, pair rows, cols, 2]
     assert packed[1, 0, 3, 5, 1] == w[16 + 5, 2 * 3 + 1] and packed[0, 1, 0, 2, 0] == w[2, 32]
+
+
+@needs_amx
+def test_a_4_bit_checkpoint_keeps_no_4_bit_copy_when_the_fused_decoder_attaches(tmp_path, smollm2_gguf_path):
+    from kvserve.models.loader import build_model
+    from tests.gguf_factory import TinySpec, write_tiny_gguf
+
+    path = tmp_path / "tiny-q41.gguf"
+    write_tiny_gguf(path, TinySpec(arch="llama", quant="Q4_1", layers=2), str(smollm2_gguf_path))
+    ck = load_checkpoint(path)
+    assert ck.int4
+    model = build_model(ck, torch.bfloat16, torch.device("cpu"), 512, int4_decode=True)
+    assert model.native_decoder is not None
+    assert all(getattr(m, "packed", None) is None for m in model.modules())
