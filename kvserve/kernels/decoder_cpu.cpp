@@ -53,13 +53,14 @@ struct TileState {
 };
 
 // C [m, 16 * nblocks] = A [m, k] (row stride k) x W^T, W packed; inside a parallel region: the threads
-// split pairs of column blocks (omp for, with its barrier). epi(row0, block0, two, rows, c0, c1) gets
+// take pairs of column blocks dynamically (omp for, with its barrier), so a thread that loses its core
+// to the HTTP server for a while does not hold the other at the barrier. epi(row0, block0, two, rows, c0, c1) gets
 // each finished [rows, 16] fp32 tile pair (c1 valid when `two`).
 template <typename Epilogue>
 void gemm(const bf16* a, int64_t m, int64_t k, const bf16* w, int64_t nblocks, TileState& ts, Epilogue&& epi) {
   const int64_t chunks = k / 32, tile = 16 * 32;  // bf16 elements per packed tile
   alignas(64) float c0[32 * 16], c1[32 * 16];
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
   for (int64_t pair = 0; pair < (nblocks + 1) / 2; ++pair) {
     const int64_t nb0 = 2 * pair;
     const bool two = nb0 + 1 < nblocks;
@@ -204,9 +205,18 @@ extern "C" void kvserve_forward_bf16(const ModelParams* mp, const LayerParams* l
     TileState ts;
     std::vector<float> scores;
     Scratch scratch;
+    // Gemma's post-norms of a branch, in place (a worksharing loop of this parallel region; none for Llama).
+    auto norm_branch = [&](const bf16* weight) {
+      if (weight == nullptr) return;
+#pragma omp for schedule(dynamic, 4)
+      for (int64_t i = 0; i < m; ++i) {
+        bf16* b = branch.data() + i * hidden;
+        norm_row(static_cast<const bf16*>(b), b, hidden, weight, p.eps, unit);
+      }
+    };
     for (int64_t l = 0; l < p.num_layers; ++l) {
       const LayerParams& L = layers[l];
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 4)
       for (int64_t i = 0; i < m; ++i) {
         bf16* rr = residual.data() + i * hidden;
         if (l == 0) {
@@ -219,7 +229,7 @@ extern "C" void kvserve_forward_bf16(const ModelParams* mp, const LayerParams* l
       gemm(x.data(), m, hidden, L.qkv, qkv_width / 16, ts, StoreTiles{qkv.data(), qkv_width});
       const QkvStep<bf16> step{p.q_heads, p.kv_heads, hd, L.cos, L.sin, L.q_norm, L.k_norm, p.eps, unit,
                                L.key_cache, L.value_cache, p.num_blocks * p.block_size};
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 4)
       for (int64_t i = 0; i < m; ++i) step.token(qkv.data() + i * qkv_width, positions[i], slot_mapping[i]);
       const DecodeBatch<bf16> batch{qkv.data(), qkv_width, L.key_cache, L.value_cache, block_tables, table_stride,
                                     context_lens, attn.data(), m, p.q_heads, p.kv_heads, p.num_blocks,
@@ -227,28 +237,16 @@ extern "C" void kvserve_forward_bf16(const ModelParams* mp, const LayerParams* l
 #pragma omp for schedule(dynamic, 1)
       for (int64_t task = 0; task < batch.tasks(); ++task) batch.run(task, scores, scratch);
       gemm(attn.data(), m, q_width, L.o, hidden / 16, ts, StoreTiles{branch.data(), hidden});
-      if (L.attn_out_norm != nullptr) {
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; ++i) {
-          bf16* b = branch.data() + i * hidden;
-          norm_row(static_cast<const bf16*>(b), b, hidden, L.attn_out_norm, p.eps, unit);
-        }
-      }
-#pragma omp for schedule(static)
+      norm_branch(L.attn_out_norm);
+#pragma omp for schedule(dynamic, 4)
       for (int64_t i = 0; i < m; ++i)
         add_norm_row(branch.data() + i * hidden, residual.data() + i * hidden, x.data() + i * hidden, hidden,
                      L.mlp_in_norm, p.eps, unit);
       gemm(x.data(), m, hidden, L.gate_up, 2 * inter / 16, ts, GatedTiles{act.data(), inter, static_cast<int>(p.act)});
       gemm(act.data(), m, inter, L.down, hidden / 16, ts, StoreTiles{branch.data(), hidden});
-      if (L.mlp_out_norm != nullptr) {
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; ++i) {
-          bf16* b = branch.data() + i * hidden;
-          norm_row(static_cast<const bf16*>(b), b, hidden, L.mlp_out_norm, p.eps, unit);
-        }
-      }
+      norm_branch(L.mlp_out_norm);
     }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 4)
     for (int64_t i = 0; i < m; ++i)
       add_norm_row(branch.data() + i * hidden, residual.data() + i * hidden, h + i * hidden, hidden, p.final_norm,
                    p.eps, unit);
