@@ -241,7 +241,7 @@ class ModelParams(ctypes.Structure):
 
     _fields_ = [(name, _I64) for name in ("num_layers", "hidden", "q_heads", "kv_heads", "head_dim", "intermediate",
                                           "num_blocks", "block_size", "act")] + [
-        ("eps", _F32), ("norm_unit_offset", _I64), ("final_norm", _PTR)]
+        ("eps", _F32), ("norm_unit_offset", _I64), ("final_norm", _PTR), ("phase_seconds", _PTR)]
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@
 // 16 columns and applies the activation in the GEMM's epilogue.
 #include "cpu_common.h"
 
+#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -160,6 +161,7 @@ struct ModelParams {
   float eps;
   int64_t norm_unit_offset;
   const bf16* final_norm;
+  double* phase_seconds;  // null, or 9 accumulators: seconds per phase (see mark() below; bench/profile.py)
 };
 
 }  // namespace
@@ -205,6 +207,15 @@ extern "C" void kvserve_forward_bf16(const ModelParams* mp, const LayerParams* l
     TileState ts;
     std::vector<float> scores;
     Scratch scratch;
+    // Profiling: the master adds each phase's wall time as it leaves the phase's closing barrier.
+    const bool clock = p.phase_seconds != nullptr && omp_get_thread_num() == 0;
+    double last = clock ? omp_get_wtime() : 0.0;
+    auto mark = [&](int phase) {
+      if (!clock) return;
+      const double now = omp_get_wtime();
+      p.phase_seconds[phase] += now - last;
+      last = now;
+    };
     // Gemma's post-norms of a branch, in place (a worksharing loop of this parallel region; none for Llama).
     auto norm_branch = [&](const bf16* weight) {
       if (weight == nullptr) return;
@@ -226,30 +237,39 @@ extern "C" void kvserve_forward_bf16(const ModelParams* mp, const LayerParams* l
           add_norm_row(branch.data() + i * hidden, rr, x.data() + i * hidden, hidden, L.attn_in_norm, p.eps, unit);
         }
       }
+      mark(0);
       gemm(x.data(), m, hidden, L.qkv, qkv_width / 16, ts, StoreTiles{qkv.data(), qkv_width});
+      mark(1);
       const QkvStep<bf16> step{p.q_heads, p.kv_heads, hd, L.cos, L.sin, L.q_norm, L.k_norm, p.eps, unit,
                                L.key_cache, L.value_cache, p.num_blocks * p.block_size};
 #pragma omp for schedule(dynamic, 4)
       for (int64_t i = 0; i < m; ++i) step.token(qkv.data() + i * qkv_width, positions[i], slot_mapping[i]);
+      mark(2);
       const DecodeBatch<bf16> batch{qkv.data(), qkv_width, L.key_cache, L.value_cache, block_tables, table_stride,
                                     context_lens, attn.data(), m, p.q_heads, p.kv_heads, p.num_blocks,
                                     p.block_size, hd, L.window, L.scale};
 #pragma omp for schedule(dynamic, 1)
       for (int64_t task = 0; task < batch.tasks(); ++task) batch.run(task, scores, scratch);
+      mark(3);
       gemm(attn.data(), m, q_width, L.o, hidden / 16, ts, StoreTiles{branch.data(), hidden});
       norm_branch(L.attn_out_norm);
+      mark(4);
 #pragma omp for schedule(dynamic, 4)
       for (int64_t i = 0; i < m; ++i)
         add_norm_row(branch.data() + i * hidden, residual.data() + i * hidden, x.data() + i * hidden, hidden,
                      L.mlp_in_norm, p.eps, unit);
+      mark(5);
       gemm(x.data(), m, hidden, L.gate_up, 2 * inter / 16, ts, GatedTiles{act.data(), inter, static_cast<int>(p.act)});
+      mark(6);
       gemm(act.data(), m, inter, L.down, hidden / 16, ts, StoreTiles{branch.data(), hidden});
       norm_branch(L.mlp_out_norm);
+      mark(7);
     }
 #pragma omp for schedule(dynamic, 4)
     for (int64_t i = 0; i < m; ++i)
       add_norm_row(branch.data() + i * hidden, residual.data() + i * hidden, h + i * hidden, hidden, p.final_norm,
                    p.eps, unit);
+    mark(8);
   }
 #endif
 }

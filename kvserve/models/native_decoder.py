@@ -28,6 +28,10 @@ from kvserve.models.attention import AttentionMetadata
 from kvserve.models.layers import RMSNorm
 
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+# The kernel's phases, in the order of its optional per-phase clocks (enable_profile).
+PHASES = ("attention-in RMSNorm (+ residual add)", "QKV GEMM", "QK-norm, rotary, KV-cache write", "attention",
+          "O GEMM (+ post-norm)", "MLP-in RMSNorm (+ residual add)", "gate/up GEMM + activation",
+          "down GEMM (+ post-norm)", "final RMSNorm")
 
 
 def _interleave_gate_up(weight: torch.Tensor) -> torch.Tensor:
@@ -78,6 +82,12 @@ class NativeDecoder:
         self._rotaries = list({id(layer.self_attn.rotary): layer.self_attn.rotary for layer in model.layers}.values())
         self._table_key = None
         self._table = None
+
+    def enable_profile(self) -> torch.Tensor:
+        """Seconds spent in each of PHASES, accumulated by the kernel from now on (bench/profile.py)."""
+        self.phase_seconds = torch.zeros(len(PHASES), dtype=torch.float64)
+        self.params.phase_seconds = self.phase_seconds.data_ptr()
+        return self.phase_seconds
 
     @classmethod
     def build(cls, model) -> "NativeDecoder | None":

@@ -133,3 +133,19 @@ def test_a_4_bit_checkpoint_keeps_no_4_bit_copy_when_the_fused_decoder_attaches(
     model = build_model(ck, torch.bfloat16, torch.device("cpu"), 512, int4_decode=True)
     assert model.native_decoder is not None
     assert all(getattr(m, "packed", None) is None for m in model.modules())
+
+
+@needs_amx
+def test_phase_clocks_and_the_profile_table(tiny_llama_gguf):
+    from kvserve.bench import profile
+
+    result = profile.run(str(tiny_llama_gguf), prompts=6, input_len=20, output_len=5, max_seqs=4)
+    parts = {row["part"]: row["ms_per_step"] for row in result["rows"]}
+    assert result["fused_decoder"] and result["steps"] >= 5
+    phases = [parts[f"fused: {name}"] for name in profile.PHASES]
+    assert all(ms >= 0 for ms in phases) and sum(phases) > 0
+    assert parts["fused: call overhead outside the kernel's phases"] >= 0  # the fused calls were timed
+    # The parts add up to the step: nothing large is left out or counted twice.
+    accounted = sum(ms for name, ms in parts.items() if name != "step (wall)")
+    assert 0.7 * parts["step (wall)"] <= accounted <= 1.05 * parts["step (wall)"]
+    assert "| QKV GEMM |" in profile.markdown(result).replace("fused: ", "")

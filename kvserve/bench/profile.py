@@ -1,0 +1,137 @@
+"""Where an engine step's time goes: a W1-shaped offline run with timers around each part.
+
+  python -m kvserve.bench.profile [--model smollm2-135m] [--prompts 64] [--input 256] [--output 128]
+                                  [--max-seqs 32] [--json out.json]
+
+The run is W1's shape on the offline engine (no HTTP): 64 fresh prompts of 256 random tokens,
+128 greedy output tokens each (ignore_eos), at most 32 sequences running. A warm-up run of the
+same shape comes first (kernels compiled, oneDNN primitives built), then the timed run.
+
+Timers wrap, per step: the scheduler, the runner's input preparation and model forward, the LM
+head, sampling and output processing. Inside the forward: steps the fused native decoder runs
+(with its own per-phase clocks, read on the kernel's master thread at each barrier) and steps that
+go op by op. Reported as milliseconds per step and share of the step, as a Markdown table
+(and JSON with --json). Wrapping adds a few microseconds per call; the step total is measured
+the same way with and without it.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import time
+
+import torch
+
+from kvserve.models.native_decoder import PHASES
+
+
+def _wrap(obj, name: str, clock: collections.Counter, key: str) -> None:
+    inner = getattr(obj, name)
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            clock[key] += time.perf_counter() - t
+
+    setattr(obj, name, timed)
+
+
+class _TimedDecoder:
+    """The model's fused decoder with a timer around its calls (Python looks `__call__` up on the type)."""
+
+    def __init__(self, inner, clock: collections.Counter):
+        self.inner, self.clock = inner, clock
+
+    def applies(self, *args) -> bool:
+        return self.inner.applies(*args)
+
+    def __call__(self, *args):
+        t = time.perf_counter()
+        try:
+            return self.inner(*args)
+        finally:
+            self.clock["fused"] += time.perf_counter() - t
+
+
+def run(model: str, prompts: int, input_len: int, output_len: int, max_seqs: int) -> dict:
+    from kvserve import LLM
+    from kvserve.engine.sampling import SamplingParams
+
+    llm = LLM(model, dtype="bfloat16", kv_cache_memory="1GiB", max_num_seqs=max_seqs, enable_prefix_caching=False)
+    engine = llm.engine
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
+
+    def workload() -> tuple[int, float]:
+        for _ in range(prompts):
+            engine.add_request([rng.randrange(100, 40000) for _ in range(input_len)], params)
+        steps, t = 0, time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        return steps, time.perf_counter() - t
+
+    workload()  # warm-up
+    clock: collections.Counter = collections.Counter()
+    model_obj = engine.runner.model
+    decoder = model_obj.native_decoder
+    _wrap(engine.scheduler, "schedule", clock, "scheduler")
+    _wrap(engine.runner, "execute", clock, "runner.execute")
+    _wrap(model_obj, "forward", clock, "forward")
+    _wrap(model_obj, "compute_logits", clock, "lm_head")
+    _wrap(engine, "_sample_and_update", clock, "sample_and_update")
+    phases = None
+    if decoder is not None:
+        phases = decoder.enable_profile()
+        model_obj.native_decoder = _TimedDecoder(decoder, clock)
+    steps, wall = workload()
+    per_step = {k: v / steps * 1e3 for k, v in clock.items()}
+    rows = [("step (wall)", wall / steps * 1e3)]
+    fused = per_step.get("fused", 0.0)
+    if phases is not None:
+        rows += [(f"fused: {name}", float(phases[i]) / steps * 1e3) for i, name in enumerate(PHASES)]
+        rows.append(("fused: call overhead outside the kernel's phases", fused - float(phases.sum()) / steps * 1e3))
+    rows += [
+        ("forward, op by op (steps the fused decoder does not take)", per_step.get("forward", 0.0) - fused),
+        ("LM head (sampled rows) + float32 logits", per_step.get("lm_head", 0.0)),
+        ("runner: inputs, metadata, swaps/copies",
+         per_step.get("runner.execute", 0.0) - per_step.get("forward", 0.0) - per_step.get("lm_head", 0.0)),
+        ("sampling and output processing", per_step.get("sample_and_update", 0.0)),
+        ("scheduler", per_step.get("scheduler", 0.0)),
+    ]
+    return {"model": model, "steps": steps, "wall_s": wall, "output_tok_s": prompts * output_len / wall,
+            "threads": torch.get_num_threads(), "fused_decoder": decoder is not None,
+            "rows": [{"part": name, "ms_per_step": ms, "share": ms / (wall / steps * 1e3)} for name, ms in rows]}
+
+
+def markdown(result: dict) -> str:
+    lines = [f"{result['steps']} steps, {result['wall_s']:.2f} s, {result['output_tok_s']:.0f} output tok/s, "
+             f"{result['threads']} threads, fused decoder {'on' if result['fused_decoder'] else 'off'}", "",
+             "| part | ms / step | share |", "|---|---|---|"]
+    for row in result["rows"]:
+        lines.append(f"| {row['part']} | {row['ms_per_step']:.2f} | {row['share'] * 100:.1f}% |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--input", type=int, default=256)
+    parser.add_argument("--output", type=int, default=128)
+    parser.add_argument("--max-seqs", type=int, default=32)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    result = run(args.model, args.prompts, args.input, args.output, args.max_seqs)
+    print(markdown(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
