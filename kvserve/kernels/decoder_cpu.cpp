@@ -225,17 +225,24 @@ extern "C" void kvserve_forward_bf16(const ModelParams* mp, const LayerParams* l
         norm_row(static_cast<const bf16*>(b), b, hidden, weight, p.eps, unit);
       }
     };
+    // residual += branch, out = RMSNorm(residual), row by row.
+    auto add_branch_and_norm = [&](bf16* out, const bf16* weight) {
+#pragma omp for schedule(dynamic, 4)
+      for (int64_t i = 0; i < m; ++i)
+        add_norm_row(branch.data() + i * hidden, residual.data() + i * hidden, out + i * hidden, hidden, weight,
+                     p.eps, unit);
+    };
     for (int64_t l = 0; l < p.num_layers; ++l) {
       const LayerParams& L = layers[l];
+      if (l == 0) {  // the stream starts as the embeddings
 #pragma omp for schedule(dynamic, 4)
-      for (int64_t i = 0; i < m; ++i) {
-        bf16* rr = residual.data() + i * hidden;
-        if (l == 0) {
-          std::memcpy(rr, h + i * hidden, hidden * sizeof(bf16));
-          norm_row(static_cast<const bf16*>(rr), x.data() + i * hidden, hidden, L.attn_in_norm, p.eps, unit);
-        } else {
-          add_norm_row(branch.data() + i * hidden, rr, x.data() + i * hidden, hidden, L.attn_in_norm, p.eps, unit);
+        for (int64_t i = 0; i < m; ++i) {
+          std::memcpy(residual.data() + i * hidden, h + i * hidden, hidden * sizeof(bf16));
+          norm_row(static_cast<const bf16*>(residual.data() + i * hidden), x.data() + i * hidden, hidden,
+                   L.attn_in_norm, p.eps, unit);
         }
+      } else {
+        add_branch_and_norm(x.data(), L.attn_in_norm);
       }
       mark(0);
       gemm(x.data(), m, hidden, L.qkv, qkv_width / 16, ts, StoreTiles{qkv.data(), qkv_width});
@@ -254,10 +261,7 @@ extern "C" void kvserve_forward_bf16(const ModelParams* mp, const LayerParams* l
       gemm(attn.data(), m, q_width, L.o, hidden / 16, ts, StoreTiles{branch.data(), hidden});
       norm_branch(L.attn_out_norm);
       mark(4);
-#pragma omp for schedule(dynamic, 4)
-      for (int64_t i = 0; i < m; ++i)
-        add_norm_row(branch.data() + i * hidden, residual.data() + i * hidden, x.data() + i * hidden, hidden,
-                     L.mlp_in_norm, p.eps, unit);
+      add_branch_and_norm(x.data(), L.mlp_in_norm);
       mark(5);
       gemm(x.data(), m, hidden, L.gate_up, 2 * inter / 16, ts, GatedTiles{act.data(), inter, static_cast<int>(p.act)});
       mark(6);
@@ -265,10 +269,7 @@ extern "C" void kvserve_forward_bf16(const ModelParams* mp, const LayerParams* l
       norm_branch(L.mlp_out_norm);
       mark(7);
     }
-#pragma omp for schedule(dynamic, 4)
-    for (int64_t i = 0; i < m; ++i)
-      add_norm_row(branch.data() + i * hidden, residual.data() + i * hidden, h + i * hidden, hidden, p.final_norm,
-                   p.eps, unit);
+    add_branch_and_norm(h, p.final_norm);
     mark(8);
   }
 #endif
