@@ -97,7 +97,7 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     seed: int = 0
-    int4_decode: bool = True  # CPU + bfloat16: small decode batches read the GGUF's own Q4_0/Q4_1 weights packed
+    int4_decode: bool = True  # CPU + bf16, no native decoder: small decode batches read the GGUF's Q4 weights
     onednn_weights: bool = True  # CPU + bfloat16: projections use weights pre-reordered into oneDNN's blocked layout
     native_decoder: bool = True  # CPU + bfloat16 + AMX: steps run as one native call (models/native_decoder.py)
     cache: CacheConfig = field(default_factory=CacheConfig)

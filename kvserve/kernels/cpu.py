@@ -1,8 +1,9 @@
-"""Build, cache and call the CPU kernels of `paged_attention_cpu.cpp` through ctypes: paged decode
-attention and KV writes, and the fused RMSNorm, rotary and gated activations of a decoder layer.
+"""Build, cache and call the CPU kernels through ctypes: `paged_attention_cpu.cpp` (paged decode
+attention, KV writes, and the fused RMSNorm, rotary and gated activations of a decoder layer) and
+`decoder_cpu.cpp` (a whole step's decoder stack on AMX tiles), sharing `cpu_common.h`.
 
-The source is compiled once per machine with the system g++ (-O3 -march=native -fopenmp) into
-`$KVSERVE_KERNEL_CACHE` (default ~/.cache/kvserve/kernels), keyed by a hash of the source, the
+The sources are compiled once per machine with the system g++ (-O3 -march=native -fopenmp) into one
+library in `$KVSERVE_KERNEL_CACHE` (default ~/.cache/kvserve/kernels), keyed by a hash of the sources, the
 compiler and the CPU's flags, so a cache shared between machines never loads a binary built for
 another CPU. Without a compiler, or with KVSERVE_NATIVE_KERNELS=0, `load()` returns None and
 the model stays on its torch ops: the kernels are a speed-up, never a requirement.
@@ -200,7 +201,6 @@ class NativeKernels:
         out = torch.empty((t, n), dtype=gate_up.dtype)
         self._gated_act[gate_up.dtype](gate_up.data_ptr(), t, n, 0 if activation == "silu" else 1, out.data_ptr())
         return out
-
 
     # ---- the fused decoder stack (decoder_cpu.cpp; needs `amx`) ----
     def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:

@@ -55,8 +55,8 @@ struct TileState {
 
 // C [m, 16 * nblocks] = A [m, k] (row stride k) x W^T, W packed; inside a parallel region: the threads
 // take pairs of column blocks dynamically (omp for, with its barrier), so a thread that loses its core
-// to the HTTP server for a while does not hold the other at the barrier. epi(row0, block0, two, rows, c0, c1) gets
-// each finished [rows, 16] fp32 tile pair (c1 valid when `two`).
+// to the HTTP server for a while does not hold the other at the barrier. epi(row0, block0, two, rows,
+// c0, c1) gets each finished [rows, 16] fp32 tile pair (c1 valid when `two`).
 template <typename Epilogue>
 void gemm(const bf16* a, int64_t m, int64_t k, const bf16* w, int64_t nblocks, TileState& ts, Epilogue&& epi) {
   const int64_t chunks = k / 32, tile = 16 * 32;  // bf16 elements per packed tile

@@ -286,7 +286,7 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
     """Instantiate the model on `device` in `dtype` and load the checkpoint's weights into it.
 
     int4_decode: on the CPU in bfloat16, also keep the file's Q4_0/Q4_1 matrices packed for
-    small-batch decode (see models/int4.py).
+    small-batch decode (see models/int4.py), unless the native decoder attached (it serves those).
     onednn_weights: on the CPU in bfloat16, reorder the projection weights once into oneDNN's blocked
     layout (see layers.prepack_onednn), instead of on every matmul.
     native_decoder: on the CPU in bfloat16 with AMX, run steps through the fused native

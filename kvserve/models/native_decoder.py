@@ -25,7 +25,6 @@ import torch
 
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.models.attention import AttentionMetadata
-from kvserve.models.layers import RMSNorm
 
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 # The kernel's phases, in the order of its optional per-phase clocks (enable_profile).
@@ -41,7 +40,12 @@ def _interleave_gate_up(weight: torch.Tensor) -> torch.Tensor:
 
 
 class NativeDecoder:
-    """Packed weights and the per-layer parameter table for `NativeKernels.forward`."""
+    """Packed weights and the per-layer parameter table for `NativeKernels.forward`.
+
+    The table holds addresses taken at attach time (norm weights, rotary tables, packed weights): the
+    model is not moved or cast after `CausalLM.attach_native_decoder`, which build_model calls last
+    but for the oneDNN reorder (that replaces only the projection weights, packed here already).
+    """
 
     max_tokens = 1024  # rows per step; at 2048 rows oneDNN's cache-blocked GEMMs were 1.6x faster
     max_attention_keys = 1 << 16  # sum over the step's tokens of the keys each attends to (256-token prompt: 33K)
@@ -51,11 +55,11 @@ class NativeDecoder:
         self.model = model
         config = model.config
         first = model.layers[0]
-        norms = [first.norm_roles()[role] for role in ("attn_in", "mlp_in")]
+        norm = first.norm_roles()["attn_in"]  # `supports` checked that every norm shares eps and convention
         self.params = cpu_kernels.ModelParams(
             num_layers=len(model.layers), hidden=config.hidden_size, q_heads=config.num_heads,
             kv_heads=config.num_kv_heads, head_dim=config.head_dim, intermediate=config.intermediate_size,
-            act=_ACTIVATIONS[first.mlp.activation], eps=norms[0].eps, norm_unit_offset=int(norms[0].unit_offset),
+            act=_ACTIVATIONS[first.mlp.activation], eps=norm.eps, norm_unit_offset=int(norm.unit_offset),
             final_norm=model.norm.weight.data_ptr())
         self._packed = []  # keeps the packed tensors alive; the table holds their addresses
         self._layers = cpu_kernels.LayerParams * len(model.layers)
@@ -116,8 +120,8 @@ class NativeDecoder:
                 return False  # biases are not fused; dense weights must still be here to pack
             if attn.rotary.cos.dtype != torch.float32:
                 return False
-            found = [n for n in layer.norm_roles().values()] + [n for n in (attn.q_norm, attn.k_norm) if n is not None]
-            norms |= {(n.eps, n.unit_offset) for n in found if isinstance(n, RMSNorm)}
+            found = [*layer.norm_roles().values(), *(n for n in (attn.q_norm, attn.k_norm) if n is not None)]
+            norms |= {(n.eps, n.unit_offset) for n in found}
         return len(norms) == 1  # the kernel takes one eps and one weight convention
 
     def applies(self, h: torch.Tensor, meta: AttentionMetadata, kv_caches) -> bool:
@@ -136,8 +140,6 @@ class NativeDecoder:
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         for rotary in self._rotaries:  # the kernel indexes the cos/sin tables unchecked
             rotary.check_positions(positions, meta.cache)
-        _, num_blocks, block_size, _ = kv_caches[0][0].shape
-        self.params.num_blocks, self.params.block_size = num_blocks, block_size
         if meta.prefills:
             tables, lens = self._token_tables(meta), positions + 1
         else:
@@ -152,16 +154,19 @@ class NativeDecoder:
                     + ([meta.decode_block_tables.shape[1]] if meta.num_decode_tokens else []))
         rows = []
         if meta.num_decode_tokens:
-            rows.append(torch.nn.functional.pad(meta.decode_block_tables, (0, width - meta.decode_block_tables.shape[1])))
+            tables = meta.decode_block_tables
+            rows.append(torch.nn.functional.pad(tables, (0, width - tables.shape[1])))
         for chunk in meta.prefills:
             table = torch.nn.functional.pad(chunk.block_table, (0, width - len(chunk.block_table)))
             rows.append(table.expand(chunk.query_len, width))
         return torch.cat(rows)
 
     def _layer_table(self, kv_caches) -> ctypes.Array:
-        """The per-layer table, rebuilt only when the caches move (they are allocated once per engine)."""
+        """The per-layer table (and the cache geometry), rebuilt only when the caches move (they are
+        allocated once per engine)."""
         key = tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches)
         if key != self._table_key:
+            _, self.params.num_blocks, self.params.block_size, _ = kv_caches[0][0].shape
             self._table = self._layers(*[
                 cpu_kernels.LayerParams(key_cache=k, value_cache=v, **fields)
                 for fields, (k, v) in zip(self._static, key)])
