@@ -5,7 +5,7 @@ Engine argument names follow vLLM's where one exists (block_size, max_num_seqs, 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 
@@ -60,6 +60,9 @@ class CacheConfig:
     cache_dtype: str = "auto"  # "auto" = model dtype
 
 
+TIER_NAMES = ("interactive", "batch")
+
+
 @dataclass
 class TierLimits:
     """Admission bounds for one priority tier."""
@@ -67,12 +70,16 @@ class TierLimits:
     max_waiting: int = 1024
     max_queued_prompt_tokens: int = 1 << 20
     max_queue_wait_s: float = 60.0  # estimated wait above which new requests are refused
+    # Estimated time to first token above which new requests are refused: a TTFT SLO (inf: none). Unlike
+    # max_queue_wait_s it counts the request's own prefill, so long prompts are refused sooner.
+    max_ttft_s: float = float("inf")
     queue_timeout_s: float = 600.0  # a request still waiting after this is finished with QueueTimeout
 
     @classmethod
     def unbounded(cls) -> "TierLimits":
         inf = float("inf")
-        return cls(max_waiting=1 << 62, max_queued_prompt_tokens=1 << 62, max_queue_wait_s=inf, queue_timeout_s=inf)
+        return cls(max_waiting=1 << 62, max_queued_prompt_tokens=1 << 62, max_queue_wait_s=inf, max_ttft_s=inf,
+                   queue_timeout_s=inf)
 
 
 @dataclass
@@ -137,6 +144,8 @@ def engine_config_from_kwargs(model: str, **kwargs) -> EngineConfig:
         elif key in sched_names:
             if key == "preemption_mode":
                 value = PreemptionMode(value)
+            elif key in TIER_NAMES and isinstance(value, dict):  # a TOML table: fields over the tier's defaults
+                value = replace(getattr(SchedulerConfig(), key), **value)
             sched[key] = value
         elif key in top_names:
             top[key] = value
@@ -146,8 +155,6 @@ def engine_config_from_kwargs(model: str, **kwargs) -> EngineConfig:
 
 
 # ---- the server ------------------------------------------------------------------------------
-
-TIER_NAMES = ("interactive", "batch")
 
 
 @dataclass
@@ -161,16 +168,7 @@ class ServedModel:
     engine_args: dict = field(default_factory=dict)  # vLLM-style flat args; `interactive`/`batch` tables are TierLimits
 
     def engine_config(self) -> EngineConfig:
-        args = dict(self.engine_args)
-        tiers = {name: args.pop(name) for name in TIER_NAMES if name in args}
-        config = engine_config_from_kwargs(self.id, **args)
-        for name, limits in tiers.items():
-            if isinstance(limits, dict):
-                from dataclasses import replace
-
-                limits = replace(getattr(config.scheduler, name), **limits)
-            setattr(config.scheduler, name, limits)
-        return config
+        return engine_config_from_kwargs(self.id, **self.engine_args)
 
 
 @dataclass

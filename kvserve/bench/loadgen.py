@@ -194,6 +194,7 @@ class LoadGenerator:
         self.prompts: dict[str, list[Prompt]] = {t.name: [] for t in self.tiers}
         self.records: list[RequestRecord] = []
         self.t0 = 0.0
+        self.cutting_off = False  # background tiers are being cancelled: their failures from now are cancels
 
     # -- prompts ----------------------------------------------------------------------------------------------
 
@@ -345,6 +346,12 @@ class LoadGenerator:
             rec.cancelled = True
             rec.success = False
             rec.error_kind = rec.error_kind or "cancelled"
+        except Exception as e:  # the HTTP stack failed in a way send() does not expect: a failure, said
+            if self.cutting_off and not t.drain:  # ... unless it is how a cut-off stream came apart
+                rec.cancelled, rec.error_kind = True, rec.error_kind or "cancelled"
+            else:
+                rec.error, rec.error_kind = f"{type(e).__name__}: {e}"[:500], f"exception:{type(e).__name__}"
+            rec.success = False
         finally:
             if release is not None:
                 release.release()
@@ -435,6 +442,7 @@ class LoadGenerator:
                 else:
                     await asyncio.sleep(max((self.cfg.duration or 0) - (time.perf_counter() - self.t0), 0))
                 end = time.perf_counter()
+                self.cutting_off = True
                 for t in background:
                     issuers[self.tiers.index(t)].cancel()
                     for x in tasks[t.name]:

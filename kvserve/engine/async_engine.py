@@ -158,6 +158,8 @@ class AsyncLLM:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         done: Future = Future()
+        # Stamped now: the engine thread applies it only after the step in flight, and that wait counts.
+        kwargs.setdefault("arrival", time.monotonic())
         self._commands.put(_Add(kwargs, sink, done))
         self._wake.set()
         request_id = await asyncio.wrap_future(done)

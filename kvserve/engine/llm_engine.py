@@ -156,8 +156,12 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int] | None, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: Priority | str | None = None,
                     tenant: str = "default", cache_salt: str | None = None,
-                    messages: list[dict] | None = None, prompt_token_ids: list[int] | None = None) -> str:
-        """Queue a request. Raises ContextLengthExceeded / CapacityExhausted at once when refused."""
+                    messages: list[dict] | None = None, prompt_token_ids: list[int] | None = None,
+                    arrival: float | None = None) -> str:
+        """Queue a request. Raises ContextLengthExceeded / CapacityExhausted at once when refused.
+
+        `arrival` (time.monotonic()) is when it reached the server, if earlier than now: its wait for
+        the step in flight then counts in its queue time, TTFT and the admission bounds."""
         params = params or SamplingParams()
         ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(prompt, messages)
         if not ids:
@@ -173,6 +177,8 @@ class LLMEngine:
             params.max_tokens = self.max_model_len - len(ids)
         seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=ids, sampling=params,
                        priority=priority, tenant=tenant, cache_salt=cache_salt)
+        if arrival is not None:
+            seq.timings.arrival = min(arrival, seq.timings.arrival)
         self.scheduler.add_request([seq])  # admission control may raise here
         state = _RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, priority,
                               tenant, cache_salt, arrival=seq.timings.arrival)

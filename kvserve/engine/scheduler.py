@@ -20,25 +20,17 @@ from kvserve.engine.errors import CapacityExhausted, ContextLengthExceeded
 from kvserve.engine.kv_cache import KVCacheManager, KVCacheUsage
 from kvserve.engine.request import Priority, Sequence, SequenceStatus
 from kvserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from kvserve.engine.step_time import StepTimeModel
 
 # Virtual-time fair queuing weights (VTC's defaults): a generated token costs about two prompt tokens.
 PROMPT_TOKEN_WEIGHT = 1.0
 OUTPUT_TOKEN_WEIGHT = 2.0
 # Output tokens assumed per queued sequence when estimating queue wait (max_tokens caps it).
 EXPECTED_OUTPUT_TOKENS = 256
-# Throughput assumed before the first measurement: low, so early estimates err towards refusing.
-DEFAULT_TOKENS_PER_S = 500.0
-THROUGHPUT_EWMA_ALPHA = 0.2
-# Prefill rate assumed before the first measurement, relative to the default decode rate.
-PREFILL_SPEEDUP = 8.0
 
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
 SWAPPED = SequenceStatus.SWAPPED
-
-
-def _ewma(prev: float | None, value: float) -> float:
-    return value if prev is None else prev + THROUGHPUT_EWMA_ALPHA * (value - prev)
 
 
 def _batch_prefill_tokens(seq: Sequence, n: int) -> int:
@@ -62,8 +54,9 @@ class SchedulerStats:
     num_preemptions: int  # total since start
     prefix_query_tokens: int
     prefix_hit_tokens: int
-    tokens_per_s: float  # throughput estimate used for queue-wait estimates
+    tokens_per_s: float  # decode tokens/s of the running batch, from the step-time model
     queue_wait_s: dict[Priority, float]  # estimated wait for a request arriving now
+    ttft_s: dict[Priority, float]  # estimated time to first token of a one-token prompt arriving now
     kv: KVCacheUsage
 
     @property
@@ -119,7 +112,7 @@ class Scheduler:
     """Decides each step's batch under a token budget, a sequence cap and the KV block pool."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic,
-                 default_tokens_per_s: float = DEFAULT_TOKENS_PER_S):
+                 step_time: StepTimeModel | None = None):
         self.config = config
         self.kv = kv
         self._clock = clock
@@ -129,10 +122,9 @@ class Scheduler:
         self._state: dict[int, _SeqState] = {}
         self._requests: dict[str, list[Sequence]] = {}
         self._num_preemptions = 0
-        self._default_tokens_per_s = default_tokens_per_s
-        self._tokens_per_s: float | None = None
-        self._prefill_tokens_per_s: float | None = None
+        self.step_time = step_time or StepTimeModel()  # learned from every step; admission estimates use it
         self._step_started: float | None = None
+        self._cycle: tuple[int, int, float] | None = None  # (decodes, prefill tokens, started) of the last step
 
     # ---- admission -----------------------------------------------------------------------------
 
@@ -153,22 +145,34 @@ class Scheduler:
             self._enqueue_back(seq)
 
     def estimated_queue_wait(self, tier: Priority) -> float:
-        """Seconds before a request arriving now in `tier` is admitted (gets a seat and starts prefill).
+        """Seconds before a request arriving now in `tier` is admitted (gets a seat and starts prefill)."""
+        return self._estimate(tier, 0)
 
-        Two parts, each timed at its own EWMA rate (a prefill step computes thousands of tokens in
-        the time a decode step makes one per sequence):
-        - the prompt tokens queued ahead of it (its tier and above), at the prefill rate;
+    def estimated_ttft(self, tier: Priority, prompt_tokens: int) -> float:
+        """Seconds before a request arriving now in `tier` with `prompt_tokens` to compute has its first
+        token: its queue wait, then its own prefill, chunked beside the running decodes."""
+        return self._estimate(tier, prompt_tokens)
+
+    def _estimate(self, tier: Priority, own_prompt_tokens: int) -> float:
+        """Two parts, each timed by the step-time model (fixed + per decode + per prefill token):
+        - the prompt tokens ahead of it (running sequences still prefilling, then those queued in its tier
+          and above), plus its own, prefilled in chunks of max_num_batched_tokens less the running
+          decodes, each chunk's step also decoding those;
         - the wait for a seat: when the running sequences plus those queued ahead fill max_num_seqs,
           it starts only as running sequences finish. A running sequence has max_tokens minus what it
           has generated left (EXPECTED_OUTPUT_TOKENS without max_tokens; an upper bound when EOS
-          comes first), one token per decode step, and a decode step of the running batch takes
-          len(running) / decode rate. Seats needed beyond the running ones free up a round later
-          each, a round being the expected output of the queued requests.
+          comes first), one token per decode step of the running batch. Seats needed beyond the
+          running ones free up a round later each, a round being the expected output of the queued
+          requests.
         """
         ahead = [t for prio, t in self._tiers.items() if prio <= tier]
-        prefill = sum(t.prompt_tokens for t in ahead) / self.prefill_tokens_per_s
+        model, running = self.step_time, len(self._running)
+        # Running sequences still prefilling (chunked, or just admitted) go first.
+        owed = sum(s.num_uncomputed_tokens for s in self._running if s.is_prefill)
+        tokens = owed + sum(t.prompt_tokens for t in ahead) + own_prompt_tokens
+        prefill = model.prefill_seconds(tokens, running, self.config.max_num_batched_tokens)
         waiting = sum(t.num_waiting for t in ahead)
-        need = waiting + 1 - (self.config.max_num_seqs - len(self._running))
+        need = waiting + 1 - (self.config.max_num_seqs - running)
         if need <= 0 or not self._running:
             return prefill
         left = sorted(max(1, (s.sampling.max_tokens or EXPECTED_OUTPUT_TOKENS) - s.num_output_tokens)
@@ -177,16 +181,13 @@ class Scheduler:
         if need > len(left):
             round_tokens = sum(t.output_tokens for t in ahead) / max(1, waiting)
             steps += -(-(need - len(left)) // self.config.max_num_seqs) * round_tokens
-        return prefill + steps * len(self._running) / self.tokens_per_s
+        return prefill + steps * model.predict(running)
 
     @property
     def tokens_per_s(self) -> float:
-        """Generated (decode) tokens per second over the batch, EWMA."""
-        return self._tokens_per_s or self._default_tokens_per_s
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return self._prefill_tokens_per_s or PREFILL_SPEEDUP * self._default_tokens_per_s
+        """Generated (decode) tokens per second of a decode step of the running batch (at least one)."""
+        n = max(1, len(self._running))
+        return n / self.step_time.predict(n)
 
     def _check_fits(self, seq: Sequence) -> None:
         cfg, p, max_tokens = self.config, seq.num_prompt_tokens, seq.sampling.max_tokens
@@ -209,8 +210,11 @@ class Scheduler:
                 f"holds only {pool} tokens ({self.kv.num_device_blocks} blocks); shorten the prompt or max_tokens")
 
     def _check_tier_bounds(self, prio: Priority, seqs: list[Sequence]) -> None:
+        """Queue bounds; the wait bounds count what the request has waited since its arrival stamp (the
+        server stamps it on submission, so the step in flight when it came counts)."""
         tier, name, limits = self._tiers[prio], prio.name.lower(), self._limits(prio)
-        wait = self.estimated_queue_wait(prio)
+        waited = max(0.0, self._clock() - min(s.timings.arrival for s in seqs))
+        wait = waited + self.estimated_queue_wait(prio)
         retry = max(1.0, wait)
         if tier.num_waiting + len(seqs) > limits.max_waiting:
             raise CapacityExhausted(f"the {name} queue is full ({tier.num_waiting} waiting, limit "
@@ -224,6 +228,12 @@ class Scheduler:
             raise CapacityExhausted(f"the estimated {name} queue wait is {wait:.1f}s (limit "
                                     f"{limits.max_queue_wait_s:.1f}s)",
                                     retry_after=max(1.0, wait - limits.max_queue_wait_s), reason="queue_wait")
+        if limits.max_ttft_s != float("inf"):
+            ttft = waited + self.estimated_ttft(prio, tokens)
+            if ttft > limits.max_ttft_s:
+                raise CapacityExhausted(f"the estimated {name} time to first token is {ttft:.2f}s (limit "
+                                        f"{limits.max_ttft_s:.2f}s)",
+                                        retry_after=max(1.0, ttft - limits.max_ttft_s), reason="ttft")
 
     # ---- the step ------------------------------------------------------------------------------
 
@@ -266,8 +276,9 @@ class Scheduler:
           FINISHED_QUEUE_TIMEOUT. A sequence that cannot fit the KV pool even alone finishes with
           FINISHED_LENGTH. Both are listed in SchedulerOutput.finished.
         """
-        cfg = self.config
-        step = _Step(now=self._clock(), budget=cfg.max_num_batched_tokens,
+        cfg, now = self.config, self._clock()
+        self._observe_cycle(now)
+        step = _Step(now=now, budget=cfg.max_num_batched_tokens,
                      batch_prefill_budget=cfg.interactive_batch_prefill_tokens if self._interactive_active()
                      else cfg.max_num_batched_tokens)
         self._expire_waiting(step)
@@ -516,18 +527,18 @@ class Scheduler:
         self._state[seq.seq_id].decode_steps += 1
 
     def _observe_throughput(self, prefill: int, decode: int, now: float) -> None:
-        """Decode-only steps time the decode rate; steps with prefill time the prefill rate, after
-        taking off what their decodes cost at the decode rate."""
+        """Time the step just finished from its schedule() to the next one: what the engine does between
+        steps (sampling, detokenizing, delivering, admitting) delays the next token as much as the forward
+        does. When its last sequence finishes the engine idles next, so finish() times it instead."""
         started, self._step_started = self._step_started, None
-        if started is None or prefill + decode <= 0 or now <= started:
-            return
-        elapsed = now - started
-        if not prefill:
-            self._tokens_per_s = _ewma(self._tokens_per_s, decode / elapsed)
-            return
-        decode_time = decode / self._tokens_per_s if self._tokens_per_s else 0.0
-        self._prefill_tokens_per_s = _ewma(self._prefill_tokens_per_s, prefill / max(elapsed - decode_time,
-                                                                                      0.1 * elapsed))
+        if started is not None and now > started:
+            self._cycle = (decode, prefill, started)
+
+    def _observe_cycle(self, now: float) -> None:
+        if self._cycle is not None:
+            decode, prefill, started = self._cycle
+            self._cycle = None
+            self.step_time.observe(decode, prefill, now - started)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -572,6 +583,8 @@ class Scheduler:
         self.kv.free(seq)
         seq.status = status
         seq.timings.finished = self._clock()
+        if not self.has_unfinished():
+            self._observe_cycle(seq.timings.finished)
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Finish every sequence of a request as aborted; returns them (empty if unknown)."""
@@ -597,6 +610,7 @@ class Scheduler:
             prefix_hit_tokens=usage.prefix_hit_tokens,
             tokens_per_s=self.tokens_per_s,
             queue_wait_s={prio: self.estimated_queue_wait(prio) for prio in self._tiers},
+            ttft_s={prio: self.estimated_ttft(prio, 1) for prio in self._tiers},
             kv=usage,
         )
 

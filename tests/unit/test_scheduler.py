@@ -20,6 +20,7 @@ from kvserve.engine.request import Priority, Sequence, SequenceStatus, SequenceT
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.scheduler_output import SchedulerOutput
+from kvserve.engine.step_time import StepTimeModel
 
 I, B = Priority.INTERACTIVE, Priority.BATCH
 
@@ -337,22 +338,84 @@ def test_admission_queued_prompt_tokens():
     h.add(prompt_len=40)
 
 
-def test_admission_estimated_wait_and_throughput_estimate():
-    h = Harness(max_num_seqs=1, interactive=TierLimits(max_queue_wait_s=1.0))
-    h.sched._default_tokens_per_s = 20.0  # decode; prefill defaults to PREFILL_SPEEDUP x that
+class FixedStepTime(StepTimeModel):
+    """A step-time model that learns nothing: estimates follow from the coefficients the test sets."""
+
+    def observe(self, decodes: int, prefill_tokens: int, seconds: float) -> None:
+        pass
+
+
+def test_admission_estimated_wait_uses_the_step_time_model():
+    h = Harness(max_num_seqs=1, max_num_batched_tokens=64, interactive=TierLimits(max_queue_wait_s=1.0))
+    h.sched.step_time = FixedStepTime(fixed_s=0.02, per_decode_s=0.01, per_prefill_token_s=0.001)
     h.add(prompt_len=80, max_tokens=31)
-    assert h.sched.estimated_queue_wait(I) == pytest.approx(80 / 160)  # a free seat: its prompt only
-    h.step()  # a prefill-only step: 80 tokens in 0.01 s -> 8000 prefill tokens/s
-    assert h.sched.prefill_tokens_per_s == pytest.approx(8000.0)
-    # The one seat is held for 30 more tokens at 20 tokens/s: 1.5 s, over the 1 s bound.
-    assert h.sched.estimated_queue_wait(I) == pytest.approx(30 / 20)
+    # A free seat: its 80 prompt tokens wait, in two chunks of 64 (two fixed parts) at 1 ms a token.
+    assert h.sched.estimated_queue_wait(I) == pytest.approx(2 * 0.02 + 0.080)
+    h.step()
+    h.step()  # prefilled: the one seat is held for 30 more tokens, each a 1-sequence decode step
+    assert h.sched.estimated_queue_wait(I) == pytest.approx(30 * 0.03)
+    assert h.sched.tokens_per_s == pytest.approx(1 / 0.03)
+    h.step()
+    h.step()  # 28 left: 0.84 s
+    h.add(prompt_len=12, max_tokens=4)
+    # Behind the 12-token prompt (one chunk beside the decode), which takes the seat first and holds it
+    # a round (its 4 tokens): 1.002 s, over the bound.
+    assert h.sched.estimated_queue_wait(I) == pytest.approx(0.03 + 0.012 + (28 + 4) * 0.03)
     with pytest.raises(CapacityExhausted) as err:
         h.add(prompt_len=4)
     assert err.value.reason == "queue_wait" and err.value.retry_after >= 1.0
-    h.step()  # a decode-only step: 1 token in 0.01 s -> 100 decode tokens/s
-    assert h.sched.tokens_per_s == pytest.approx(100.0)
-    assert h.sched.estimated_queue_wait(I) == pytest.approx(29 / 100)
-    h.add(prompt_len=4)
+
+
+def test_admission_counts_the_wait_since_arrival():
+    """A request stamped at the server before the step in flight ended has already waited that long."""
+    h = Harness(interactive=TierLimits(max_queue_wait_s=0.5))
+    h.sched.step_time = FixedStepTime(fixed_s=0.01, per_decode_s=0.0, per_prefill_token_s=0.0)
+    late = h.make(prompt_len=8)
+    h.clock.t += 0.6
+    with pytest.raises(CapacityExhausted) as err:
+        h.sched.add_request([late])
+    assert err.value.reason == "queue_wait"
+    h.add(prompt_len=8)  # stamped now: 0.01 s
+
+
+def test_admission_ttft_bound_counts_the_requests_own_prefill():
+    h = Harness(max_num_batched_tokens=256, interactive=TierLimits(max_ttft_s=0.5))
+    h.sched.step_time = FixedStepTime(fixed_s=0.05, per_decode_s=0.01, per_prefill_token_s=0.001)
+    h.add(prompt_len=100, max_tokens=20)
+    h.step()  # one running decode: a step of it costs 0.06 s
+    assert h.sched.estimated_queue_wait(I) == 0.0
+    # 200 tokens: one chunk, 0.06 + 0.2 s. 1000 tokens: four chunks of 255, 4 x 0.06 + 1.0 s.
+    assert h.sched.estimated_ttft(I, 200) == pytest.approx(0.26)
+    assert h.sched.estimated_ttft(I, 1000) == pytest.approx(1.24)
+    with pytest.raises(CapacityExhausted) as err:
+        h.add(prompt_len=1000)
+    assert err.value.reason == "ttft" and err.value.retry_after >= 1.0
+    h.add(prompt_len=200)
+    # The queued 200 tokens are ahead of the next request now.
+    assert h.sched.estimated_ttft(I, 200) == pytest.approx(2 * 0.06 + 0.4)
+    with pytest.raises(CapacityExhausted):
+        h.add(prompt_len=200)
+    assert h.sched.stats().ttft_s[I] == pytest.approx(0.06 + 0.201)
+
+
+def test_scheduler_times_each_step_until_the_next_one_starts():
+    """A step is timed from its schedule() to the next: the engine's work between steps counts. The last
+    step before the engine idles is timed to its end."""
+
+    class Recording(StepTimeModel):
+        def observe(self, decodes: int, prefill_tokens: int, seconds: float) -> None:
+            seen.append((decodes, prefill_tokens, round(seconds, 6)))
+
+    seen: list[tuple[int, int, float]] = []
+    h = Harness()
+    h.sched.step_time = Recording()
+    h.add(prompt_len=40, max_tokens=3)
+    h.step()  # prefill of 40 tokens (the fake runner takes 0.01 s), then 0.05 s of engine work
+    h.clock.t += 0.05
+    h.step()  # one decode
+    assert seen == [(0, 40, 0.06)]
+    h.step()  # the last token: nothing left, timed to its end
+    assert seen == [(0, 40, 0.06), (1, 0, 0.01), (1, 0, 0.01)]
 
 
 def test_context_length_exceeded():
@@ -561,19 +624,19 @@ def test_batch_prefill_is_capped_while_interactive_work_is_active():
 def test_queue_wait_estimate_counts_the_seats_held_by_running_sequences():
     """max_num_seqs full: a new request waits for running sequences to finish, not just for the queue."""
     h = Harness(max_num_seqs=2)
-    h.sched._default_tokens_per_s = 100.0  # decode tokens/s over the batch
+    model = h.sched.step_time = FixedStepTime(fixed_s=0.004, per_decode_s=0.008, per_prefill_token_s=0.0005)
     a = h.add(prompt_len=8, max_tokens=30)
     b = h.add(prompt_len=8, max_tokens=10)
     h.step()  # both admitted and prefilled: 2 seats taken
-    assert len(h.sched._running) == 2 and h.sched.tokens_per_s == pytest.approx(100.0)
-    prefill_rate = h.sched.prefill_tokens_per_s
-    # b has 9 tokens left (one sampled at prefill); a decode step of 2 sequences takes 2 / 100 s.
-    assert h.sched.estimated_queue_wait(I) == pytest.approx(9 * 2 / 100.0)
+    assert len(h.sched._running) == 2
+    decode = model.predict(2)  # a decode step of the 2 running sequences: 0.02 s
+    # b has 9 tokens left (one sampled at prefill).
+    assert h.sched.estimated_queue_wait(I) == pytest.approx(9 * decode)
     c = h.add(prompt_len=8, max_tokens=20)
     # Two seats needed now: a's, with 29 tokens left, is the second to free; c's prompt waits too.
-    assert h.sched.estimated_queue_wait(I) == pytest.approx(8 / prefill_rate + 29 * 2 / 100.0)
+    assert h.sched.estimated_queue_wait(I) == pytest.approx(decode + 8 * 0.0005 + 29 * decode)
     h.add(prompt_len=8, max_tokens=20)
     h.add(prompt_len=8, max_tokens=20)
     # Four seats: two from the running ones (the later after 29 steps), two more a round (20 tokens) later.
-    assert h.sched.estimated_queue_wait(I) == pytest.approx(24 / prefill_rate + (29 + 20) * 2 / 100.0)
+    assert h.sched.estimated_queue_wait(I) == pytest.approx(decode + 24 * 0.0005 + (29 + 20) * decode)
     assert c.status is SequenceStatus.WAITING
