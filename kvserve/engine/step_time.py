@@ -6,23 +6,47 @@ part per prefill token. The fixed part is what a single tokens/s rate leaves out
 1 sequence took 14 ms and one of 32 took 41 ms, so a rate measured at one batch size misjudged the others
 and admission let in requests that then waited twice the bound (W5 in BENCHMARKS.md, session s8).
 
-Fitted by recursive least squares with exponential forgetting (the machine's speed drifts with its
-neighbours): each observation costs a few dozen float operations and no history is kept. Pure Python,
-no torch, so the scheduler stays testable in milliseconds.
+Fitted by least squares over the last `window` steps (the machine's speed drifts with its neighbours),
+with no cost negative (exact non-negative least squares: three unknowns, so every active set is tried
+when the plain solution has a negative part) and a light ridge towards the defaults, which decides the
+directions the window says nothing about (a server that has only decoded keeps the default prefill
+cost). A sliding window, unlike recursive least squares with forgetting, cannot wind up: whatever ran
+before, `window` steps of a new regime determine the fit. Pure Python, no torch: the scheduler stays
+testable in milliseconds.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+from itertools import combinations
 
 # Features are scaled to be of order one at typical sizes, so the fit stays well conditioned.
 DECODE_SCALE = 32.0
 PREFILL_SCALE = 1024.0
-# Prior variance of each (scaled) coefficient, in s^2: weak, so the first few steps dominate the prior.
-PRIOR_VARIANCE = 1.0
-# Cap on the covariance's trace: steps that all look alike (say only decodes of 64) give no information on
-# the other directions, and forgetting would otherwise inflate their variance without bound.
-MAX_TRACE = 1e3
+# Weight of the defaults, in observations' worth per coefficient.
+RIDGE = 0.1
+# Shortest step a prediction may claim (all parts can fit to zero on odd histories; rates divide by it).
+MIN_STEP_S = 1e-4
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """a x = b for a small symmetric positive definite a (Gaussian elimination); None if singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        pivot = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if abs(m[pivot][c]) < 1e-12:
+            return None
+        m[c], m[pivot] = m[pivot], m[c]
+        for r in range(c + 1, n):
+            f = m[r][c] / m[c][c]
+            for k in range(c, n + 1):
+                m[r][k] -= f * m[c][k]
+    x = [0.0] * n
+    for r in reversed(range(n)):
+        x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
+    return x
 
 
 @dataclass
@@ -32,14 +56,17 @@ class StepTimeModel:
     fixed_s: float = 0.01
     per_decode_s: float = 1 / 500
     per_prefill_token_s: float = 1 / 4000
-    forgetting: float = 0.98  # weight of the past per step: about the last 50 steps count
+    window: int = 64  # steps the fit covers
     observations: int = 0
-    _theta: list[float] = field(init=False, repr=False)
-    _cov: list[list[float]] = field(init=False, repr=False)
+    _prior: tuple[float, float, float] = field(init=False, repr=False)
+    _steps: deque = field(init=False, repr=False)
+    _xtx: list[list[float]] = field(init=False, repr=False)  # sums over the window: X'X and X'y
+    _xty: list[float] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._theta = [self.fixed_s, self.per_decode_s * DECODE_SCALE, self.per_prefill_token_s * PREFILL_SCALE]
-        self._cov = [[PRIOR_VARIANCE if i == j else 0.0 for j in range(3)] for i in range(3)]
+        self._prior = (self.fixed_s, self.per_decode_s * DECODE_SCALE, self.per_prefill_token_s * PREFILL_SCALE)
+        self._steps = deque(maxlen=self.window)
+        self._xtx, self._xty = [[0.0] * 3 for _ in range(3)], [0.0] * 3
 
     @staticmethod
     def _features(decodes: int, prefill_tokens: int) -> tuple[float, float, float]:
@@ -49,23 +76,56 @@ class StepTimeModel:
         """Fold in one step that ran `decodes` single-token sequences and `prefill_tokens` in `seconds`."""
         if seconds <= 0 or decodes + prefill_tokens <= 0:
             return
-        x, th, cov, lam = self._features(decodes, prefill_tokens), self._theta, self._cov, self.forgetting
-        px = [sum(cov[i][j] * x[j] for j in range(3)) for i in range(3)]
-        denom = lam + sum(x[i] * px[i] for i in range(3))
-        gain = [v / denom for v in px]
-        err = seconds - sum(th[i] * x[i] for i in range(3))
-        for i in range(3):  # projected onto costs >= 0: no part of a step makes it faster
-            th[i] = max(0.0, th[i] + gain[i] * err)
-        inflate = 1 / lam if sum(cov[i][i] for i in range(3)) < MAX_TRACE else 1.0
-        for i in range(3):
-            for j in range(3):
-                cov[i][j] = (cov[i][j] - gain[i] * px[j]) * inflate
+        if len(self._steps) == self.window:
+            self._accumulate(*self._steps[0], -1.0)
+        step = (self._features(decodes, prefill_tokens), seconds)
+        self._steps.append(step)
         self.observations += 1
-        self.fixed_s, self.per_decode_s, self.per_prefill_token_s = th[0], th[1] / DECODE_SCALE, th[2] / PREFILL_SCALE
+        if self.observations % self.window == 0:  # re-sum now and then: no drift from the subtractions
+            self._xtx, self._xty = [[0.0] * 3 for _ in range(3)], [0.0] * 3
+            for x, y in self._steps:
+                self._accumulate(x, y, 1.0)
+        else:
+            self._accumulate(*step, 1.0)
+        self._fit()
+
+    def _accumulate(self, x: tuple[float, float, float], y: float, sign: float) -> None:
+        for i in range(3):
+            self._xty[i] += sign * x[i] * y
+            for j in range(3):
+                self._xtx[i][j] += sign * x[i] * x[j]
+
+    def _fit(self) -> None:
+        a = [[self._xtx[i][j] + (RIDGE if i == j else 0.0) for j in range(3)] for i in range(3)]
+        b = [self._xty[i] + RIDGE * self._prior[i] for i in range(3)]
+        theta = _solve(a, b)
+        if theta is None or min(theta) < 0:
+            theta = self._nonnegative(a, b)
+        self.fixed_s, self.per_decode_s, self.per_prefill_token_s = (
+            theta[0], theta[1] / DECODE_SCALE, theta[2] / PREFILL_SCALE)
+
+    @staticmethod
+    def _nonnegative(a: list[list[float]], b: list[float]) -> list[float]:
+        """The best fit with every part >= 0: each set of free parts, the others held at zero."""
+        best, best_cost = [0.0, 0.0, 0.0], 0.0  # all zero costs 0 in theta'A theta - 2 b'theta
+        for k in (1, 2):
+            for free in combinations(range(3), k):
+                sub = _solve([[a[i][j] for j in free] for i in free], [b[i] for i in free])
+                if sub is None or min(sub) < 0:
+                    continue
+                theta = [0.0, 0.0, 0.0]
+                for i, v in zip(free, sub):
+                    theta[i] = v
+                cost = sum(theta[i] * a[i][j] * theta[j] for i in range(3) for j in range(3)) \
+                    - 2 * sum(b[i] * theta[i] for i in range(3))
+                if cost < best_cost:
+                    best, best_cost = theta, cost
+        return best
 
     def predict(self, decodes: int, prefill_tokens: int = 0) -> float:
         """Seconds for one step of this shape."""
-        return self.fixed_s + self.per_decode_s * decodes + self.per_prefill_token_s * prefill_tokens
+        return max(MIN_STEP_S,
+                   self.fixed_s + self.per_decode_s * decodes + self.per_prefill_token_s * prefill_tokens)
 
     def prefill_seconds(self, tokens: int, decodes: int, budget: int) -> float:
         """Seconds to prefill `tokens` in chunks of at most `budget` tokens per step, beside `decodes`

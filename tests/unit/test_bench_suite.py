@@ -134,6 +134,9 @@ def test_kvserve_bench_configs_parse(tmp_path):
         assert ec.scheduler.interactive.max_queue_wait_s == 2.5 and ec.cache.kv_cache_memory == 512 << 20
         assert spec.ready_path == "/ready" and spec.argv[1:4] == ["-m", "kvserve.cli", "serve"]
     assert t.variant("prefix_off") == "nocache" and t.variant("long") == "default"
+    spec = t.server_spec(t.variant("overload"), 8000, tmp_path)  # W5: the SLO as the admission bound
+    cfg = ServerConfig.from_toml(spec.argv[spec.argv.index("--config") + 1])
+    assert cfg.models[0].engine_config().scheduler.interactive.max_ttft_s == T.OVERLOAD_TTFT_S < 1.0
 
 
 def test_peers_scripts_still_say_what_the_suite_assumes():

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from kvserve.config import SchedulerConfig, ServedModel, ServerConfig
+from kvserve.config import SchedulerConfig, ServedModel, ServerConfig, engine_config_from_kwargs
 from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.errors import CapacityExhausted, ContextLengthExceeded, ModelNotFound, ModelWarming
@@ -269,6 +269,10 @@ max_waiting = 5
     assert ec.scheduler.max_num_seqs == 3 and ec.cache.kv_cache_memory == 16 << 20
     assert ec.scheduler.batch.max_waiting == 5 and ec.scheduler.batch.max_queue_wait_s == 3600.0
     assert ec.scheduler.interactive.max_waiting == 1024
+    # The offline API's flat keywords take the same tables: fields over the tier's defaults.
+    flat = engine_config_from_kwargs("m", interactive={"max_ttft_s": 0.7}, batch={"max_waiting": 7})
+    assert flat.scheduler.interactive.max_ttft_s == 0.7 and flat.scheduler.interactive.max_waiting == 1024
+    assert flat.scheduler.batch.max_waiting == 7 and flat.scheduler.batch.max_queue_wait_s == 3600.0
     bad = tmp_path / "bad.toml"
     bad.write_text('[server]\nsize = 3\n[[models]]\nid = "a"\nsource = "x"\n')
     with pytest.raises(TypeError):
