@@ -516,7 +516,7 @@ class Scheduler:
                 self._record_token(seq, now)
             self.kv.cache_full_blocks(seq)
         decode = sum(1 for ss in output.scheduled if ss.num_new_tokens == 1)
-        self._observe_throughput(output.num_batched_tokens - decode, decode, now)
+        self._end_step_timing(output.num_batched_tokens - decode, decode, now)
 
     def _record_token(self, seq: Sequence, now: float) -> None:
         t = seq.timings
@@ -526,7 +526,7 @@ class Scheduler:
         t.token_times.append(now)
         self._state[seq.seq_id].decode_steps += 1
 
-    def _observe_throughput(self, prefill: int, decode: int, now: float) -> None:
+    def _end_step_timing(self, prefill: int, decode: int, now: float) -> None:
         """Time the step just finished from its schedule() to the next one: what the engine does between
         steps (sampling, detokenizing, delivering, admitting) delays the next token as much as the forward
         does. When its last sequence finishes the engine idles next, so finish() times it instead."""
