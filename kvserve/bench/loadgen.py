@@ -194,7 +194,6 @@ class LoadGenerator:
         self.prompts: dict[str, list[Prompt]] = {t.name: [] for t in self.tiers}
         self.records: list[RequestRecord] = []
         self.t0 = 0.0
-        self.cutting_off = False  # background tiers are being cancelled: their failures from now are cancels
 
     # -- prompts ----------------------------------------------------------------------------------------------
 
@@ -347,10 +346,7 @@ class LoadGenerator:
             rec.success = False
             rec.error_kind = rec.error_kind or "cancelled"
         except Exception as e:  # the HTTP stack failed in a way send() does not expect: a failure, said
-            if self.cutting_off and not t.drain:  # ... unless it is how a cut-off stream came apart
-                rec.cancelled, rec.error_kind = True, rec.error_kind or "cancelled"
-            else:
-                rec.error, rec.error_kind = f"{type(e).__name__}: {e}"[:500], f"exception:{type(e).__name__}"
+            rec.error, rec.error_kind = f"{type(e).__name__}: {e}"[:500], f"exception:{type(e).__name__}"
             rec.success = False
         finally:
             if release is not None:
@@ -442,9 +438,15 @@ class LoadGenerator:
                 else:
                     await asyncio.sleep(max((self.cfg.duration or 0) - (time.perf_counter() - self.t0), 0))
                 end = time.perf_counter()
-                self.cutting_off = True
+                # Stop the background issuers first, and make sure they stopped: Python 3.11's wait_for
+                # can swallow a cancel that lands as its semaphore is granted, and the issuer then
+                # starts one more request. Only then cut off every request they started.
+                stopping = [issuers[self.tiers.index(t)] for t in background]
+                while not all(x.done() for x in stopping):
+                    for x in stopping:
+                        x.cancel()
+                    await asyncio.wait(stopping, timeout=0.05)
                 for t in background:
-                    issuers[self.tiers.index(t)].cancel()
                     for x in tasks[t.name]:
                         x.cancel()
                 await asyncio.gather(*issuers, *(x for t in background for x in tasks[t.name]),
