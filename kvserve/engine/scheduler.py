@@ -247,10 +247,7 @@ class Scheduler:
         - Order: running decodes (1 token each), running prefill chunks, swapped sequences brought
           back, waiting interactive, waiting batch. Within each group interactive comes before
           batch, then earlier arrival. While interactive work waits, running batch prefill chunks
-          go after the interactive admissions (decodes never wait for prefills), and a step that
-          carries interactive prefill carries no batch prefill at all: that step is the interactive
-          request's time to first token, and batch decodes in it cost far less than a batch chunk
-          (W3: a 256-token batch chunk roughly doubled it). Batch prefill resumes the next step.
+          go after the interactive admissions (decodes never wait for prefills).
         - While interactive sequences run or wait, batch-tier prefill chunks share at most
           interactive_batch_prefill_tokens per step (chunked prefill on): the flood keeps decoding
           and prefilling, in steps short enough for interactive TTFT and TPOT.
@@ -288,17 +285,11 @@ class Scheduler:
         self._schedule_running(step, defer_batch_prefill=self._interactive_waiting())
         self._schedule_swapped(step)
         self._schedule_waiting(step, Priority.INTERACTIVE)
-        if not self._has_interactive_prefill(step):
-            for seq in step.deferred:
-                if seq.status is RUNNING:
-                    self._schedule_running_seq(step, seq)
-            self._schedule_waiting(step, Priority.BATCH)
+        for seq in step.deferred:
+            if seq.status is RUNNING:
+                self._schedule_running_seq(step, seq)
+        self._schedule_waiting(step, Priority.BATCH)
         return self._close_step(step)
-
-    @staticmethod
-    def _has_interactive_prefill(step: _Step) -> bool:
-        return any(ss.num_new_tokens > 1 and ss.seq.priority is Priority.INTERACTIVE
-                   for ss in step.scheduled.values())
 
     def _expire_waiting(self, step: _Step) -> None:
         for prio, tier in self._tiers.items():

@@ -621,29 +621,6 @@ def test_batch_prefill_is_capped_while_interactive_work_is_active():
     assert all(s.num_output_tokens == 50 for s in flood)
 
 
-def test_a_step_with_interactive_prefill_carries_batch_decodes_but_no_batch_prefill():
-    """The step that prefills an interactive request is its TTFT: batch sequences keep decoding in it,
-    but no batch chunk rides along; batch prefill resumes the step after."""
-    h = Harness(max_num_batched_tokens=256, interactive_batch_prefill_tokens=128)
-    decoding = [h.add(prompt_len=16, max_tokens=40, priority=B) for _ in range(4)]
-    h.step()  # the four short batch prompts, prefilled whole
-    chunked = h.add(prompt_len=600, max_tokens=8, priority=B)  # a long batch prompt, in chunks
-    waiting = h.add(prompt_len=40, max_tokens=8, priority=B)
-    h.step()
-    assert 0 < chunked.num_computed_tokens < 600
-    chat = h.add(prompt_len=24, max_tokens=4, priority=I)
-    out = h.step()
-    by_seq = {ss.seq.seq_id: ss.num_new_tokens for ss in out.scheduled}
-    assert by_seq[chat.seq_id] == 24
-    assert all(by_seq[s.seq_id] == 1 for s in decoding)
-    assert chunked.seq_id not in by_seq and waiting.seq_id not in by_seq
-    out = h.step()  # the chat decodes now; the batch chunk comes back, capped while chat is active
-    by_seq = {ss.seq.seq_id: ss.num_new_tokens for ss in out.scheduled}
-    assert by_seq[chat.seq_id] == 1 and 1 < by_seq[chunked.seq_id] <= 128
-    h.run()
-    assert chat.num_output_tokens == 4 and chunked.num_output_tokens == 8 and waiting.num_output_tokens == 8
-
-
 def test_queue_wait_estimate_counts_the_seats_held_by_running_sequences():
     """max_num_seqs full: a new request waits for running sequences to finish, not just for the queue."""
     h = Harness(max_num_seqs=2)
