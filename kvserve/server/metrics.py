@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -60,6 +60,7 @@ class LiveModelStats:
     kv_usage: float  # fraction of device blocks held
     prefix_queries: int  # cumulative tokens looked up
     prefix_hits: int  # cumulative tokens served from the cache
+    estimated_ttft_s: dict = field(default_factory=dict)  # tier -> admission's TTFT estimate for a short prompt
 
 
 class ServingWindow:
@@ -176,6 +177,10 @@ class _LiveCollector:
                                    labels=["model_name"])
         queries = CounterMetricFamily("kvserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       labels=["model_name"])
+        ttft = GaugeMetricFamily("kvserve:estimated_ttft_seconds",
+                                 "Admission's estimate of the time to first token of a short request arriving now "
+                                 "(queue wait plus its prefill, from the step-time model): a signal to shed load on",
+                                 labels=["model_name", "tier"])
         for s in self.read():
             running.add_metric([s.model], s.running)
             for tier, n in s.waiting.items():
@@ -183,7 +188,9 @@ class _LiveCollector:
             kv.add_metric([s.model], s.kv_usage)
             hits.add_metric([s.model], s.prefix_hits)
             queries.add_metric([s.model], s.prefix_queries)
-        yield from (running, waiting, kv, hits, queries)
+            for tier, seconds in s.estimated_ttft_s.items():
+                ttft.add_metric([s.model, tier], seconds)
+        yield from (running, waiting, kv, hits, queries, ttft)
 
 
 class ServerMetrics:

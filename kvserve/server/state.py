@@ -130,7 +130,7 @@ class ModelHandle:
         if stats is None:
             return LiveModelStats(self.id, 0, waiting, 0.0, 0, 0)
         return LiveModelStats(self.id, stats.running, waiting, stats.kv.device_usage, stats.prefix_query_tokens,
-                              stats.prefix_hit_tokens)
+                              stats.prefix_hit_tokens, {p.name.lower(): t for p, t in stats.ttft_s.items()})
 
     def load(self, tier: str) -> LoadLevel:
         cfg = self.state.config

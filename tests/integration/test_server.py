@@ -586,8 +586,12 @@ def test_metrics_exposition_and_window(server):
                  "kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:kv_cache_usage_perc",
                  "kvserve:prefix_cache_hits_total", "kvserve:prefix_cache_queries_total",
                  "kvserve:prompt_tokens_total", "kvserve:generation_tokens_total",
-                 "kvserve:admission_rejections_total"):
+                 "kvserve:admission_rejections_total", "kvserve:estimated_ttft_seconds"):
         assert name in samples, name
+    estimates = [s for fam in text_string_to_metric_families(text) for s in fam.samples
+                 if s.name == "kvserve:estimated_ttft_seconds"]
+    assert {s.labels["tier"] for s in estimates} == {"interactive", "batch"}
+    assert all(0 < s.value < 60 for s in estimates)
     s = server.serving()
     assert s["window_s"] == 60
     for key in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "e2e_p99_ms", "queue_depth", "running",
