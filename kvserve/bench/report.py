@@ -302,11 +302,11 @@ class Report:
             def offered(r: dict) -> float | None:
                 return (r.get("config", {}).get("tiers") or [{}])[0].get("request_rate")
 
-            def share(r: dict) -> float | None:  # goodput over the W1 rate the offered load is 3x of
+            def goodput_share(r: dict) -> float | None:  # goodput over the W1 rate the offered load is 3x of
                 rate, good = offered(r), r.get("request_goodput")
                 return good / (rate / 3) if rate and good is not None else None
 
-            rate, good, share = values(runs, offered), values(runs, "request_goodput"), values(runs, share)
+            rate, good, share = values(runs, offered), values(runs, "request_goodput"), values(runs, goodput_share)
             self.headline.setdefault(t, {})["W5 goodput"] = med(good)
             rows.append([self.label(t), fmt(rate, 2), fmt(values(runs, "num_requests"), 0), fmt(good, 2),
                          fmt(share, 1, pct=True),

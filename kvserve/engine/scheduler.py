@@ -146,18 +146,20 @@ class Scheduler:
 
     def estimated_queue_wait(self, tier: Priority) -> float:
         """Seconds before a request arriving now in `tier` is admitted (gets a seat and starts prefill)."""
-        return self._estimate(tier, 0)
+        return self._estimates(tier, 0)[0]
 
     def estimated_ttft(self, tier: Priority, prompt_tokens: int) -> float:
         """Seconds before a request arriving now in `tier` with `prompt_tokens` to compute has its first
         token: its queue wait, then its own prefill, chunked beside the running decodes."""
-        return self._estimate(tier, prompt_tokens)
+        return self._estimates(tier, prompt_tokens)[1]
 
-    def _estimate(self, tier: Priority, own_prompt_tokens: int) -> float:
-        """Two parts, each timed by the step-time model (fixed + per decode + per prefill token):
+    def _estimates(self, tier: Priority, own_prompt_tokens: int) -> tuple[float, float]:
+        """(queue wait, time to first token) of a request arriving now in `tier` with `own_prompt_tokens`,
+        from one pass over the running batch. Two parts, each timed by the step-time model (fixed + per
+        decode + per prefill token):
         - the prompt tokens ahead of it (running sequences still prefilling, then those queued in its tier
-          and above), plus its own, prefilled in chunks of max_num_batched_tokens less the running
-          decodes, each chunk's step also decoding those;
+          and above; for the TTFT, its own after them), prefilled in chunks of max_num_batched_tokens
+          less the running decodes, each chunk's step also decoding those;
         - the wait for a seat: when the running sequences plus those queued ahead fill max_num_seqs,
           it starts only as running sequences finish. A running sequence has max_tokens minus what it
           has generated left (EXPECTED_OUTPUT_TOKENS without max_tokens; an upper bound when EOS
@@ -169,19 +171,22 @@ class Scheduler:
         model, running = self.step_time, len(self._running)
         # Running sequences still prefilling (chunked, or just admitted) go first.
         owed = sum(s.num_uncomputed_tokens for s in self._running if s.is_prefill)
-        tokens = owed + sum(t.prompt_tokens for t in ahead) + own_prompt_tokens
-        prefill = model.prefill_seconds(tokens, running, self.config.max_num_batched_tokens)
+        tokens = owed + sum(t.prompt_tokens for t in ahead)
+        budget = self.config.max_num_batched_tokens
+        queue_prefill = model.prefill_seconds(tokens, running, budget)
+        ttft_prefill = model.prefill_seconds(tokens + own_prompt_tokens, running, budget)
         waiting = sum(t.num_waiting for t in ahead)
         need = waiting + 1 - (self.config.max_num_seqs - running)
         if need <= 0 or not self._running:
-            return prefill
+            return queue_prefill, ttft_prefill
         left = sorted(max(1, (s.sampling.max_tokens or EXPECTED_OUTPUT_TOKENS) - s.num_output_tokens)
                       for s in self._running)
         steps = left[min(need, len(left)) - 1]
         if need > len(left):
             round_tokens = sum(t.output_tokens for t in ahead) / max(1, waiting)
             steps += -(-(need - len(left)) // self.config.max_num_seqs) * round_tokens
-        return prefill + steps * model.predict(running)
+        seat = steps * model.predict(running)
+        return queue_prefill + seat, ttft_prefill + seat
 
     @property
     def tokens_per_s(self) -> float:
@@ -214,12 +219,12 @@ class Scheduler:
         server stamps it on submission, so the step in flight when it came counts)."""
         tier, name, limits = self._tiers[prio], prio.name.lower(), self._limits(prio)
         waited = max(0.0, self._clock() - min(s.timings.arrival for s in seqs))
-        wait = waited + self.estimated_queue_wait(prio)
+        tokens = sum(s.num_prompt_tokens for s in seqs)
+        wait, ttft = (waited + e for e in self._estimates(prio, tokens))
         retry = max(1.0, wait)
         if tier.num_waiting + len(seqs) > limits.max_waiting:
             raise CapacityExhausted(f"the {name} queue is full ({tier.num_waiting} waiting, limit "
                                     f"{limits.max_waiting})", retry_after=retry, reason="queue_full")
-        tokens = sum(s.num_prompt_tokens for s in seqs)
         # A lone request larger than the bound is let in: it is queued behind nothing.
         if tier.num_waiting and tier.prompt_tokens + tokens > limits.max_queued_prompt_tokens:
             raise CapacityExhausted(f"the {name} queue holds {tier.prompt_tokens} prompt tokens (limit "
@@ -228,12 +233,10 @@ class Scheduler:
             raise CapacityExhausted(f"the estimated {name} queue wait is {wait:.1f}s (limit "
                                     f"{limits.max_queue_wait_s:.1f}s)",
                                     retry_after=max(1.0, wait - limits.max_queue_wait_s), reason="queue_wait")
-        if limits.max_ttft_s != float("inf"):
-            ttft = waited + self.estimated_ttft(prio, tokens)
-            if ttft > limits.max_ttft_s:
-                raise CapacityExhausted(f"the estimated {name} time to first token is {ttft:.2f}s (limit "
-                                        f"{limits.max_ttft_s:.2f}s)",
-                                        retry_after=max(1.0, ttft - limits.max_ttft_s), reason="ttft")
+        if ttft > limits.max_ttft_s:
+            raise CapacityExhausted(f"the estimated {name} time to first token is {ttft:.2f}s (limit "
+                                    f"{limits.max_ttft_s:.2f}s)",
+                                    retry_after=max(1.0, ttft - limits.max_ttft_s), reason="ttft")
 
     # ---- the step ------------------------------------------------------------------------------
 
@@ -598,6 +601,7 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         usage = self.kv.usage()
+        estimates = {prio: self._estimates(prio, 1) for prio in self._tiers}  # of a one-token prompt
         return SchedulerStats(
             waiting={prio: t.num_waiting for prio, t in self._tiers.items()},
             running=len(self._running),
@@ -609,8 +613,8 @@ class Scheduler:
             prefix_query_tokens=usage.prefix_query_tokens,
             prefix_hit_tokens=usage.prefix_hit_tokens,
             tokens_per_s=self.tokens_per_s,
-            queue_wait_s={prio: self.estimated_queue_wait(prio) for prio in self._tiers},
-            ttft_s={prio: self.estimated_ttft(prio, 1) for prio in self._tiers},
+            queue_wait_s={prio: e[0] for prio, e in estimates.items()},
+            ttft_s={prio: e[1] for prio, e in estimates.items()},
             kv=usage,
         )
 
