@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import gc
 import logging
 import queue
 import threading
@@ -184,6 +185,10 @@ class AsyncLLM:
                 from kvserve.engine.llm_engine import LLMEngine
 
                 self.engine = LLMEngine(self.config, model_id=self.model_id)
+            # What exists now (weights' Python wrappers, the server's modules and app) lives as long as
+            # the process: keep the cyclic collector from re-walking it on every full collection.
+            gc.collect()
+            gc.freeze()
             self.status = EngineStatus.READY
         except Exception as e:  # loading failed: report it, never crash the server
             log.exception("engine for %s failed to load", self.model_id)

@@ -102,7 +102,7 @@ class NativeKernels:
         self._pack = self._lib.kvserve_pack_weight_bf16
         self._pack.argtypes, self._pack.restype = [_PTR, _I64, _I64, _PTR], None
         self._forward = self._lib.kvserve_forward_bf16
-        self._forward.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR]
+        self._forward.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64]
         self._forward.restype = None
 
     def _bind(self, name: str, argtypes: list) -> dict:
@@ -216,15 +216,18 @@ class NativeKernels:
 
     def forward(self, model_params: ctypes.Structure, layer_params: ctypes.Array, hidden: torch.Tensor,
                 positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                context_lens: torch.Tensor) -> torch.Tensor:
+                context_lens: torch.Tensor, tile_chunks: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [T, H] bf16 embeddings -> the final-normed hidden states, in place (see decoder_cpu.cpp).
-        Per token: positions, slots, context_lens [T] and block_tables [T, width], all int64."""
+        Per token: positions, slots, context_lens [T] and block_tables [T, width], all int64. tile_chunks
+        [C, 2] int64: (first row, rows) of the prefill chunks whose attention runs on tiles (head_dim % 32
+        == 0; each chunk's rows are consecutive positions of one sequence)."""
         if not self.amx:
             raise RuntimeError("the fused decoder needs AMX")
         hidden = hidden.contiguous()
+        chunks = 0 if tile_chunks is None else tile_chunks.shape[0]
         self._forward(ctypes.byref(model_params), layer_params, hidden.data_ptr(), hidden.shape[0],
                       positions.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-                      context_lens.data_ptr())
+                      context_lens.data_ptr(), tile_chunks.data_ptr() if chunks else None, chunks)
         return hidden
 
 

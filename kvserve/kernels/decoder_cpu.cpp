@@ -16,6 +16,8 @@
 // 16 columns and applies the activation in the GEMM's epilogue.
 #include "cpu_common.h"
 
+#include <array>
+
 #include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -130,6 +132,239 @@ struct GatedTiles {
     }
   }
 };
+
+// ---- prefill attention on tiles ----
+// A prefill chunk's query tokens are consecutive positions of one sequence, so 16 of them can share
+// each key: S = Q K^T and O = P V run as tile products, where attending row by row (DecodeBatch) reads
+// the whole prefix once per token with vector dot products. Per layer, each chunk's visible keys are
+// first packed once per kv head into the tile layouts below (they sit in scattered cache blocks); then
+// each task takes 16 query tokens of one kv head's query group. Numerics follow the row path: fp32
+// scores times scale, an exact (two-pass) softmax in fp32, probabilities rounded to bf16, fp32 sums.
+//
+// Packed keys, per (chunk, kv head), tile (kt, dc) of 16 keys x 32 dims: [16 dim pairs][16 keys][2]
+// (the B operand of Q K^T). Packed values, tile (kc, dt) of 32 keys x 16 dims: [16 key pairs][16 dims][2]
+// (the B operand of P V). Keys are counted from `kb`, the chunk's first visible key rounded down to
+// 32, and padded with zeros to a multiple of 32.
+
+// v[i] (16 x 32-bit) <- column i of the 16 x 16 matrix whose rows are v: unpacks gather each column's
+// 4-row quarters per 128-bit lane, two rounds of lane shuffles put the quarters in order.
+inline void transpose16x16(__m512i v[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + j], lane L: column 4L + j, rows 4i..4i+3
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i p = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), q = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+    const __m512i p2 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE), q2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+    v[j] = _mm512_shuffle_i32x4(p, q, 0x88);
+    v[4 + j] = _mm512_shuffle_i32x4(p, q, 0xDD);
+    v[8 + j] = _mm512_shuffle_i32x4(p2, q2, 0x88);
+    v[12 + j] = _mm512_shuffle_i32x4(p2, q2, 0xDD);
+  }
+}
+
+// exp over 16 lanes for probabilities that are rounded to bf16 next: as exp16 with a degree-4
+// polynomial (relative error 4e-6, against bf16's 4e-3).
+inline __m512 exp16_bf16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(9.676037097828815e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.592203564726332e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022107355830638e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931210339915467e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000075495349f));
+  return _mm512_scalef_ps(p, n);
+}
+
+struct TileChunk {  // rows [row0, row0 + rows) of the step: one sequence's prefill chunk
+  int64_t row0, rows;
+};
+
+constexpr int64_t kPackKeys = 256;  // keys per packing task
+
+struct TileAttention {
+  const bf16* qkv;  // [m, qkv_width]: q rows after rotary; k and v already in the cache
+  int64_t qkv_width;
+  const int64_t* positions;
+  const int64_t* block_tables;
+  int64_t table_stride;
+  const TileChunk* chunks;
+  const int64_t* packed_offsets;  // per chunk: start of its packed K/V in `packed` (sized for window 0)
+  bf16* packed;
+  const bf16* key_cache;
+  const bf16* value_cache;
+  int64_t q_heads, kv_heads, hd, block_size, head_stride, window;
+  float scale;
+  bf16* out;  // [m, q_heads * hd]
+
+  int64_t first_key(int64_t position) const { return window > 0 ? std::max<int64_t>(0, position + 1 - window) : 0; }
+  // The chunk's packed keys: [kb, kb + padded) with `end` real ones.
+  int64_t base(const TileChunk& c) const { return first_key(positions[c.row0]) / 32 * 32; }
+  int64_t end(const TileChunk& c) const { return positions[c.row0 + c.rows - 1] + 1; }
+  static int64_t padded(int64_t kb, int64_t end) { return (end - kb + 31) / 32 * 32; }
+  static int64_t packed_size(int64_t end, int64_t kv_heads, int64_t hd) { return kv_heads * 2 * padded(0, end) * hd; }
+  bf16* keys(int64_t chunk, int64_t head) const {
+    return packed + packed_offsets[chunk] + head * 2 * padded(0, end(chunks[chunk])) * hd;
+  }
+  bf16* values(int64_t chunk, int64_t head) const { return keys(chunk, head) + padded(0, end(chunks[chunk])) * hd; }
+
+  // Pack keys [seg * kPackKeys, +kPackKeys) of one chunk and kv head (those inside [kb, padded end)).
+  void pack(int64_t chunk, int64_t head, int64_t seg) const {
+    const TileChunk& c = chunks[chunk];
+    const int64_t kb = base(c), n = end(c), stop = kb + padded(kb, n);
+    const int64_t lo = std::max(kb, seg * kPackKeys), hi = std::min(stop, (seg + 1) * kPackKeys);
+    const int64_t* table = block_tables + c.row0 * table_stride;
+    const bf16* kh = key_cache + head * head_stride;
+    const bf16* vh = value_cache + head * head_stride;
+    uint32_t* kp = reinterpret_cast<uint32_t*>(keys(chunk, head));
+    bf16* vp = values(chunk, head);
+    const int64_t dchunks = hd / 32, dtiles = hd / 16;
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    auto row = [&](const bf16* head_cache, int64_t t) -> const bf16* {
+      return t < n ? head_cache + (table[t / block_size] * block_size + t % block_size) * hd : nullptr;
+    };
+    for (int64_t t0 = lo; t0 < hi; t0 += 32) {
+      const int64_t kc = (t0 - kb) / 32;
+      for (int64_t half = 0; half < 2; ++half) {  // keys: a 16 x 16 transpose of 32-bit dim pairs per tile
+        const bf16* src[16];
+        for (int64_t j = 0; j < 16; ++j) src[j] = row(kh, t0 + 16 * half + j);
+        for (int64_t dc = 0; dc < dchunks; ++dc) {
+          __m512i v[16];
+          for (int j = 0; j < 16; ++j) v[j] = src[j] ? _mm512_loadu_si512(src[j] + dc * 32) : _mm512_setzero_si512();
+          transpose16x16(v);
+          uint32_t* dst = kp + ((2 * kc + half) * dchunks + dc) * 256;
+          for (int r = 0; r < 16; ++r) _mm512_storeu_si512(dst + r * 16, v[r]);
+        }
+      }
+      for (int64_t r = 0; r < 16; ++r) {  // values: rows 2r and 2r + 1 interleaved per dim
+        const bf16* v0 = row(vh, t0 + 2 * r);
+        const bf16* v1 = row(vh, t0 + 2 * r + 1);
+        for (int64_t dt = 0; dt < dtiles; ++dt) {
+          const __m256i a = v0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + dt * 16)) : _mm256_setzero_si256();
+          const __m256i b = v1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + dt * 16)) : _mm256_setzero_si256();
+          const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+          _mm512_storeu_si512(vp + (kc * dtiles + dt) * 512 + r * 32, _mm512_permutexvar_epi16(pairs, ab));
+        }
+      }
+    }
+  }
+
+  // Query tokens [tile * 16, +16) of one chunk, every query head of kv head `head`.
+  void run(int64_t chunk, int64_t head, int64_t tile, TileState& ts, std::vector<float>& scores,
+           std::vector<bf16>& probs) const {
+    const TileChunk& c = chunks[chunk];
+    const int64_t i0 = c.row0 + tile * 16, rows = std::min<int64_t>(16, c.rows - tile * 16);
+    const int64_t kb = base(c), group = q_heads / kv_heads, dchunks = hd / 32, dtiles = hd / 16;
+    const int64_t c0 = (first_key(positions[i0]) - kb) / 32, c1 = (positions[i0 + rows - 1] + 1 - kb + 31) / 32;
+    const int64_t width = (c1 - c0) * 32;
+    scores.resize(16 * width);
+    probs.resize(16 * width);
+    const bf16* kp = keys(chunk, head);
+    const bf16* vp = values(chunk, head);
+    const int r = static_cast<int>(rows);
+    alignas(64) float acc[4 * 16 * 16];
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t qh = head * group + g;
+      const bf16* q = qkv + i0 * qkv_width + qh * hd;
+      ts.ensure(r, r);
+      for (int64_t kc = c0; kc < c1; kc += 2) {  // S = Q K^T, 64 keys at a time: four independent sums
+        const bool four = kc + 1 < c1;
+        _tile_zero(0);
+        _tile_zero(1);
+        if (four) {
+          _tile_zero(2);
+          _tile_zero(3);
+        }
+        const bf16* kt = kp + 2 * kc * dchunks * 512;  // key tiles 2kc .. 2kc + 3, dchunks tiles each
+        for (int64_t dc = 0; dc < dchunks; ++dc) {
+          _tile_loadd(4, q + dc * 32, qkv_width * 2);
+          _tile_loadd(6, kt + dc * 512, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_loadd(7, kt + (dchunks + dc) * 512, 64);
+          _tile_dpbf16ps(1, 4, 7);
+          if (four) {
+            _tile_loadd(6, kt + (2 * dchunks + dc) * 512, 64);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_loadd(7, kt + (3 * dchunks + dc) * 512, 64);
+            _tile_dpbf16ps(3, 4, 7);
+          }
+        }
+        float* out_scores = scores.data() + (kc - c0) * 32;
+        _tile_stored(0, out_scores, width * 4);
+        _tile_stored(1, out_scores + 16, width * 4);
+        if (four) {
+          _tile_stored(2, out_scores + 32, width * 4);
+          _tile_stored(3, out_scores + 48, width * 4);
+        }
+      }
+      for (int64_t i = 0; i < rows; ++i) softmax_masked(scores.data() + i * width, probs.data() + i * width, width,
+                                                        first_key(positions[i0 + i]) - kb - c0 * 32,
+                                                        positions[i0 + i] - kb - c0 * 32);
+      for (int64_t dt0 = 0; dt0 < dtiles; dt0 += 4) {  // O = P V, 16 x 64 dims at a time (hd % 32: 2 or 4 tiles)
+        const bool four = dt0 + 2 < dtiles;
+        _tile_zero(0);
+        _tile_zero(1);
+        if (four) {
+          _tile_zero(2);
+          _tile_zero(3);
+        }
+        for (int64_t kc = c0; kc < c1; ++kc) {
+          const bf16* vt = vp + (kc * dtiles + dt0) * 512;
+          _tile_loadd(4, probs.data() + (kc - c0) * 32, width * 2);
+          _tile_loadd(6, vt, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_loadd(7, vt + 512, 64);
+          _tile_dpbf16ps(1, 4, 7);
+          if (four) {
+            _tile_loadd(6, vt + 1024, 64);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_loadd(7, vt + 1536, 64);
+            _tile_dpbf16ps(3, 4, 7);
+          }
+        }
+        _tile_stored(0, acc, 64);
+        _tile_stored(1, acc + 256, 64);
+        if (four) {
+          _tile_stored(2, acc + 512, 64);
+          _tile_stored(3, acc + 768, 64);
+        }
+        for (int64_t i = 0; i < rows; ++i) {
+          bf16* o = out + (i0 + i) * q_heads * hd + qh * hd + dt0 * 16;
+          for (int j = 0; j < (four ? 4 : 2); ++j) store16(_mm512_load_ps(acc + j * 256 + i * 16), o + j * 16);
+        }
+      }
+    }
+  }
+
+  // One row of scores (unscaled, `width` keys) -> probabilities in bf16 over keys [lo, hi], zero elsewhere.
+  void softmax_masked(float* s, bf16* p, int64_t width, int64_t lo, int64_t hi) const {
+    auto lanes = [&](int64_t j) -> __mmask16 {
+      const int64_t a = std::max<int64_t>(lo - j, 0), b = std::min<int64_t>(hi - j, 15);
+      return a > b ? 0 : static_cast<__mmask16>(((1u << (b + 1)) - 1) & ~((1u << a) - 1));
+    };
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 vmax = ninf;
+    for (int64_t j = 0; j < width; j += 16) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(ninf, lanes(j), s + j));
+    const __m512 vscale = _mm512_set1_ps(scale), shift = _mm512_set1_ps(-scale * _mm512_reduce_max_ps(vmax));
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < width; j += 16) {  // exp(scale * s - scale * max)
+      const __m512 e = _mm512_maskz_mov_ps(lanes(j), exp16_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), vscale, shift)));
+      _mm512_storeu_ps(s + j, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+    for (int64_t j = 0; j < width; j += 16) store16(_mm512_mul_ps(_mm512_loadu_ps(s + j), inv), p + j);
+  }
+};
 #else
 constexpr bool kCompiledWithAmx = false;
 #endif
@@ -189,11 +424,13 @@ extern "C" void kvserve_pack_weight_bf16(const void* weight, int64_t n, int64_t 
 
 // hidden [m, H]: in, the token embeddings; out, the final norm of the last residual stream. Per token:
 // positions, slot_mapping, context_lens (keys it attends to, itself included) [m] and its sequence's
-// block table, block_tables [m, table_stride].
+// block table, block_tables [m, table_stride]. tile_chunks [num_tile_chunks, 2]: (first row, rows) of the
+// prefill chunks attended on tiles (TileAttention; head_dim % 32 == 0); every other row attends alone.
 extern "C" void kvserve_forward_bf16(const ModelParams* mp, const LayerParams* layers, void* hidden_ptr,
                                             int64_t m, const int64_t* positions, const int64_t* slot_mapping,
                                             const int64_t* block_tables, int64_t table_stride,
-                                            const int64_t* context_lens) {
+                                            const int64_t* context_lens, const int64_t* tile_chunks,
+                                            int64_t num_tile_chunks) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   const ModelParams& p = *mp;
   const int64_t hd = p.head_dim, hidden = p.hidden, inter = p.intermediate;
@@ -202,10 +439,31 @@ extern "C" void kvserve_forward_bf16(const ModelParams* mp, const LayerParams* l
   bf16* h = static_cast<bf16*>(hidden_ptr);
   std::vector<bf16> residual(m * hidden), x(m * hidden), branch(m * hidden), qkv(m * qkv_width), attn(m * q_width),
       act(m * inter);
+  // The step's attention work: packing tasks (chunk, kv head, key segment), tile tasks (chunk, kv head,
+  // 16 query rows), then one task per (row attending alone, kv head).
+  const TileChunk* chunks = reinterpret_cast<const TileChunk*>(tile_chunks);
+  std::vector<int64_t> packed_offsets(num_tile_chunks + 1, 0), untiled;
+  std::vector<bool> tiled(m, false);
+  std::vector<std::array<int64_t, 3>> pack_tasks, tile_tasks;
+  for (int64_t c = 0; c < num_tile_chunks; ++c) {
+    const int64_t end = positions[chunks[c].row0 + chunks[c].rows - 1] + 1;
+    packed_offsets[c + 1] = packed_offsets[c] + TileAttention::packed_size(end, p.kv_heads, hd);
+    for (int64_t kh = 0; kh < p.kv_heads; ++kh) {
+      for (int64_t seg = 0; seg * kPackKeys < end; ++seg) pack_tasks.push_back({c, kh, seg});
+      for (int64_t t = 0; t * 16 < chunks[c].rows; ++t) tile_tasks.push_back({c, kh, t});
+    }
+    std::fill(tiled.begin() + chunks[c].row0, tiled.begin() + chunks[c].row0 + chunks[c].rows, true);
+  }
+  for (int64_t i = 0; i < m; ++i)
+    if (!tiled[i]) untiled.push_back(i);
+  std::vector<bf16> packed(packed_offsets[num_tile_chunks]);
+  const int64_t num_tile_tasks = static_cast<int64_t>(tile_tasks.size());
+  const int64_t num_attention_tasks = num_tile_tasks + static_cast<int64_t>(untiled.size()) * p.kv_heads;
 #pragma omp parallel
   {
     TileState ts;
     std::vector<float> scores;
+    std::vector<bf16> probs;
     Scratch scratch;
     // Profiling: the master adds each phase's wall time as it leaves the phase's closing barrier.
     const bool clock = p.phase_seconds != nullptr && omp_get_thread_num() == 0;
@@ -255,8 +513,24 @@ extern "C" void kvserve_forward_bf16(const ModelParams* mp, const LayerParams* l
       const DecodeBatch<bf16> batch{qkv.data(), qkv_width, L.key_cache, L.value_cache, block_tables, table_stride,
                                     context_lens, attn.data(), m, p.q_heads, p.kv_heads, p.num_blocks,
                                     p.block_size, hd, L.window, L.scale};
+      const TileAttention tiles{qkv.data(), qkv_width, positions, block_tables, table_stride, chunks,
+                                packed_offsets.data(), packed.data(), L.key_cache, L.value_cache, p.q_heads,
+                                p.kv_heads, hd, p.block_size, p.num_blocks * p.block_size * hd, L.window, L.scale,
+                                attn.data()};
+      if (!pack_tasks.empty()) {
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t task = 0; task < batch.tasks(); ++task) batch.run(task, scores, scratch);
+        for (size_t task = 0; task < pack_tasks.size(); ++task)
+          tiles.pack(pack_tasks[task][0], pack_tasks[task][1], pack_tasks[task][2]);
+      }
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < num_attention_tasks; ++task) {
+        if (task < num_tile_tasks) {
+          tiles.run(tile_tasks[task][0], tile_tasks[task][1], tile_tasks[task][2], ts, scores, probs);
+        } else {
+          const int64_t k = task - num_tile_tasks;
+          batch.run(untiled[k / p.kv_heads] * p.kv_heads + k % p.kv_heads, scores, scratch);
+        }
+      }
       mark(3);
       gemm(attn.data(), m, q_width, L.o, hidden / 16, ts, StoreTiles{branch.data(), hidden});
       norm_branch(L.attn_out_norm);

@@ -5,13 +5,15 @@ from Python each small op started with cold caches after the previous op's weigh
 dispatch around ~300 ops per step cost about as much as the memory traffic. `NativeDecoder` packs the
 projection weights once into the kernel's tile layout and runs every layer of a step in one call.
 
-Every token is a row that attends to its own prefix through its sequence's block table, so decode,
-prefill and mixed steps run the same kernel. That attention reads each prefix once per query token
-with vector dot products (SDPA's flash kernel blocks queries and runs its products on AMX), so it
-only pays for short prefills: on this machine a fresh 256-token prompt took 83 ms against 105 ms per
-op, 576 tokens 240 ms against 210 ms. A step whose prefill attention is larger than
-`max_attention_keys`, or whose batch is too big for the simple tile loops (`max_tokens`), keeps the
-per-op path: SDPA prefill and oneDNN projections.
+Every token is a row, so decode, prefill and mixed steps run the same kernel. A decode (or a short
+chunk) attends to its prefix alone, through its sequence's block table, with vector dot products. A
+prefill chunk of `tile_min_rows` tokens or more attends on tiles: its visible keys are packed once
+per layer and kv head, and 16 query tokens at a time share them in S = Q K^T and O = P V tile
+products. That is what makes prefix-cache hits cheap: 64 new tokens over a 576-token prefix read the
+prefix once per 16 tokens, not once per token. Tiles want head_dim % 32 == 0; other models attend
+every row alone, and a step whose row-by-row attention exceeds `max_attention_keys`, or whose batch
+is too big for the simple tile loops (`max_tokens`), keeps the per-op path: SDPA prefill and oneDNN
+projections.
 
 It serves bfloat16 Llama and Gemma 3 layers on CPUs with AMX (and a kernel that grants it); `build`
 returns None for anything else, and the model keeps its per-op path, which stays the reference:
@@ -48,7 +50,8 @@ class NativeDecoder:
     """
 
     max_tokens = 1024  # rows per step; at 2048 rows oneDNN's cache-blocked GEMMs were 1.6x faster
-    max_attention_keys = 1 << 16  # sum over the step's tokens of the keys each attends to (256-token prompt: 33K)
+    max_attention_keys = 1 << 16  # over rows attending alone: the sum of the keys each attends to
+    tile_min_rows = 8  # a chunk this long attends on tiles (below it, packing its keys costs more than it saves)
 
     def __init__(self, model, native: cpu_kernels.NativeKernels):
         self.native = native
@@ -83,6 +86,7 @@ class NativeDecoder:
             fields.update(cos=attn.rotary.cos.data_ptr(), sin=attn.rotary.sin.data_ptr(),
                           window=attn.sliding_window or 0, scale=attn.scale)
             self._static.append(fields)
+        self.tile_attention = config.head_dim % 32 == 0
         self._rotaries = list({id(layer.self_attn.rotary): layer.self_attn.rotary for layer in model.layers}.values())
         self._table_key = None
         self._table = None
@@ -131,8 +135,9 @@ class NativeDecoder:
         m = h.shape[0]
         if m == 0 or m > self.max_tokens:
             return False
-        if meta.prefills and sum(c.query_len * c.context_len - c.query_len * (c.query_len - 1) // 2
-                                 for c in meta.prefills) > self.max_attention_keys:
+        alone = [c for c in meta.prefills if not self._tiled(c)]
+        if alone and sum(c.query_len * c.context_len - c.query_len * (c.query_len - 1) // 2
+                         for c in alone) > self.max_attention_keys:
             return False
         key_cache = kv_caches[0][0]
         return key_cache.dtype == torch.bfloat16 and key_cache.is_contiguous() and key_cache.device.type == "cpu"
@@ -140,12 +145,18 @@ class NativeDecoder:
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         for rotary in self._rotaries:  # the kernel indexes the cos/sin tables unchecked
             rotary.check_positions(positions, meta.cache)
+        tile_chunks = None
         if meta.prefills:
             tables, lens = self._token_tables(meta), positions + 1
+            tiled = [(c.query_start, c.query_len) for c in meta.prefills if self._tiled(c)]
+            tile_chunks = torch.tensor(tiled, dtype=torch.int64) if tiled else None
         else:
             tables, lens = meta.decode_block_tables, meta.decode_context_lens
         return self.native.forward(self.params, self._layer_table(kv_caches), h, positions, meta.slot_mapping,
-                                   tables, lens)
+                                   tables, lens, tile_chunks)
+
+    def _tiled(self, chunk) -> bool:
+        return self.tile_attention and chunk.query_len >= self.tile_min_rows
 
     @staticmethod
     def _token_tables(meta: AttentionMetadata) -> torch.Tensor:

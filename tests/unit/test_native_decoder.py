@@ -149,3 +149,56 @@ def test_phase_clocks_and_the_profile_table(tiny_llama_gguf):
     accounted = sum(ms for name, ms in parts.items() if name != "step (wall)")
     assert 0.7 * parts["step (wall)"] <= accounted <= 1.05 * parts["step (wall)"]
     assert "| QKV GEMM |" in profile.markdown(result).replace("fused: ", "")
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def wide_head_checkpoint(request, tmp_path_factory, smollm2_gguf_path):
+    """head_dim 64, so prefill chunks attend on tiles; Gemma's window (40) cuts through 16-row tiles."""
+    from tests.gguf_factory import TinySpec, write_tiny_gguf
+
+    spec = (TinySpec(arch="llama", heads=6, kv_heads=2, head_dim=64) if request.param == "llama" else
+            TinySpec(arch="gemma3", layers=6, heads=4, kv_heads=1, head_dim=64, sliding_window=40))
+    path = tmp_path_factory.mktemp("wide-head") / f"{request.param}.gguf"
+    write_tiny_gguf(path, spec, str(smollm2_gguf_path))
+    return load_checkpoint(path)
+
+
+def _tile_run(ck, dtype, fused: bool, tile_min_rows: int = NativeDecoder.tile_min_rows) -> torch.Tensor:
+    """Logits of a mixed batch (fresh prompts, chunks over cached prefixes, decodes) and of a 140-token
+    prompt prefilled in uneven chunks (13 to 50 rows: partial tiles, chunks starting mid-block)."""
+    h = PagedHarness(ck, dtype=dtype)
+    if fused:
+        assert h.model.native_decoder.tile_attention
+        h.model.native_decoder.tile_min_rows = tile_min_rows
+    else:
+        h.model.native_decoder = None
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 20000) for _ in range(n)] for n in (70, 93, 33, 140, 57)]
+    mixed = torch.cat(h.mixed_batch(prompts))
+    chunked = h.chunked(prompts[3], h.new_table(140), [37, 50, 13, 40])
+    return torch.cat([mixed, chunked]).float()
+
+
+@needs_amx
+def test_prefill_chunks_attended_on_tiles_match_the_per_op_path(wide_head_checkpoint):
+    tiles = _tile_run(wide_head_checkpoint, torch.bfloat16, True)
+    rows = _tile_run(wide_head_checkpoint, torch.bfloat16, True, tile_min_rows=10**9)
+    per_op = _tile_run(wide_head_checkpoint, torch.bfloat16, False)
+    reference = _tile_run(wide_head_checkpoint, torch.float32, False)
+    assert not torch.equal(tiles, rows), "the chunks must have taken the tile path"
+    assert rel_err(tiles, per_op) <= 2e-2
+    assert rel_err(tiles, reference) <= 1.25 * rel_err(per_op, reference) + 1e-3
+
+
+@needs_amx
+def test_chunks_on_tiles_do_not_count_against_the_row_attention_limit(wide_head_checkpoint):
+    h = PagedHarness(wide_head_checkpoint, dtype=torch.bfloat16)
+    decoder = h.model.native_decoder
+    x = torch.zeros(65, wide_head_checkpoint.config.hidden_size, dtype=torch.bfloat16)
+    table = torch.zeros(37, dtype=torch.int64)
+    hit = AttentionMetadata(slot_mapping=torch.zeros(65, dtype=torch.int64), num_decode_tokens=1,
+                            prefills=[PrefillChunk(1, 64, 576, table)])  # 64 new tokens over a 512-token prefix
+    decoder.max_attention_keys = 1000
+    assert decoder.applies(x, hit, h.runner.kv_caches)
+    decoder.tile_min_rows = 65
+    assert not decoder.applies(x, hit, h.runner.kv_caches)
