@@ -210,19 +210,60 @@ void attend_avx512(const Task<T>& task) {
 #endif
 
 #if defined(__AVX512BF16__)
+// p.v for G query heads at once: each pair of value rows is loaded and interleaved once for all heads.
+// probs: G rows of n2 bf16 (n2 even); out: G rows of hd.
+template <int C, int G>
+void weigh_values(const bf16* v_head, const int64_t* rows, const uint16_t* probs, int64_t n, int64_t n2, bf16* out) {
+  constexpr int64_t hd = 32 * C;
+  __m512 acc[G][2 * C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 2 * C; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 2) {
+    const bf16* v0 = v_head + rows[i];
+    const bf16* v1 = v_head + rows[i + 1];
+    __m512bh lo[C], hi[C];
+    for (int c = 0; c < C; ++c) {
+      const __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
+      // per 128-bit lane: (v0[d], v1[d]) pairs for d = 8L..8L+3 (lo) and 8L+4..8L+7 (hi)
+      lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(reinterpret_cast<const uint32_t*>(probs + g * n2)[i / 2]));
+      for (int c = 0; c < C; ++c) {
+        acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], p, lo[c]);
+        acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], p, hi[c]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    bf16* dst = out + g * hd;
+    for (int c = 0; c < C; ++c) {  // back to dimension order: [lo.L0 hi.L0 lo.L1 hi.L1], [lo.L2 hi.L2 lo.L3 hi.L3]
+      const __m512 l = acc[g][2 * c], h = acc[g][2 * c + 1];
+      const __m512 x = _mm512_shuffle_f32x4(l, h, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m512 y = _mm512_shuffle_f32x4(l, h, _MM_SHUFFLE(3, 2, 3, 2));
+      store16(_mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(3, 1, 2, 0)), dst + 32 * c);
+      store16(_mm512_shuffle_f32x4(y, y, _MM_SHUFFLE(3, 1, 2, 0)), dst + 32 * c + 16);
+    }
+  }
+}
+
 // bfloat16 with AVX512-BF16: q.k and p.v as bf16 pair dot products (VDPBF16PS) on the rows as stored,
 // no conversions; p is rounded to bf16 as the torch path rounds it. head_dim = 32 * C.
+// The cache rows are scattered 2 KiB blocks, mostly in DRAM: the first head's pass over the keys asks
+// for the key lines three blocks ahead and for the value lines (into L2) that p.v reads later.
 template <int C>
 void attend_bf16_dp(const Task<bf16>& task, std::vector<int64_t>& rows, std::vector<uint16_t>& probs) {
   const int64_t n = task.n();
-  constexpr int64_t hd = 32 * C;
+  constexpr int64_t hd = 32 * C, ahead = 48;
   rows.resize(n + 1);
   task.for_each_key(task.k_head, [&](int64_t i, const bf16* k) { rows[i] = k - task.k_head; });
   rows[n] = rows[n - 1];  // the partner of an odd last key (weighted 0)
-  // The rows are scattered 2 KiB blocks in DRAM: ask for the values' lines now, while q.k runs.
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t off = 0; off < hd * 2; off += 64)
+  for (int64_t i = 0; i < std::min(n, ahead); ++i)
+    for (int64_t off = 0; off < hd * 2; off += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(task.k_head + rows[i]) + off, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(task.v_head + rows[i]) + off, _MM_HINT_T1);
+    }
   const __m512 scale = _mm512_set1_ps(task.scale);
   for (int64_t g = 0; g < task.group; ++g) {
     __m512bh qv[C];
@@ -231,9 +272,11 @@ void attend_bf16_dp(const Task<bf16>& task, std::vector<int64_t>& rows, std::vec
     __m512 part[16];
     for (int64_t i = 0; i < n; ++i) {
       const bf16* k = task.k_head + rows[i];
-      if (g == 0 && i + 16 < n)
-        for (int64_t off = 0; off < hd * 2; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(task.k_head + rows[i + 16]) + off, _MM_HINT_T0);
+      if (g == 0 && i + ahead < n)
+        for (int64_t off = 0; off < hd * 2; off += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(task.k_head + rows[i + ahead]) + off, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(task.v_head + rows[i + ahead]) + off, _MM_HINT_T1);
+        }
       __m512 a = _mm512_setzero_ps();
       for (int c = 0; c < C; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
       part[i & 15] = a;
@@ -248,33 +291,22 @@ void attend_bf16_dp(const Task<bf16>& task, std::vector<int64_t>& rows, std::vec
   const int64_t n2 = (n + 1) & ~int64_t(1);
   probs.resize(task.group * n2);
   for (int64_t g = 0; g < task.group; ++g) {
-    for (int64_t i = 0; i < n; ++i) store(task.scores[g * n + i], reinterpret_cast<bf16*>(&probs[g * n2 + i]));
+    bf16* pg = reinterpret_cast<bf16*>(probs.data() + g * n2);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) store16(_mm512_loadu_ps(task.scores + g * n + i), pg + i);
+    for (; i < n; ++i) store(task.scores[g * n + i], pg + i);
     if (n2 != n) probs[g * n2 + n] = 0;
   }
-  for (int64_t g = 0; g < task.group; ++g) {
-    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(probs.data() + g * n2);
-    __m512 acc[2 * C];
-    for (int c = 0; c < 2 * C; ++c) acc[c] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 2) {
-      const bf16* v0 = task.v_head + rows[i];
-      const bf16* v1 = task.v_head + rows[i + 1];
-      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[i / 2]));
-      for (int c = 0; c < C; ++c) {
-        const __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
-        // per 128-bit lane: (v0[d], v1[d]) pairs for d = 8L..8L+3 (lo) and 8L+4..8L+7 (hi)
-        acc[2 * c] = _mm512_dpbf16_ps(acc[2 * c], p, (__m512bh)_mm512_unpacklo_epi16(a, b));
-        acc[2 * c + 1] = _mm512_dpbf16_ps(acc[2 * c + 1], p, (__m512bh)_mm512_unpackhi_epi16(a, b));
-      }
-    }
-    bf16* dst = task.out + g * hd;
-    for (int c = 0; c < C; ++c) {  // back to dimension order: [lo.L0 hi.L0 lo.L1 hi.L1], [lo.L2 hi.L2 lo.L3 hi.L3]
-      const __m512 lo = acc[2 * c], hi = acc[2 * c + 1];
-      const __m512 x = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));
-      const __m512 y = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));
-      store16(_mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(3, 1, 2, 0)), dst + 32 * c);
-      store16(_mm512_shuffle_f32x4(y, y, _MM_SHUFFLE(3, 1, 2, 0)), dst + 32 * c + 16);
-    }
+  const int64_t* r = rows.data();
+  switch (task.group) {  // all heads of the group in one pass over the values where the registers allow
+    case 1: return weigh_values<C, 1>(task.v_head, r, probs.data(), n, n2, task.out);
+    case 2: if (C <= 4) return weigh_values<C, 2>(task.v_head, r, probs.data(), n, n2, task.out); break;
+    case 3: if (C <= 2) return weigh_values<C, 3>(task.v_head, r, probs.data(), n, n2, task.out); break;
+    case 4: if (C <= 2) return weigh_values<C, 4>(task.v_head, r, probs.data(), n, n2, task.out); break;
+    default: break;
   }
+  for (int64_t g = 0; g < task.group; ++g)
+    weigh_values<C, 1>(task.v_head, r, probs.data() + g * n2, n, n2, task.out + g * hd);
 }
 #endif
 
