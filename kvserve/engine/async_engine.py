@@ -35,10 +35,26 @@ class EngineStatus(str, enum.Enum):
     STOPPED = "stopped"
 
 
+@dataclass(frozen=True)
+class _Sink:
+    """Where one request's outputs go: an asyncio queue, fed from the engine thread through its loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def __call__(self, out: RequestOutput) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
+
+
 @dataclass
 class _Add:
     kwargs: dict
-    sink: Callable[[RequestOutput], None]
+    sink: _Sink
     done: Future
 
 
@@ -69,7 +85,7 @@ class AsyncLLM:
         self._commands: queue.Queue = queue.Queue()
         self._wake = threading.Event()
         self._stop = False
-        self._sinks: dict[str, Callable[[RequestOutput], None]] = {}
+        self._sinks: dict[str, _Sink] = {}
         self._on_step = on_step
         self._on_finish = on_finish
         self._engine_factory = engine_factory
@@ -152,16 +168,11 @@ class AsyncLLM:
             raise ServerDraining(f"model {self.model_id} is draining for shutdown")
         if self.status != EngineStatus.READY:
             raise ModelWarming(f"model {self.model_id} is not available ({self.status.value}: {self.error})")
-        loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
-
-        def sink(out: RequestOutput) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
-
         done: Future = Future()
         # Stamped now: the engine thread applies it only after the step in flight, and that wait counts.
         kwargs.setdefault("arrival", time.monotonic())
-        self._commands.put(_Add(kwargs, sink, done))
+        self._commands.put(_Add(kwargs, _Sink(asyncio.get_running_loop(), outputs), done))
         self._wake.set()
         request_id = await asyncio.wrap_future(done)
         return request_id, outputs
@@ -219,8 +230,7 @@ class AsyncLLM:
             t1 = time.monotonic()
             self.busy_seconds += t1 - t0
             self.last_step_at = self.last_progress_at = t1
-            for out in outputs:
-                self._deliver(out)
+            self._deliver(outputs)
             self._update_counts()
             if self._on_step is not None:
                 self._on_step(self, engine.last_step)
@@ -250,14 +260,20 @@ class AsyncLLM:
                         self._on_finish(out)
         self._update_counts()
 
-    def _deliver(self, out: RequestOutput) -> None:
-        sink = self._sinks.get(out.request_id)
-        if out.finished:
-            self._sinks.pop(out.request_id, None)
-            if self._on_finish is not None:
-                self._on_finish(out)
-        if sink is not None:
-            sink(out)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their queues: one wake-up per event loop and step, not one per request
+        (each is a write to the loop's self-pipe, and wakes the loop's thread on the engine's cores)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if out.finished:
+                self._sinks.pop(out.request_id, None)
+                if self._on_finish is not None:
+                    self._on_finish(out)
+            if sink is not None:
+                batches.setdefault(sink.loop, []).append((sink.queue, out))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _update_counts(self) -> None:
         self.num_inflight = self.engine.num_unfinished_requests
