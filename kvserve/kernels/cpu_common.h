@@ -52,20 +52,27 @@ inline void store16(__m512 v, bf16* p) {  // the high halves of the rounded valu
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
 }
 
-// exp over 16 lanes: 2^(x log2 e) split into 2^n (scalef) and a degree-6 polynomial for 2^f, f in [-0.5, 0.5];
-// relative error ~2e-7, as good as expf for a softmax.
-inline __m512 exp16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(1.44269504088896341f));
+// 2^t over 16 lanes: 2^n (scalef) times a polynomial for 2^f, n = round(t), f = t - n in [-0.5, 0.5].
+// Degree 6: relative error ~2e-7, as good as expf for a softmax; degree 4: 4e-6, enough for
+// probabilities that are rounded to bf16 next (4e-3). A finite t far below -150 gives 0.
+template <int Degree>
+inline __m512 exp2_16(__m512 t) {
+  static_assert(Degree == 4 || Degree == 6, "fitted for degrees 4 and 6");
+  static constexpr float c6[] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                                 5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.f};
+  static constexpr float c4[] = {9.676037097828815e-3f, 5.592203564726332e-2f, 2.4022107355830638e-1f,
+                                 6.931210339915467e-1f, 1.000000075495349f};
+  const float* c = Degree == 6 ? c6 : c4;
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  __m512 p = _mm512_set1_ps(c[0]);
+  for (int i = 1; i <= Degree; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
   return _mm512_scalef_ps(p, n);
+}
+
+// exp over 16 lanes (x clamped at -104, below which expf is 0 in fp32 anyway).
+inline __m512 exp16(__m512 x) {
+  return exp2_16<6>(_mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(1.44269504088896341f)));
 }
 
 // r[j] = sum of the 16 lanes of v[j]: a transposing tree of unpacks and shuffles (about 3 ops per row

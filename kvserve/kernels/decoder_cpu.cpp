@@ -177,17 +177,36 @@ inline void transpose16x16(__m512i v[16]) {
   }
 }
 
-// 2^t over 16 lanes for probabilities that are rounded to bf16 next: as exp16, with a degree-4
-// polynomial (relative error 4e-6, against bf16's 4e-3) and no clamp (t is finite: -huge gives 0).
-inline __m512 exp2_16_bf16(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(9.676037097828815e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.592203564726332e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022107355830638e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931210339915467e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000075495349f));
-  return _mm512_scalef_ps(p, n);
+// Tiles 0-3 as two or four fp32 sums of A (tile 4) times B tiles b, b + step, ... (rows of 64 bytes), with
+// B alternating between tiles 6 and 7. Tile numbers are immediates, hence the fixed layout.
+inline void zero_sums(bool four) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (four) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+}
+inline void add_products(const bf16* b, int64_t step, bool four) {
+  _tile_loadd(6, b, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_loadd(7, b + step, 64);
+  _tile_dpbf16ps(1, 4, 7);
+  if (four) {
+    _tile_loadd(6, b + 2 * step, 64);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_loadd(7, b + 3 * step, 64);
+    _tile_dpbf16ps(3, 4, 7);
+  }
+}
+// Sum t to dst + t * offset (floats), rows `stride` bytes apart.
+inline void store_sums(float* dst, int64_t stride, int64_t offset, bool four) {
+  _tile_stored(0, dst, stride);
+  _tile_stored(1, dst + offset, stride);
+  if (four) {
+    _tile_stored(2, dst + 2 * offset, stride);
+    _tile_stored(3, dst + 3 * offset, stride);
+  }
 }
 
 struct TileChunk {  // rows [row0, row0 + rows) of the step: one sequence's prefill chunk
@@ -284,65 +303,25 @@ struct TileAttention {
       ts.ensure(r, r);
       for (int64_t kc = c0; kc < c1; kc += 2) {  // S = Q K^T, 64 keys at a time: four independent sums
         const bool four = kc + 1 < c1;
-        _tile_zero(0);
-        _tile_zero(1);
-        if (four) {
-          _tile_zero(2);
-          _tile_zero(3);
-        }
+        zero_sums(four);
         const bf16* kt = kp + 2 * kc * dchunks * 512;  // key tiles 2kc .. 2kc + 3, dchunks tiles each
         for (int64_t dc = 0; dc < dchunks; ++dc) {
           _tile_loadd(4, q + dc * 32, qkv_width * 2);
-          _tile_loadd(6, kt + dc * 512, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_loadd(7, kt + (dchunks + dc) * 512, 64);
-          _tile_dpbf16ps(1, 4, 7);
-          if (four) {
-            _tile_loadd(6, kt + (2 * dchunks + dc) * 512, 64);
-            _tile_dpbf16ps(2, 4, 6);
-            _tile_loadd(7, kt + (3 * dchunks + dc) * 512, 64);
-            _tile_dpbf16ps(3, 4, 7);
-          }
+          add_products(kt + dc * 512, dchunks * 512, four);
         }
-        float* out_scores = scores.data() + (kc - c0) * 32;
-        _tile_stored(0, out_scores, width * 4);
-        _tile_stored(1, out_scores + 16, width * 4);
-        if (four) {
-          _tile_stored(2, out_scores + 32, width * 4);
-          _tile_stored(3, out_scores + 48, width * 4);
-        }
+        store_sums(scores.data() + (kc - c0) * 32, width * 4, 16, four);
       }
       for (int64_t i = 0; i < rows; ++i) softmax_masked(scores.data() + i * width, probs.data() + i * width, width,
                                                         first_key(positions[i0 + i]) - kb - c0 * 32,
                                                         positions[i0 + i] - kb - c0 * 32);
       for (int64_t dt0 = 0; dt0 < dtiles; dt0 += 4) {  // O = P V, 16 x 64 dims at a time (hd % 32: 2 or 4 tiles)
         const bool four = dt0 + 2 < dtiles;
-        _tile_zero(0);
-        _tile_zero(1);
-        if (four) {
-          _tile_zero(2);
-          _tile_zero(3);
-        }
+        zero_sums(four);
         for (int64_t kc = c0; kc < c1; ++kc) {
-          const bf16* vt = vp + (kc * dtiles + dt0) * 512;
           _tile_loadd(4, probs.data() + (kc - c0) * 32, width * 2);
-          _tile_loadd(6, vt, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_loadd(7, vt + 512, 64);
-          _tile_dpbf16ps(1, 4, 7);
-          if (four) {
-            _tile_loadd(6, vt + 1024, 64);
-            _tile_dpbf16ps(2, 4, 6);
-            _tile_loadd(7, vt + 1536, 64);
-            _tile_dpbf16ps(3, 4, 7);
-          }
+          add_products(vp + (kc * dtiles + dt0) * 512, 512, four);
         }
-        _tile_stored(0, acc, 64);
-        _tile_stored(1, acc + 256, 64);
-        if (four) {
-          _tile_stored(2, acc + 512, 64);
-          _tile_stored(3, acc + 768, 64);
-        }
+        store_sums(acc, 64, 256, four);
         for (int64_t i = 0; i < rows; ++i) {
           bf16* o = out + (i0 + i) * q_heads * hd + qh * hd + dt0 * 16;
           for (int j = 0; j < (four ? 4 : 2); ++j) store16(_mm512_load_ps(acc + j * 256 + i * 16), o + j * 16);
@@ -365,7 +344,7 @@ struct TileAttention {
     const __m512 vscale = _mm512_set1_ps(scale2), shift = _mm512_set1_ps(-scale2 * _mm512_reduce_max_ps(vmax));
     __m512 vsum = _mm512_setzero_ps();
     for (int64_t j = 0; j < width; j += 16) {
-      const __m512 e = _mm512_maskz_mov_ps(lanes(j), exp2_16_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), vscale, shift)));
+      const __m512 e = _mm512_maskz_mov_ps(lanes(j), exp2_16<4>(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), vscale, shift)));
       _mm512_storeu_ps(s + j, e);
       vsum = _mm512_add_ps(vsum, e);
     }
