@@ -49,8 +49,9 @@ class NativeDecoder:
     but for the oneDNN reorder (that replaces only the projection weights, packed here already).
     """
 
-    # Rows per step. With prefill attention on tiles, W1's 2048-token prefill steps ran faster fused than
-    # per op (SDPA and oneDNN): 533 against 506 output tok/s in one W1-shaped offline run each.
+    # Rows per step. With prefill attention on tiles, W1's 2048-token prefill steps run faster fused than
+    # per op (SDPA and oneDNN): a wave of 32 fresh 256-token prompts took 1887 against 2243 ms (medians
+    # of 6 interleaved pairs, docs/bench/analysis.md).
     max_tokens = 4096
     max_attention_keys = 1 << 16  # over rows attending alone: the sum of the keys each attends to
     tile_min_rows = 8  # a chunk this long attends on tiles (below it, packing its keys costs more than it saves)
