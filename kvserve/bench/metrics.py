@@ -113,6 +113,9 @@ def compute_metrics(records: Sequence[RequestRecord], duration: float, *, goodpu
         "request_throughput": len(ok) / dur,
         "output_throughput": total_output / dur,
         "total_token_throughput": (total_input + total_output) / dur,
+        # Every token streamed to the client, also by requests cancelled mid-stream (a background tier cut
+        # off at the end): the work the server did in the window, not quantised by which requests finished.
+        "streamed_output_throughput": (total_output + sum(r.chunks for r in cancelled)) / dur,
     }
     if goodput_ttft_ms is not None:
         good = sum(1 for t in ttfts if t * 1000.0 <= goodput_ttft_ms)

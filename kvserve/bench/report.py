@@ -252,11 +252,13 @@ class Report:
             rows.append([self.label(t), fmt(values(flood, fi + "median_ttft_ms"), 0),
                          fmt(values(flood, fi + "p99_ttft_ms"), 0), fmt(values(alone, fi + "median_ttft_ms"), 0),
                          fmt(values(alone, fi + "p99_ttft_ms"), 0), fmt(values(flood, fi + "median_tpot_ms")),
+                         fmt(values(flood, "tiers.batch.streamed_output_throughput")),
                          fmt(values(flood, "tiers.batch.output_throughput")),
                          fmt(values(flood, fi + "completed"), 0),
                          str(sum((_get(r, fi + "failed") or 0) for r in flood + alone))])
         self.w(table(["target", "interactive TTFT p50, with flood", "p99, with flood", "TTFT p50, alone",
-                      "p99, alone", "interactive TPOT p50, with flood", "batch out tok/s (completed only)",
+                      "p99, alone", "interactive TPOT p50, with flood", "batch out tok/s (streamed)",
+                      "batch out tok/s (completed only)",
                       "interactive requests / run", "interactive failed"], rows))
         shape = self.shape("W3-flood")
         if shape:
@@ -265,7 +267,9 @@ class Report:
                    f"evenly spaced, for {shape['duration']} s (`priority: interactive`). Flood: "
                    f"{shape['batch_concurrency']} batch requests always in flight "
                    f"({shape['batch_io'][0]} / {shape['batch_io'][1]} tokens, `priority: batch`), cancelled when "
-                   "the interactive requests are done; its tokens/s counts only batch requests that finished. "
+                   "the interactive requests are done. Its streamed tokens/s counts every token the batch requests "
+                   "received in the run, also those of the requests cut off at the end; the completed-only figure "
+                   "counts finished requests, so it moves in steps of whole requests. "
                    "Engines without priorities (the peers, unless BENCH_VLLM_PRIORITY=1) get no priority field.")
         self.note_missing("W3-flood", "W3-alone")
         if (self.plots_dir / "w3_ttft_cdf.png").exists():

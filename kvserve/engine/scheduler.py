@@ -125,6 +125,7 @@ class Scheduler:
         self.step_time = step_time or StepTimeModel()  # learned from every step; admission estimates use it
         self._step_started: float | None = None
         self._cycle: tuple[int, int, float] | None = None  # (decodes, prefill tokens, started) of the last step
+        self._alone_last = False  # the last step was interactive prefill alone
 
     # ---- admission -----------------------------------------------------------------------------
 
@@ -254,6 +255,11 @@ class Scheduler:
         - While interactive sequences run or wait, batch-tier prefill chunks share at most
           interactive_batch_prefill_tokens per step (chunked prefill on): the flood keeps decoding
           and prefilling, in steps short enough for interactive TTFT and TPOT.
+        - Interactive prefill alone (interactive_prefill_alone): while an interactive prompt waits
+          or is part-way through prefill and batch sequences run, the step holds interactive work
+          only; batch decodes and prefills sit it out. If no interactive prefill could be scheduled
+          after all, the batch work joins the step. Never two such steps in a row, so the batch
+          tier keeps at least every other step.
         - Chunked prefill on: a prompt takes what budget is left. Off: a prompt goes whole or not at
           all; one longer than the whole budget goes alone in an otherwise empty step (the step
           exceeds the budget), and everything behind it waits until such a step comes.
@@ -285,14 +291,28 @@ class Scheduler:
                      batch_prefill_budget=cfg.interactive_batch_prefill_tokens if self._interactive_active()
                      else cfg.max_num_batched_tokens)
         self._expire_waiting(step)
-        self._schedule_running(step, defer_batch_prefill=self._interactive_waiting())
+        alone = self._interactive_prefill_alone()
+        self._schedule_running(step, defer_batch_prefill=self._interactive_waiting(), hold_batch=alone)
         self._schedule_swapped(step)
         self._schedule_waiting(step, Priority.INTERACTIVE)
-        for seq in step.deferred:
-            if seq.status is RUNNING:
-                self._schedule_running_seq(step, seq)
-        self._schedule_waiting(step, Priority.BATCH)
+        alone = alone and any(ss.seq.priority is Priority.INTERACTIVE and ss.seq.is_prefill
+                              for ss in step.scheduled.values())
+        self._alone_last = alone
+        if not alone:
+            for seq in step.deferred:
+                if seq.status is RUNNING:
+                    self._schedule_running_seq(step, seq)
+            self._schedule_waiting(step, Priority.BATCH)
         return self._close_step(step)
+
+    def _interactive_prefill_alone(self) -> bool:
+        """Whether this step is for interactive work only: an interactive prompt is owed prefill, batch
+        sequences run, and the last step was not such a step."""
+        if not self.config.interactive_prefill_alone or self._alone_last:
+            return False
+        return any(s.priority is Priority.BATCH for s in self._running) and (
+            self._interactive_waiting() or
+            any(s.priority is Priority.INTERACTIVE and s.is_prefill for s in self._running))
 
     def _expire_waiting(self, step: _Step) -> None:
         for prio, tier in self._tiers.items():
@@ -301,17 +321,21 @@ class Scheduler:
                 while queue and step.now - queue[0].timings.arrival > timeout:
                     self._finish_in_step(step, queue[0], SequenceStatus.FINISHED_QUEUE_TIMEOUT)
 
-    def _schedule_running(self, step: _Step, defer_batch_prefill: bool) -> None:
+    def _schedule_running(self, step: _Step, defer_batch_prefill: bool, hold_batch: bool) -> None:
+        """Running decodes, then running prefill chunks. Batch prefill chunks (defer_batch_prefill) or
+        all batch work (hold_batch) go to step.deferred, scheduled after interactive admissions."""
         ordered = sorted(self._running, key=_order_key)
         decodes = [s for s in ordered if s.num_uncomputed_tokens <= 1]
         prefills = [s for s in ordered if s.num_uncomputed_tokens > 1]
         for seq in decodes:
-            if seq.status is RUNNING:  # not preempted by an earlier one this step
+            if hold_batch and seq.priority is Priority.BATCH:
+                step.deferred.append(seq)
+            elif seq.status is RUNNING:  # not preempted by an earlier one this step
                 self._schedule_running_seq(step, seq)
         for seq in prefills:
             if seq.status is not RUNNING:
                 continue
-            if defer_batch_prefill and seq.priority is Priority.BATCH:
+            if (defer_batch_prefill or hold_batch) and seq.priority is Priority.BATCH:
                 step.deferred.append(seq)
             else:
                 self._schedule_running_seq(step, seq)

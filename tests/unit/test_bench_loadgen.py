@@ -138,6 +138,8 @@ def test_mix_with_a_background_flood(tok):
     inter, batch = res["tiers"]["interactive"], res["tiers"]["batch"]
     assert inter["completed"] == 5 and inter["failed"] == 0
     assert batch["completed"] == 0 and batch["cancelled"] == 2  # 10 s streams cut off at the end
+    # ... yet their tokens were streamed: ~2 x 90 in the second at one per 10 ms
+    assert batch["output_throughput"] == 0 and batch["streamed_output_throughput"] * batch["duration"] > 100
     assert res["duration"] < 3.0
     assert inter["good_requests"] == 5
     prios = {r.path: r.body.get("priority") for r in state.requests}

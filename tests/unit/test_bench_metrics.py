@@ -47,12 +47,13 @@ def test_failures_and_cancellations_are_kept_apart():
     e429 = RequestRecord(status=429, error_kind="429")
     e503 = RequestRecord(status=503, error_kind="503")
     e429b = RequestRecord(status=429, error_kind="429")
-    cancelled = RequestRecord(cancelled=True, error_kind="cancelled")
+    cancelled = RequestRecord(cancelled=True, error_kind="cancelled", chunks=5)  # cut off after 5 tokens
     m = compute_metrics([ok, e429, e503, e429b, cancelled], duration=1.0)
     assert (m["completed"], m["failed"], m["cancelled"]) == (1, 3, 1)
     assert m["error_counts"] == {"429": 2, "503": 1}
     assert m["error_share"]["429"] == pytest.approx(2 / 5)
     assert m["total_output_tokens"] == 4
+    assert m["output_throughput"] == pytest.approx(4.0) and m["streamed_output_throughput"] == pytest.approx(9.0)
     assert m["request_goodput"] is None
     text = format_table(m)
     assert "429:" in text and "Successful requests:" in text

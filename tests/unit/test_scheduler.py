@@ -246,7 +246,8 @@ def test_interactive_preempts_batch_at_max_num_seqs():
     out = h.step()
     assert i1.seq_id in scheduled_ids(out)
     assert out.preempted == [b2]  # latest arrival of the lowest tier
-    assert b1.seq_id in scheduled_ids(out)
+    assert b1.seq_id not in scheduled_ids(out)  # i1's prefill step is its own
+    assert scheduled_ids(h.step()) == {i1.seq_id, b1.seq_id}
     h.run()
     assert b2.num_output_tokens == 50 and b2.num_preemptions == 1
 
@@ -619,6 +620,48 @@ def test_batch_prefill_is_capped_while_interactive_work_is_active():
     assert sum(ss.num_new_tokens for ss in out.scheduled if ss.seq.priority is B) > 16
     h.run()
     assert all(s.num_output_tokens == 50 for s in flood)
+
+
+def test_interactive_prefill_runs_in_a_step_without_batch_work():
+    h = Harness(max_num_batched_tokens=64, interactive_batch_prefill_tokens=16)
+    flood = [h.add(prompt_len=12, max_tokens=40, priority=B) for _ in range(3)]
+    h.step()
+    long_batch = h.add(prompt_len=100, max_tokens=4, priority=B)  # still prefilling in chunks
+    h.step()
+    assert long_batch.is_prefill
+    chat = h.add(prompt_len=24, max_tokens=6, priority=I)
+    out = h.step()
+    assert scheduled_ids(out) == {chat.seq_id}  # batch decodes and the batch prefill chunk sit it out
+    out = h.step()  # decodes of both tiers, and the batch chunk, run together again
+    assert scheduled_ids(out) == {chat.seq_id, long_batch.seq_id} | {s.seq_id for s in flood}
+    # A long interactive prompt prefilled in chunks alternates: batch keeps every other step.
+    doc = h.add(prompt_len=300, max_tokens=2, priority=I)
+    kinds = []
+    while doc.is_prefill:
+        out = h.step()
+        kinds.append(any(ss.seq.priority is B for ss in out.scheduled))
+    assert kinds[:4] == [False, True, False, True]
+    h.run()
+    assert all(s.num_output_tokens == s.sampling.max_tokens for s in h.seqs)
+
+
+def test_batch_work_joins_when_interactive_prefill_cannot_start():
+    """No blocks for the interactive prompt (and no batch sequence past its quantum to yield): the step
+    is not wasted on interactive work alone."""
+    h = Harness(num_blocks=6, block_size=4, batch_decode_quantum=64)
+    flood = [h.add(prompt_len=8, max_tokens=8, priority=B) for _ in range(2)]  # 4 of 6 blocks
+    h.step()
+    h.add(prompt_len=20, max_tokens=2, priority=I)  # needs 5 blocks
+    out = h.step()
+    assert scheduled_ids(out) == {s.seq_id for s in flood}
+
+
+def test_interactive_prefill_alone_can_be_turned_off():
+    h = Harness(interactive_prefill_alone=False)
+    flood = [h.add(prompt_len=12, max_tokens=40, priority=B) for _ in range(2)]
+    h.step()
+    chat = h.add(prompt_len=24, max_tokens=6, priority=I)
+    assert scheduled_ids(h.step()) == {chat.seq_id} | {s.seq_id for s in flood}
 
 
 def test_queue_wait_estimate_counts_the_seats_held_by_running_sequences():
