@@ -25,6 +25,8 @@ from kvserve.engine.request import Priority
 from kvserve.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+# Prompts up to this many characters (about 2k tokens) are tokenized on the event loop; see AsyncLLM.encode.
+INLINE_ENCODE_CHARS = 8192
 
 
 class EngineStatus(str, enum.Enum):
@@ -182,9 +184,15 @@ class AsyncLLM:
         self._wake.set()
 
     async def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
-        """Tokenize off the engine thread's queue (tokenizers release the GIL)."""
+        """Tokenize, off the engine thread's queue. A prompt of up to INLINE_ENCODE_CHARS is tokenized on the
+        event loop (about a millisecond): a worker thread would first have to win a core from the engine's
+        threads, which took several ms per request under load. Longer ones go to a worker thread
+        (tokenizers release the GIL)."""
         if self.engine is None:
             raise ModelWarming(f"model {self.model_id} is still loading; retry shortly")
+        size = len(prompt) if prompt is not None else sum(len(str(m.get("content") or "")) for m in messages or ())
+        if size <= INLINE_ENCODE_CHARS:
+            return self.engine.encode_prompt(prompt, messages)
         return await asyncio.to_thread(self.engine.encode_prompt, prompt, messages)
 
     # ---- the engine thread ----------------------------------------------------------------
