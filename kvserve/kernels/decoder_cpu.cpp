@@ -273,14 +273,17 @@ struct TileAttention {
     const int64_t dchunks = hd / 32, dtiles = hd / 16;
     const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                            21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    auto row = [&](const bf16* head_cache, int64_t t) -> const bf16* {
-      return t < n ? head_cache + (table[t / block_size] * block_size + t % block_size) * hd : nullptr;
-    };
+    int64_t at[32];  // keys t0 .. t0 + 31: offsets of their rows in a head's cache, -1 past the end
+    auto row = [&](const bf16* head_cache, int64_t j) -> const bf16* { return at[j] < 0 ? nullptr : head_cache + at[j]; };
     for (int64_t t0 = lo; t0 < hi; t0 += 32) {
       const int64_t kc = (t0 - kb) / 32;
+      for (int64_t j = 0, b = t0 / block_size, o = t0 % block_size; j < 32; ++j) {
+        at[j] = t0 + j < n ? (table[b] * block_size + o) * hd : -1;
+        if (++o == block_size) o = 0, ++b;
+      }
       for (int64_t half = 0; half < 2; ++half) {  // keys: a 16 x 16 transpose of 32-bit dim pairs per tile
         const bf16* src[16];
-        for (int64_t j = 0; j < 16; ++j) src[j] = row(kh, t0 + 16 * half + j);
+        for (int64_t j = 0; j < 16; ++j) src[j] = row(kh, 16 * half + j);
         for (int64_t dc = 0; dc < dchunks; ++dc) {
           __m512i v[16];
           for (int j = 0; j < 16; ++j) v[j] = src[j] ? _mm512_loadu_si512(src[j] + dc * 32) : _mm512_setzero_si512();
@@ -290,8 +293,8 @@ struct TileAttention {
         }
       }
       for (int64_t r = 0; r < 16; ++r) {  // values: rows 2r and 2r + 1 interleaved per dim
-        const bf16* v0 = row(vh, t0 + 2 * r);
-        const bf16* v1 = row(vh, t0 + 2 * r + 1);
+        const bf16* v0 = row(vh, 2 * r);
+        const bf16* v1 = row(vh, 2 * r + 1);
         for (int64_t dt = 0; dt < dtiles; ++dt) {
           const __m256i a = v0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + dt * 16)) : _mm256_setzero_si256();
           const __m256i b = v1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + dt * 16)) : _mm256_setzero_si256();
