@@ -353,29 +353,36 @@ struct TileAttention {
   }
 
   // One row of scores (unscaled, `width` keys) -> probabilities in bf16 over keys [lo, hi], zero elsewhere.
+  // Only the 32-key pairs of vectors that overlap [lo, hi] are read; of those, only vectors not wholly
+  // inside it build a lane mask.
   void softmax_masked(float* s, bf16* p, int64_t width, int64_t lo, int64_t hi) const {
+    const int64_t plo = lo / 32 * 32, phi = std::min<int64_t>(width, (hi + 32) / 32 * 32);
     auto lanes = [&](int64_t j) -> __mmask16 {
+      if (j >= lo && j + 15 <= hi) return 0xFFFF;
       const int64_t a = std::max<int64_t>(lo - j, 0), b = std::min<int64_t>(hi - j, 15);
       return a > b ? 0 : static_cast<__mmask16>(((1u << (b + 1)) - 1) & ~((1u << a) - 1));
     };
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     __m512 vmax = ninf;
-    for (int64_t j = 0; j < width; j += 16) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(ninf, lanes(j), s + j));
+    for (int64_t j = plo; j < phi; j += 16) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(ninf, lanes(j), s + j));
     // exp(scale * (s - max)) = 2^(s * scale log2 e - max * scale log2 e)
     const float scale2 = scale * 1.44269504088896341f;
     const __m512 vscale = _mm512_set1_ps(scale2), shift = _mm512_set1_ps(-scale2 * _mm512_reduce_max_ps(vmax));
     __m512 vsum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < width; j += 16) {
+    for (int64_t j = plo; j < phi; j += 16) {
       const __m512 e = _mm512_maskz_mov_ps(lanes(j), exp2_16<4>(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), vscale, shift)));
       _mm512_storeu_ps(s + j, e);
       vsum = _mm512_add_ps(vsum, e);
     }
     const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
-    for (int64_t j = 0; j < width; j += 32) {  // width % 32 == 0; VCVTNE2PS2BF16 rounds to nearest even
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t j = 0; j < plo; j += 32) _mm512_storeu_si512(p + j, zero);
+    for (int64_t j = plo; j < phi; j += 32) {  // width % 32 == 0; VCVTNE2PS2BF16 rounds to nearest even
       const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + j + 16), inv),
                                                 _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
       _mm512_storeu_si512(p + j, (__m512i)pair);
     }
+    for (int64_t j = phi; j < width; j += 32) _mm512_storeu_si512(p + j, zero);
   }
 };
 #else
