@@ -257,9 +257,10 @@ class Scheduler:
           and prefilling, in steps short enough for interactive TTFT and TPOT.
         - Interactive prefill alone (interactive_prefill_alone): while an interactive prompt waits
           or is part-way through prefill and batch sequences run, the step holds interactive work
-          only; batch decodes and prefills sit it out. If no interactive prefill could be scheduled
-          after all, the batch work joins the step. Never two such steps in a row, so the batch
-          tier keeps at least every other step.
+          only; batch decodes and prefills sit it out. Only with room in the pool for the prompts
+          plus a block per held batch sequence; if no interactive prefill could be scheduled after
+          all, the batch work joins the step. Never two such steps in a row, so the batch tier
+          keeps at least every other step.
         - Chunked prefill on: a prompt takes what budget is left. Off: a prompt goes whole or not at
           all; one longer than the whole budget goes alone in an otherwise empty step (the step
           exceeds the budget), and everything behind it waits until such a step comes.
@@ -307,12 +308,16 @@ class Scheduler:
 
     def _interactive_prefill_alone(self) -> bool:
         """Whether this step is for interactive work only: an interactive prompt is owed prefill, batch
-        sequences run, and the last step was not such a step."""
+        sequences run, the last step was not such a step, and the pool has room for the prompts plus a
+        block for each batch sequence held back. Without that room the prompts could take the blocks
+        the held decodes need next, and those would then preempt batch work outside its decode quantum:
+        under block pressure the usual order (batch decodes first) applies."""
         if not self.config.interactive_prefill_alone or self._alone_last:
             return False
-        return any(s.priority is Priority.BATCH for s in self._running) and (
-            self._interactive_waiting() or
-            any(s.priority is Priority.INTERACTIVE and s.is_prefill for s in self._running))
+        held = sum(1 for s in self._running if s.priority is Priority.BATCH)
+        owed = self._tiers[Priority.INTERACTIVE].prompt_tokens + sum(
+            s.num_uncomputed_tokens for s in self._running if s.priority is Priority.INTERACTIVE and s.is_prefill)
+        return held > 0 and owed > 0 and self.kv.num_free_blocks >= self.kv.blocks_for_tokens(owed) + held
 
     def _expire_waiting(self, step: _Step) -> None:
         for prio, tier in self._tiers.items():

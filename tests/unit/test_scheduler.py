@@ -656,6 +656,20 @@ def test_batch_work_joins_when_interactive_prefill_cannot_start():
     assert scheduled_ids(out) == {s.seq_id for s in flood}
 
 
+def test_interactive_prefill_alone_needs_room_for_the_held_batch_decodes():
+    """A prompt that would take the blocks the held batch decodes need next does not get a step alone:
+    the decodes go first as usual, and no batch sequence is preempted outside its quantum."""
+    h = Harness(num_blocks=8, block_size=4, batch_decode_quantum=64)
+    flood = [h.add(prompt_len=8, max_tokens=8, priority=B) for _ in range(2)]  # 4 blocks each in the end
+    h.step()
+    h.add(prompt_len=12, max_tokens=2, priority=I)  # 3 of the 4 free blocks
+    out = h.step()
+    assert scheduled_ids(out) == {s.seq_id for s in flood}
+    h.run()
+    assert all(s.num_preemptions == 0 for s in flood)
+    assert all(s.num_output_tokens == s.sampling.max_tokens for s in h.seqs)
+
+
 def test_interactive_prefill_alone_can_be_turned_off():
     h = Harness(interactive_prefill_alone=False)
     flood = [h.add(prompt_len=12, max_tokens=40, priority=B) for _ in range(2)]
