@@ -97,8 +97,9 @@ class SchedulerConfig:
     # step in all: a step's length is what interactive work waits for, at every token (TTFT and TPOT).
     interactive_batch_prefill_tokens: int = 256
     # An interactive prompt starts in a step without batch work (batch decodes and prefills sit it out),
-    # so its first token waits for its own prefill, not for the flood's. Never two such steps in a row:
-    # the batch tier keeps at least every other step.
+    # so its first token waits for its own prefill, not for the flood's. Never two such steps in a row
+    # (the batch tier keeps at least every other step), and only with room in the KV pool for the prompt
+    # plus a block per held batch sequence (Scheduler._interactive_prefill_alone).
     interactive_prefill_alone: bool = True
 
 

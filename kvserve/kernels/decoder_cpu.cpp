@@ -79,9 +79,10 @@ void gemm(const bf16* a, int64_t m, int64_t k, const bf16* w, int64_t nblocks, T
     int64_t prev_r = 0, prev_nb0 = 0;
     bool prev_two = false;
     int prev_rows = 0, done = 0, buf = 0;
-    auto finish = [&](int upto) {
-      if (done < upto) epi(prev_r, prev_nb0, prev_two, done, upto, c[buf ^ 1][0], c[buf ^ 1][1]);
-      done = std::max(done, upto);
+    auto finish = [&](int upto) {  // upto >= done always
+      if (done == upto) return;
+      epi(prev_r, prev_nb0, prev_two, done, upto, c[buf ^ 1][0], c[buf ^ 1][1]);
+      done = upto;
     };
     for (int64_t r = 0; r < m; r += 32)
     for (int64_t pair = task * group; pair < std::min(pairs, (task + 1) * group); ++pair) {
