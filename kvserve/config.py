@@ -101,6 +101,11 @@ class SchedulerConfig:
     # (the batch tier keeps at least every other step), and only with room in the KV pool for the prompt
     # plus a block per held batch sequence (Scheduler._interactive_prefill_alone).
     interactive_prefill_alone: bool = True
+    # An interactive prompt that arrives while a step with batch work runs may suspend that step between
+    # decoder layers and run first, alone (Scheduler.schedule_interjection): its first token waits about
+    # a layer, not the rest of the flood's step. At most once per step, with the same room rule; only
+    # where a step can stop between layers (the fused CPU decoder).
+    interactive_interjection: bool = True
 
 
 @dataclass

@@ -481,6 +481,7 @@ class LoadGenerator:
         # Per-request arrays, as in vLLM's result file (successful requests have a ttft; others 0).
         res["tier_of"] = [r.tier for r in records]
         res["start_times"] = [r.start for r in records]
+        res["t0_monotonic"] = self.t0  # TEMP
         res["input_lens"] = [r.prompt_len for r in records]
         res["output_lens"] = [r.output_tokens if r.success else 0 for r in records]
         res["ttfts"] = [r.ttft if r.success else 0.0 for r in records]

@@ -8,6 +8,7 @@ and are applied between steps; outputs come back to each request's asyncio queue
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import enum
 import gc
 import logging
@@ -23,6 +24,7 @@ from kvserve.engine.errors import ModelWarming, ServerDraining
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.request import Priority
 from kvserve.engine.sampling import SamplingParams
+from kvserve.models.attention import Interjection
 
 log = logging.getLogger(__name__)
 # Prompts up to this many characters (about 2k tokens) are tokenized on the event loop; see AsyncLLM.encode.
@@ -46,6 +48,13 @@ class _Sink:
 
     def __call__(self, out: RequestOutput) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+
+
+def _is_interactive(add_kwargs: dict) -> bool:
+    try:
+        return Priority.parse(add_kwargs.get("priority")) is Priority.INTERACTIVE
+    except ValueError:  # refused by add_request, in its turn
+        return False
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
@@ -85,6 +94,10 @@ class AsyncLLM:
         self.engine = None
         self.error: str | None = None
         self._commands: queue.Queue = queue.Queue()
+        self._held: list = []  # commands taken during an interjection that wait for the step's end
+        # Raised by submit() for an interactive request: a step with batch work stops at its next layer
+        # and the request starts at once (LLMEngine.interject), instead of after the rest of the step.
+        self._interject_flag = ctypes.c_int32(0)
         self._wake = threading.Event()
         self._stop = False
         self._sinks: dict[str, _Sink] = {}
@@ -135,7 +148,7 @@ class AsyncLLM:
         """Work is pending but no step has completed for `timeout` seconds (the engine hangs)."""
         if self.status == EngineStatus.FAILED:
             return True
-        busy = self.num_inflight > 0 or not self._commands.empty()
+        busy = self.num_inflight > 0 or not self._commands.empty() or bool(self._held)
         return busy and time.monotonic() - self.last_progress_at > timeout
 
     # ---- requests ------------------------------------------------------------------------
@@ -175,6 +188,8 @@ class AsyncLLM:
         # Stamped now: the engine thread applies it only after the step in flight, and that wait counts.
         kwargs.setdefault("arrival", time.monotonic())
         self._commands.put(_Add(kwargs, _Sink(asyncio.get_running_loop(), outputs), done))
+        if _is_interactive(kwargs):
+            self._interject_flag.value = 1
         self._wake.set()
         request_id = await asyncio.wrap_future(done)
         return request_id, outputs
@@ -208,6 +223,7 @@ class AsyncLLM:
             # the process: keep the cyclic collector from re-walking it on every full collection.
             gc.collect()
             gc.freeze()
+            self.engine.interjection = Interjection(self._interject_flag, self._interject)
             self.status = EngineStatus.READY
         except Exception as e:  # loading failed: report it, never crash the server
             log.exception("engine for %s failed to load", self.model_id)
@@ -243,13 +259,36 @@ class AsyncLLM:
             if self._on_step is not None:
                 self._on_step(self, engine.last_step)
 
-    def _apply_commands(self) -> None:
+    def _interject(self) -> None:
+        """Inside a suspended step (engine thread): add the interactive requests that came, run their
+        first step, deliver its tokens. Everything else that came (aborts, batch requests) waits for the
+        step's end: an abort now would free blocks the suspended step is still writing."""
+        self._interject_flag.value = 0
+        self._apply_commands(interactive_adds_only=True)
+        outputs = self.engine.interject()
+        if outputs is None:
+            return
+        self._deliver(outputs)
+        self._update_counts()
+        if self._on_step is not None:
+            self._on_step(self, self.engine.last_step)
+
+    def _apply_commands(self, interactive_adds_only: bool = False) -> None:
         engine = self.engine
+        if not interactive_adds_only:
+            self._interject_flag.value = 0  # what raised it is applied now (a later submit raises it again)
+        held, self._held = self._held, []
         while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
+            if held:
+                cmd = held.pop(0)
+            else:
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+            if interactive_adds_only and not (isinstance(cmd, _Add) and _is_interactive(cmd.kwargs)):
+                self._held.append(cmd)
+                continue
             if isinstance(cmd, _Add):
                 try:
                     rid = engine.add_request(**cmd.kwargs)
@@ -289,9 +328,10 @@ class AsyncLLM:
         self.num_waiting = self.stats.num_waiting
 
     def _fail_all(self) -> None:
+        held, self._held = self._held, []
         while True:  # requests not yet added: refuse them
             try:
-                cmd = self._commands.get_nowait()
+                cmd = held.pop(0) if held else self._commands.get_nowait()
             except queue.Empty:
                 break
             if isinstance(cmd, _Add):

@@ -22,6 +22,8 @@ from kvserve.engine.request import Priority, Sequence, SequenceStatus
 from kvserve.engine.sampler import Sampler, SamplingMetadata, make_generator
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.scheduler_output import SchedulerOutput
+from kvserve.models.attention import Interjection
 from kvserve.models.catalog import resolve_model
 from kvserve.models.loader import build_model, load_checkpoint, resolve_device, resolve_dtype
 from kvserve.models.tokenizer import Tokenizer
@@ -127,6 +129,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self._dirty: list[_RequestState] = []  # requests whose deltas the next step clears
+        self.interjection: Interjection | None = None  # set by AsyncLLM: see step()
         self.last_step: StepStats | None = None
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded %s (%s, %s) in %.1fs: %d KV blocks of %d tokens, %d host blocks", self.model_id,
@@ -222,18 +225,37 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration: every scheduled sequence advances; returns outputs of requests that changed."""
+        """One iteration: every scheduled sequence advances; returns outputs of requests that changed.
+
+        With `interjection` set (AsyncLLM does), a step that holds batch work may stop between decoder
+        layers when its flag is raised, run `interjection.run` (which calls `interject`), and go on."""
         started = time.monotonic()
         for state in self._dirty:
             for ss in state.seqs:
                 ss.output.delta_text, ss.output.delta_token_ids, ss.output.delta_logprobs = "", [], None
+        self._dirty = []
         out = self.scheduler.schedule()
+        interjection = self.interjection if self.interjection is not None and any(
+            ss.seq.priority is Priority.BATCH for ss in out.scheduled) else None
+        return self._run_step(out, started, interjection)
+
+    def interject(self) -> list[RequestOutput] | None:
+        """A step of waiting interactive prompts only, run while the step in flight is suspended between
+        layers (Scheduler.schedule_interjection); None when there was nothing to run. Its outputs are the
+        new requests' first tokens; the suspended step's come when it ends."""
+        started = time.monotonic()
+        out = self.scheduler.schedule_interjection()
+        if not out.scheduled:
+            return None
+        return self._run_step(out, started, None)
+
+    def _run_step(self, out: SchedulerOutput, started: float, interjection: Interjection | None) -> list[RequestOutput]:
         touched: dict[str, _RequestState] = {}
         for seq in out.finished:  # queue timeouts decided by the scheduler
             ss = self._seq_states.get(seq.seq_id)
             if ss is not None:
                 self._finish(ss, seq.status, touched)
-        logits = self.runner.execute(out)
+        logits = self.runner.execute(out, interjection)
         if logits is not None:
             self._sample_and_update(out, logits, touched)
         elif out.scheduled:
@@ -250,7 +272,7 @@ class LLMEngine:
                 self._requests.pop(state.request_id, None)
                 for ss in state.seqs:
                     self._seq_states.pop(ss.seq.seq_id, None)
-        self._dirty = list(touched.values())
+        self._dirty.extend(touched.values())  # an interjection's, then its suspended step's
         return results
 
     def _sample_and_update(self, out, logits: torch.Tensor, touched: dict) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.engine.scheduler_output import SchedulerOutput
-from kvserve.models.attention import AttentionMetadata, PrefillChunk, kv_cache_shape
+from kvserve.models.attention import AttentionMetadata, Interjection, PrefillChunk, kv_cache_shape
 
 
 @dataclass
@@ -65,8 +65,10 @@ class ModelRunner:
             dv.index_copy_(1, dst, sv.index_select(1, src).to(dst_dev, non_blocking=True))
 
     # ---- forward ---------------------------------------------------------------------------
-    def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
-        """Run block moves and the forward pass; logits [num_sampled, vocab] in `out.scheduled` order."""
+    def execute(self, out: SchedulerOutput, interjection: Interjection | None = None) -> torch.Tensor | None:
+        """Run block moves and the forward pass; logits [num_sampled, vocab] in `out.scheduled` order.
+        `interjection`: where the forward may stop between layers to let another step run (its block
+        moves and forward run nested inside this one's)."""
         self.swap_out(out.blocks_to_swap_out)
         self.swap_in(out.blocks_to_swap_in)
         self.copy_blocks(out.blocks_to_copy)
@@ -74,10 +76,11 @@ class ModelRunner:
             return None
         items = [BatchItem(s.seq.token_ids[s.start:s.start + s.num_new_tokens], s.start, s.block_table, s.sample)
                  for s in out.scheduled]
-        return self.forward(items)
+        return self.forward(items, interjection=interjection)
 
     @torch.inference_mode()
-    def forward(self, items: list[BatchItem], all_logits: bool = False) -> torch.Tensor | None:
+    def forward(self, items: list[BatchItem], all_logits: bool = False,
+                interjection: Interjection | None = None) -> torch.Tensor | None:
         """Forward a batch of items; logits for the items with sample=True, in their given order.
 
         all_logits=True returns logits for every token instead (items' tokens in their given order),
@@ -107,7 +110,7 @@ class ModelRunner:
 
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
-                                 num_decode_tokens=num_decodes)
+                                 num_decode_tokens=num_decodes, interjection=interjection)
         if num_decodes:
             dec = [items[i] for i in order[:num_decodes]]
             lens = [d.start + 1 for d in dec]

@@ -125,7 +125,8 @@ class Scheduler:
         self.step_time = step_time or StepTimeModel()  # learned from every step; admission estimates use it
         self._step_started: float | None = None
         self._cycle: tuple[int, int, float] | None = None  # (decodes, prefill tokens, started) of the last step
-        self._alone_last = False  # the last step was interactive prefill alone
+        self._alone_last = False  # the last step was interactive prefill alone (or an interjection)
+        self._interjection: tuple[SchedulerOutput, float] | None = None  # (its output, its start) while it runs
 
     # ---- admission -----------------------------------------------------------------------------
 
@@ -317,7 +318,34 @@ class Scheduler:
         held = sum(1 for s in self._running if s.priority is Priority.BATCH)
         owed = self._tiers[Priority.INTERACTIVE].prompt_tokens + sum(
             s.num_uncomputed_tokens for s in self._running if s.priority is Priority.INTERACTIVE and s.is_prefill)
-        return held > 0 and owed > 0 and self.kv.num_free_blocks >= self.kv.blocks_for_tokens(owed) + held
+        return held > 0 and owed > 0 and self._room_for(owed, held)
+
+    def _room_for(self, tokens: int, held: int) -> bool:
+        """Free blocks for `tokens` of prompt plus one block for each of `held` sequences, which may need
+        a new block in their next step."""
+        return self.kv.num_free_blocks >= self.kv.blocks_for_tokens(tokens) + held
+
+    def schedule_interjection(self) -> SchedulerOutput:
+        """A step run while the step in flight is suspended between layers (interactive_interjection):
+        waiting interactive prompts only, admitted as in schedule() (their first chunk, free seats,
+        free blocks, prefix hits). Everything scheduled in the suspended step is mid-step, so nothing
+        running is touched: no decodes, no preemption, no swaps, no expiry. Only with room in the pool
+        for the waiting prompts plus a block per running sequence (as interactive prefill alone), and
+        the next step is not an alone step: the batch tier's turn comes first. update_from_output
+        applies it as any step; the suspended step's own timing leaves its length out."""
+        cfg, now = self.config, self._clock()
+        step = _Step(now=now, budget=cfg.max_num_batched_tokens, batch_prefill_budget=0)
+        tier = self._tiers[Priority.INTERACTIVE]
+        if cfg.interactive_interjection and tier.num_waiting and self._room_for(tier.prompt_tokens, len(self._running)):
+            while tier.num_waiting and step.budget > 0 and len(self._running) < cfg.max_num_seqs:
+                seq = self._next_waiting(tier)
+                if self._exceeds_pool(seq.num_tokens) or self._try_admit(step, seq) is not _Admit.OK:
+                    break  # left to the next regular step, which handles all of these
+        out = self._close_step(step, timed=False)
+        if out.scheduled:
+            self._alone_last = True
+            self._interjection = (out, now)
+        return out
 
     def _expire_waiting(self, step: _Step) -> None:
         for prio, tier in self._tiers.items():
@@ -450,13 +478,14 @@ class Scheduler:
         step.batch_prefill_budget -= _batch_prefill_tokens(seq, n)
         self._charge(seq, start, n, +1)
 
-    def _close_step(self, step: _Step) -> SchedulerOutput:
+    def _close_step(self, step: _Step, timed: bool = True) -> SchedulerOutput:
         out = step.out
         out.scheduled = list(step.scheduled.values())
         for ss in out.scheduled:
             ss.block_table = self.kv.block_table(ss.seq)
         out.blocks_to_copy = self.kv.take_pending_copies()
-        self._step_started = step.now if out.scheduled else None
+        if timed:
+            self._step_started = step.now if out.scheduled else None
         return out
 
     # ---- preemption ----------------------------------------------------------------------------
@@ -548,7 +577,14 @@ class Scheduler:
                 self._record_token(seq, now)
             self.kv.cache_full_blocks(seq)
         decode = sum(1 for ss in output.scheduled if ss.num_new_tokens == 1)
-        self._end_step_timing(output.num_batched_tokens - decode, decode, now)
+        if self._interjection is not None and output is self._interjection[0]:
+            started = self._interjection[1]
+            self._interjection = None
+            self.step_time.observe(decode, output.num_batched_tokens - decode, now - started)
+            if self._step_started is not None:  # the suspended step: its time excludes the interjection's
+                self._step_started += now - started
+        else:
+            self._end_step_timing(output.num_batched_tokens - decode, decode, now)
 
     def _record_token(self, seq: Sequence, now: float) -> None:
         t = seq.timings

@@ -102,8 +102,8 @@ class NativeKernels:
         self._pack = self._lib.kvserve_pack_weight_bf16
         self._pack.argtypes, self._pack.restype = [_PTR, _I64, _I64, _PTR], None
         self._forward = self._lib.kvserve_forward_bf16
-        self._forward.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64]
-        self._forward.restype = None
+        self._forward.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR]
+        self._forward.restype = _I64
 
     def _bind(self, name: str, argtypes: list) -> dict:
         """kvserve_<name>_<f32|bf16> per torch dtype, typed."""
@@ -216,19 +216,30 @@ class NativeKernels:
 
     def forward(self, model_params: ctypes.Structure, layer_params: ctypes.Array, hidden: torch.Tensor,
                 positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                context_lens: torch.Tensor, tile_chunks: torch.Tensor | None = None) -> torch.Tensor:
+                context_lens: torch.Tensor, tile_chunks: torch.Tensor | None = None, first_layer: int = 0,
+                state: torch.Tensor | None = None, stop: ctypes.c_int32 | None = None) -> int:
         """hidden [T, H] bf16 embeddings -> the final-normed hidden states, in place (see decoder_cpu.cpp).
         Per token: positions, slots, context_lens [T] and block_tables [T, width], all int64. tile_chunks
         [C, 2] int64: (first row, rows) of the prefill chunks whose attention runs on tiles (head_dim % 32
-        == 0; each chunk's rows are consecutive positions of one sequence)."""
+        == 0; each chunk's rows are consecutive positions of one sequence).
+
+        Returns the layer reached: the number of layers when done. With `stop` and `state` (bf16
+        [2, T, H], kept between calls) it returns early, at the top of the first layer after
+        `first_layer` that finds `stop` set; call again with first_layer = that layer to go on."""
         if not self.amx:
             raise RuntimeError("the fused decoder needs AMX")
-        hidden = hidden.contiguous()
+        if not hidden.is_contiguous():
+            raise ValueError("the fused decoder writes hidden in place: it must be contiguous")
+        if state is not None and (state.dtype != torch.bfloat16 or not state.is_contiguous()
+                                  or state.numel() != 2 * hidden.numel()):
+            raise ValueError("state must be a contiguous bf16 [2, T, H] tensor")
         chunks = 0 if tile_chunks is None else tile_chunks.shape[0]
-        self._forward(ctypes.byref(model_params), layer_params, hidden.data_ptr(), hidden.shape[0],
-                      positions.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-                      context_lens.data_ptr(), tile_chunks.data_ptr() if chunks else None, chunks)
-        return hidden
+        return self._forward(ctypes.byref(model_params), layer_params, hidden.data_ptr(), hidden.shape[0],
+                             positions.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
+                             block_tables.stride(0), context_lens.data_ptr(),
+                             tile_chunks.data_ptr() if chunks else None, chunks, first_layer,
+                             state.data_ptr() if state is not None else None,
+                             ctypes.addressof(stop) if stop is not None and state is not None else None)
 
 
 class LayerParams(ctypes.Structure):

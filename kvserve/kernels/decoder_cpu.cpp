@@ -447,19 +447,30 @@ extern "C" void kvserve_pack_weight_bf16(const void* weight, int64_t n, int64_t 
 // positions, slot_mapping, context_lens (keys it attends to, itself included) [m] and its sequence's
 // block table, block_tables [m, table_stride]. tile_chunks [num_tile_chunks, 2]: (first row, rows) of the
 // prefill chunks attended on tiles (TileAttention; head_dim % 32 == 0); every other row attends alone.
-extern "C" void kvserve_forward_bf16(const ModelParams* mp, const LayerParams* layers, void* hidden_ptr,
-                                            int64_t m, const int64_t* positions, const int64_t* slot_mapping,
-                                            const int64_t* block_tables, int64_t table_stride,
-                                            const int64_t* context_lens, const int64_t* tile_chunks,
-                                            int64_t num_tile_chunks) {
+//
+// Suspension (the engine's interjections): with a `stop` flag, the call returns at the top of the first
+// layer after `first_layer` at which the flag is set, and returns that layer; `state` [2, m, H] then
+// holds the residual stream and the last branch, and a call with first_layer = the returned layer goes
+// on from there (hidden is written only at the end). Without a flag (or state) it runs every layer.
+// Returns num_layers when the stack is done.
+extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams* layers, void* hidden_ptr,
+                                               int64_t m, const int64_t* positions, const int64_t* slot_mapping,
+                                               const int64_t* block_tables, int64_t table_stride,
+                                               const int64_t* context_lens, const int64_t* tile_chunks,
+                                               int64_t num_tile_chunks, int64_t first_layer, void* state,
+                                               const int32_t* stop) {
+  int64_t stopped_at = -1;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   const ModelParams& p = *mp;
   const int64_t hd = p.head_dim, hidden = p.hidden, inter = p.intermediate;
   const int64_t q_width = p.q_heads * hd, qkv_width = (p.q_heads + 2 * p.kv_heads) * hd;
   const bool unit = p.norm_unit_offset != 0;
   bf16* h = static_cast<bf16*>(hidden_ptr);
-  std::vector<bf16> residual(m * hidden), x(m * hidden), branch(m * hidden), qkv(m * qkv_width), attn(m * q_width),
-      act(m * inter);
+  std::vector<bf16> own_state(state == nullptr ? 2 * m * hidden : 0), x(m * hidden), qkv(m * qkv_width),
+      attn(m * q_width), act(m * inter);
+  bf16* const residual = state == nullptr ? own_state.data() : static_cast<bf16*>(state);  // the stream
+  bf16* const branch = residual + m * hidden;  // the last attention or MLP output
+  if (state == nullptr) stop = nullptr;
   // The step's attention work: packing tasks (chunk, kv head, key segment), tile tasks (chunk, kv head,
   // 16 query rows), then one task per (row attending alone, kv head).
   const TileChunk* chunks = reinterpret_cast<const TileChunk*>(tile_chunks);
@@ -500,7 +511,7 @@ extern "C" void kvserve_forward_bf16(const ModelParams* mp, const LayerParams* l
       if (weight == nullptr) return;
 #pragma omp for schedule(dynamic, 4)
       for (int64_t i = 0; i < m; ++i) {
-        bf16* b = branch.data() + i * hidden;
+        bf16* b = branch + i * hidden;
         norm_row(static_cast<const bf16*>(b), b, hidden, weight, p.eps, unit);
       }
     };
@@ -508,16 +519,23 @@ extern "C" void kvserve_forward_bf16(const ModelParams* mp, const LayerParams* l
     auto add_branch_and_norm = [&](bf16* out, const bf16* weight) {
 #pragma omp for schedule(dynamic, 4)
       for (int64_t i = 0; i < m; ++i)
-        add_norm_row(branch.data() + i * hidden, residual.data() + i * hidden, out + i * hidden, hidden, weight,
+        add_norm_row(branch + i * hidden, residual + i * hidden, out + i * hidden, hidden, weight,
                      p.eps, unit);
     };
-    for (int64_t l = 0; l < p.num_layers; ++l) {
+    for (int64_t l = first_layer; l < p.num_layers; ++l) {
       const LayerParams& L = layers[l];
+      if (stop != nullptr && l > first_layer) {  // at least one layer per call: a set flag cannot stall it
+#pragma omp single
+        {
+          if (__atomic_load_n(stop, __ATOMIC_ACQUIRE) != 0) stopped_at = l;
+        }  // the single's barrier: every thread sees stopped_at
+        if (stopped_at >= 0) break;
+      }
       if (l == 0) {  // the stream starts as the embeddings
 #pragma omp for schedule(dynamic, 4)
         for (int64_t i = 0; i < m; ++i) {
-          std::memcpy(residual.data() + i * hidden, h + i * hidden, hidden * sizeof(bf16));
-          norm_row(static_cast<const bf16*>(residual.data() + i * hidden), x.data() + i * hidden, hidden,
+          std::memcpy(residual + i * hidden, h + i * hidden, hidden * sizeof(bf16));
+          norm_row(static_cast<const bf16*>(residual + i * hidden), x.data() + i * hidden, hidden,
                    L.attn_in_norm, p.eps, unit);
         }
       } else {
@@ -553,19 +571,22 @@ extern "C" void kvserve_forward_bf16(const ModelParams* mp, const LayerParams* l
         }
       }
       mark(3);
-      gemm(attn.data(), m, q_width, L.o, hidden / 16, ts, StoreTiles{branch.data(), hidden});
+      gemm(attn.data(), m, q_width, L.o, hidden / 16, ts, StoreTiles{branch, hidden});
       norm_branch(L.attn_out_norm);
       mark(4);
       add_branch_and_norm(x.data(), L.mlp_in_norm);
       mark(5);
       gemm(x.data(), m, hidden, L.gate_up, 2 * inter / 16, ts, GatedTiles{act.data(), inter, static_cast<int>(p.act)});
       mark(6);
-      gemm(act.data(), m, inter, L.down, hidden / 16, ts, StoreTiles{branch.data(), hidden});
+      gemm(act.data(), m, inter, L.down, hidden / 16, ts, StoreTiles{branch, hidden});
       norm_branch(L.mlp_out_norm);
       mark(7);
     }
-    add_branch_and_norm(h, p.final_norm);
-    mark(8);
+    if (stopped_at < 0) {
+      add_branch_and_norm(h, p.final_norm);
+      mark(8);
+    }
   }
 #endif
+  return stopped_at >= 0 ? stopped_at : mp->num_layers;
 }

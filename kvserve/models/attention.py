@@ -16,6 +16,8 @@ of gathering a dense copy per layer); the torch code below is the reference and 
 """
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +41,16 @@ class PrefillChunk:
 
 
 @dataclass
+class Interjection:
+    """Lets a step stop between decoder layers so that another runs first: another thread raises `flag`;
+    the model, where it can stop (the fused CPU decoder), calls `run()` at the next layer boundary and
+    then finishes its layers. The engine's interactive interjections (LLMEngine.step)."""
+
+    flag: ctypes.c_int32
+    run: Callable[[], None]
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     num_decode_tokens: int = 0
@@ -47,6 +59,7 @@ class AttentionMetadata:
     decode_max_context: int = 0
     decode_min_context: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
+    interjection: Interjection | None = None  # where this step may stop for another (see Interjection)
     # Built once per forward pass and shared by all layers: masks keyed by (keys, offset, window),
     # rotary cos/sin keyed by table.
     cache: dict = field(default_factory=dict, repr=False)

@@ -155,8 +155,20 @@ class NativeDecoder:
             tile_chunks = torch.tensor(tiled, dtype=torch.int64) if tiled else None
         else:
             tables, lens = meta.decode_block_tables, meta.decode_context_lens
-        return self.native.forward(self.params, self._layer_table(kv_caches), h, positions, meta.slot_mapping,
-                                   tables, lens, tile_chunks)
+        h = h.contiguous()
+        args = (self.params, self._layer_table(kv_caches), h, positions, meta.slot_mapping, tables, lens, tile_chunks)
+        interjection = meta.interjection
+        if interjection is None:
+            self.native.forward(*args)
+            return h
+        # Suspendable: the residual stream and the last branch live in `state` between the calls. Once
+        # stopped, the rest runs without the flag: one interjection per step at most.
+        state = torch.empty((2, *h.shape), dtype=h.dtype)
+        layer = self.native.forward(*args, state=state, stop=interjection.flag)
+        if layer < self.params.num_layers:
+            interjection.run()
+            self.native.forward(*args, first_layer=layer, state=state)
+        return h
 
     def _tiled(self, chunk) -> bool:
         return self.tile_attention and chunk.query_len >= self.tile_min_rows

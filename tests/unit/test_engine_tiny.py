@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections import defaultdict
+from copy import deepcopy
 
 import pytest
 
@@ -329,3 +331,105 @@ def test_compare_outputs_allows_one_near_tie_only():
                         requests=[Req([1], SamplingParams(temperature=1.0, seed=1))] * 2)
     with pytest.raises(AssertionError, match="1 sequences diverged"):
         compare_outputs(ref, [out([10, 21, 5]), out([10, 20, 30])], "none allowed", max_diverged=0)
+
+
+# ---- interjections ---------------------------------------------------------------------------------
+
+def test_an_interjected_interactive_request_changes_no_output(tiny):
+    """bf16 on the fused decoder: an interactive request that arrives during a step of batch work runs in
+    an interjection (that step suspended between layers). Every request generates what it does when the
+    same request arrives between steps, the deltas add up to the finals, and nothing leaks."""
+    import ctypes
+
+    from kvserve.models.attention import Interjection
+
+    rng = random.Random(21)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    flood = [Req(rand_tokens(rng, n), params, priority="batch") for n in (30, 18, 45)]
+    chat = Req(rand_tokens(rng, 26), params, priority="interactive")
+
+    def run(interject: bool):
+        eng = engine(tiny, dtype="bfloat16")
+        if eng.runner.model.native_decoder is None:
+            pytest.skip("the fused decoder (bf16, AMX) is what stops between layers")
+        streamed, finals, seen = defaultdict(list), {}, []
+
+        def collect(outputs):
+            for ro in outputs or ():
+                streamed[ro.request_id] += ro.outputs[0].delta_token_ids
+                if ro.finished:
+                    finals[ro.request_id] = ro
+
+        ids = [eng.add_request(r.prompt, deepcopy(r.params), priority=r.priority) for r in flood]
+        collect(eng.step())
+        collect(eng.step())  # the flood decodes now
+        if interject:
+            flag = ctypes.c_int32(1)
+
+            def run_interjection():
+                flag.value = 0
+                ids.append(eng.add_request(chat.prompt, deepcopy(chat.params), priority=chat.priority))
+                outputs = eng.interject()
+                seen.append([(ro.request_id, list(ro.outputs[0].token_ids)) for ro in outputs])
+                collect(outputs)
+
+            eng.interjection = Interjection(flag, run_interjection)
+        else:
+            ids.append(eng.add_request(chat.prompt, deepcopy(chat.params), priority=chat.priority))
+        while eng.has_unfinished_requests():
+            collect(eng.step())
+        for rid in ids:
+            assert streamed[rid] == finals[rid].outputs[0].token_ids, "deltas must add up to the final"
+        assert_no_leaks(eng)
+        return [finals[rid] for rid in ids], seen
+
+    plain, _ = run(False)
+    interjected, seen = run(True)
+    assert len(seen) == 1 and len(seen[0]) == 1 and len(seen[0][0][1]) == 1  # the chat's first token, alone
+    compare_outputs(plain, interjected, "interjected", requests=flood + [chat])
+
+
+def test_an_interjection_applies_interactive_adds_only_and_holds_the_rest():
+    """AsyncLLM inside a suspended step: aborts (which would free blocks the step still writes) and batch
+    requests wait, in their order, for the step's end."""
+    from concurrent.futures import Future
+
+    from kvserve.config import EngineConfig, SchedulerConfig
+    from kvserve.engine.async_engine import AsyncLLM, _Abort, _Add
+    from kvserve.engine.kv_cache import KVCacheManager
+    from kvserve.engine.scheduler import Scheduler
+
+    class Recorder:
+        num_unfinished_requests = 0
+
+        def __init__(self):
+            self.calls = []
+            self.scheduler = Scheduler(SchedulerConfig(), KVCacheManager(8))
+
+        def add_request(self, request_id=None, **kwargs):
+            self.calls.append(("add", request_id))
+            return request_id
+
+        def abort_request(self, request_id):
+            self.calls.append(("abort", request_id))
+
+    llm = AsyncLLM(EngineConfig(model="none"), model_id="fake")
+    llm.engine = Recorder()
+
+    def add(request_id, priority):
+        cmd = _Add(dict(request_id=request_id, priority=priority), None, Future())
+        llm._commands.put(cmd)
+        return cmd
+
+    add("batch-1", "batch")
+    llm._commands.put(_Abort("old"))
+    chat = add("chat-1", None)  # no priority: interactive
+    add("chat-2", "interactive")
+    add("bad", "urgent")  # refused by add_request in its turn, not here
+    llm._interject_flag.value = 1
+    llm._apply_commands(interactive_adds_only=True)
+    assert llm.engine.calls == [("add", "chat-1"), ("add", "chat-2")] and chat.done.result() == "chat-1"
+    assert llm.is_stalled(timeout=-1.0), "held commands are pending work"
+    llm._apply_commands()
+    assert llm.engine.calls[2:] == [("add", "batch-1"), ("abort", "old"), ("add", "bad")]
+    assert llm._interject_flag.value == 0 and not llm._held

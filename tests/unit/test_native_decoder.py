@@ -2,6 +2,7 @@
 on tiny random Llama and Gemma 3 models written as GGUF, in bfloat16 through the paged cache."""
 from __future__ import annotations
 
+import ctypes
 import random
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from kvserve.engine.runner import BatchItem
 from kvserve.kernels import cpu as cpu_kernels
-from kvserve.models.attention import AttentionMetadata, PrefillChunk
+from kvserve.models.attention import AttentionMetadata, Interjection, PrefillChunk
 from kvserve.models.loader import load_checkpoint
 from kvserve.models.native_decoder import NativeDecoder
 from tests.parity import PagedHarness, rel_err
@@ -101,6 +102,61 @@ def test_which_steps_take_the_fused_path(checkpoint):
     h.runner.kv_caches = [(k.float(), v.float()) for k, v in caches]
     decoder.max_tokens = 1024
     assert not decoder.applies(x, decode, h.runner.kv_caches)  # the kernel reads bf16 caches only
+
+
+@needs_amx
+def test_a_step_suspended_for_another_gives_both_the_same_logits(checkpoint):
+    """A step stops between layers when its flag is raised, runs another step through the same runner
+    (the engine's interjection), then finishes its layers: every logit is what it is without the stop."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 20000) for _ in range(n)] for n in (19, 33, 12)]
+    late = [rng.randrange(3, 20000) for _ in range(27)]
+
+    def run(interject: bool):
+        h = PagedHarness(checkpoint, dtype=torch.bfloat16)
+        tables = [h.new_table(len(p) + 1) for p in prompts]
+        late_table = h.new_table(len(late))
+        for p, t in zip(prompts, tables):
+            h.runner.forward([BatchItem(p, 0, t)])
+        decodes = [BatchItem([rng_tok], len(p), t) for rng_tok, p, t in zip((5, 6, 7), prompts, tables)]
+        inner: list[torch.Tensor] = []
+        if not interject:
+            outer = h.runner.forward(decodes, all_logits=True)
+            inner.append(h.runner.forward([BatchItem(late, 0, late_table)], all_logits=True))
+            return outer, inner[0], 0
+        flag = ctypes.c_int32(1)
+        calls = []
+
+        def run_inner():
+            calls.append(flag.value)
+            flag.value = 0
+            inner.append(h.runner.forward([BatchItem(late, 0, late_table)], all_logits=True))
+
+        outer = h.runner.forward(decodes, all_logits=True, interjection=Interjection(flag, run_inner))
+        return outer, inner[0], calls
+
+    outer, inner, calls = run(True)
+    plain_outer, plain_inner, _ = run(False)
+    assert calls == [1], "stopped once, at the first layer boundary, and finished after"
+    assert torch.equal(outer, plain_outer) and torch.equal(inner, plain_inner)
+
+
+@needs_amx
+def test_the_kernel_stops_at_the_first_boundary_that_sees_the_flag(checkpoint):
+    h = PagedHarness(checkpoint, dtype=torch.bfloat16)
+    decoder = h.model.native_decoder
+    layers = decoder.params.num_layers
+    t = torch.tensor([[1]], dtype=torch.int64)
+    x = torch.randn(1, checkpoint.config.hidden_size).bfloat16()
+    one = torch.ones(1, dtype=torch.int64)
+    args = (decoder.params, decoder._layer_table(h.runner.kv_caches), x.clone(), torch.zeros(1, dtype=torch.int64),
+            torch.full((1,), 16, dtype=torch.int64), t, one)
+    state = torch.empty(2, *x.shape, dtype=torch.bfloat16)
+    raised = ctypes.c_int32(1)
+    assert native.forward(*args, state=state, stop=raised) == 1  # at least one layer per call
+    assert native.forward(*args, first_layer=1, state=state, stop=raised) == 2
+    assert native.forward(*args, first_layer=2, state=state) == layers  # no flag: to the end
+    assert native.forward(*args, stop=raised) == layers  # no state to keep: the flag is ignored
 
 
 def test_falls_back_to_the_per_op_path_without_amx_or_bf16(checkpoint, monkeypatch):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -68,8 +69,25 @@ class Harness:
         out = self.sched.schedule()
         self.check_output(out)
         self.run_blocks(out)
+        return self.finish_step(out)
+
+    def step_interjected(self, arrive: Callable[[], None]) -> tuple[SchedulerOutput, SchedulerOutput]:
+        """A step suspended half-way by an interjection: `arrive()` adds what comes meanwhile; the
+        interjection runs whole (its blocks are written first), then the suspended step's writes."""
+        out = self.sched.schedule()
+        self.check_output(out)
+        self.clock.t += 0.004
+        arrive()
+        inner = self.sched.schedule_interjection()
+        self.check_output(inner)
+        self.run_blocks(inner)
+        self.finish_step(inner, 0.005)
+        self.run_blocks(out)
+        return self.finish_step(out, 0.006), inner
+
+    def finish_step(self, out: SchedulerOutput, seconds: float = 0.01) -> SchedulerOutput:
         self.outputs.append(out)
-        self.clock.t += 0.01
+        self.clock.t += seconds
         sampled = {ss.seq.seq_id: 7 for ss in out.scheduled if ss.sample}
         self.sched.update_from_output(out, sampled)
         for ss in out.scheduled:
@@ -676,6 +694,82 @@ def test_interactive_prefill_alone_can_be_turned_off():
     h.step()
     chat = h.add(prompt_len=24, max_tokens=6, priority=I)
     assert scheduled_ids(h.step()) == {chat.seq_id} | {s.seq_id for s in flood}
+
+
+# ---- interjections: an interactive prompt runs while the step in flight is suspended -----------------
+
+def test_an_interjection_admits_waiting_interactive_prompts_only():
+    h = Harness(max_num_batched_tokens=64)
+    flood = [h.add(prompt_len=12, max_tokens=40, priority=B) for _ in range(3)]
+    h.step()
+    long_batch = h.add(prompt_len=100, max_tokens=4, priority=B)
+    h.step()  # flood decodes, long_batch's first chunk
+    arrived = []
+
+    def arrive():
+        arrived.append(h.add(prompt_len=24, max_tokens=6, priority=I))
+        arrived.append(h.add(prompt_len=10, max_tokens=3, priority=B))
+
+    before = {s.seq_id: s.num_computed_tokens for s in (*flood, long_batch)}
+    out, inner = h.step_interjected(arrive)
+    chat, late_batch = arrived
+    assert [(ss.seq, ss.start, ss.num_new_tokens) for ss in inner.scheduled] == [(chat, 0, 24)]
+    assert not (inner.preempted or inner.blocks_to_swap_in or inner.blocks_to_swap_out or inner.finished)
+    assert chat.num_output_tokens == 1 and late_batch.status is SequenceStatus.WAITING
+    # The suspended step went on as scheduled, untouched by the interjection.
+    assert scheduled_ids(out) == set(before)
+    assert all(s.num_computed_tokens > before[s.seq_id] for s in (*flood, long_batch))
+    # The batch tier's turn: the next step is no interactive-alone step.
+    assert scheduled_ids(h.step()) >= {s.seq_id for s in flood} | {chat.seq_id}
+    h.run()
+    assert all(s.num_output_tokens == s.sampling.max_tokens for s in h.seqs)
+    assert h.all_blocks_back()
+
+
+def test_an_interjection_takes_only_free_seats_and_blocks():
+    """No preemption, no seat taken from batch: what cannot start now waits for the next regular step."""
+    h = Harness(num_blocks=8, block_size=4, batch_decode_quantum=0)
+    flood = [h.add(prompt_len=8, max_tokens=8, priority=B) for _ in range(2)]
+    h.step()
+    _, inner = h.step_interjected(lambda: h.add(prompt_len=12, max_tokens=2, priority=I))  # 3 blocks: no room
+    assert not inner.scheduled and all(s.status is SequenceStatus.RUNNING for s in flood)
+
+    h = Harness(max_num_seqs=2, batch_decode_quantum=0)
+    flood = [h.add(prompt_len=8, max_tokens=8, priority=B) for _ in range(2)]
+    h.step()
+    _, inner = h.step_interjected(lambda: h.add(prompt_len=8, max_tokens=2, priority=I))
+    assert not inner.scheduled and all(s.num_preemptions == 0 for s in flood)
+    h.run()
+    assert all(s.num_output_tokens == s.sampling.max_tokens for s in h.seqs)
+
+
+def test_an_interjection_is_left_out_of_the_suspended_steps_time():
+    class Recording(StepTimeModel):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[tuple[int, int, float]] = []
+
+        def observe(self, decodes, prefill_tokens, seconds):
+            self.seen.append((decodes, prefill_tokens, round(seconds, 6)))
+            super().observe(decodes, prefill_tokens, seconds)
+
+    h = Harness()
+    model = h.sched.step_time = Recording()
+    flood = [h.add(prompt_len=12, max_tokens=10, priority=B) for _ in range(2)]
+    h.step()
+    h.step_interjected(lambda: h.add(prompt_len=24, max_tokens=2, priority=I))
+    h.step()  # observes the suspended step's cycle
+    assert (0, 24, 0.005) in model.seen  # the interjection: its own length
+    assert model.seen[-1] == (2, 0, 0.01)  # the suspended step: 0.004 + 0.006, without the interjection's 0.005
+    assert len(flood) == 2
+
+
+def test_interjections_can_be_turned_off():
+    h = Harness(interactive_interjection=False)
+    [h.add(prompt_len=12, max_tokens=10, priority=B) for _ in range(2)]
+    h.step()
+    _, inner = h.step_interjected(lambda: h.add(prompt_len=24, max_tokens=2, priority=I))
+    assert not inner.scheduled
 
 
 def test_queue_wait_estimate_counts_the_seats_held_by_running_sequences():
