@@ -224,8 +224,8 @@ class NativeKernels:
         == 0; each chunk's rows are consecutive positions of one sequence).
 
         Returns the layer reached: the number of layers when done. With `stop` and `state` (bf16
-        [2, T, H], kept between calls) it returns early, at the top of the first layer after
-        `first_layer` that finds `stop` set; call again with first_layer = that layer to go on."""
+        [2, T, H], kept between calls) it returns early, at the top of the layer after the first one
+        that finds `stop` set (each layer reads it once); call again with first_layer = that layer."""
         if not self.amx:
             raise RuntimeError("the fused decoder needs AMX")
         if not hidden.is_contiguous():

@@ -448,11 +448,11 @@ extern "C" void kvserve_pack_weight_bf16(const void* weight, int64_t n, int64_t 
 // block table, block_tables [m, table_stride]. tile_chunks [num_tile_chunks, 2]: (first row, rows) of the
 // prefill chunks attended on tiles (TileAttention; head_dim % 32 == 0); every other row attends alone.
 //
-// Suspension (the engine's interjections): with a `stop` flag, the call returns at the top of the first
-// layer after `first_layer` at which the flag is set, and returns that layer; `state` [2, m, H] then
-// holds the residual stream and the last branch, and a call with first_layer = the returned layer goes
-// on from there (hidden is written only at the end). Without a flag (or state) it runs every layer.
-// Returns num_layers when the stack is done.
+// Suspension (the engine's interjections): with a `stop` flag, each layer reads the flag (before its down
+// projection); if it is set, the call returns at the top of the next layer, and returns that layer.
+// `state` [2, m, H] then holds the residual stream and the last branch, and a call with first_layer =
+// the returned layer goes on from there (hidden is written only at the end). Without a flag (or state)
+// it runs every layer. Returns num_layers when the stack is done.
 extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams* layers, void* hidden_ptr,
                                                int64_t m, const int64_t* positions, const int64_t* slot_mapping,
                                                const int64_t* block_tables, int64_t table_stride,
@@ -524,13 +524,7 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
     };
     for (int64_t l = first_layer; l < p.num_layers; ++l) {
       const LayerParams& L = layers[l];
-      if (stop != nullptr && l > first_layer) {  // at least one layer per call: a set flag cannot stall it
-#pragma omp single
-        {
-          if (__atomic_load_n(stop, __ATOMIC_ACQUIRE) != 0) stopped_at = l;
-        }  // the single's barrier: every thread sees stopped_at
-        if (stopped_at >= 0) break;
-      }
+      if (stopped_at >= 0) break;  // the flag, seen during the previous layer (at least one layer per call)
       if (l == 0) {  // the stream starts as the embeddings
 #pragma omp for schedule(dynamic, 4)
         for (int64_t i = 0; i < m; ++i) {
@@ -578,6 +572,11 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
       mark(5);
       gemm(x.data(), m, hidden, L.gate_up, 2 * inter / 16, ts, GatedTiles{act.data(), inter, static_cast<int>(p.act)});
       mark(6);
+      // The master reads the flag before the layer's last GEMM; that GEMM's closing barrier publishes
+      // stopped_at to every thread before the next layer's top (no barrier of its own).
+      if (stop != nullptr && l + 1 < p.num_layers && omp_get_thread_num() == 0 &&
+          __atomic_load_n(stop, __ATOMIC_ACQUIRE) != 0)
+        stopped_at = l + 1;
       gemm(act.data(), m, inter, L.down, hidden / 16, ts, StoreTiles{branch, hidden});
       norm_branch(L.mlp_out_norm);
       mark(7);
