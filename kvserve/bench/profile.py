@@ -49,6 +49,9 @@ class _TimedDecoder:
     def applies(self, *args) -> bool:
         return self.inner.applies(*args)
 
+    def compute_logits(self, hidden):  # the LM head: timed by the model's compute_logits wrapper
+        return self.inner.compute_logits(hidden)
+
     def __call__(self, *args):
         t = time.perf_counter()
         try:

@@ -101,6 +101,8 @@ class NativeKernels:
         self.amx = bool(self._lib.kvserve_amx_available())  # AMX tiles compiled in and granted by the kernel
         self._pack = self._lib.kvserve_pack_weight_bf16
         self._pack.argtypes, self._pack.restype = [_PTR, _I64, _I64, _PTR], None
+        self._linear_f32 = self._lib.kvserve_linear_bf16_f32
+        self._linear_f32.argtypes, self._linear_f32.restype = [_PTR, _I64, _I64, _PTR, _I64, _PTR], None
         self._forward = self._lib.kvserve_forward_bf16
         self._forward.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR]
         self._forward.restype = _I64
@@ -213,6 +215,18 @@ class NativeKernels:
         packed = torch.empty(n * k, dtype=torch.bfloat16)
         self._pack(weight.data_ptr(), n, k, packed.data_ptr())
         return packed
+
+    def linear_f32(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """x [T, K] bf16 times a weight [n, K] packed by pack_weight -> [T, n] float32, each value rounded to
+        bf16 as `F.linear(x, w).float()` rounds it (the LM head: logits for the sampler, no bf16 copy)."""
+        if not self.amx:
+            raise RuntimeError("the tile GEMM needs AMX")
+        x = x.contiguous()
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or packed.numel() != n * x.shape[1]:
+            raise ValueError(f"linear_f32 takes bf16 [T, K] and a packed [{n}, K] weight")
+        out = torch.empty((x.shape[0], n), dtype=torch.float32)
+        self._linear_f32(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), n, out.data_ptr())
+        return out
 
     def forward(self, model_params: ctypes.Structure, layer_params: ctypes.Array, hidden: torch.Tensor,
                 positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,

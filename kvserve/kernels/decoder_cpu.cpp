@@ -144,6 +144,19 @@ struct StoreTiles {
   }
 };
 
+// Epilogue: out [m, n] fp32, each value rounded to bf16 first: torch's bf16 linear, then .float().
+struct StoreTilesF32 {
+  float* out;
+  int64_t n;
+  void operator()(int64_t r, int64_t nb0, bool two, int i0, int i1, const float* c0, const float* c1) const {
+    const bf16* as_bf16 = nullptr;  // selects round16's bf16 rounding
+    for (int i = i0; i < i1; ++i) {
+      _mm512_storeu_ps(out + (r + i) * n + nb0 * 16, round16(_mm512_load_ps(c0 + i * 16), as_bf16));
+      if (two) _mm512_storeu_ps(out + (r + i) * n + (nb0 + 1) * 16, round16(_mm512_load_ps(c1 + i * 16), as_bf16));
+    }
+  }
+};
+
 // Epilogue of the gate/up GEMM (blocks alternate gate, up): out [m, n] = act(gate) * up, rounded as the
 // unfused path rounds it (gate and up to bf16, act(gate) to bf16, then the product).
 struct GatedTiles {
@@ -441,6 +454,19 @@ extern "C" void kvserve_pack_weight_bf16(const void* weight, int64_t n, int64_t 
         for (int col = 0; col < 16; ++col)
           for (int p = 0; p < 2; ++p) tile[(r * 16 + col) * 2 + p] = w[(nb * 16 + col) * k + c * 32 + 2 * r + p];
     }
+}
+
+// out [m, n] fp32 = x [m, k] bf16 times W^T (packed by kvserve_pack_weight_bf16), rounded to bf16 as
+// torch's bf16 linear rounds it: the LM head, whose logits the sampler reads in fp32.
+extern "C" void kvserve_linear_bf16_f32(const void* x, int64_t m, int64_t k, const void* packed, int64_t n,
+                                        float* out) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#pragma omp parallel
+  {
+    TileState ts;
+    gemm(static_cast<const bf16*>(x), m, k, static_cast<const bf16*>(packed), n / 16, ts, StoreTilesF32{out, n});
+  }
+#endif
 }
 
 // hidden [m, H]: in, the token embeddings; out, the final norm of the last residual stream. Per token:

