@@ -481,7 +481,9 @@ class LoadGenerator:
         # Per-request arrays, as in vLLM's result file (successful requests have a ttft; others 0).
         res["tier_of"] = [r.tier for r in records]
         res["start_times"] = [r.start for r in records]
-        res["t0_monotonic"] = self.t0  # TEMP
+        # The run's start on the system's monotonic clock (perf_counter is CLOCK_MONOTONIC on Linux):
+        # start_times are offsets from it, so a server-side trace on the same host lines up with them.
+        res["start_monotonic_s"] = self.t0
         res["input_lens"] = [r.prompt_len for r in records]
         res["output_lens"] = [r.output_tokens if r.success else 0 for r in records]
         res["ttfts"] = [r.ttft if r.success else 0.0 for r in records]

@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -114,8 +115,10 @@ def test_connection_refused_is_an_error_not_a_crash(tok):
 def test_poisson_and_constant_arrivals_over_a_duration(tok):
     # constant: 10 req/s for 1 s -> arrivals at 0, 0.1, ..., 0.9
     tier = TierSpec(input_len=16, output_len=2, num_prompts=None, request_rate=10, arrival="constant", seed=7)
+    before = time.perf_counter()
     res, state = run(FakeConfig(ttft_ms=1, itl_ms=1), ClientConfig(duration=1.0), [tier], tok)
     assert res["completed"] == 10
+    assert before < res["start_monotonic_s"] < time.perf_counter()  # the offsets' origin, for server traces
     gaps = np.diff(sorted(res["start_times"]))
     assert gaps.mean() == pytest.approx(0.1, abs=0.01)
     # Poisson: 40 req/s for 1.5 s -> ~60 requests; deterministic in the seed
