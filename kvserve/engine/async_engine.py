@@ -17,7 +17,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Iterator
 
 from kvserve.config import EngineConfig
 from kvserve.engine.errors import ModelWarming, ServerDraining
@@ -273,19 +273,22 @@ class AsyncLLM:
         if self._on_step is not None:
             self._on_step(self, self.engine.last_step)
 
+    def _take_commands(self) -> Iterator:
+        """The commands to apply, in their order: those held back by an interjection, then the queue's.
+        (What the caller holds back again goes to a fresh `_held`.)"""
+        held, self._held = self._held, []
+        yield from held
+        while True:
+            try:
+                yield self._commands.get_nowait()
+            except queue.Empty:
+                return
+
     def _apply_commands(self, interactive_adds_only: bool = False) -> None:
         engine = self.engine
         if not interactive_adds_only:
             self._interject_flag.value = 0  # what raised it is applied now (a later submit raises it again)
-        held, self._held = self._held, []
-        while True:
-            if held:
-                cmd = held.pop(0)
-            else:
-                try:
-                    cmd = self._commands.get_nowait()
-                except queue.Empty:
-                    break
+        for cmd in self._take_commands():
             if interactive_adds_only and not (isinstance(cmd, _Add) and _is_interactive(cmd.kwargs)):
                 self._held.append(cmd)
                 continue
@@ -328,12 +331,7 @@ class AsyncLLM:
         self.num_waiting = self.stats.num_waiting
 
     def _fail_all(self) -> None:
-        held, self._held = self._held, []
-        while True:  # requests not yet added: refuse them
-            try:
-                cmd = held.pop(0) if held else self._commands.get_nowait()
-            except queue.Empty:
-                break
+        for cmd in self._take_commands():  # requests not yet added: refuse them
             if isinstance(cmd, _Add):
                 cmd.done.set_exception(ModelWarming(f"model {self.model_id} failed: {self.error}"))
         for rid in list(self._sinks):

@@ -253,7 +253,7 @@ class NativeKernels:
                              block_tables.stride(0), context_lens.data_ptr(),
                              tile_chunks.data_ptr() if chunks else None, chunks, first_layer,
                              state.data_ptr() if state is not None else None,
-                             ctypes.addressof(stop) if stop is not None and state is not None else None)
+                             ctypes.addressof(stop) if stop is not None else None)  # ignored without state
 
 
 class LayerParams(ctypes.Structure):

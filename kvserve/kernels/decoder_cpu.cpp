@@ -132,27 +132,20 @@ void gemm(const bf16* a, int64_t m, int64_t k, const bf16* w, int64_t nblocks, T
   }
 }
 
-// Epilogue: round into out [m, n] bf16.
-struct StoreTiles {
-  bf16* out;
-  int64_t n;
-  void operator()(int64_t r, int64_t nb0, bool two, int i0, int i1, const float* c0, const float* c1) const {
-    for (int i = i0; i < i1; ++i) {
-      store16(_mm512_load_ps(c0 + i * 16), out + (r + i) * n + nb0 * 16);
-      if (two) store16(_mm512_load_ps(c1 + i * 16), out + (r + i) * n + (nb0 + 1) * 16);
-    }
-  }
-};
+// A [16] fp32 tile row, rounded to bf16 as torch's bf16 matmul rounds its output, stored as bf16 (a
+// bf16 out) or widened back to fp32 (a float out: torch's bf16 linear, then .float()).
+inline void store_rounded16(__m512 v, bf16* p) { store16(v, p); }
+inline void store_rounded16(__m512 v, float* p) { _mm512_storeu_ps(p, round16(v, static_cast<const bf16*>(nullptr))); }
 
-// Epilogue: out [m, n] fp32, each value rounded to bf16 first: torch's bf16 linear, then .float().
-struct StoreTilesF32 {
-  float* out;
+// Epilogue: out [m, n] = the sums, rounded to bf16 (Out: bf16 or float).
+template <typename Out>
+struct StoreTiles {
+  Out* out;
   int64_t n;
   void operator()(int64_t r, int64_t nb0, bool two, int i0, int i1, const float* c0, const float* c1) const {
-    const bf16* as_bf16 = nullptr;  // selects round16's bf16 rounding
     for (int i = i0; i < i1; ++i) {
-      _mm512_storeu_ps(out + (r + i) * n + nb0 * 16, round16(_mm512_load_ps(c0 + i * 16), as_bf16));
-      if (two) _mm512_storeu_ps(out + (r + i) * n + (nb0 + 1) * 16, round16(_mm512_load_ps(c1 + i * 16), as_bf16));
+      store_rounded16(_mm512_load_ps(c0 + i * 16), out + (r + i) * n + nb0 * 16);
+      if (two) store_rounded16(_mm512_load_ps(c1 + i * 16), out + (r + i) * n + (nb0 + 1) * 16);
     }
   }
 };
@@ -464,7 +457,7 @@ extern "C" void kvserve_linear_bf16_f32(const void* x, int64_t m, int64_t k, con
 #pragma omp parallel
   {
     TileState ts;
-    gemm(static_cast<const bf16*>(x), m, k, static_cast<const bf16*>(packed), n / 16, ts, StoreTilesF32{out, n});
+    gemm(static_cast<const bf16*>(x), m, k, static_cast<const bf16*>(packed), n / 16, ts, StoreTiles<float>{out, n});
   }
 #endif
 }
@@ -549,8 +542,8 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
                      p.eps, unit);
     };
     for (int64_t l = first_layer; l < p.num_layers; ++l) {
-      const LayerParams& L = layers[l];
       if (stopped_at >= 0) break;  // the flag, seen during the previous layer (at least one layer per call)
+      const LayerParams& L = layers[l];
       if (l == 0) {  // the stream starts as the embeddings
 #pragma omp for schedule(dynamic, 4)
         for (int64_t i = 0; i < m; ++i) {
@@ -562,7 +555,7 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
         add_branch_and_norm(x.data(), L.attn_in_norm);
       }
       mark(0);
-      gemm(x.data(), m, hidden, L.qkv, qkv_width / 16, ts, StoreTiles{qkv.data(), qkv_width});
+      gemm(x.data(), m, hidden, L.qkv, qkv_width / 16, ts, StoreTiles<bf16>{qkv.data(), qkv_width});
       mark(1);
       const QkvStep<bf16> step{p.q_heads, p.kv_heads, hd, L.cos, L.sin, L.q_norm, L.k_norm, p.eps, unit,
                                L.key_cache, L.value_cache, p.num_blocks * p.block_size};
@@ -591,7 +584,7 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
         }
       }
       mark(3);
-      gemm(attn.data(), m, q_width, L.o, hidden / 16, ts, StoreTiles{branch, hidden});
+      gemm(attn.data(), m, q_width, L.o, hidden / 16, ts, StoreTiles<bf16>{branch, hidden});
       norm_branch(L.attn_out_norm);
       mark(4);
       add_branch_and_norm(x.data(), L.mlp_in_norm);
@@ -603,7 +596,7 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
       if (stop != nullptr && l + 1 < p.num_layers && omp_get_thread_num() == 0 &&
           __atomic_load_n(stop, __ATOMIC_ACQUIRE) != 0)
         stopped_at = l + 1;
-      gemm(act.data(), m, inter, L.down, hidden / 16, ts, StoreTiles{branch, hidden});
+      gemm(act.data(), m, inter, L.down, hidden / 16, ts, StoreTiles<bf16>{branch, hidden});
       norm_branch(L.mlp_out_norm);
       mark(7);
     }
