@@ -254,10 +254,7 @@ class AsyncLLM:
             t1 = time.monotonic()
             self.busy_seconds += t1 - t0
             self.last_step_at = self.last_progress_at = t1
-            self._deliver(outputs)
-            self._update_counts()
-            if self._on_step is not None:
-                self._on_step(self, engine.last_step)
+            self._publish(outputs)
 
     def _interject(self) -> None:
         """Inside a suspended step (engine thread): add the interactive requests that came, run their
@@ -266,8 +263,12 @@ class AsyncLLM:
         self._interject_flag.value = 0
         self._apply_commands(interactive_adds_only=True)
         outputs = self.engine.interject()
-        if outputs is None:
-            return
+        if outputs is not None:
+            self._publish(outputs)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        """After a step (a regular one or an interjection): deliver its outputs, refresh the counts,
+        report the step."""
         self._deliver(outputs)
         self._update_counts()
         if self._on_step is not None:
