@@ -1,6 +1,7 @@
 """Shared session fixtures: paths of the two shipped GGUF models, and tokenizers built from them (once per session)."""
 from __future__ import annotations
 
+import kvserve  # noqa: F401  first: it caps torch's CPU dispatch under KVSERVE_CPU_ISA before torch loads
 import importlib.util
 import os
 import tempfile
@@ -9,6 +10,18 @@ from pathlib import Path
 import pytest
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def pytest_report_header(config):
+    """Which CPU and which level the run tested (KVSERVE_CPU_ISA; tests/integration/test_cpu_levels.py)."""
+    import torch
+
+    from kvserve.kernels import isa
+
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 "unknown CPU")
+    return (f"kvserve CPU level: {isa.current().name} on {model} (torch dispatch {torch.backends.cpu.get_cpu_capability()}"
+            f"; lower levels this CPU also runs: {', '.join(isa.lower_levels()) or 'none'})")
 
 
 @pytest.fixture(scope="session")

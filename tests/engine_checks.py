@@ -19,6 +19,11 @@ from kvserve.engine.sampling import SamplingParams
 # Batched float32 kernels may round differently from single-sequence ones: a greedy pick may flip only
 # where the reference's two best logits were this close (the logprob gap equals the logit gap).
 NEAR_TIE = 1e-4
+# The same rounding moves the boundaries of a seeded inverse-CDF draw: a seeded pick may move to the
+# neighbouring token only where the draw fell this close (a fraction of the row's total weight) to the
+# boundary between the two. Logit differences of ~4e-6 between kernels move a boundary by at most
+# ~3e-7 at temperature 5, while one token of a flat 49152-token row spans ~2e-5.
+DRAW_BOUNDARY = 1e-6
 
 
 @contextlib.contextmanager
@@ -176,6 +181,58 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 @dataclass
+class Draw:
+    """A seeded draw replayed on freshly computed logits (see SeededDrawReplay)."""
+
+    token: int  # what the draw picks on the replayed weights
+    boundary: tuple[int, int] | None  # the two tokens on either side of the nearest interval boundary
+    distance: float  # from the draw's target to that boundary, as a fraction of the row's total weight
+
+
+class SeededDrawReplay:
+    """Replays the engine's seeded inverse-CDF draw (Sampler, method "inverse_cdf", the CPU default) for
+    a request's fork after a given output prefix: its logits come from a fresh prefill of prompt + prefix
+    on `engine` (which must hold no other sequence), its uniform from the fork's own generator, drawn
+    once per output token as the sampler draws it. Supports temperature without top-k/top-p/min-p/penalties."""
+
+    def __init__(self, engine, requests: list[Req]):
+        from kvserve.engine.sampler import make_generator
+
+        assert engine.sampler.method in ("inverse_cdf", "auto") and engine.device.type == "cpu", \
+            "the replay follows the CPU's inverse-CDF draw"
+        assert not engine.has_unfinished_requests()
+        self.engine, self.requests, self._generator = engine, requests, make_generator
+
+    def __call__(self, request: int, fork: int, prefix: list[int]) -> Draw:
+        import torch
+
+        from kvserve.engine.runner import BatchItem
+
+        req = self.requests[request]
+        p = req.params
+        assert p.seed is not None and p.temperature > 0 and p.top_k in (0, -1) and p.top_p == 1.0 and not p.min_p
+        ids = list(req.prompt) + prefix  # token ids
+        bs = self.engine.runner.block_size
+        table = list(range(1, -(-len(ids) // bs) + 1))  # block 0 is never a sequence's; the others are free
+        logits = self.engine.runner.forward([BatchItem(ids, 0, table)], all_logits=True)[-1].double()
+        cdf = torch.cumsum(torch.exp((logits - logits.max()) / p.temperature), 0)
+        generator = self._generator(p.seed, fork)
+        for _ in range(len(prefix) + 1):  # one uniform per output token, as Sampler._draw
+            u = torch.empty(1).uniform_(generator=generator)
+        total = float(cdf[-1])
+        target = float(u) * total
+        token = int(torch.searchsorted(cdf, torch.tensor([target], dtype=torch.float64), right=True))
+        lower = float(cdf[token - 1]) if token else 0.0
+        if target - lower <= float(cdf[token]) - target:
+            boundary = (token - 1, token) if token else None
+            distance = (target - lower) / total
+        else:
+            boundary = (token, token + 1) if token + 1 < len(cdf) else None
+            distance = (float(cdf[token]) - target) / total
+        return Draw(token, boundary, distance)
+
+
+@dataclass
 class Divergence:
     request: int
     index: int  # fork index
@@ -192,13 +249,16 @@ class Divergence:
 
 def compare_outputs(reference: Run | list[RequestOutput], got: Run | list[RequestOutput], label: str,
                     requests: list[Req] | None = None, max_diverged: int = 1, near_tie: float = NEAR_TIE,
-                    logprob_tol: float | None = None) -> None:
-    """Assert `got` generates what `reference` did, request by request and fork by fork.
+                    logprob_tol: float | None = None, replay: SeededDrawReplay | None = None) -> None:
+    """Assert `got` generates what `reference` did, request by request and fork by fork: the engine's
+    promise (docs/ARCHITECTURE.md, "What the engine promises") that settings, batch composition and
+    preemption change outputs only through rounding.
 
-    Greedy outputs may diverge in at most `max_diverged` sequences, and only at a near-tie: at the
-    first differing position the reference (run with logprobs >= 2) had its two best logits within
-    `near_tie` and `got` picked the runner-up. Sampled (temperature > 0) outputs of `requests` must
-    match exactly.
+    At most `max_diverged` sequences may diverge. A greedy one only at a near-tie: at the first
+    differing position the reference (run with logprobs >= 2) had its two best logits within
+    `near_tie` and `got` picked the runner-up. A seeded sampled one (temperature > 0 in `requests`)
+    only with `replay`, and only where the replayed draw fell within DRAW_BOUNDARY of the boundary
+    between the reference's token and got's, its neighbour. Without `replay` sampled outputs must match.
     With logprob_tol, the sampled tokens' logprobs must also agree on the common prefix.
     """
     ref_outs = reference.outputs if isinstance(reference, Run) else reference
@@ -228,8 +288,14 @@ def compare_outputs(reference: Run | list[RequestOutput], got: Run | list[Reques
     listing = "\n  ".join(map(str, diverged))
     assert len(diverged) <= max_diverged, f"{label}: {len(diverged)} sequences diverged:\n  {listing}"
     for d in diverged:
-        if requests is not None:
-            assert requests[d.request].params.greedy, f"{label}: a sampled (seeded) sequence diverged: {d}"
+        if requests is not None and not requests[d.request].params.greedy:
+            assert replay is not None, f"{label}: a sampled (seeded) sequence diverged: {d}"
+            prefix = list(ref_outs[d.request].outputs[d.index].token_ids[:d.position])
+            draw = replay(d.request, d.index, prefix)
+            pair = {d.ref_token, d.got_token}
+            assert draw.token in pair and draw.boundary is not None and set(draw.boundary) == pair \
+                and draw.distance < DRAW_BOUNDARY, f"{label}: a seeded draw moved, not at a boundary: {d}; {draw}"
+            continue
         assert d.gap is not None, f"{label}: a sequence without top-2 logprobs diverged: {d}"
         assert d.gap < near_tie and d.got_token == d.top[1][0], f"{label}: divergence not at a near-tie: {d}"
     if logprob_tol is not None:

@@ -22,13 +22,16 @@ from pathlib import Path
 
 import torch
 
+from kvserve.kernels import isa
+
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "paged_attention_cpu.cpp", _HERE / "decoder_cpu.cpp"]  # compiled into one library
 HEADERS = [_HERE / "cpu_common.h"]
 # Never -ffast-math: linking it adds crtfastmath, which turns on flush-to-zero for the whole process.
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
+# The instruction set comes from isa.compile_flags() (-march=native unless KVSERVE_CPU_ISA lowers it).
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -44,16 +47,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVSERVE_KERNEL_CACHE", Path.home() / ".cache" / "kvserve" / "kernels"))
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
 def build(compiler: str | None = None) -> Path:
     """Compile the kernels (or reuse the cached build); returns the shared library's path."""
     cxx = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -61,7 +54,8 @@ def build(compiler: str | None = None) -> Path:
         raise RuntimeError("no C++ compiler (g++) found")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
     texts = [f.read_text() for f in SOURCES + HEADERS]
-    key = hashlib.sha256("\0".join([*texts, version, " ".join(FLAGS), _cpu_flags()]).encode())
+    flags = [*FLAGS, *isa.compile_flags()]
+    key = hashlib.sha256("\0".join([*texts, version, " ".join(flags), " ".join(sorted(isa.cpu_flags()))]).encode())
     name = f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
     for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"kvserve-kernels-{os.getuid()}"):
         target = folder / name
@@ -75,7 +69,7 @@ def build(compiler: str | None = None) -> Path:
             continue
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", str(out)], capture_output=True, text=True)
+        proc = subprocess.run([cxx, *flags, *map(str, SOURCES), "-o", str(out)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"compiling the CPU kernels failed:\n{proc.stderr[-2000:]}")
         os.replace(out, target)  # atomic: concurrent builders each land a complete file
@@ -99,6 +93,11 @@ class NativeKernels:
         self._gated_act = self._bind("gated_act", [_PTR, _I64, _I64, _I64, _PTR])
         self._lib.kvserve_amx_available.restype = _I64
         self.amx = bool(self._lib.kvserve_amx_available())  # AMX tiles compiled in and granted by the kernel
+        self._lib.kvserve_compiled_isa.restype = _I64
+        bits = self._lib.kvserve_compiled_isa()
+        # The instruction sets compiled in (isa.compile_flags), as names.
+        self.compiled_isa = frozenset(name for bit, name in enumerate(("avx2", "avx512f", "avx512_bf16", "amx"))
+                                      if bits >> bit & 1)
         self._pack = self._lib.kvserve_pack_weight_bf16
         self._pack.argtypes, self._pack.restype = [_PTR, _I64, _I64, _PTR], None
         self._linear_f32 = self._lib.kvserve_linear_bf16_f32

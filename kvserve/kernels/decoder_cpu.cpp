@@ -428,6 +428,23 @@ struct ModelParams {
 
 }  // namespace
 
+// The instruction sets this build was compiled for (KVSERVE_CPU_ISA lowers them): bit 0 AVX2, 1 AVX-512F,
+// 2 AVX-512 BF16, 3 AMX tiles with bf16.
+extern "C" int64_t kvserve_compiled_isa() {
+  int64_t bits = 0;
+#if defined(__AVX2__)
+  bits |= 1;
+#endif
+#if defined(__AVX512F__)
+  bits |= 2;
+#endif
+#if defined(__AVX512BF16__)
+  bits |= 4;
+#endif
+  if (kCompiledWithAmx) bits |= 8;
+  return bits;
+}
+
 extern "C" int64_t kvserve_amx_available() {
   if (!kCompiledWithAmx) return 0;
   // Linux hands out AMX tile state only on request (ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18).

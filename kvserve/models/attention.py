@@ -43,8 +43,8 @@ class PrefillChunk:
 @dataclass
 class Interjection:
     """Lets a step stop between decoder layers so that another runs first: another thread raises `flag`;
-    the model, where it can stop (the fused CPU decoder), calls `run()` at the next layer boundary and
-    then finishes its layers. The engine's interactive interjections (LLMEngine.step)."""
+    the model (op by op in CausalLM.forward, or inside the fused CPU decoder) calls `run()` at the next
+    layer boundary and then finishes its layers. The engine's interactive interjections (LLMEngine.step)."""
 
     flag: ctypes.c_int32
     run: Callable[[], None]

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.kernels import isa
 from kvserve.models.gguf_file import GGUFFile, GGUFTensor
 from kvserve.models.layers import onednn_prepack_available
 from kvserve.models.int4 import Q4_0, Q4_1, Int4Weight, packed_kernel_available, unpack_gguf_q4
@@ -41,14 +42,6 @@ class Checkpoint:
 
 # ---- dtype and device ------------------------------------------------------------------------
 
-def cpu_supports_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def resolve_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -60,7 +53,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        if device.type == "cuda" or cpu_supports_bf16():
+        if device.type == "cuda" or isa.native_bf16():
             return torch.bfloat16
         return torch.float32
     names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

@@ -20,6 +20,23 @@ def native():
     return lib
 
 
+def test_the_cpu_level_in_force_is_what_runs(native):
+    """KVSERVE_CPU_ISA lowers both the kernels' build and torch's own dispatch; unset, both are the CPU's."""
+    from kvserve.kernels import isa
+
+    level, flags = isa.current(), isa.cpu_flags()
+    expected = {"avx2": {"avx2"}, "avx512": {"avx2", "avx512f", "avx512_bf16"}}.get(level.name)
+    if expected is None:  # native: what the CPU has
+        expected = {name for name in ("avx2", "avx512f", "avx512_bf16") if name in flags}
+        expected |= {"amx"} if {"amx_tile", "amx_bf16"} <= flags else set()
+        assert not native.amx or "amx" in expected
+    else:
+        assert torch.backends.cpu.get_cpu_capability() == level.aten.upper()
+        assert not native.amx
+    assert native.compiled_isa == expected
+    assert isa.native_bf16() == ("avx512_bf16" in expected or "amx" in expected)
+
+
 def _paged_setup(dtype, num_seqs, num_heads, num_kv_heads, head_dim, block_size, lens, seed=0):
     """Random caches with each sequence's blocks scattered over the pool; padded block tables as the runner makes."""
     g = torch.Generator().manual_seed(seed)

@@ -1,0 +1,37 @@
+"""The kernel and engine tests again at each CPU level below this machine's own (KVSERVE_CPU_ISA), so that
+one machine shows what the other kinds show: an AMX machine runs them at AVX-512 and at AVX2, an AVX-512
+machine at AVX2. Each level is a pytest process of its own: torch reads its dispatch ceilings once, when
+it loads. On an AVX2-only machine there is no lower level; the main run is the AVX2 run."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvserve.kernels import isa
+
+ROOT = Path(__file__).resolve().parents[2]
+LEVEL_TESTS = ["tests/unit/test_cpu_kernels.py", "tests/unit/test_native_decoder.py", "tests/unit/test_engine_tiny.py",
+               "tests/unit/test_model_parity_tiny.py", "tests/unit/test_sampler.py",
+               "tests/integration/test_engine.py", "tests/integration/test_parity_real.py"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("level", ["avx512", "avx2"])
+def test_kernel_and_engine_tests_pass_at_a_lower_level(level):
+    if os.environ.get(isa.ENV, "native") != "native":
+        pytest.skip(f"this run is itself at {isa.ENV}={os.environ[isa.ENV]}")
+    if level not in isa.lower_levels():
+        pytest.skip(f"{level} is not below this CPU's own level, or this CPU cannot run it")
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
+    env[isa.ENV] = level
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", *LEVEL_TESTS],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=2300)
+    tail = (proc.stdout[-8000:] + proc.stderr[-2000:]).strip()
+    print(f"--- {isa.ENV}={level}:\n{tail[-3000:]}")
+    assert proc.returncode == 0, f"at {isa.ENV}={level}:\n{tail}"
+    assert f"kvserve CPU level: {level}" in proc.stdout  # the child really ran at that level
