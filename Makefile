@@ -24,7 +24,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[test,bench]'
-	$(PY) -m kvserve.bench.suite $(BENCH_ARGS)
+	$(PY) -m benchmarks.suite $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -107,7 +107,7 @@ class NativeDecoder:
         return self.native.linear_f32(hidden, self.lm_head, self.vocab_size)
 
     def enable_profile(self) -> torch.Tensor:
-        """Seconds spent in each of PHASES, accumulated by the kernel from now on (bench/profile.py)."""
+        """Seconds spent in each of PHASES, accumulated by the kernel from now on (benchmarks/profile.py)."""
         self.phase_seconds = torch.zeros(len(PHASES), dtype=torch.float64)
         self.params.phase_seconds = self.phase_seconds.data_ptr()
         return self.phase_seconds

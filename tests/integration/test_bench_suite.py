@@ -1,5 +1,5 @@
-"""The benchmark pipeline end to end: `python -m kvserve.bench.suite --quick` starts a server, runs the
-workloads with `kvserve bench serve`, stops it, and `kvserve.bench.report` renders BENCHMARKS.md and
+"""The benchmark pipeline end to end: `python -m benchmarks.suite --quick` starts a server, runs the
+workloads with `kvserve bench serve`, stops it, and `benchmarks.report` renders BENCHMARKS.md and
 the plots from the results. Against the fake server (no model: seconds) and, when the shipped SmolLM2
 is installed, against `kvserve serve` itself (W1 and W2 only)."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def run_suite(tmp_path: Path, *args: str, timeout: float = 600) -> Path:
     env = {**os.environ, "BENCH_LOCK": "none", "BENCH_PEERS": "0"}
-    r = subprocess.run([sys.executable, "-m", "kvserve.bench.suite", "--quick", "--out", str(tmp_path),
+    r = subprocess.run([sys.executable, "-m", "benchmarks.suite", "--quick", "--out", str(tmp_path),
                         "--session", "s", *args], cwd=str(REPO), env=env, capture_output=True, text=True,
                        timeout=timeout)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
@@ -48,7 +48,7 @@ def test_suite_and_report_against_the_fake_server(tmp_path):
         assert (root / "plots" / "w3_ttft_cdf.png").stat().st_size > 1000
     # the report renders again on its own, from the results alone
     out = tmp_path / "again.md"
-    r = subprocess.run([sys.executable, "-m", "kvserve.bench.report", "--session", str(root), "--markdown", str(out),
+    r = subprocess.run([sys.executable, "-m", "benchmarks.report", "--session", str(root), "--markdown", str(out),
                         "--plots", str(tmp_path / "p")], cwd=str(REPO), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and out.read_text().count("| fake |") >= 5
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.bench import targets as T
-from kvserve.bench.suite import build_jobs, parse_args
+from benchmarks import targets as T
+from benchmarks.suite import build_jobs, parse_args
 
 
 def _opt(args: list[str], name: str) -> str:
@@ -118,7 +118,7 @@ def test_hf_static_command(tmp_path, monkeypatch):
 def test_kvserve_bench_configs_parse(tmp_path):
     from kvserve.config import ServerConfig
 
-    from kvserve.bench.suite import _engine_arg
+    from benchmarks.suite import _engine_arg
 
     args = dict([_engine_arg("max_num_seqs=32"), _engine_arg("interactive={max_queue_wait_s = 2.5}"),
                  _engine_arg("kv_cache_memory=512MiB")])

@@ -219,7 +219,7 @@ def test_a_4_bit_checkpoint_keeps_no_4_bit_copy_when_the_fused_decoder_attaches(
 
 @needs_amx
 def test_phase_clocks_and_the_profile_table(tiny_llama_gguf):
-    from kvserve.bench import profile
+    from benchmarks import profile
 
     result = profile.run(str(tiny_llama_gguf), prompts=6, input_len=20, output_len=5, max_seqs=4)
     parts = {row["part"]: row["ms_per_step"] for row in result["rows"]}

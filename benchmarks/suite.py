@@ -2,14 +2,14 @@
 and with BENCH_PEERS=1 against vLLM's CPU build, llama.cpp (BF16 and Q4_1) and a Hugging Face
 static-batching baseline, one after the other in the same run.
 
-  python -m kvserve.bench.suite [--workloads W1,W3] [--runs 3] [--quick] [--targets kvserve,vllm]
+  python -m benchmarks.suite [--workloads W1,W3] [--runs 3] [--quick] [--targets kvserve,vllm]
 
 Every server is started and stopped by the suite on a free loopback port; every workload runs
 `--runs` times with a different seed each time (so no run hits a prefix cache filled by another);
 the client is `kvserve bench serve` (kvserve.bench.loadgen) for every engine. Machine ceilings (peak
 bf16/fp32 matmul FLOP/s, copy bandwidth) are measured with torch at the start. Results go to
 `bench_results/<session>/` (JSON per run, server logs, meta.json); at the end
-`python -m kvserve.bench.report` renders BENCHMARKS.md and the plots from them (it can also be run
+`python -m benchmarks.report` renders BENCHMARKS.md and the plots from them (it can also be run
 on its own, on a partial session).
 
 Environment:
@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvserve.bench.targets import (PEER_TARGETS, REPO, HfStaticTarget, KvserveTarget, RunningServer, Target,
+from benchmarks.targets import (PEER_TARGETS, REPO, HfStaticTarget, KvserveTarget, RunningServer, Target,
                                    VllmTarget, all_targets, free_port, shell_join)
 
 ALL_WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "SWEEP")
@@ -162,7 +162,7 @@ class Suite:
 
     def ceilings(self) -> None:
         out = self.root / "ceilings.json"
-        argv = [sys.executable, "-m", "kvserve.bench.ceilings", "--json", str(out)] + (["--quick"] if self.args.quick
+        argv = [sys.executable, "-m", "benchmarks.ceilings", "--json", str(out)] + (["--quick"] if self.args.quick
                                                                                        else [])
         self.log("measuring machine ceilings: " + shell_join(argv))
         r = subprocess.run(argv, cwd=str(REPO), capture_output=True, text=True)
@@ -171,7 +171,7 @@ class Suite:
             return
         self.log(r.stdout.strip())
         self.meta["ceilings"] = json.loads(out.read_text())
-        self.meta["ceilings_command"] = "python -m kvserve.bench.ceilings" + (" --quick" if self.args.quick else "")
+        self.meta["ceilings_command"] = "python -m benchmarks.ceilings" + (" --quick" if self.args.quick else "")
         self.meta["model_params"] = model_params()
         self.save_meta()
 
@@ -447,7 +447,7 @@ def finish_args(a: argparse.Namespace, error=None) -> argparse.Namespace:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m kvserve.bench.suite", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.suite", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
     add_suite_arguments(ap)
@@ -474,7 +474,7 @@ def run_suite(args: argparse.Namespace) -> int:
             suite.log("interrupted; results so far are in " + str(suite.root))
             rc = 130
     if not args.no_report:
-        from kvserve.bench import report
+        from benchmarks import report
 
         if args.report_dir:
             out_dir = Path(args.report_dir)
@@ -482,7 +482,7 @@ def run_suite(args: argparse.Namespace) -> int:
             out_dir = suite.root if args.quick else REPO
         report_argv = ["--session", str(suite.root), "--markdown", str(out_dir / "BENCHMARKS.md"),
                        "--plots", str(out_dir / "docs" / "bench" if out_dir == REPO else out_dir / "plots")]
-        suite.log("rendering: python -m kvserve.bench.report " + " ".join(report_argv))
+        suite.log("rendering: python -m benchmarks.report " + " ".join(report_argv))
         report.main(report_argv)
     return rc
 

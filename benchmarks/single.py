@@ -1,6 +1,6 @@
 """Load time, resident memory and single-sequence decode speed of each model and dtype.
 
-    python -m kvserve.bench.single [--models smollm2-135m,gemma3-270m] [--dtypes float32,bfloat16] [--tokens 64]
+    python -m benchmarks.single [--models smollm2-135m,gemma3-270m] [--dtypes float32,bfloat16] [--tokens 64]
 
 Each (model, dtype) runs in a fresh process so the resident-memory figure is that model's alone.
 Decode speed is the offline engine's: one greedy sequence, `--tokens` tokens after the first,
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for model in args.models.split(","):
         for dtype in args.dtypes.split(","):
-            cmd = [sys.executable, "-m", "kvserve.bench.single", "--child", f"{model}:{dtype}",
+            cmd = [sys.executable, "-m", "benchmarks.single", "--child", f"{model}:{dtype}",
                    "--tokens", str(args.tokens), "--runs", str(args.runs)] + (
                 ["--no-int4-decode"] if args.no_int4_decode else [])
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout

@@ -1,7 +1,7 @@
 """Where an engine step's time goes: a W1-shaped offline run with timers around each part.
 
-  python -m kvserve.bench.profile [--model smollm2-135m] [--prompts 64] [--input 256] [--output 128]
-                                  [--max-seqs 32] [--json out.json]
+  python -m benchmarks.profile [--model smollm2-135m] [--prompts 64] [--input 256] [--output 128]
+                               [--max-seqs 32] [--json out.json]
 
 The run is W1's shape on the offline engine (no HTTP): 64 fresh prompts of 256 random tokens,
 128 greedy output tokens each (ignore_eos), at most 32 sequences running. A warm-up run of the

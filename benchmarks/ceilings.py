@@ -1,6 +1,6 @@
 """Machine ceilings with torch: peak bf16 / fp32 matmul FLOP/s on large square matrices, copy bandwidth.
 
-  python -m kvserve.bench.ceilings [--quick] [--threads N] [--json OUT]
+  python -m benchmarks.ceilings [--quick] [--threads N] [--json OUT]
 
 Each figure is the best of several timed repetitions (the machine is shared; the best one is the
 closest to what the hardware can do); the median is kept too. Matmul: 2*n^3 FLOP per (n x n) @ (n x n).

@@ -1,7 +1,7 @@
 """Offline throughput (continuous vs static batching, same engine; HF transformers static batches) and
 time to first token with and without a prefix-cache hit.
 
-  python -m kvserve.bench.offline [--model smollm2-135m] [--dtype auto] [--runs 3] [--out offline.json] [--quick]
+  python -m benchmarks.offline [--model smollm2-135m] [--dtype auto] [--runs 3] [--out offline.json] [--quick]
 
 1. Throughput: 64 prompts of 256 random tokens, greedy (temperature 0) with ignore_eos, so every
    request generates exactly its max_tokens. Two output-length workloads: all 128 tokens, and
@@ -54,7 +54,7 @@ class Shape:
 
 def machine_info() -> dict:
     try:
-        from kvserve.bench.ceilings import machine_info as full
+        from benchmarks.ceilings import machine_info as full
 
         return full()
     except Exception:  # noqa: BLE001 - the header is informative only

