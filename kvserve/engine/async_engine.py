@@ -200,8 +200,8 @@ class AsyncLLM:
 
     async def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         """Tokenize, off the engine thread's queue. A prompt of up to INLINE_ENCODE_CHARS is tokenized on the
-        event loop (about a millisecond): a worker thread would first have to win a core from the engine's
-        threads, which took several ms per request under load. Longer ones go to a worker thread
+        event loop (quick at that size): a worker thread would first have to win a core from the engine's
+        threads, which under load cost more than the tokenizing itself. Longer ones go to a worker thread
         (tokenizers release the GIL)."""
         if self.engine is None:
             raise ModelWarming(f"model {self.model_id} is still loading; retry shortly")

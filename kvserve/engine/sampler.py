@@ -431,7 +431,7 @@ class Sampler:
 
     def _zero_below_(self, w: torch.Tensor, cut: torch.Tensor) -> None:
         """w[w < cut] = 0, per row. (A float 0/1 mask and a multiply: on CPU, bool masks and
-        masked_fill_ run ~6x slower than this.)"""
+        masked_fill_ run several times slower than this.)"""
         keep = self._buf("keep", tuple(w.shape), torch.float32, w.device)
         torch.ge(w, cut, out=keep)
         w.mul_(keep)
@@ -519,8 +519,8 @@ class Sampler:
                 q[j].exponential_(generator=g)
             return _row_argmax(w.div_(q.clamp_min_(torch.finfo(torch.float32).tiny)))
         # inverse CDF: the first token whose cumulative weight exceeds u * total, found in two
-        # levels (block sums, then a cumsum inside the one chosen block): a row cumsum costs ~10x
-        # a row sum on CPU.
+        # levels (block sums, then a cumsum inside the one chosen block): a row cumsum costs far
+        # more than a row sum on CPU.
         if md.unseeded_rows is None or md.unseeded_rows.numel():
             u = torch.rand((R, 1), device=w.device)
         else:
@@ -547,7 +547,7 @@ class Sampler:
 
 def _row_argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) (the first maximum of each row), in two levels: block maxima, then the
-    first block holding the row maximum.  Same result; ~5x faster than argmax on CPU for large V."""
+    first block holding the row maximum.  Same result; several times faster than argmax on CPU for large V."""
     R, V = x.shape
     if V <= 4 * _BLOCK:
         return x.argmax(dim=-1)

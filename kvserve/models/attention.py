@@ -146,7 +146,7 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     s, n = chunk.query_start, chunk.query_len
     group = query.shape[1] // key.shape[1]
     # SDPA inputs are 4-D ([1, heads, tokens, D]): with 3-D inputs torch's CPU dispatcher skips its flash
-    # kernel for the math path, 5-25x slower on prompts of 128-2048 tokens here.
+    # kernel for the math path, many times slower on prompts of hundreds to thousands of tokens.
     q = query[s:s + n].transpose(0, 1)[None]
     if chunk.start_pos == 0 and (window is None or n <= window):
         # A fresh prompt sees only its own tokens: attend to this step's K/V, no gather needed.

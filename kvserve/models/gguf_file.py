@@ -1,7 +1,8 @@
 """Reading GGUF files: metadata and a tensor index with zero-copy views of the tensor data.
 
-`gguf.GGUFReader` builds a numpy view per string (11 s for Gemma's 262k-token vocabulary); this walks
-the header once with `struct` (about 0.1 s) and maps the file, so loading pays only for dequantizing.
+`gguf.GGUFReader` builds a numpy view per string (slow: seconds for Gemma's 262k-token vocabulary); this
+walks the header once with `struct` (a small fraction of that) and maps the file, so loading pays only
+for dequantizing.
 """
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ _GGUF_STRING, _GGUF_ARRAY = 8, 9
 def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
     """All key/value metadata of a GGUF file, without touching tensor data.
 
-    `gguf.GGUFReader` builds a numpy view per string (11 s for Gemma's 262k-token vocabulary); this walks the
-    header once with `struct` (about 0.1 s). Strings are `str`, string arrays `list[str]`, numeric arrays numpy
-    arrays, scalars Python numbers.
+    `gguf.GGUFReader` builds a numpy view per string (slow: seconds for Gemma's 262k-token vocabulary); this
+    walks the header once with `struct` (a small fraction of that). Strings are `str`, string arrays
+    `list[str]`, numeric arrays numpy arrays, scalars Python numbers.
     """
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)

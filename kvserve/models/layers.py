@@ -178,7 +178,7 @@ def prepack_onednn(weight: torch.Tensor) -> torch.Tensor:
     """A bfloat16 [out, in] weight reordered once into oneDNN's blocked layout (an opaque tensor).
 
     F.linear hands oneDNN a plain-layout weight and it reorders it on every call; with the reorder
-    done at load time the projections ran 1.3-1.9x faster at 1-300 rows on this machine's AMX cores
+    done at load time the projections run markedly faster at the row counts steps have, on AMX cores
     (same results: it is the same kernel). Inductor's CPU freezing pass does the same.
     """
     return torch.ops.mkldnn._reorder_linear_weight(weight)
@@ -187,7 +187,7 @@ def prepack_onednn(weight: torch.Tensor) -> torch.Tensor:
 def onednn_rows(m: int) -> int:
     """Rows a matmul of m rows is run at: exact up to 16, then multiples of 16.
 
-    oneDNN builds (JIT-compiles, 1-3 ms) a kernel per distinct shape; a serving engine's token counts
+    oneDNN builds (JIT-compiles) a kernel per distinct shape; a serving engine's token counts
     take hundreds of values, so unbucketed it spends its first minutes compiling and can overflow the
     primitive cache. The padded rows are nearly free: at these sizes the matmul is bound by reading
     the weight.

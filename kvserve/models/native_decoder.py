@@ -50,8 +50,7 @@ class NativeDecoder:
     """
 
     # Rows per step. With prefill attention on tiles, W1's 2048-token prefill steps run faster fused than
-    # per op (SDPA and oneDNN): a wave of 32 fresh 256-token prompts took 1887 against 2243 ms (medians
-    # of 6 interleaved pairs, docs/bench/analysis.md).
+    # per op (SDPA and oneDNN; see BENCHMARKS.md, Profile, and the design it decided).
     max_tokens = 4096
     max_attention_keys = 1 << 16  # over rows attending alone: the sum of the keys each attends to
     tile_min_rows = 8  # a chunk this long attends on tiles (below it, packing its keys costs more than it saves)
@@ -90,7 +89,7 @@ class NativeDecoder:
                           window=attn.sliding_window or 0, scale=attn.scale)
             self._static.append(fields)
         # The LM head on the same tile GEMM, with fp32 logits out (no bf16 logits, then a float() copy):
-        # 2.3 against oneDNN's 2.6 ms for 32 rows of SmolLM2's 49152 x 576 head, bit for bit the same.
+        # faster than oneDNN's and bit for bit the same (see BENCHMARKS.md, Profile, and the design it decided).
         lm_head = model.lm_head.data
         self.lm_head = native.pack_weight(lm_head) if lm_head.shape[0] % 16 == 0 else None
         self.vocab_size = lm_head.shape[0]
@@ -146,7 +145,8 @@ class NativeDecoder:
     def applies(self, h: torch.Tensor, meta: AttentionMetadata, kv_caches) -> bool:
         """Whether the kernel serves this step (see the module docstring) on bf16 contiguous caches. It
         takes small decode batches too, where a checkpoint's 4-bit weights would otherwise serve them:
-        one decode step of SmolLM2 took 14 ms here against 18 ms per op on the 4-bit weights."""
+        a decode step of SmolLM2 runs faster fused than per op on the 4-bit weights (see BENCHMARKS.md,
+        Profile, and the design it decided)."""
         m = h.shape[0]
         if m == 0 or m > self.max_tokens:
             return False
