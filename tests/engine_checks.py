@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from copy import deepcopy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -160,6 +160,12 @@ def drive(engine, requests: list[Req], max_steps: int = 100_000) -> Run:
             assert streamed_text[rid, o.index] == o.text, f"{rid}[{o.index}]: delta text != text"
     run.outputs = [final[i] for i in ids]
     return run
+
+
+def forks_as_singles(output: RequestOutput) -> list[RequestOutput]:
+    """An n > 1 request's forks as n one-output requests (fork i seeded seed + i is an n=1 request so
+    seeded), for compare_outputs."""
+    return [replace(output, outputs=[replace(o, index=0)]) for o in output.outputs]
 
 
 def assert_no_leaks(engine) -> None:

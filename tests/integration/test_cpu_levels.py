@@ -29,9 +29,9 @@ def test_kernel_and_engine_tests_pass_at_a_lower_level(level):
         pytest.skip(f"{level} is not below this CPU's own level, or this CPU cannot run it")
     env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
     env[isa.ENV] = level
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", *LEVEL_TESTS],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-ra", "-p", "no:cacheprovider", *LEVEL_TESTS],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=2300)
     tail = (proc.stdout[-8000:] + proc.stderr[-2000:]).strip()
     print(f"--- {isa.ENV}={level}:\n{tail[-3000:]}")
     assert proc.returncode == 0, f"at {isa.ENV}={level}:\n{tail}"
-    assert f"kvserve CPU level: {level}" in proc.stdout  # the child really ran at that level
+    assert f"kvserve CPU level: {level}" in proc.stdout  # the child ran at that level (its header; test_cpu_kernels checks torch and the build)

@@ -18,8 +18,8 @@ import pytest
 
 from kvserve.config import TierLimits, engine_config_from_kwargs
 from kvserve.engine.sampling import SamplingParams
-from tests.engine_checks import (Draw, Req, SeededDrawReplay, assert_no_leaks, compare_outputs, drive, make_engine,
-                                 shared_weights, torch_threads)
+from tests.engine_checks import (Draw, Req, SeededDrawReplay, assert_no_leaks, compare_outputs, drive, forks_as_singles,
+                                 make_engine, shared_weights, torch_threads)
 
 MAX_TOKENS = 10
 HOT = 5.0
@@ -40,6 +40,12 @@ def engine(path, **kwargs):
     args = dict(dtype="float32", num_gpu_blocks_override=256, swap_space="2MiB", max_num_seqs=32)
     args.update(kwargs)
     return make_engine(path, **args)
+
+
+def replay(path, reqs: list[Req]) -> SeededDrawReplay:
+    """Seeded draws replayed on a fresh engine (compare_outputs lets a sampled sequence diverge only at a
+    draw boundary)."""
+    return SeededDrawReplay(engine(path), reqs)
 
 
 def rand_tokens(rng: random.Random, n: int) -> list[int]:
@@ -94,10 +100,10 @@ CONDITIONS = {
 }
 
 
-def test_batch_with_prefix_hits_matches_alone(reference):
+def test_batch_with_prefix_hits_matches_alone(tiny, reference):
     reqs, alone, eng = reference
     run = drive(eng, reqs)  # the alone runs left every prompt's full blocks in the prefix cache
-    compare_outputs(alone, run, "batch of 16, prefix-cache hits", requests=reqs)
+    compare_outputs(alone, run, "batch of 16, prefix-cache hits", requests=reqs, replay=replay(tiny, reqs))
     assert run.max_running >= 8
     assert sum(ro.num_cached_tokens for ro in run.outputs) >= 16 * 8
     assert_no_leaks(eng)
@@ -112,7 +118,7 @@ def test_output_invariance(tiny, reference, condition):
         kwargs["num_gpu_blocks_override"] = max(largest + 1, total // 3)
     eng = engine(tiny, **kwargs)
     run = drive(eng, reqs)
-    compare_outputs(alone, run, condition, requests=reqs)
+    compare_outputs(alone, run, condition, requests=reqs, replay=replay(tiny, reqs))
     assert_no_leaks(eng)
     if condition.startswith("chunked prefill"):
         assert run.chunked_prefills > 0 and run.max_batched_tokens <= 24
@@ -145,7 +151,7 @@ def test_forks_seeded_distinct_reproducible_and_cow(tiny):
     eng = engine(tiny)
     # A hot temperature: the random tiny models are very sure of themselves.
     sampled = SamplingParams(n=4, temperature=HOT, seed=42, max_tokens=8, ignore_eos=True)
-    greedy = SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True)
+    greedy = SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     run = drive(eng, [Req(prompt, sampled), Req(prompt, greedy)])
     forks = [o.token_ids for o in run.outputs[0].outputs]
     assert [o.index for o in run.outputs[0].outputs] == [0, 1, 2, 3]
@@ -158,11 +164,15 @@ def test_forks_seeded_distinct_reproducible_and_cow(tiny):
     # greedy forks equal the n=1 greedy output (their K/V is right after copy-on-write).
     singles = [Req(prompt, SamplingParams(temperature=HOT, seed=42 + i, max_tokens=8, ignore_eos=True))
                for i in range(4)]
-    again = drive(eng, [Req(prompt, sampled), *singles, Req(prompt, SamplingParams(temperature=0, max_tokens=8,
-                                                                                   ignore_eos=True))])
-    assert [o.token_ids for o in again.outputs[0].outputs] == forks
-    assert [ro.outputs[0].token_ids for ro in again.outputs[1:5]] == forks
-    assert [o.token_ids for o in run.outputs[1].outputs] == [again.outputs[5].outputs[0].token_ids] * 3
+    one_greedy = Req(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2))
+    again = drive(eng, [Req(prompt, sampled), *singles, one_greedy])
+    # Another batch around them: equal but for a draw at a boundary (compare_outputs, replayed).
+    compare_outputs(run.outputs[:1], again.outputs[:1], "the same request again", requests=[Req(prompt, sampled)],
+                    replay=replay(tiny, [Req(prompt, sampled)]))
+    compare_outputs(forks_as_singles(run.outputs[0]), again.outputs[1:5], "fork i as seed + i", requests=singles,
+                    replay=replay(tiny, singles))
+    compare_outputs([again.outputs[5]] * 3, forks_as_singles(run.outputs[1]), "greedy forks as n=1",
+                    requests=[one_greedy] * 3)
     assert_no_leaks(eng)
 
 
@@ -202,7 +212,7 @@ def test_forks_under_preemption(tiny):
     # Recomputed K/V round differently from decoded K/V (other kernels, other batch shapes): at this hot
     # temperature a draw may then land on the neighbouring token, but only at a boundary (the replay).
     compare_outputs(ref, run, "forks under preemption", requests=reqs, max_diverged=3, logprob_tol=1e-3,
-                    replay=SeededDrawReplay(engine(tiny), reqs))
+                    replay=replay(tiny, reqs))
     assert_no_leaks(eng)
 
 
