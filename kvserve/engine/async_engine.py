@@ -9,34 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import enum
 import gc
 import logging
 import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator
 
 from kvserve.config import EngineConfig
-from kvserve.engine.errors import ModelWarming, ServerDraining
+from kvserve.engine.client import EngineHealth, EngineStatus, check_available
+from kvserve.engine.errors import InvalidRequest, ModelFailed
+from kvserve.engine.interjection import Interjection
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.request import Priority
 from kvserve.engine.sampling import SamplingParams
-from kvserve.models.attention import Interjection
+from kvserve.models.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
-# Prompts up to this many characters (about 2k tokens) are tokenized on the event loop; see AsyncLLM.encode.
-INLINE_ENCODE_CHARS = 8192
-
-
-class EngineStatus(str, enum.Enum):
-    WARMING = "warming"
-    READY = "ready"
-    DRAINING = "draining"
-    FAILED = "failed"
-    STOPPED = "stopped"
 
 
 @dataclass(frozen=True)
@@ -53,7 +44,7 @@ class _Sink:
 def _is_interactive(add_kwargs: dict) -> bool:
     try:
         return Priority.parse(add_kwargs.get("priority")) is Priority.INTERACTIVE
-    except ValueError:  # refused by add_request, in its turn
+    except InvalidRequest:  # refused by add_request, in its turn
         return False
 
 
@@ -74,17 +65,35 @@ class _Abort:
     request_id: str
 
 
-@dataclass
-class EngineHealth:
-    status: EngineStatus
-    last_step_at: float | None
-    busy_seconds: float  # wall time spent inside step() since start
-    started_at: float
-    error: str | None = None
-    load_seconds: float | None = None
+class _QueueStream:
+    """A request's RequestOutputs from its asyncio queue (the engine thread feeds it); closing the
+    stream before the finished output aborts the request."""
+
+    def __init__(self, request_id: str, queue: asyncio.Queue, abort: Callable[[str], None]):
+        self.request_id = request_id
+        self._queue = queue
+        self._abort = abort
+        self._done = False
+
+    def __aiter__(self) -> "_QueueStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        out = await self._queue.get()
+        self._done = out.finished
+        return out
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._abort(self.request_id)
 
 
 class AsyncLLM:
+    """The in-process EngineClient (engine/client.py): an LLMEngine stepping in its own thread."""
+
     def __init__(self, config: EngineConfig, model_id: str | None = None,
                  on_step: Callable | None = None, on_finish: Callable[[RequestOutput], None] | None = None,
                  engine_factory: Callable | None = None):
@@ -137,8 +146,16 @@ class AsyncLLM:
         self.status = EngineStatus.STOPPED
 
     @property
+    def info(self) -> ModelInfo | None:
+        return self.engine.info if self.engine is not None else None
+
+    @property
     def tokenizer(self):
         return self.engine.tokenizer if self.engine is not None else None
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.engine.max_model_len if self.engine is not None else None
 
     def health(self) -> EngineHealth:
         return EngineHealth(self.status, self.last_step_at, self.busy_seconds, self.started_at, self.error,
@@ -152,37 +169,31 @@ class AsyncLLM:
         return busy and time.monotonic() - self.last_progress_at > timeout
 
     # ---- requests ------------------------------------------------------------------------
+    async def submit(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str,
+                     priority: Priority | str | None, tenant: str, cache_salt: str | None = None) -> _QueueStream:
+        """Queue a request (EngineClient.submit); admission and context errors raise here."""
+        return await self._add(dict(prompt=None, prompt_token_ids=prompt_token_ids, params=params,
+                                    request_id=request_id, priority=priority, tenant=tenant, cache_salt=cache_salt))
+
     async def generate(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: Priority | str | None = None,
                        tenant: str = "default", cache_salt: str | None = None,
                        messages: list[dict] | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream RequestOutputs (with deltas) until finished. Admission errors raise before the first.
+        """Stream RequestOutputs (with deltas) for a prompt (text or ids) or chat messages, tokenized in
+        the engine thread, until finished. Admission errors raise before the first.
 
         Closing or cancelling the iterator aborts the request; its blocks are freed within a step.
         """
-        request_id, outputs = await self.submit(prompt=prompt, params=params, request_id=request_id,
-                                                priority=priority, tenant=tenant, cache_salt=cache_salt,
-                                                messages=messages)
-        finished = False
+        stream = await self._add(dict(prompt=prompt, params=params, request_id=request_id, priority=priority,
+                                      tenant=tenant, cache_salt=cache_salt, messages=messages))
         try:
-            while True:
-                out = await outputs.get()
+            async for out in stream:
                 yield out
-                if out.finished:
-                    finished = True
-                    return
         finally:
-            if not finished:
-                self.abort(request_id)
+            await stream.aclose()
 
-    async def submit(self, **kwargs) -> tuple[str, asyncio.Queue]:
-        """Add a request; returns (request id, queue of RequestOutputs)."""
-        if self.status == EngineStatus.WARMING:
-            raise ModelWarming(f"model {self.model_id} is still loading; retry shortly")
-        if self.status == EngineStatus.DRAINING:
-            raise ServerDraining(f"model {self.model_id} is draining for shutdown")
-        if self.status != EngineStatus.READY:
-            raise ModelWarming(f"model {self.model_id} is not available ({self.status.value}: {self.error})")
+    async def _add(self, kwargs: dict) -> _QueueStream:
+        check_available(self)
         outputs: asyncio.Queue = asyncio.Queue()
         done: Future = Future()
         # Stamped now: the engine thread applies it only after the step in flight, and that wait counts.
@@ -192,23 +203,11 @@ class AsyncLLM:
             self._interject_flag.value = 1
         self._wake.set()
         request_id = await asyncio.wrap_future(done)
-        return request_id, outputs
+        return _QueueStream(request_id, outputs, self.abort)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
         self._wake.set()
-
-    async def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
-        """Tokenize, off the engine thread's queue. A prompt of up to INLINE_ENCODE_CHARS is tokenized on the
-        event loop (quick at that size): a worker thread would first have to win a core from the engine's
-        threads, which under load cost more than the tokenizing itself. Longer ones go to a worker thread
-        (tokenizers release the GIL)."""
-        if self.engine is None:
-            raise ModelWarming(f"model {self.model_id} is still loading; retry shortly")
-        size = len(prompt) if prompt is not None else sum(len(str(m.get("content") or "")) for m in messages or ())
-        if size <= INLINE_ENCODE_CHARS:
-            return self.engine.encode_prompt(prompt, messages)
-        return await asyncio.to_thread(self.engine.encode_prompt, prompt, messages)
 
     # ---- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
@@ -334,7 +333,7 @@ class AsyncLLM:
     def _fail_all(self) -> None:
         for cmd in self._take_commands():  # requests not yet added: refuse them
             if isinstance(cmd, _Add):
-                cmd.done.set_exception(ModelWarming(f"model {self.model_id} failed: {self.error}"))
+                cmd.done.set_exception(ModelFailed(f"model {self.model_id} failed: {self.error}"))
         for rid in list(self._sinks):
             try:
                 out = self.engine.abort_request(rid)

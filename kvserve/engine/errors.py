@@ -3,11 +3,28 @@ from __future__ import annotations
 
 
 class KVServeError(Exception):
-    """Base class. `code` is the OpenAI-style error code string."""
+    """Base class. `code` is the OpenAI-style error code string; `retry_after` (seconds) goes out as
+    Retry-After (503s without one say 1)."""
 
     code = "internal_error"
     http_status = 500
     error_type = "server_error"
+    retry_after: float | None = None
+
+
+class InvalidRequest(KVServeError):
+    """Bad input the schema could not catch (a prompt that encodes to nothing, token ids outside the
+    vocabulary, a chat template that refuses the messages): 400. `param` names the field."""
+
+    code = "invalid_value"
+    http_status = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        if code is not None:
+            self.code = code
 
 
 class ContextLengthExceeded(KVServeError):
@@ -43,6 +60,15 @@ class ModelWarming(KVServeError):
     error_type = "model_warming"
 
 
+class ModelFailed(KVServeError):
+    """The model's engine failed to load or stopped working."""
+
+    code = "model_failed"
+    http_status = 503
+    error_type = "model_unavailable"
+    retry_after = 30.0
+
+
 class ModelNotFound(KVServeError):
     code = "model_not_found"
     http_status = 404
@@ -53,9 +79,3 @@ class ServerDraining(KVServeError):
     code = "server_draining"
     http_status = 503
     error_type = "server_draining"
-
-
-class BudgetExceeded(KVServeError):
-    code = "budget_exceeded"
-    http_status = 429
-    error_type = "budget_exceeded"

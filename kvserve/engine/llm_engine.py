@@ -15,7 +15,6 @@ import torch
 
 from kvserve.config import EngineConfig, TierLimits, engine_config_from_kwargs
 from kvserve.engine.detokenizer import IncrementalDetokenizer
-from kvserve.engine.errors import ContextLengthExceeded
 from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.engine.request import Priority, Sequence, SequenceStatus
@@ -23,9 +22,10 @@ from kvserve.engine.sampler import Sampler, SamplingMetadata, make_generator
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.scheduler_output import SchedulerOutput
-from kvserve.models.attention import Interjection
+from kvserve.engine.interjection import Interjection
 from kvserve.models.catalog import resolve_model
 from kvserve.models.loader import build_model, load_checkpoint, resolve_device, resolve_dtype
+from kvserve.models.model_info import ModelInfo
 from kvserve.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,7 @@ class LLMEngine:
         self.model_config = checkpoint.config
         self.tokenizer = (Tokenizer.from_gguf_metadata(checkpoint.metadata, name=self.model_id)
                           if checkpoint.format == "gguf" else Tokenizer.from_hf_dir(path))
+        self.info = ModelInfo(self.model_config, self.tokenizer)
         sched_cfg = config.scheduler
         sched_cfg.max_model_len = min(sched_cfg.max_model_len, self.model_config.max_position_embeddings)
         self.max_model_len = sched_cfg.max_model_len
@@ -145,16 +146,7 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
-        if messages is not None:
-            return self.tokenizer.encode_chat(messages)
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if not prompt:
-            raise ValueError("prompt must not be empty")
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
-        return list(prompt)
+        return self.info.encode(prompt, messages)
 
     def add_request(self, prompt: str | list[int] | None, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: Priority | str | None = None,
@@ -167,17 +159,12 @@ class LLMEngine:
         the step in flight then counts in its queue time, TTFT and the admission bounds."""
         params = params or SamplingParams()
         ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(prompt, messages)
-        if not ids:
-            raise ValueError("the prompt encodes to no tokens")
-        if len(ids) >= self.max_model_len:
-            raise ContextLengthExceeded(f"prompt has {len(ids)} tokens; this model's context is "
-                                        f"{self.max_model_len} tokens")
         request_id = request_id or f"req-{next(self._request_ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         priority = Priority.parse(priority)
-        if params.max_tokens is None:
-            params.max_tokens = self.max_model_len - len(ids)
+        if params.max_tokens is None:  # what the context leaves (Scheduler.add_request refuses a prompt that fills it)
+            params.max_tokens = max(1, self.max_model_len - len(ids))
         seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=ids, sampling=params,
                        priority=priority, tenant=tenant, cache_salt=cache_salt)
         if arrival is not None:

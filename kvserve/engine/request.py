@@ -10,6 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvserve.engine.errors import InvalidRequest
 from kvserve.engine.sampling import SamplingParams
 
 
@@ -28,7 +29,7 @@ class Priority(enum.IntEnum):
         try:
             return cls[str(value).upper()]
         except KeyError:
-            raise ValueError(f"priority must be 'interactive' or 'batch', got {value!r}") from None
+            raise InvalidRequest(f"priority must be 'interactive' or 'batch', got {value!r}", param="priority") from None
 
 
 class SequenceStatus(enum.Enum):

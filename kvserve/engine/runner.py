@@ -12,7 +12,8 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.engine.scheduler_output import SchedulerOutput
-from kvserve.models.attention import AttentionMetadata, Interjection, PrefillChunk, kv_cache_shape
+from kvserve.engine.interjection import Interjection
+from kvserve.models.attention import AttentionMetadata, PrefillChunk, kv_cache_shape
 
 
 @dataclass

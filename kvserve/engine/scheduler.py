@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.config import PreemptionMode, SchedulerConfig, TierLimits
-from kvserve.engine.errors import CapacityExhausted, ContextLengthExceeded
+from kvserve.engine.errors import CapacityExhausted, ContextLengthExceeded, InvalidRequest
 from kvserve.engine.kv_cache import KVCacheManager, KVCacheUsage
 from kvserve.engine.request import Priority, Sequence, SequenceStatus
 from kvserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -199,14 +199,14 @@ class Scheduler:
     def _check_fits(self, seq: Sequence) -> None:
         cfg, p, max_tokens = self.config, seq.num_prompt_tokens, seq.sampling.max_tokens
         if p == 0:
-            raise ValueError("a prompt must contain at least one token")
-        if max_tokens is None and p >= cfg.max_model_len:
+            raise InvalidRequest("the prompt encodes to no tokens", param="prompt", code="invalid_prompt")
+        if p >= cfg.max_model_len:
             raise ContextLengthExceeded(
-                f"the prompt has {p} tokens; this model's context length is {cfg.max_model_len}")
+                f"This model's maximum context length is {cfg.max_model_len} tokens; the prompt has {p} tokens.")
         if max_tokens is not None and p + max_tokens > cfg.max_model_len:
             raise ContextLengthExceeded(
-                f"the prompt ({p} tokens) plus max_tokens ({max_tokens}) exceeds this model's context "
-                f"length of {cfg.max_model_len} tokens")
+                f"This model's maximum context length is {cfg.max_model_len} tokens; the prompt ({p} tokens) "
+                f"plus max_tokens ({max_tokens}) exceeds it.")
         # K/V is held for every token but the last sampled one.
         kv_tokens = p + (max_tokens - 1 if max_tokens else 0)
         need = self.kv.blocks_for_tokens(kv_tokens)

@@ -16,14 +16,16 @@ of gathering a dense copy per layer); the torch code below is the reference and 
 """
 from __future__ import annotations
 
-import ctypes
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from kvserve.kernels import cpu as cpu_kernels
+
+if TYPE_CHECKING:
+    from kvserve.engine.interjection import Interjection
 
 
 @dataclass
@@ -41,16 +43,6 @@ class PrefillChunk:
 
 
 @dataclass
-class Interjection:
-    """Lets a step stop between decoder layers so that another runs first: another thread raises `flag`;
-    the model (op by op in CausalLM.forward, or inside the fused CPU decoder) calls `run()` at the next
-    layer boundary and then finishes its layers. The engine's interactive interjections (LLMEngine.step)."""
-
-    flag: ctypes.c_int32
-    run: Callable[[], None]
-
-
-@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     num_decode_tokens: int = 0
@@ -59,7 +51,7 @@ class AttentionMetadata:
     decode_max_context: int = 0
     decode_min_context: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
-    interjection: Interjection | None = None  # where this step may stop for another (see Interjection)
+    interjection: "Interjection | None" = None  # where this step may stop for another (engine/interjection.py)
     # Built once per forward pass and shared by all layers: masks keyed by (keys, offset, window),
     # rotary cos/sin keyed by table.
     cache: dict = field(default_factory=dict, repr=False)

@@ -18,16 +18,11 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.kernels import isa
 from kvserve.models.gguf_file import GGUFFile, GGUFTensor
+from kvserve.models.model_info import (SUPPORTED_ARCHITECTURES, ModelInfo, ModelLoadError, config_from_gguf,  # noqa: F401
+                                       config_from_hf, read_model_info)
 from kvserve.models.layers import onednn_prepack_available
 from kvserve.models.int4 import Q4_0, Q4_1, Int4Weight, packed_kernel_available, unpack_gguf_q4
 
-SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
-_HF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Gemma3ForCausalLM": "gemma3",
-            "Gemma3ForConditionalGeneration": "gemma3"}
-
-
-class ModelLoadError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -64,39 +59,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 # ---- GGUF ------------------------------------------------------------------------------------
-
-def config_from_gguf(meta: dict) -> ModelConfig:
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})")
-
-    def get(key, default=None):
-        return meta.get(f"{arch}.{key}", default)
-
-    hidden = int(get("embedding_length"))
-    heads = int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", 0) or get("rope.dimension_count", 0) or hidden // heads)
-    vocab = int(get("vocab_size", 0) or 0)
-    common = dict(
-        architecture=arch, hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")), num_heads=heads,
-        num_kv_heads=int(get("attention.head_count_kv", heads)), head_dim=head_dim,
-        rms_norm_eps=float(f"{float(get('attention.layer_norm_rms_epsilon', 1e-6)):.6g}"),  # undo float32 storage
-        max_position_embeddings=int(get("context_length", 4096)), vocab_size=vocab,
-        name=str(meta.get("general.name", "")),
-    )
-    scaling = None
-    if get("rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    if arch == "llama":
-        return ModelConfig(rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
-                           sliding_window=None, **common)
-    # Gemma 3: the local RoPE base and the 5:1 layer pattern are not stored in the GGUF; these are
-    # Gemma 3's fixed values (the same defaults transformers fills in).
-    return ModelConfig(rope_theta=float(get("rope.freq_base", 1_000_000.0)), rope_local_theta=10000.0,
-                       rope_scaling=scaling, sliding_window=int(get("attention.sliding_window", 512)),
-                       sliding_window_pattern=6, query_pre_attn_scalar=float(head_dim), **common)
-
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -186,44 +148,6 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
 
 
 # ---- Hugging Face safetensors directory -------------------------------------------------------
-
-def config_from_hf(cfg: dict) -> ModelConfig:
-    if "text_config" in cfg:  # multimodal wrapper (Gemma 3 4B+): use the text tower's config
-        cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
-    archs = cfg.get("architectures") or []
-    arch = next((_HF_ARCH[a] for a in archs if a in _HF_ARCH), None) or _HF_ARCH.get(cfg.get("model_type", ""))
-    if arch is None:
-        model_type = cfg.get("model_type")
-        arch = {"llama": "llama", "mistral": "llama", "gemma3_text": "gemma3", "gemma3": "gemma3"}.get(model_type)
-    if arch is None:
-        raise ModelLoadError(f"HF architecture {archs or cfg.get('model_type')} is not supported "
-                             f"(supported: Llama/Mistral, Gemma 3)")
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    common = dict(
-        architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads", heads), head_dim=head_dim,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        tie_word_embeddings=cfg.get("tie_word_embeddings", arch == "gemma3"),
-        rope_scaling=cfg.get("rope_scaling"), name=cfg.get("_name_or_path", ""),
-    )
-    rope_params = cfg.get("rope_parameters") or {}
-    if arch == "llama":
-        theta = cfg.get("rope_theta") or rope_params.get("rope_theta", 10000.0)
-        return ModelConfig(rope_theta=theta, sliding_window=cfg.get("sliding_window"), **common)
-    global_theta = cfg.get("rope_theta") or rope_params.get("full_attention", {}).get("rope_theta", 1_000_000.0)
-    local_theta = cfg.get("rope_local_base_freq") or rope_params.get("sliding_attention", {}).get(
-        "rope_theta", 10000.0)
-    pattern = cfg.get("sliding_window_pattern") or 6
-    layer_types = cfg.get("layer_types")
-    if layer_types:  # derive the period from the explicit list (first full layer index + 1)
-        pattern = layer_types.index("full_attention") + 1 if "full_attention" in layer_types else pattern
-    return ModelConfig(rope_theta=global_theta, rope_local_theta=local_theta,
-                       sliding_window=cfg.get("sliding_window", 512), sliding_window_pattern=pattern,
-                       query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", head_dim), **common)
-
 
 def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
     from safetensors.torch import load_file

@@ -2,14 +2,16 @@
 
     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 
-Typed engine errors (`KVServeError` subclasses) carry their own status, type and code; server-side
-refusals (auth, body size, idempotency) raise `APIError`. FastAPI's default 422 body is never sent.
+Typed engine errors (`KVServeError` subclasses, `InvalidRequest` for bad input) carry their own status,
+type and code; server-side refusals (auth, body size, idempotency) raise `APIError`. Anything else is
+a bug: a 500 with a request id, logged with its traceback. FastAPI's default 422 body is never sent.
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -98,8 +100,10 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, ModelNotFound):
         return APIError(exc.http_status, str(exc), exc.error_type, exc.code, param="model")
     if isinstance(exc, KVServeError):
-        headers = {"Retry-After": "1"} if exc.http_status == 503 else None
-        return APIError(exc.http_status, str(exc), exc.error_type, exc.code, headers=headers)
+        retry = exc.retry_after if exc.retry_after is not None else (1 if exc.http_status == 503 else None)
+        headers = {"Retry-After": retry_after_header(retry)} if retry is not None else None
+        return APIError(exc.http_status, str(exc), exc.error_type, exc.code, param=getattr(exc, "param", None),
+                        headers=headers)
     if isinstance(exc, InvalidSamplingParams):
         return APIError(400, str(exc), "invalid_request_error", "invalid_value", param=exc.param)
     if isinstance(exc, (ValidationError, RequestValidationError)):
@@ -108,9 +112,17 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, json.JSONDecodeError):
         return APIError(400, f"request body is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})",
                         "invalid_request_error", "invalid_json")
-    if isinstance(exc, ValueError):  # tokenization, chat template, token ids out of range, ...
-        return APIError(400, str(exc) or type(exc).__name__, "invalid_request_error", "invalid_value")
     return APIError(500, "internal server error", "server_error", "internal_error")
+
+
+def internal_error_response(exc: BaseException, request_id: str | None = None,
+                            headers: dict[str, str] | None = None) -> JSONResponse:
+    """A 500 for an exception nobody mapped (a bug): logged with its traceback under a request id that
+    the client sees too, so the two can be matched."""
+    request_id = request_id or f"req-{uuid.uuid4().hex}"
+    log.error("internal error in request %s", request_id, exc_info=exc)
+    return error_response(500, f"internal server error (request id {request_id})", "server_error",
+                          "internal_error", headers={**(headers or {}), "x-request-id": request_id})
 
 
 def api_error_response(exc: BaseException, extra_headers: dict[str, str] | None = None) -> JSONResponse:
@@ -129,11 +141,10 @@ def install_exception_handlers(app: FastAPI) -> None:
                               headers=getattr(exc, "headers", None))
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        return error_response(500, "internal server error", "server_error", "internal_error")
+        return internal_error_response(exc)
 
     for cls in (APIError, KVServeError, InvalidSamplingParams, RequestValidationError, ValidationError,
-                json.JSONDecodeError, ValueError):
+                json.JSONDecodeError):
         app.add_exception_handler(cls, on_api_error)
     app.add_exception_handler(StarletteHTTPException, on_http_exception)
     app.add_exception_handler(Exception, on_unexpected)

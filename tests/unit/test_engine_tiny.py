@@ -371,7 +371,7 @@ def test_an_interjected_interactive_request_changes_no_output(tiny, path):
     finals, and nothing leaks."""
     import ctypes
 
-    from kvserve.models.attention import Interjection
+    from kvserve.engine.interjection import Interjection
 
     rng = random.Random(21)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)

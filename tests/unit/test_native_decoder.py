@@ -10,7 +10,8 @@ import torch
 
 from kvserve.engine.runner import BatchItem
 from kvserve.kernels import cpu as cpu_kernels
-from kvserve.models.attention import AttentionMetadata, Interjection, PrefillChunk
+from kvserve.engine.interjection import Interjection
+from kvserve.models.attention import AttentionMetadata, PrefillChunk
 from kvserve.models.loader import load_checkpoint
 from kvserve.models.native_decoder import NativeDecoder
 from tests.parity import PagedHarness, rel_err

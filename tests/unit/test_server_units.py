@@ -14,13 +14,14 @@ import pytest
 from kvserve.config import SchedulerConfig, ServedModel, ServerConfig, engine_config_from_kwargs
 from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.scheduler import Scheduler
-from kvserve.engine.errors import CapacityExhausted, ContextLengthExceeded, ModelNotFound, ModelWarming
+from kvserve.engine.errors import (CapacityExhausted, ContextLengthExceeded, InvalidRequest, ModelFailed, ModelNotFound,
+                                   ModelWarming)
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvserve.engine.sampling import InvalidSamplingParams
-from kvserve.server import protocol as p
+from kvserve.engine.sampling import InvalidSamplingParams, SamplingParams
+from kvserve.service import protocol as p
 from kvserve.server.errors import APIError, retry_after_header, to_api_error
-from kvserve.server.metrics import ServerMetrics, ServingWindow, StepSample
-from kvserve.server.router import AutoPolicy, LoadLevel, ModelView, choose_auto_model, load_level, percentile
+from kvserve.service.metrics import ServerMetrics, ServingWindow, StepSample
+from kvserve.service.router import AutoPolicy, LoadLevel, ModelView, choose_auto_model, load_level, percentile
 from kvserve.server.streaming import DONE, sse
 
 # ---- auto routing --------------------------------------------------------------------------------
@@ -218,7 +219,11 @@ def test_error_mapping():
     assert to_api_error(ModelWarming("loading")).status == 503
     assert to_api_error(ModelNotFound("nope")).param == "model"
     assert to_api_error(ContextLengthExceeded("long")).code == "context_length_exceeded"
-    assert to_api_error(ValueError("bad chat template")).status == 400
+    bad = to_api_error(InvalidRequest("bad chat template", param="messages", code="invalid_prompt"))
+    assert (bad.status, bad.type, bad.code, bad.param) == (400, "invalid_request_error", "invalid_prompt", "messages")
+    assert to_api_error(ValueError("an internal check")).status == 500  # only typed errors are the client's fault
+    failed = to_api_error(ModelFailed("model x failed"))
+    assert (failed.status, failed.code, failed.headers["Retry-After"]) == (503, "model_failed", "30")
     assert to_api_error(json.JSONDecodeError("x", "doc", 0)).code == "invalid_json"
     boom = to_api_error(RuntimeError("secret detail"))
     assert boom.status == 500 and "secret" not in boom.message
@@ -329,29 +334,30 @@ def test_health_and_ready_in_process(tmp_path):
     app = create_app(cfg)
     state = app.state.kv
     handle = state.models["fake"]
-    handle.llm = AsyncLLM(handle.engine_config, model_id="fake", engine_factory=_FakeEngine)
+    handle.client = AsyncLLM(handle.engine_config, model_id="fake", engine_factory=_FakeEngine)
 
     async def scenario():
         await state.startup()
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-                handle.llm.wait_ready(5)
+                handle.client.wait_ready(5)
                 assert (await c.get("/ready")).status_code == 200
                 assert (await c.get("/health")).status_code == 200
-                await handle.llm.submit(prompt=[1, 2], request_id="r1")
+                await handle.client.submit([1, 2], SamplingParams(), request_id="r1", priority="interactive",
+                                           tenant="t")
                 await asyncio.sleep(0.6)  # work pending, no step finishes
                 h = await c.get("/health")
                 assert h.status_code == 503 and h.json()["unhealthy_models"] == ["fake"]
                 assert (await c.get("/metrics")).status_code == 200
                 r = await c.get("/v1/models")
                 assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-                handle.llm.engine.requests.clear()
-                handle.llm.engine.release.set()
+                handle.client.engine.requests.clear()
+                handle.client.engine.release.set()
                 state.draining = True
                 assert (await c.get("/ready")).status_code == 503
         finally:
             state.draining = True
-            handle.llm.engine.release.set()
+            handle.client.engine.release.set()
             await state.shutdown()
 
     asyncio.run(scenario())

@@ -5,7 +5,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvserve.engine.async_engine import EngineStatus
+from kvserve.engine.client import EngineStatus
 from kvserve.server.state import ServerState
 
 router = APIRouter()
@@ -14,9 +14,9 @@ router = APIRouter()
 def _models(state: ServerState) -> dict:
     out = {}
     for h in state.models.values():
-        health = h.llm.health()
-        out[h.id] = {"status": health.status.value, "stalled": h.llm.is_stalled(state.config.stall_timeout_s),
-                     "inflight": h.llm.num_inflight, "error": health.error,
+        health = h.client.health()
+        out[h.id] = {"status": health.status.value, "stalled": h.client.is_stalled(state.config.stall_timeout_s),
+                     "inflight": h.client.num_inflight, "error": health.error,
                      "load_seconds": None if health.load_seconds is None else round(health.load_seconds, 3)}
     return out
 

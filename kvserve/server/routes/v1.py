@@ -6,7 +6,7 @@ from datetime import datetime, timezone
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from kvserve.server import protocol as p
+from kvserve.service import protocol as p
 from kvserve.server.auth import authenticate
 from kvserve.server.errors import APIError
 from kvserve.server.serving import handle_completion
@@ -37,7 +37,7 @@ async def list_models(request: Request):
     for h in state.models.values():
         p50 = state.metrics.window.ttft_p50_ms(h.id)
         cards.append(p.ModelCard(id=h.id, created=h.created, status=h.status.value, role=h.role,
-                                 p50_ttft_ms=None if p50 is None else round(p50, 3), inflight=h.llm.num_inflight,
+                                 p50_ttft_ms=None if p50 is None else round(p50, 3), inflight=h.client.num_inflight,
                                  queue_depth=sum(h.waiting_by_tier().values()), max_model_len=h.max_model_len))
     return JSONResponse(p.ModelList(data=cards).model_dump(mode="json"))
 
@@ -52,7 +52,7 @@ async def get_model(request: Request, model_id: str):
                        param="model")
     p50 = state.metrics.window.ttft_p50_ms(h.id)
     card = p.ModelCard(id=h.id, created=h.created, status=h.status.value, role=h.role,
-                       p50_ttft_ms=None if p50 is None else round(p50, 3), inflight=h.llm.num_inflight,
+                       p50_ttft_ms=None if p50 is None else round(p50, 3), inflight=h.client.num_inflight,
                        queue_depth=sum(h.waiting_by_tier().values()), max_model_len=h.max_model_len)
     return JSONResponse(card.model_dump(mode="json"))
 
@@ -98,7 +98,7 @@ async def usage(request: Request, since: str | None = None, until: str | None = 
     if group_by not in (None, "", "model", "day"):
         raise APIError(400, f"group_by must be 'model' or 'day', got {group_by!r}", param="group_by",
                        code="invalid_value")
-    await state.flush_ledger()
+    await state.service.ledger.flush()
     rows = await state.store.ausage_totals(tenant.name, since=_parse_time(since, "since"),
                                            until=_parse_time(until, "until"), group_by=group_by or None)
     return JSONResponse({"object": "usage", "tenant": tenant.name, "group_by": group_by or None,

@@ -1,0 +1,133 @@
+"""What a model file says about its model without the weights: the architecture (ModelConfig) and the
+tokenizer with its chat template. No torch: a gateway tokenizes and checks context with these alone,
+and the loader builds on them.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvserve.config import ModelConfig
+from kvserve.models.gguf_file import read_gguf_metadata
+from kvserve.models.tokenizer import Tokenizer
+
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+_HF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Gemma3ForCausalLM": "gemma3",
+            "Gemma3ForConditionalGeneration": "gemma3"}
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+def config_from_gguf(meta: dict) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})")
+
+    def get(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", 0) or get("rope.dimension_count", 0) or hidden // heads)
+    vocab = int(get("vocab_size", 0) or 0)
+    common = dict(
+        architecture=arch, hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")), num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)), head_dim=head_dim,
+        rms_norm_eps=float(f"{float(get('attention.layer_norm_rms_epsilon', 1e-6)):.6g}"),  # undo float32 storage
+        max_position_embeddings=int(get("context_length", 4096)), vocab_size=vocab,
+        name=str(meta.get("general.name", "")),
+    )
+    scaling = None
+    if get("rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    if arch == "llama":
+        return ModelConfig(rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
+                           sliding_window=None, **common)
+    # Gemma 3: the local RoPE base and the 5:1 layer pattern are not stored in the GGUF; these are
+    # Gemma 3's fixed values (the same defaults transformers fills in).
+    return ModelConfig(rope_theta=float(get("rope.freq_base", 1_000_000.0)), rope_local_theta=10000.0,
+                       rope_scaling=scaling, sliding_window=int(get("attention.sliding_window", 512)),
+                       sliding_window_pattern=6, query_pre_attn_scalar=float(head_dim), **common)
+
+
+def config_from_hf(cfg: dict) -> ModelConfig:
+    if "text_config" in cfg:  # multimodal wrapper (Gemma 3 4B+): use the text tower's config
+        cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
+    archs = cfg.get("architectures") or []
+    arch = next((_HF_ARCH[a] for a in archs if a in _HF_ARCH), None) or _HF_ARCH.get(cfg.get("model_type", ""))
+    if arch is None:
+        model_type = cfg.get("model_type")
+        arch = {"llama": "llama", "mistral": "llama", "gemma3_text": "gemma3", "gemma3": "gemma3"}.get(model_type)
+    if arch is None:
+        raise ModelLoadError(f"HF architecture {archs or cfg.get('model_type')} is not supported "
+                             f"(supported: Llama/Mistral, Gemma 3)")
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    common = dict(
+        architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads", heads), head_dim=head_dim,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", arch == "gemma3"),
+        rope_scaling=cfg.get("rope_scaling"), name=cfg.get("_name_or_path", ""),
+    )
+    rope_params = cfg.get("rope_parameters") or {}
+    if arch == "llama":
+        theta = cfg.get("rope_theta") or rope_params.get("rope_theta", 10000.0)
+        return ModelConfig(rope_theta=theta, sliding_window=cfg.get("sliding_window"), **common)
+    global_theta = cfg.get("rope_theta") or rope_params.get("full_attention", {}).get("rope_theta", 1_000_000.0)
+    local_theta = cfg.get("rope_local_base_freq") or rope_params.get("sliding_attention", {}).get(
+        "rope_theta", 10000.0)
+    pattern = cfg.get("sliding_window_pattern") or 6
+    layer_types = cfg.get("layer_types")
+    if layer_types:  # derive the period from the explicit list (first full layer index + 1)
+        pattern = layer_types.index("full_attention") + 1 if "full_attention" in layer_types else pattern
+    return ModelConfig(rope_theta=global_theta, rope_local_theta=local_theta,
+                       sliding_window=cfg.get("sliding_window", 512), sliding_window_pattern=pattern,
+                       query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", head_dim), **common)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a model file says about the model without its weights: enough to tokenize, apply the chat
+    template and check a prompt against the context (a gateway holds these, not the weights)."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer
+
+    def encode(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
+        """A prompt (text, or token ids checked against the vocabulary) or chat messages (through the
+        chat template) -> token ids. ValueError for input the model cannot take."""
+        if messages is not None:
+            return self.tokenizer.encode_chat(messages)
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        vocab = self.config.vocab_size
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        return list(prompt)
+
+
+def read_model_info(path: str | os.PathLike, name: str = "") -> ModelInfo:
+    """The config and tokenizer of a .gguf file (its metadata only) or a HF checkpoint directory."""
+    path = Path(path)
+    if path.is_dir():
+        cfg_path = path / "config.json"
+        if not cfg_path.exists():
+            raise ModelLoadError(f"{path} is not a Hugging Face checkpoint directory: no config.json")
+        return ModelInfo(config_from_hf(json.loads(cfg_path.read_text())), Tokenizer.from_hf_dir(path))
+    if path.suffix == ".gguf" and path.is_file():
+        meta = read_gguf_metadata(path)
+        return ModelInfo(config_from_gguf(meta), Tokenizer.from_gguf_metadata(meta, name=name or path.name))
+    if not path.exists():
+        raise ModelLoadError(f"model file or directory not found: {path}")
+    raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face checkpoint directory")

@@ -1,0 +1,230 @@
+"""The completion service: one chat or completion call, from a parsed request to typed outputs, with no
+transport in it. The HTTP server, the batch runner and tests call it alike.
+
+`CompletionService.start` routes the request (a model id, or "auto"), checks that the model can take
+it, tokenizes (the model's tokenizer and chat template, from its EngineClient), and submits one engine
+request per prompt (a chat has one; /v1/completions may carry a list). The returned `Completion`
+yields (prompt index, RequestOutput) with deltas, or collects the finals; `responses.py` renders
+them as OpenAI objects. Every engine request is accounted for by its model's finish hook (metrics and
+one usage row with the engine's real token counts), whether it finished or was aborted.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from kvserve.config import ServerConfig
+from kvserve.engine.client import RequestStream, check_available
+from kvserve.engine.errors import (CapacityExhausted, ContextLengthExceeded, InvalidRequest, ModelWarming,
+                                   QueueTimeout, ServerDraining)
+from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.sampling import SamplingParams
+from kvserve.service import protocol as p
+from kvserve.service.metrics import ServerMetrics
+from kvserve.service.models import ClientFactory, ModelHandle, RequestInfo, in_process_client, resolve_model
+from kvserve.service.responses import StreamChunks, TokenText, full_response
+from kvserve.service.usage import UsageLedger
+
+# Prompts up to this many characters (about 2k tokens) are tokenized on the event loop (about a
+# millisecond): a worker thread would first have to win a core from the engine's threads, which under
+# load costs more than the tokenizing. Longer ones go to a worker thread (tokenizers release the GIL).
+INLINE_ENCODE_CHARS = 8192
+
+Request = p.ChatCompletionRequest | p.CompletionRequest
+
+
+@dataclass
+class Completion:
+    """One call in flight: its engine requests and their merged outputs."""
+
+    handle: ModelHandle
+    kind: str  # "chat" | "completion"
+    req: Request
+    tenant: str
+    response_id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    request_ids: list[str] = field(default_factory=list)
+    streams: list[RequestStream] = field(default_factory=list)
+    finished: set[str] = field(default_factory=set)
+    text: TokenText | None = None
+    service: "CompletionService | None" = None
+
+    @property
+    def tier(self) -> str:
+        return self.req.priority
+
+    @property
+    def n(self) -> int:
+        return self.req.n
+
+    @property
+    def model(self) -> str:
+        return self.handle.id
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.request_ids)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, RequestOutput) from all engine requests of this call, until all finish; closing
+        the iterator early aborts the unfinished ones."""
+        try:
+            if len(self.streams) == 1:
+                async for out in self.streams[0]:
+                    if out.finished:
+                        self.finished.add(self.request_ids[0])
+                    yield 0, out
+                return
+            merged: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i: int, stream: RequestStream) -> None:
+                async for out in stream:
+                    await merged.put((i, out))
+
+            pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(self.streams)]
+            try:
+                remaining = len(self.streams)
+                while remaining:
+                    i, out = await merged.get()
+                    if out.finished:
+                        self.finished.add(self.request_ids[i])
+                        remaining -= 1
+                    yield i, out
+            finally:
+                for t in pumps:
+                    t.cancel()
+        finally:
+            self.abort_unfinished()
+
+    def abort_unfinished(self) -> None:
+        for rid in self.request_ids:
+            if rid not in self.finished:
+                self.finished.add(rid)
+                self.handle.client.abort(rid)
+
+    def check_not_timed_out(self, out: RequestOutput) -> None:
+        """A request that waited past its tier's queue deadline comes back finished with no tokens."""
+        if out.finished and all(o.finish_reason == "queue_timeout" for o in out.outputs):
+            exc = QueueTimeout("the request waited too long in the queue; retry later")
+            if self.service is not None:
+                self.service.count_rejection(self.handle, self.tier, exc)
+            raise exc
+
+    async def finals(self) -> list[RequestOutput]:
+        """The finished RequestOutput of each prompt, in prompt order."""
+        found: dict[int, RequestOutput] = {}
+        outputs = self.outputs()
+        try:
+            async for i, out in outputs:
+                if out.finished:
+                    found[i] = out
+        finally:
+            await outputs.aclose()
+        finals = [found[i] for i in range(len(found))]
+        for out in finals:
+            self.check_not_timed_out(out)
+        return finals
+
+    def response(self, finals: list[RequestOutput]) -> p.ChatCompletionResponse | p.CompletionResponse:
+        return full_response(self, finals)
+
+    def chunks(self) -> StreamChunks:
+        return StreamChunks(self)
+
+
+class CompletionService:
+    """The served models and the completion path over them."""
+
+    def __init__(self, config: ServerConfig, client_factory: ClientFactory = in_process_client):
+        self.config = config
+        self.metrics = ServerMetrics(config.metrics_window_s, live=lambda: [h.live_stats()
+                                                                          for h in self.models.values()])
+        self.ledger = UsageLedger()
+        self.models: dict[str, ModelHandle] = {
+            m.id: ModelHandle(m, config, self.metrics, self.ledger, client_factory) for m in config.models}
+        self.draining = False
+
+    def open(self, kind: str, req: Request, tenant: str) -> Completion:
+        """A call routed to its model (the id it names, or the "auto" policy's choice), not yet started."""
+        if self.draining:
+            raise ServerDraining("the server is draining for shutdown; retry on another replica")
+        handle = resolve_model(self.models, self.config, req.model, req.priority, req.prompt_chars())
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        return Completion(handle, kind, req, tenant, prefix + uuid.uuid4().hex, service=self)
+
+    async def start(self, c: Completion) -> Completion:
+        """Check availability, tokenize and submit the call's engine requests; typed errors when refused."""
+        try:
+            check_available(c.handle.client)
+            prompts = await self._tokenize(c)
+            c.text = TokenText(c.handle.client.tokenizer)
+            await self._submit(c, prompts, c.req.sampling_params())
+            return c
+        except Exception as exc:
+            self.count_rejection(c.handle, c.tier, exc)
+            raise
+
+    def count_rejection(self, handle: ModelHandle, tier: str, exc: BaseException) -> None:
+        """Requests refused at admission, by reason (kvserve:requests_rejected_total)."""
+        reason = None
+        if isinstance(exc, CapacityExhausted):
+            reason = getattr(exc, "reason", "queue_full") or "queue_full"
+        elif isinstance(exc, (ModelWarming, ServerDraining, ContextLengthExceeded, QueueTimeout)):
+            reason = exc.code
+        if reason:
+            self.metrics.reject(handle.id, tier, reason)
+
+    async def _tokenize(self, c: Completion) -> list[list[int]]:
+        info = c.handle.client.info
+        if info is None:
+            raise ModelWarming(f"model {c.handle.id} is still loading; retry shortly")
+        if c.kind == "chat":
+            inputs, param = [dict(messages=c.req.template_messages())], "messages"
+        else:
+            inputs, param = [dict(prompt=pr) for pr in c.req.prompts()], "prompt"
+        try:
+            out = []
+            for kwargs in inputs:
+                size = len(kwargs["prompt"]) if isinstance(kwargs.get("prompt"), str) else sum(
+                    len(str(m.get("content") or "")) for m in kwargs.get("messages") or ())
+                if size <= INLINE_ENCODE_CHARS:
+                    out.append(info.encode(**kwargs))
+                else:
+                    out.append(await asyncio.to_thread(info.encode, **kwargs))
+            return out
+        except ValueError as e:
+            raise InvalidRequest(str(e), param=param, code="invalid_prompt") from None
+
+    async def _submit(self, c: Completion, prompts: list[list[int]], params: SamplingParams) -> None:
+        """One engine request per prompt, submitted together (one engine step applies them all)."""
+        handle, max_len = c.handle, c.handle.max_model_len
+        c.request_ids = [f"{c.response_id}-{i}" for i in range(len(prompts))]
+        for rid in c.request_ids:
+            handle.register(rid, RequestInfo(c.tenant, c.tier, handle.id))
+        default_max = self.config.default_max_tokens
+
+        def params_for(ids: list[int]) -> SamplingParams:
+            sp = copy.deepcopy(params)
+            if sp.max_tokens is None:  # the default, capped by what the context leaves (the engine checks it)
+                sp.max_tokens = max(1, min(default_max, max_len - len(ids)))
+                sp.min_tokens = min(sp.min_tokens, sp.max_tokens)
+            return sp
+
+        results = await asyncio.gather(*(
+            handle.client.submit(ids, params_for(ids), request_id=rid, priority=c.tier, tenant=c.tenant,
+                                 cache_salt=c.tenant)
+            for rid, ids in zip(c.request_ids, prompts)), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for rid, r in zip(c.request_ids, results):
+                c.finished.add(rid)
+                if isinstance(r, BaseException):
+                    handle.unregister(rid)
+                else:
+                    handle.client.abort(rid)
+            raise errors[0]
+        c.streams = list(results)

@@ -1,0 +1,176 @@
+"""The served models: per model, its EngineClient and what the service keeps around it (per-request
+accounting: metrics and the usage row; the load signal; routing among models).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from kvserve.config import TIER_NAMES, EngineConfig, ServedModel, ServerConfig
+from kvserve.engine.client import EngineClient, EngineStatus
+from kvserve.engine.errors import ModelNotFound
+from kvserve.engine.outputs import RequestOutput
+from kvserve.service.metrics import LiveModelStats, ServerMetrics
+from kvserve.service.router import AUTO_MODEL, AutoPolicy, LoadLevel, ModelView, choose_auto_model, load_level
+from kvserve.service.usage import UsageLedger
+from kvserve.store import UsageRecord
+
+
+@dataclass
+class RequestInfo:
+    """What the engine-thread hooks need to account for one engine request."""
+
+    tenant: str
+    tier: str
+    model: str
+
+
+def _status_of(finish_reason: str | None) -> str:
+    return {"stop": "ok", "length": "ok", "abort": "aborted", "queue_timeout": "timeout"}.get(finish_reason or "",
+                                                                                            "error")
+
+
+# Builds a model's EngineClient: (the model's spec, its engine config, on_step, on_finish) -> client.
+ClientFactory = Callable[[ServedModel, EngineConfig, Callable, Callable[[RequestOutput], None]], EngineClient]
+
+
+def in_process_client(spec: ServedModel, config: EngineConfig, on_step: Callable,
+                      on_finish: Callable[[RequestOutput], None]) -> EngineClient:
+    """An AsyncLLM in this process; the packaged model is resolved (maybe assembled) in its engine thread."""
+    from dataclasses import replace
+
+    from kvserve.engine.async_engine import AsyncLLM
+
+    def factory(cfg: EngineConfig):
+        from kvserve.engine.llm_engine import LLMEngine
+        from kvserve.models.catalog import resolve_source
+
+        path = resolve_source(spec.source, spec.engine_args.get("install", ""))
+        return LLMEngine(replace(cfg, model=str(path)), model_id=spec.id)
+
+    return AsyncLLM(config, model_id=spec.id, on_step=on_step, on_finish=on_finish, engine_factory=factory)
+
+
+class ModelHandle:
+    """One served model: its engine client, and the live numbers the service and the metrics read."""
+
+    def __init__(self, spec: ServedModel, config: ServerConfig, metrics: ServerMetrics, ledger: UsageLedger,
+                 client_factory: ClientFactory = in_process_client):
+        self.spec = spec
+        self.id = spec.id
+        self.role = spec.role
+        self.config = config
+        self.metrics = metrics
+        self.ledger = ledger
+        self.engine_config: EngineConfig = spec.engine_config()
+        self.created = int(time.time())
+        self.requests: dict[str, RequestInfo] = {}  # engine request id -> info (event loop adds, engine thread pops)
+        self._lock = threading.Lock()
+        self.client: EngineClient = client_factory(spec, self.engine_config, self._on_step, self._on_finish)
+
+    # ---- engine-thread hooks (thread-safe work only) -----------------------------------------
+    def _on_step(self, client: EngineClient, step) -> None:
+        self.metrics.observe_step(self.id, step)
+
+    def _on_finish(self, out: RequestOutput) -> None:
+        with self._lock:
+            info = self.requests.pop(out.request_id, None)
+        if info is None:
+            return
+        self.metrics.observe_finished(self.id, info.tier, out)
+        self.ledger.record_threadsafe(self._usage_record(info, out))
+
+    def _usage_record(self, info: RequestInfo, out: RequestOutput) -> UsageRecord:
+        m = out.metrics
+
+        def ms(v):
+            return None if v is None else round(v * 1000, 3)
+
+        reason = next((o.finish_reason for o in out.outputs if o.finish_reason == "abort"), None) or (
+            out.outputs[0].finish_reason if out.outputs else None)
+        return UsageRecord(request_id=out.request_id, tenant=info.tenant, model=self.id, tier=info.tier,
+                           prompt_tokens=out.num_prompt_tokens,
+                           cached_prompt_tokens=min(out.num_cached_tokens, out.num_prompt_tokens),
+                           completion_tokens=out.num_completion_tokens,
+                           queue_ms=ms(m.queue_time if m else None), ttft_ms=ms(m.ttft if m else None),
+                           e2e_ms=ms(m.e2e if m else None), status=_status_of(reason), finish_reason=reason)
+
+    def register(self, request_id: str, info: RequestInfo) -> None:
+        with self._lock:
+            self.requests[request_id] = info
+
+    def unregister(self, request_id: str) -> None:
+        with self._lock:
+            self.requests.pop(request_id, None)
+
+    def inflight_ids(self) -> list[str]:
+        with self._lock:
+            return list(self.requests)
+
+    # ---- live state --------------------------------------------------------------------------
+    @property
+    def status(self) -> EngineStatus:
+        return self.client.status
+
+    @property
+    def max_model_len(self) -> int:
+        known = self.client.max_model_len
+        return known if known is not None else self.engine_config.scheduler.max_model_len
+
+    def queue_bound(self, tier: str) -> int:
+        return getattr(self.engine_config.scheduler, tier).max_waiting
+
+    def waiting_by_tier(self) -> dict[str, int]:
+        """Waiting requests per tier, from the engine's latest stats snapshot."""
+        stats = self.client.stats
+        counts = {t: 0 for t in TIER_NAMES}
+        if stats is not None:
+            counts.update({p.name.lower(): n for p, n in stats.waiting.items()})
+        return counts
+
+    def queue_depth(self, tier: str) -> int:
+        return self.waiting_by_tier().get(tier, 0)
+
+    def live_stats(self) -> LiveModelStats:
+        stats = self.client.stats
+        waiting = self.waiting_by_tier()
+        if stats is None:
+            return LiveModelStats(self.id, 0, waiting, 0.0, 0, 0)
+        return LiveModelStats(self.id, stats.running, waiting, stats.kv.device_usage, stats.prefix_query_tokens,
+                              stats.prefix_hit_tokens, {p.name.lower(): t for p, t in stats.ttft_s.items()})
+
+    def load(self, tier: str) -> LoadLevel:
+        cfg = self.config
+        return load_level(self.queue_depth(tier), self.queue_bound(tier), self.metrics.window.ttft_p50_ms(self.id, tier),
+                          cfg.ttft_target_ms.get(tier), cfg.load_high_fraction, cfg.load_shedding_fraction)
+
+    def load_headers(self, tier: str, queue_wait_ms: float | None = None,
+                     load: LoadLevel | None = None) -> dict[str, str]:
+        """The load signal of a completion response (on errors: the recent median queue wait)."""
+        if queue_wait_ms is None:
+            queue_wait_ms = self.metrics.window.queue_p50_ms(self.id, tier) or 0.0
+        return {"x-kvserve-queue-depth": str(self.queue_depth(tier)),
+                "x-kvserve-queue-wait-ms": str(int(round(queue_wait_ms))),
+                "x-kvserve-load": (load or self.load(tier)).value,
+                "x-kvserve-model": self.id}
+
+
+def resolve_model(models: dict[str, ModelHandle], config: ServerConfig, model: str, tier: str,
+                  prompt_chars: int) -> ModelHandle:
+    """The handle serving `model` (or the auto policy's choice); ModelNotFound for unknown ids. A request
+    that names a model is never served by another."""
+    if model == AUTO_MODEL:
+        views = [ModelView(h.id, h.role, h.status == EngineStatus.READY, h.queue_depth(tier))
+                 for h in models.values()]
+        a = config.auto
+        chosen = choose_auto_model(views, tier, prompt_chars, AutoPolicy(a.short_prompt_chars, a.capable_max_queue_depth))
+        if chosen is None:
+            raise ModelNotFound("no models are configured")
+        return models[chosen]
+    handle = models.get(model)
+    if handle is None:
+        known = ", ".join(sorted(models)) or "(none)"
+        raise ModelNotFound(f"The model {model!r} does not exist. Available: {known}, or 'auto'.")
+    return handle

@@ -1,0 +1,146 @@
+"""OpenAI's response objects built from a completion's RequestOutputs: the whole body (a JSON response,
+or a batch's output line) and the chunks of a stream (a transport frames them, as SSE over HTTP)."""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from kvserve.engine.outputs import Logprob, RequestOutput
+from kvserve.service import protocol as p
+
+if TYPE_CHECKING:
+    from kvserve.service.completion import Completion
+
+
+class TokenText:
+    """Decoded text of single token ids (what OpenAI shows as a logprob's `token`)."""
+
+    def __init__(self, tokenizer):
+        self._decode = lru_cache(maxsize=65536)(lambda tid: tokenizer.decode([tid]))
+
+    def __call__(self, token_id: int) -> str:
+        return self._decode(token_id)
+
+
+def chat_logprobs(entries: list[Logprob] | None, text: TokenText) -> p.ChatLogprobs | None:
+    if entries is None:
+        return None
+
+    def item(tid: int, lp: float) -> dict:
+        t = text(tid)
+        return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+
+    return p.ChatLogprobs(content=[p.ChatTokenLogprob(**item(e.token_id, e.logprob),
+                                                      top_logprobs=[p.TopLogprob(**item(tid, lp))
+                                                                    for tid, _, lp in e.top])
+                                   for e in entries])
+
+
+def completion_logprobs(entries: list[Logprob] | None, text: TokenText,
+                        offset: int) -> tuple[p.CompletionLogprobs | None, int]:
+    if entries is None:
+        return None, offset
+    out = p.CompletionLogprobs()
+    for e in entries:
+        t = text(e.token_id)
+        out.tokens.append(t)
+        out.token_logprobs.append(e.logprob)
+        top: dict[str, float] = {}
+        for tid, _, lp in e.top:
+            top.setdefault(text(tid), lp)
+        out.top_logprobs.append(top or None)
+        out.text_offset.append(offset)
+        offset += len(t)
+    return out, offset
+
+
+def usage_of(finals: list[RequestOutput]) -> p.Usage:
+    u = p.Usage()
+    for out in finals:
+        u.add(out.num_prompt_tokens, out.num_completion_tokens, min(out.num_cached_tokens, out.num_prompt_tokens))
+    return u
+
+
+def full_response(c: "Completion", finals: list[RequestOutput]) -> p.ChatCompletionResponse | p.CompletionResponse:
+    """The non-streamed body: one choice per (prompt, fork), index = prompt * n + fork."""
+    n, text, usage = c.n, c.text, usage_of(finals)
+    if c.kind == "chat":
+        choices = []
+        for i, out in enumerate(finals):
+            for o in sorted(out.outputs, key=lambda o: o.index):
+                choices.append(p.ChatChoice(index=i * n + o.index, message=p.ChatMessageOut(content=o.text),
+                                            logprobs=chat_logprobs(o.logprobs, text),
+                                            finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+        return p.ChatCompletionResponse(id=c.response_id, created=c.created, model=c.model, choices=choices,
+                                        usage=usage)
+    choices = []
+    for i, out in enumerate(finals):
+        for o in sorted(out.outputs, key=lambda o: o.index):
+            lp, _ = completion_logprobs(o.logprobs, text, 0)
+            choices.append(p.CompletionChoice(index=i * n + o.index, text=o.text, logprobs=lp,
+                                              finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+    return p.CompletionResponse(id=c.response_id, created=c.created, model=c.model, choices=choices, usage=usage)
+
+
+class StreamChunks:
+    """The chunk objects of one streamed completion, in order: for chat, an opening role chunk per
+    choice (`opening`); per RequestOutput its deltas and finish reasons (`of`); then, when asked, the
+    usage chunk (`closing`)."""
+
+    def __init__(self, c: "Completion"):
+        self.c = c
+        self.chat = c.kind == "chat"
+        self.base = {"id": c.response_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                     "created": c.created, "model": c.model}
+        if c.req.include_usage:
+            self.base["usage"] = None
+        self._finished: set[int] = set()
+        self._offsets: dict[int, int] = {}
+        self._finals: dict[int, RequestOutput] = {}
+
+    def _chunk(self, choice: dict) -> dict:
+        return {**self.base, "choices": [choice]}
+
+    def opening(self) -> list[dict]:
+        if not self.chat:
+            return []
+        return [self._chunk({"index": i * self.c.n + k, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None})
+                for i in range(self.c.num_prompts) for k in range(self.c.n)]
+
+    def of(self, i: int, out: RequestOutput) -> list[dict]:
+        """Chunks for prompt i's latest output."""
+        c, evs = self.c, []
+        for o in out.outputs:
+            idx = i * c.n + o.index
+            if idx in self._finished:
+                continue
+            has_delta = bool(o.delta_text) or bool(o.delta_logprobs)
+            if self.chat:
+                if has_delta:
+                    lp = chat_logprobs(o.delta_logprobs, c.text) if o.delta_logprobs else None
+                    evs.append(self._chunk({"index": idx, "delta": {"content": o.delta_text},
+                                            "logprobs": lp.model_dump(mode="json") if lp else None,
+                                            "finish_reason": None}))
+                if o.finish_reason is not None:
+                    self._finished.add(idx)
+                    evs.append(self._chunk({"index": idx, "delta": {}, "logprobs": None,
+                                            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}))
+            elif has_delta or o.finish_reason is not None:
+                lp, self._offsets[idx] = completion_logprobs(o.delta_logprobs, c.text, self._offsets.get(idx, 0)) \
+                    if o.delta_logprobs else (None, self._offsets.get(idx, 0))
+                if o.finish_reason is not None:
+                    self._finished.add(idx)
+                evs.append(self._chunk({"index": idx, "text": o.delta_text,
+                                        "logprobs": lp.model_dump(mode="json") if lp else None,
+                                        "finish_reason": o.finish_reason,
+                                        "stop_reason": o.stop_reason if o.finish_reason else None}))
+        if out.finished:
+            self._finals[i] = out
+        return evs
+
+    def closing(self) -> list[dict]:
+        if not self.c.req.include_usage:
+            return []
+        usage = usage_of([self._finals[i] for i in sorted(self._finals)])
+        return [{**self.base, "choices": [], "usage": usage.model_dump(mode="json")}]
