@@ -279,9 +279,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvserve.config import ConfigError
+
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except ConfigError as e:  # a bad models TOML or engine argument: say which, no traceback
+        print(f"kvserve: configuration error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

@@ -15,6 +15,40 @@ class PreemptionMode(str, Enum):
     AUTO = "auto"  # swap when host swap space allows, else recompute
 
 
+class ConfigError(ValueError):
+    """A configuration value that is not allowed; the message names the key, the value and what is allowed."""
+
+
+def _check(owner: str, key: str, value, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{owner}.{key} = {value!r} is not allowed: {allowed}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _validate(obj, rules: dict[str, tuple]) -> None:
+    """Each rule: key -> (predicate, what is allowed). Checked on construction, so a bad value fails at start."""
+    owner = type(obj).__name__
+    for key, (ok, allowed) in rules.items():
+        value = getattr(obj, key)
+        _check(owner, key, value, ok(value), allowed)
+
+
+POSITIVE_INT = (lambda v: _is_int(v) and v > 0, "an integer > 0")
+OPTIONAL_POSITIVE_INT = (lambda v: v is None or (_is_int(v) and v > 0), "an integer > 0, or unset")
+NONNEG_INT = (lambda v: _is_int(v) and v >= 0, "an integer >= 0")
+POSITIVE_NUMBER = (lambda v: _is_number(v) and v > 0, "a number > 0 (inf allowed where it means no bound)")
+NONNEG_NUMBER = (lambda v: _is_number(v) and v >= 0, "a number >= 0")
+FRACTION = (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]")
+BOOL = (lambda v: isinstance(v, bool), "true or false")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture hyperparameters, read from GGUF metadata or a HF config.json."""
@@ -50,7 +84,7 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
-@dataclass
+@dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes for the device KV pool; None: derive from num blocks or default
@@ -59,11 +93,18 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     cache_dtype: str = "auto"  # "auto" = model dtype
 
+    def __post_init__(self):
+        _validate(self, dict(block_size=POSITIVE_INT, kv_cache_memory=OPTIONAL_POSITIVE_INT,
+                             num_gpu_blocks_override=OPTIONAL_POSITIVE_INT, swap_space=NONNEG_INT,
+                             enable_prefix_caching=BOOL,
+                             cache_dtype=(lambda v: v in ("auto",) + DTYPES, f"one of auto, {', '.join(DTYPES)}")))
+
 
 TIER_NAMES = ("interactive", "batch")
+DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TierLimits:
     """Admission bounds for one priority tier."""
 
@@ -75,6 +116,11 @@ class TierLimits:
     max_ttft_s: float = float("inf")
     queue_timeout_s: float = 600.0  # a request still waiting after this is finished with QueueTimeout
 
+    def __post_init__(self):
+        _validate(self, dict(max_waiting=POSITIVE_INT, max_queued_prompt_tokens=POSITIVE_INT,
+                             max_queue_wait_s=POSITIVE_NUMBER, max_ttft_s=POSITIVE_NUMBER,
+                             queue_timeout_s=POSITIVE_NUMBER))
+
     @classmethod
     def unbounded(cls) -> "TierLimits":
         inf = float("inf")
@@ -82,7 +128,7 @@ class TierLimits:
                    queue_timeout_s=inf)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -107,8 +153,18 @@ class SchedulerConfig:
     # where a step can stop between layers (the fused CPU decoder).
     interactive_interjection: bool = True
 
+    def __post_init__(self):
+        _validate(self, dict(
+            max_num_seqs=POSITIVE_INT, max_num_batched_tokens=POSITIVE_INT, max_model_len=POSITIVE_INT,
+            enable_chunked_prefill=BOOL, preemption_mode=(lambda v: isinstance(v, PreemptionMode),
+                                                          "one of " + ", ".join(m.value for m in PreemptionMode)),
+            interactive=(lambda v: isinstance(v, TierLimits), "a table of TierLimits fields"),
+            batch=(lambda v: isinstance(v, TierLimits), "a table of TierLimits fields"),
+            batch_decode_quantum=NONNEG_INT, interactive_batch_prefill_tokens=NONNEG_INT,
+            interactive_prefill_alone=BOOL, interactive_interjection=BOOL))
 
-@dataclass
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
@@ -119,6 +175,14 @@ class EngineConfig:
     native_decoder: bool = True  # CPU + bfloat16 + AMX: steps run as one native call (models/native_decoder.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self):
+        _validate(self, dict(
+            model=(lambda v: isinstance(v, str) and v != "", "a catalog id, a .gguf path or a checkpoint directory"),
+            dtype=(lambda v: v in ("auto",) + DTYPES or not isinstance(v, str), f"one of auto, {', '.join(DTYPES)}"),
+            device=(lambda v: v in ("auto", "cpu") or (isinstance(v, str) and v.startswith("cuda")),
+                    "auto, cpu, cuda or cuda:N"),
+            seed=NONNEG_INT, int4_decode=BOOL, onednn_weights=BOOL, native_decoder=BOOL))
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -139,7 +203,8 @@ def parse_bytes(value: int | float | str) -> int:
 
 
 def engine_config_from_kwargs(model: str, **kwargs) -> EngineConfig:
-    """Flat vLLM-style keyword arguments (block_size=..., max_num_seqs=...) -> nested EngineConfig."""
+    """Flat vLLM-style keyword arguments (block_size=..., max_num_seqs=...) -> nested EngineConfig.
+    ConfigError (naming the argument, its value and what is allowed) for anything else."""
     from dataclasses import fields
 
     cache, sched, top = {}, {}, {}
@@ -149,27 +214,41 @@ def engine_config_from_kwargs(model: str, **kwargs) -> EngineConfig:
     for key, value in kwargs.items():
         if key in cache_names:
             if key in ("kv_cache_memory", "swap_space") and value is not None:
-                value = parse_bytes(value)
+                try:
+                    value = parse_bytes(value)
+                except (ValueError, TypeError):
+                    raise ConfigError(f"{key} = {value!r} is not allowed: a byte size such as 512MiB or 2GiB, "
+                                      "or a number of bytes") from None
             cache[key] = value
         elif key in sched_names:
             if key == "preemption_mode":
-                value = PreemptionMode(value)
+                modes = ", ".join(m.value for m in PreemptionMode)
+                try:
+                    value = PreemptionMode(value)
+                except ValueError:
+                    raise ConfigError(f"preemption_mode = {value!r} is not allowed: one of {modes}") from None
             elif key in TIER_NAMES and isinstance(value, dict):  # a TOML table: fields over the tier's defaults
+                unknown = set(value) - {f.name for f in fields(TierLimits)}
+                if unknown:
+                    raise ConfigError(f"{key}: unknown keys {sorted(unknown)}; allowed: "
+                                      f"{', '.join(f.name for f in fields(TierLimits))}")
                 value = replace(getattr(SchedulerConfig(), key), **value)
             sched[key] = value
         elif key in top_names:
             top[key] = value
         else:
-            raise TypeError(f"unknown engine argument {key!r}")
+            allowed = sorted(cache_names | sched_names | top_names)
+            raise ConfigError(f"unknown engine argument {key!r}; allowed: {', '.join(allowed)}")
     return EngineConfig(model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **top)
 
 
 # ---- the server ------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServedModel:
-    """One `[[models]]` entry of the server TOML: where the weights are and the engine arguments."""
+    """One `[[models]]` entry of the server TOML: where the weights are and the engine arguments (checked
+    when the entry is built: a bad one fails at start, naming the model, the key and the value)."""
 
     id: str
     source: str
@@ -177,19 +256,32 @@ class ServedModel:
     description: str = ""
     engine_args: dict = field(default_factory=dict)  # vLLM-style flat args; `interactive`/`batch` tables are TierLimits
 
+    def __post_init__(self):
+        _validate(self, dict(id=(lambda v: isinstance(v, str) and v != "" and v != "auto",
+                                 "a non-empty name other than 'auto'"),
+                             source=(lambda v: isinstance(v, str) and v != "", "a path, a catalog id or pkg:..."),
+                             role=(lambda v: v in ("", "fast", "capable"), "fast, capable or empty")))
+        try:
+            self.engine_config()
+        except ConfigError as e:
+            raise ConfigError(f"models[{self.id}]: {e}") from None
+
     def engine_config(self) -> EngineConfig:
         return engine_config_from_kwargs(self.id, **self.engine_args)
 
 
-@dataclass
+@dataclass(frozen=True)
 class AutoRoutingConfig:
     """model="auto": batch -> fast; short prompts -> fast; else capable while its queue is short and it is ready."""
 
     short_prompt_chars: int = 256
     capable_max_queue_depth: int = 4
 
+    def __post_init__(self):
+        _validate(self, dict(short_prompt_chars=NONNEG_INT, capable_max_queue_depth=NONNEG_INT))
 
-@dataclass
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -208,6 +300,20 @@ class ServerConfig:
     load_shedding_fraction: float = 0.9  # "shedding" at this fraction
     auto: AutoRoutingConfig = field(default_factory=AutoRoutingConfig)
     log_level: str = "info"
+
+    def __post_init__(self):
+        ids = [m.id for m in self.models]
+        _validate(self, dict(
+            port=(lambda v: _is_int(v) and 0 <= v < 65536, "an integer in [0, 65535]"),
+            models=(lambda v: len(set(ids)) == len(ids), "models with distinct ids"),
+            stall_timeout_s=POSITIVE_NUMBER, shutdown_timeout_s=NONNEG_NUMBER,
+            ttft_target_ms=(lambda v: isinstance(v, dict) and set(v) <= set(TIER_NAMES)
+                            and all(_is_number(x) and x > 0 for x in v.values()),
+                            "a table of interactive/batch -> milliseconds > 0"),
+            max_body_bytes=POSITIVE_INT, default_max_tokens=POSITIVE_INT, metrics_window_s=POSITIVE_NUMBER,
+            auth_cache_ttl_s=NONNEG_NUMBER, load_high_fraction=FRACTION, load_shedding_fraction=FRACTION,
+            log_level=(lambda v: v in ("critical", "error", "warning", "info", "debug", "trace"),
+                       "critical, error, warning, info, debug or trace")))
 
     @classmethod
     def from_toml(cls, path: str | None = None, **overrides) -> "ServerConfig":
@@ -232,18 +338,21 @@ class ServerConfig:
         if not models_data and path is not None:
             models_data = tomllib.loads(Path(DEFAULT_CONFIG).read_text()).get("models", [])
         known = {"id", "source", "role", "description", "install"}
-        models = [ServedModel(id=m["id"], source=m["source"], role=m.get("role", ""),
-                              description=m.get("description", ""),
-                              engine_args={k: v for k, v in m.items() if k not in known})
-                  for m in models_data or []]
+        models = []
+        for i, m in enumerate(models_data or []):
+            missing = [k for k in ("id", "source") if k not in m]
+            if missing:
+                raise ConfigError(f"[[models]] entry {i} in {path or DEFAULT_CONFIG} has no {' or '.join(missing)}")
+            models.append(ServedModel(id=m["id"], source=m["source"], role=m.get("role", ""),
+                                      description=m.get("description", ""),
+                                      engine_args={k: v for k, v in m.items() if k not in known}))
+        auto_names = set(AutoRoutingConfig.__dataclass_fields__)
+        if set(auto) - auto_names:
+            raise ConfigError(f"unknown [server.auto] keys: {sorted(set(auto) - auto_names)}; allowed: "
+                              f"{', '.join(sorted(auto_names))}")
         names = {f for f in cls.__dataclass_fields__} - {"models", "auto", "config_path"}
         unknown = set(server) - names
         if unknown:
-            raise TypeError(f"unknown [server] keys in {path}: {sorted(unknown)}")
-        cfg = cls(config_path=str(path) if path else None, models=models, auto=AutoRoutingConfig(**auto), **server)
-        for key, value in overrides.items():
-            if value is not None:
-                setattr(cfg, key, value)
-        for m in cfg.models:
-            m.engine_config()  # fail at start-up on a bad engine argument, not in the engine thread
-        return cfg
+            raise ConfigError(f"unknown [server] keys in {path}: {sorted(unknown)}; allowed: {', '.join(sorted(names))}")
+        server.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(config_path=str(path) if path else None, models=models, auto=AutoRoutingConfig(**auto), **server)

@@ -145,16 +145,6 @@ class KVCacheManager:
         state = self._seqs.get(seq.seq_id)
         return state is not None and state.host is not None
 
-    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Fresh blocks `allocate_slots(seq, num_new_tokens)` would take (growth + COW)."""
-        state = self._seqs.get(seq.seq_id)
-        table = state.device if state is not None else []
-        grow = max(0, self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens) - len(table))
-        return grow + len(self._shared_in_write_range(table, seq.num_computed_tokens, num_new_tokens))
-
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.num_blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
-
     # ---- allocation ----------------------------------------------------------------------------
 
     def get_computed_blocks(self, seq: Sequence) -> int:

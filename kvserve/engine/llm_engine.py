@@ -10,6 +10,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
@@ -22,6 +23,7 @@ from kvserve.engine.sampler import Sampler, SamplingMetadata, make_generator
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.scheduler_output import SchedulerOutput
+from kvserve.engine.stops import stop_status, stop_token
 from kvserve.engine.interjection import Interjection
 from kvserve.models.catalog import resolve_model
 from kvserve.models.loader import build_model, load_checkpoint, resolve_device, resolve_dtype
@@ -51,10 +53,10 @@ class _RequestState:
     priority: Priority
     tenant: str
     cache_salt: str | None
+    arrival: float
     seqs: list[_SeqState] = field(default_factory=list)
     forked: bool = False
     finished: bool = False
-    arrival: float = field(default_factory=time.monotonic)
 
     def output(self, model: str) -> RequestOutput:
         parent = self.seqs[0].seq
@@ -87,28 +89,40 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model_id: str | None = None):
-        self.config = config
-        t0 = time.perf_counter()
-        resolved_id, path = resolve_model(config.model)
-        self.model_id = model_id or resolved_id
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        checkpoint = load_checkpoint(path)
-        self.model_config = checkpoint.config
-        self.tokenizer = (Tokenizer.from_gguf_metadata(checkpoint.metadata, name=self.model_id)
-                          if checkpoint.format == "gguf" else Tokenizer.from_hf_dir(path))
-        self.info = ModelInfo(self.model_config, self.tokenizer)
-        sched_cfg = config.scheduler
-        sched_cfg.max_model_len = min(sched_cfg.max_model_len, self.model_config.max_position_embeddings)
-        self.max_model_len = sched_cfg.max_model_len
-        torch.manual_seed(config.seed)
-        model = build_model(checkpoint, self.dtype, self.device, max_positions=self.max_model_len,
-                            int4_decode=config.int4_decode,
-                            onednn_weights=config.onednn_weights, native_decoder=config.native_decoder)
-        del checkpoint
+    """Requests in, RequestOutputs out, one step at a time.
 
+    By default it loads `config.model` and runs it with a ModelRunner. A caller may instead give the
+    `runner` (anything with `execute(SchedulerOutput, interjection) -> logits or None` and the block
+    moves; a simulator's runner only advances its clock) with the model's `info` (config and
+    tokenizer) and `config.cache.num_gpu_blocks_override`. Every timestamp comes from `clock`.
+    """
+
+    def __init__(self, config: EngineConfig, model_id: str | None = None, *, runner=None,
+                 info: ModelInfo | None = None, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        t0 = time.perf_counter()
         cache_cfg = config.cache
+        if runner is None:
+            resolved_id, path = resolve_model(config.model)
+            self.device = resolve_device(config.device)
+            self.dtype = resolve_dtype(config.dtype, self.device)
+            checkpoint = load_checkpoint(path)
+            tokenizer = (Tokenizer.from_gguf_metadata(checkpoint.metadata, name=model_id or resolved_id)
+                         if checkpoint.format == "gguf" else Tokenizer.from_hf_dir(path))
+            info = ModelInfo(checkpoint.config, tokenizer)
+        else:
+            if info is None or not cache_cfg.num_gpu_blocks_override:
+                raise ValueError("an injected runner needs the model's info and config.cache.num_gpu_blocks_override")
+            resolved_id, self.device = config.model, torch.device("cpu")
+            self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_id = model_id or resolved_id
+        self.info = info
+        self.model_config, self.tokenizer = info.config, info.tokenizer
+        sched_cfg = replace(config.scheduler, max_model_len=min(config.scheduler.max_model_len,
+                                                                self.model_config.max_position_embeddings))
+        self.config = config = replace(config, scheduler=sched_cfg)
+        self.max_model_len = sched_cfg.max_model_len
+
         elem = torch.tensor([], dtype=self.dtype).element_size()
         self.kv_bytes_per_token = self.model_config.kv_bytes_per_token_per_element * elem
         block_bytes = cache_cfg.block_size * self.kv_bytes_per_token
@@ -118,11 +132,18 @@ class LLMEngine:
             num_blocks = max(1, self._kv_memory_budget() // block_bytes)
         num_host_blocks = cache_cfg.swap_space // block_bytes
         self.kv = KVCacheManager(num_blocks, num_host_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(sched_cfg, self.kv)
-        from kvserve.engine.runner import ModelRunner
+        self.scheduler = Scheduler(sched_cfg, self.kv, clock=clock)
+        if runner is None:
+            torch.manual_seed(config.seed)
+            model = build_model(checkpoint, self.dtype, self.device, max_positions=self.max_model_len,
+                                int4_decode=config.int4_decode,
+                                onednn_weights=config.onednn_weights, native_decoder=config.native_decoder)
+            del checkpoint
+            from kvserve.engine.runner import ModelRunner
 
-        self.runner = ModelRunner(model, self.model_config, num_blocks, num_host_blocks, cache_cfg.block_size,
-                                  self.dtype, self.device)
+            runner = ModelRunner(model, self.model_config, num_blocks, num_host_blocks, cache_cfg.block_size,
+                                 self.dtype, self.device)
+        self.runner = runner
         self.sampler = Sampler()
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self._requests: dict[str, _RequestState] = {}
@@ -155,7 +176,7 @@ class LLMEngine:
                     arrival: float | None = None) -> str:
         """Queue a request. Raises ContextLengthExceeded / CapacityExhausted at once when refused.
 
-        `arrival` (time.monotonic()) is when it reached the server, if earlier than now: its wait for
+        `arrival` (on the engine's clock) is when it reached the server, if earlier than now: its wait for
         the step in flight then counts in its queue time, TTFT and the admission bounds."""
         params = params or SamplingParams()
         ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(prompt, messages)
@@ -167,8 +188,8 @@ class LLMEngine:
             params.max_tokens = max(1, self.max_model_len - len(ids))
         seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=ids, sampling=params,
                        priority=priority, tenant=tenant, cache_salt=cache_salt)
-        if arrival is not None:
-            seq.timings.arrival = min(arrival, seq.timings.arrival)
+        now = self.clock()
+        seq.timings.arrival = now if arrival is None else min(arrival, now)
         self.scheduler.add_request([seq])  # admission control may raise here
         state = _RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, priority,
                               tenant, cache_salt, arrival=seq.timings.arrival)
@@ -198,7 +219,7 @@ class LLMEngine:
             self._seq_states.pop(ss.seq.seq_id, None)
             if ss.output.finish_reason is None:
                 ss.output.finish_reason = SequenceStatus.FINISHED_ABORTED.finish_reason
-                ss.seq.timings.finished = time.monotonic()
+                ss.seq.timings.finished = self.clock()
             ss.output.delta_text, ss.output.delta_token_ids = "", []
         state.finished = True
         return state.output(self.model_id)
@@ -216,7 +237,7 @@ class LLMEngine:
 
         With `interjection` set (AsyncLLM does), a step that holds batch work may stop between decoder
         layers when its flag is raised, run `interjection.run` (which calls `interject`), and go on."""
-        started = time.monotonic()
+        started = self.clock()
         for state in self._dirty:
             for ss in state.seqs:
                 ss.output.delta_text, ss.output.delta_token_ids, ss.output.delta_logprobs = "", [], None
@@ -230,7 +251,7 @@ class LLMEngine:
         """A step of waiting interactive prompts only, run while the step in flight is suspended between
         layers (Scheduler.schedule_interjection); None when there was nothing to run. Its outputs are the
         new requests' first tokens; the suspended step's come when it ends."""
-        started = time.monotonic()
+        started = self.clock()
         out = self.scheduler.schedule_interjection()
         if not out.scheduled:
             return None
@@ -248,7 +269,7 @@ class LLMEngine:
         elif out.scheduled:
             self.scheduler.update_from_output(out, {})
         num_prefill = sum(s.num_new_tokens for s in out.scheduled if s.seq.is_prefill or s.num_new_tokens > 1)
-        self.last_step = StepStats(started, time.monotonic() - started, len(out.scheduled), num_prefill,
+        self.last_step = StepStats(started, self.clock() - started, len(out.scheduled), num_prefill,
                                    out.num_batched_tokens - num_prefill, len(out.preempted))
         results = []
         for state in touched.values():
@@ -289,18 +310,14 @@ class LLMEngine:
         result = self.sampler(logits, md)
         tokens = result.tolist()
         logprobs = result.logprobs
-        now = time.monotonic()
+        now = self.clock()
         self.scheduler.update_from_output(out, {t[0].seq.seq_id: tok for t, tok in zip(targets, tokens)
                                                 if t[1] is None})
         # Forks first: processing the parent's token may finish it (max_tokens=1, eos, a stop) and free
         # the blocks its forks are to share.
         for (ss, parent), tok in zip(targets, tokens):
-            if parent is not None:  # a new fork: shares the parent's computed prompt
+            if parent is not None:  # a new fork with its own first token (Scheduler.fork: the rest is the parent's)
                 seq = ss.seq
-                seq.num_computed_tokens = parent.seq.num_computed_tokens
-                seq.num_cached_tokens = parent.seq.num_cached_tokens
-                seq.timings.arrival = parent.seq.timings.arrival
-                seq.timings.first_scheduled = parent.seq.timings.first_scheduled
                 seq.append_token(tok)
                 seq.timings.first_token = seq.timings.last_token = now
                 seq.timings.token_times.append(now)
@@ -316,7 +333,7 @@ class LLMEngine:
             return
         # As vLLM: an eos / stop_token_ids token that ends the sequence stays in token_ids but its text
         # is left out of the output unless include_stop_str_in_output.
-        skip_text = not params.include_stop_str_in_output and self._is_stop_token(seq, token)
+        skip_text = not params.include_stop_str_in_output and stop_token(seq, token, self.eos_token_ids)[0]
         delta = "" if skip_text else ss.detok.add_token(token)
         out.token_ids.append(token)
         out.delta_token_ids = out.delta_token_ids + [token]
@@ -325,7 +342,7 @@ class LLMEngine:
                             [(t, self.tokenizer.id_to_token(t), v) for t, v in lp.top])
             out.logprobs.append(entry)
             out.delta_logprobs = (out.delta_logprobs or []) + [entry]
-        status, stop_reason = self._check_stop(ss, token)
+        status, stop_reason = stop_status(seq, token, self.eos_token_ids, ss.detok, self.max_model_len)
         if status is not None:
             out.stop_reason = stop_reason
             if not ss.detok.stopped:
@@ -335,32 +352,11 @@ class LLMEngine:
         if status is not None:
             self._finish(ss, status, touched)
 
-    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
-        p = seq.sampling
-        return seq.num_output_tokens >= p.min_tokens and (
-            (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids)
-
-    def _check_stop(self, ss: _SeqState, token: int) -> tuple[SequenceStatus | None, str | int | None]:
-        seq, p = ss.seq, ss.seq.sampling
-        n_out = seq.num_output_tokens
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return SequenceStatus.FINISHED_STOPPED, None
-            if token in p.stop_token_ids:
-                return SequenceStatus.FINISHED_STOPPED, token
-            if ss.detok.stopped:
-                return SequenceStatus.FINISHED_STOPPED, ss.detok.stop_reason
-        if p.max_tokens is not None and n_out >= p.max_tokens:
-            return SequenceStatus.FINISHED_LENGTH, None
-        if seq.num_tokens >= self.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH, None
-        return None, None
-
     def _finish(self, ss: _SeqState, status: SequenceStatus, touched: dict) -> None:
         seq = ss.seq
         if not seq.is_finished:
             self.scheduler.finish(seq, status)
-        seq.timings.finished = seq.timings.finished or time.monotonic()
+        seq.timings.finished = seq.timings.finished or self.clock()
         ss.output.finish_reason = status.finish_reason
         state = self._requests.get(seq.request_id)
         if state is not None:
@@ -372,9 +368,6 @@ class LLMEngine:
             for o in ro.outputs:
                 o.delta_text, o.delta_token_ids, o.delta_logprobs = "", [], None
 
-    def stats(self) -> dict:
-        return self.scheduler.stats()
-
 
 class LLM:
     """Offline batch inference with vLLM's shape: LLM("smollm2-135m").generate(prompts, params)."""
@@ -383,7 +376,8 @@ class LLM:
         config = engine_config_from_kwargs(model, **engine_args)
         if "interactive" not in engine_args and "batch" not in engine_args:
             # Offline work is all submitted at once: queue bounds are for servers, not for a batch job.
-            config.scheduler.interactive = config.scheduler.batch = TierLimits.unbounded()
+            config = replace(config, scheduler=replace(config.scheduler, interactive=TierLimits.unbounded(),
+                                                       batch=TierLimits.unbounded()))
         self.engine = LLMEngine(config)
 
     def get_tokenizer(self) -> Tokenizer:

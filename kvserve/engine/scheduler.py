@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.config import PreemptionMode, SchedulerConfig, TierLimits
-from kvserve.engine.errors import CapacityExhausted, ContextLengthExceeded, InvalidRequest
+from kvserve.engine import admission
+from kvserve.engine.admission import EXPECTED_OUTPUT_TOKENS
 from kvserve.engine.kv_cache import KVCacheManager, KVCacheUsage
 from kvserve.engine.request import Priority, Sequence, SequenceStatus
 from kvserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -25,8 +26,6 @@ from kvserve.engine.step_time import StepTimeModel
 # Virtual-time fair queuing weights (VTC's defaults): a generated token costs about two prompt tokens.
 PROMPT_TOKEN_WEIGHT = 1.0
 OUTPUT_TOKEN_WEIGHT = 2.0
-# Output tokens assumed per queued sequence when estimating queue wait (max_tokens caps it).
-EXPECTED_OUTPUT_TOKENS = 256
 
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
@@ -139,7 +138,7 @@ class Scheduler:
         for seq in seqs:
             if seq.status is not WAITING or seq.seq_id in self._state:
                 raise ValueError(f"{seq!r} is not a new waiting sequence")
-            self._check_fits(seq)
+            admission.check_fits(self.config, self.kv, seq)
         for prio in sorted({s.priority for s in seqs}):
             self._check_tier_bounds(prio, [s for s in seqs if s.priority is prio])
         for seq in seqs:
@@ -156,39 +155,8 @@ class Scheduler:
         return self._estimates(tier, prompt_tokens)[1]
 
     def _estimates(self, tier: Priority, own_prompt_tokens: int) -> tuple[float, float]:
-        """(queue wait, time to first token) of a request arriving now in `tier` with `own_prompt_tokens`,
-        from one pass over the running batch. Two parts, each timed by the step-time model (fixed + per
-        decode + per prefill token):
-        - the prompt tokens ahead of it (running sequences still prefilling, then those queued in its tier
-          and above; for the TTFT, its own after them), prefilled in chunks of max_num_batched_tokens
-          less the running decodes, each chunk's step also decoding those;
-        - the wait for a seat: when the running sequences plus those queued ahead fill max_num_seqs,
-          it starts only as running sequences finish. A running sequence has max_tokens minus what it
-          has generated left (EXPECTED_OUTPUT_TOKENS without max_tokens; an upper bound when EOS
-          comes first), one token per decode step of the running batch. Seats needed beyond the
-          running ones free up a round later each, a round being the expected output of the queued
-          requests.
-        """
         ahead = [t for prio, t in self._tiers.items() if prio <= tier]
-        model, running = self.step_time, len(self._running)
-        # Running sequences still prefilling (chunked, or just admitted) go first.
-        owed = sum(s.num_uncomputed_tokens for s in self._running if s.is_prefill)
-        tokens = owed + sum(t.prompt_tokens for t in ahead)
-        budget = self.config.max_num_batched_tokens
-        queue_prefill = model.prefill_seconds(tokens, running, budget)
-        ttft_prefill = model.prefill_seconds(tokens + own_prompt_tokens, running, budget)
-        waiting = sum(t.num_waiting for t in ahead)
-        need = waiting + 1 - (self.config.max_num_seqs - running)
-        if need <= 0 or not self._running:
-            return queue_prefill, ttft_prefill
-        left = sorted(max(1, (s.sampling.max_tokens or EXPECTED_OUTPUT_TOKENS) - s.num_output_tokens)
-                      for s in self._running)
-        steps = left[min(need, len(left)) - 1]
-        if need > len(left):
-            round_tokens = sum(t.output_tokens for t in ahead) / max(1, waiting)
-            steps += -(-(need - len(left)) // self.config.max_num_seqs) * round_tokens
-        seat = steps * model.predict(running)
-        return queue_prefill + seat, ttft_prefill + seat
+        return admission.estimates(self.config, self.step_time, self._running, ahead, own_prompt_tokens)
 
     @property
     def tokens_per_s(self) -> float:
@@ -196,49 +164,14 @@ class Scheduler:
         n = max(1, len(self._running))
         return n / self.step_time.predict(n)
 
-    def _check_fits(self, seq: Sequence) -> None:
-        cfg, p, max_tokens = self.config, seq.num_prompt_tokens, seq.sampling.max_tokens
-        if p == 0:
-            raise InvalidRequest("the prompt encodes to no tokens", param="prompt", code="invalid_prompt")
-        if p >= cfg.max_model_len:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {cfg.max_model_len} tokens; the prompt has {p} tokens.")
-        if max_tokens is not None and p + max_tokens > cfg.max_model_len:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {cfg.max_model_len} tokens; the prompt ({p} tokens) "
-                f"plus max_tokens ({max_tokens}) exceeds it.")
-        # K/V is held for every token but the last sampled one.
-        kv_tokens = p + (max_tokens - 1 if max_tokens else 0)
-        need = self.kv.blocks_for_tokens(kv_tokens)
-        if need > self.kv.num_device_blocks:
-            pool = self.kv.num_device_blocks * self.kv.block_size
-            raise ContextLengthExceeded(
-                f"the request needs {kv_tokens} tokens of KV cache ({need} blocks) but the KV cache pool "
-                f"holds only {pool} tokens ({self.kv.num_device_blocks} blocks); shorten the prompt or max_tokens")
-
     def _check_tier_bounds(self, prio: Priority, seqs: list[Sequence]) -> None:
-        """Queue bounds; the wait bounds count what the request has waited since its arrival stamp (the
+        """The tier's bounds; the wait bounds count what the request has waited since its arrival stamp (the
         server stamps it on submission, so the step in flight when it came counts)."""
-        tier, name, limits = self._tiers[prio], prio.name.lower(), self._limits(prio)
         waited = max(0.0, self._clock() - min(s.timings.arrival for s in seqs))
         tokens = sum(s.num_prompt_tokens for s in seqs)
         wait, ttft = (waited + e for e in self._estimates(prio, tokens))
-        retry = max(1.0, wait)
-        if tier.num_waiting + len(seqs) > limits.max_waiting:
-            raise CapacityExhausted(f"the {name} queue is full ({tier.num_waiting} waiting, limit "
-                                    f"{limits.max_waiting})", retry_after=retry, reason="queue_full")
-        # A lone request larger than the bound is let in: it is queued behind nothing.
-        if tier.num_waiting and tier.prompt_tokens + tokens > limits.max_queued_prompt_tokens:
-            raise CapacityExhausted(f"the {name} queue holds {tier.prompt_tokens} prompt tokens (limit "
-                                    f"{limits.max_queued_prompt_tokens})", retry_after=retry, reason="queue_tokens")
-        if wait > limits.max_queue_wait_s:
-            raise CapacityExhausted(f"the estimated {name} queue wait is {wait:.1f}s (limit "
-                                    f"{limits.max_queue_wait_s:.1f}s)",
-                                    retry_after=max(1.0, wait - limits.max_queue_wait_s), reason="queue_wait")
-        if ttft > limits.max_ttft_s:
-            raise CapacityExhausted(f"the estimated {name} time to first token is {ttft:.2f}s (limit "
-                                    f"{limits.max_ttft_s:.2f}s)",
-                                    retry_after=max(1.0, ttft - limits.max_ttft_s), reason="ttft")
+        admission.check_tier_bounds(prio.name.lower(), self._limits(prio), self._tiers[prio], len(seqs), tokens,
+                                    wait, ttft)
 
     # ---- the step ------------------------------------------------------------------------------
 

@@ -1,8 +1,6 @@
 """A decoder-only causal LM over the paged KV cache; model files supply the decoder layer."""
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
@@ -15,7 +13,6 @@ _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 class CausalLM(nn.Module):

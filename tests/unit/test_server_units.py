@@ -4,6 +4,7 @@ fake engine (no model)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 from types import SimpleNamespace
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from kvserve.config import SchedulerConfig, ServedModel, ServerConfig, engine_config_from_kwargs
+from kvserve.config import ConfigError, SchedulerConfig, ServedModel, ServerConfig, engine_config_from_kwargs
 from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.errors import (CapacityExhausted, ContextLengthExceeded, InvalidRequest, ModelFailed, ModelNotFound,
@@ -279,12 +280,31 @@ max_waiting = 5
     assert flat.scheduler.interactive.max_ttft_s == 0.7 and flat.scheduler.interactive.max_waiting == 1024
     assert flat.scheduler.batch.max_waiting == 7 and flat.scheduler.batch.max_queue_wait_s == 3600.0
     bad = tmp_path / "bad.toml"
-    bad.write_text('[server]\nsize = 3\n[[models]]\nid = "a"\nsource = "x"\n')
-    with pytest.raises(TypeError):
+    # A bad key or value fails when the config is read (at start), naming the key, the value and what is allowed.
+    cases = {
+        '[server]\nsize = 3\n': r"unknown \[server\] keys .*\['size'\]; allowed: .*port",
+        '[server]\nload_high_fraction = 1.5\n': r"load_high_fraction = 1.5 is not allowed: a number in \(0, 1\]",
+        '[server.auto]\nshort_prompt = 3\n': r"unknown \[server.auto\] keys: \['short_prompt'\]",
+        'max_num_sequences = 3\n': r"models\[a\]: unknown engine argument 'max_num_sequences'; allowed: .*max_num_seqs",
+        'max_num_seqs = 0\n': r"models\[a\]: SchedulerConfig.max_num_seqs = 0 is not allowed: an integer > 0",
+        'preemption_mode = "sometimes"\n': r"preemption_mode = 'sometimes' is not allowed: one of swap, recompute, auto",
+        'kv_cache_memory = "lots"\n': r"kv_cache_memory = 'lots' is not allowed: a byte size",
+        'dtype = "int3"\n': r"EngineConfig.dtype = 'int3' is not allowed: one of auto, float32",
+        '[models.batch]\nmax_waiting = -1\n': r"models\[a\]: TierLimits.max_waiting = -1 is not allowed",
+        '[models.interactive]\nmax_wait = 2\n': r"interactive: unknown keys \['max_wait'\]",
+    }
+    for text, message in cases.items():
+        if text.startswith("[server"):
+            bad.write_text(text + '[[models]]\nid = "a"\nsource = "x"\n')
+        else:
+            bad.write_text('[[models]]\nid = "a"\nsource = "x"\n' + text)
+        with pytest.raises(ConfigError, match=message):
+            ServerConfig.from_toml(str(bad))
+    bad.write_text('[[models]]\nsource = "x"\n')
+    with pytest.raises(ConfigError, match="has no id"):
         ServerConfig.from_toml(str(bad))
-    bad.write_text('[[models]]\nid = "a"\nsource = "x"\nmax_num_sequences = 3\n')
-    with pytest.raises(TypeError):
-        ServerConfig.from_toml(str(bad))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.port = 1  # configs are values: what was validated stays so
     default = ServerConfig.from_toml()
     assert [m.role for m in default.models] == ["fast", "capable"]
 
