@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
-from enum import Enum
+from enum import Enum, IntEnum
 
 
 class PreemptionMode(str, Enum):
@@ -100,7 +100,32 @@ class CacheConfig:
                              cache_dtype=(lambda v: v in ("auto",) + DTYPES, f"one of auto, {', '.join(DTYPES)}")))
 
 
-TIER_NAMES = ("interactive", "batch")
+class Priority(IntEnum):
+    """A request's tier, the one type for it: lower value runs first. Interactive work may preempt batch
+    work, never the reverse. On the wire and in config files it is its `label`."""
+
+    INTERACTIVE = 0
+    BATCH = 1
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def parse(cls, value: "str | Priority | None") -> "Priority":
+        if value is None:
+            return cls.INTERACTIVE
+        if isinstance(value, Priority):
+            return value
+        try:
+            return cls[str(value).upper()]
+        except KeyError:
+            from kvserve.engine.errors import InvalidRequest
+
+            raise InvalidRequest(f"priority must be 'interactive' or 'batch', got {value!r}", param="priority") from None
+
+
+TIER_NAMES = tuple(p.label for p in Priority)
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half")
 
 

@@ -10,26 +10,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from kvserve.engine.errors import InvalidRequest
+from kvserve.config import Priority  # noqa: F401  (the tier type, defined with the tier limits)
 from kvserve.engine.sampling import SamplingParams
-
-
-class Priority(enum.IntEnum):
-    """Lower value runs first. Interactive work may preempt batch work, never the reverse."""
-
-    INTERACTIVE = 0
-    BATCH = 1
-
-    @classmethod
-    def parse(cls, value: "str | Priority | None") -> "Priority":
-        if value is None:
-            return cls.INTERACTIVE
-        if isinstance(value, Priority):
-            return value
-        try:
-            return cls[str(value).upper()]
-        except KeyError:
-            raise InvalidRequest(f"priority must be 'interactive' or 'batch', got {value!r}", param="priority") from None
 
 
 class SequenceStatus(enum.Enum):

@@ -170,7 +170,7 @@ class Scheduler:
         waited = max(0.0, self._clock() - min(s.timings.arrival for s in seqs))
         tokens = sum(s.num_prompt_tokens for s in seqs)
         wait, ttft = (waited + e for e in self._estimates(prio, tokens))
-        admission.check_tier_bounds(prio.name.lower(), self._limits(prio), self._tiers[prio], len(seqs), tokens,
+        admission.check_tier_bounds(prio.label, self._limits(prio), self._tiers[prio], len(seqs), tokens,
                                     wait, ttft)
 
     # ---- the step ------------------------------------------------------------------------------

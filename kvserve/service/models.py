@@ -127,7 +127,7 @@ class ModelHandle:
         stats = self.client.stats
         counts = {t: 0 for t in TIER_NAMES}
         if stats is not None:
-            counts.update({p.name.lower(): n for p, n in stats.waiting.items()})
+            counts.update({p.label: n for p, n in stats.waiting.items()})
         return counts
 
     def queue_depth(self, tier: str) -> int:
@@ -139,7 +139,7 @@ class ModelHandle:
         if stats is None:
             return LiveModelStats(self.id, 0, waiting, 0.0, 0, 0)
         return LiveModelStats(self.id, stats.running, waiting, stats.kv.device_usage, stats.prefix_query_tokens,
-                              stats.prefix_hit_tokens, {p.name.lower(): t for p, t in stats.ttft_s.items()})
+                              stats.prefix_hit_tokens, {p.label: t for p, t in stats.ttft_s.items()})
 
     def load(self, tier: str) -> LoadLevel:
         cfg = self.config

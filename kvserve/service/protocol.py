@@ -16,9 +16,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvserve.config import TIER_NAMES
 from kvserve.engine.sampling import SamplingParams
 
-Tier = Literal["interactive", "batch"]
+Tier = Literal[TIER_NAMES]  # the labels of kvserve.config.Priority
 MAX_N = 128
 MAX_LOGPROBS = 20
 
