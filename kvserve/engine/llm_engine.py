@@ -154,8 +154,10 @@ class LLMEngine:
         self.interjection: Interjection | None = None  # set by AsyncLLM: see step()
         self.last_step: StepStats | None = None
         self.load_seconds = time.perf_counter() - t0
-        log.info("loaded %s (%s, %s) in %.1fs: %d KV blocks of %d tokens, %d host blocks", self.model_id,
-                 self.dtype, self.device, self.load_seconds, num_blocks, cache_cfg.block_size, num_host_blocks)
+        backend = getattr(getattr(runner, "model", None), "backend", None)
+        log.info("loaded %s (%s, %s, path %s) in %.1fs: %d KV blocks of %d tokens, %d host blocks", self.model_id,
+                 self.dtype, self.device, backend.name if backend else "injected runner", self.load_seconds,
+                 num_blocks, cache_cfg.block_size, num_host_blocks)
 
     def _kv_memory_budget(self) -> int:
         if self.config.cache.kv_cache_memory:

@@ -278,14 +278,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
-def for_tensor(x: torch.Tensor) -> NativeKernels | None:
-    """The kernels when they serve this tensor (CPU, fp32/bf16, built), else None: use torch ops."""
-    if x.device.type != "cpu":
-        return None
-    lib = load()
-    return lib if lib is not None and lib.handles(x) else None
-
-
 def load() -> NativeKernels | None:
     """The kernels, built on first call; None (and one warning) when they cannot be built."""
     global _library

@@ -11,8 +11,9 @@ attended in one batched gather + matmul over their block tables; each prefill ch
 over its gathered context (a handful per step, never a per-token loop).
 
 On the CPU, decode attention and the K/V writes go through the native kernels of
-`kvserve.kernels.cpu` when they build (they read the cache through the block tables in place instead
-of gathering a dense copy per layer); the torch code below is the reference and the fallback.
+`kvserve.kernels.cpu` when the model's backend has them (they read the cache through the block tables
+in place instead of gathering a dense copy per layer); the torch code below is the reference and the
+fallback.
 """
 from __future__ import annotations
 
@@ -158,13 +159,14 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, sliding_window: int | None = None, kv_written: bool = False) -> torch.Tensor:
+                    scale: float, sliding_window: int | None = None, kv_written: bool = False,
+                    native: "cpu_kernels.NativeKernels | None" = None) -> torch.Tensor:
     """query [T, Hq, D], key/value [T, Hkv, D] (this step's new tokens) -> output [T, Hq, D].
 
     Writes the new K/V into the cache first (unless the caller's fused kernel did: `kv_written`), then
-    attends through the block tables.
+    attends through the block tables: with `native` (the model's backend: contiguous CPU caches), the
+    writes and the decodes' attention run in the native kernels, else in torch.
     """
-    native = cpu_kernels.for_tensor(key_cache) if key_cache.is_contiguous() else None
     if not kv_written:
         if native is not None:
             native.write_kv(key_cache, value_cache, key, value, meta.slot_mapping)

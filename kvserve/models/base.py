@@ -72,13 +72,20 @@ class CausalLM(nn.Module):
             return onednn_linear(hidden, self.lm_head_onednn, None).float()
         return torch.nn.functional.linear(hidden, self.lm_head).float()
 
-    def attach_native_decoder(self) -> bool:
-        """Pack the projections for the fused native decoder where it applies (CPU, bf16, AMX); must
-        run before `prepack_onednn` frees the dense weights. Returns whether it attached."""
+    def attach_native_decoder(self, native) -> bool:
+        """Pack the projections for the fused native decoder where it applies (bf16, AMX kernels: see
+        models/backend.prepare); before `prepack_onednn` frees the dense weights. Returns whether it attached."""
         from kvserve.models.native_decoder import NativeDecoder
 
-        self.native_decoder = NativeDecoder.build(self)
+        self.native_decoder = NativeDecoder.build(self, native)
         return self.native_decoder is not None
+
+    def use_backend(self, backend) -> None:
+        """Every layer asks this backend for its path (models/backend.py)."""
+        self.backend = backend
+        for module in self.modules():
+            if module is not self and hasattr(type(module), "backend"):
+                module.backend = backend
 
     def prepack_onednn(self) -> None:
         """Reorder every projection (and the LM head) into oneDNN's layout; the dense copies are freed,

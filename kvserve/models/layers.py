@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels import cpu as cpu_kernels
+from kvserve.models.backend import TORCH, Backend
 from kvserve.models.int4 import MAX_PACKED_ROWS
 
 
@@ -18,6 +18,8 @@ def frozen(t: torch.Tensor) -> nn.Parameter:
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32. Gemma stores the weight as an offset from 1 (`unit_offset`)."""
 
+    backend: Backend = TORCH
+
     def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
         self.weight = frozen(torch.zeros(dim) if unit_offset else torch.ones(dim))
@@ -25,7 +27,7 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        native = cpu_kernels.for_tensor(x)
+        native = self.backend.native
         if native is not None and self.weight.dtype == x.dtype:
             return native.rms_norm(x, self.weight, self.eps, self.unit_offset)
         dtype = x.dtype
@@ -40,7 +42,7 @@ class RMSNorm(nn.Module):
         (one native pass; the sum may be written into `residual`). residual None: (norm(x), x)."""
         if residual is None:
             return self(x), x
-        native = cpu_kernels.for_tensor(x)
+        native = self.backend.native
         if native is not None and self.weight.dtype == x.dtype == residual.dtype:
             return native.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
         residual = x + residual
@@ -72,6 +74,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
 class Rotary(nn.Module):
     """Rotate-half (NeoX layout) rotary embedding with a precomputed cos/sin table."""
 
+    backend: Backend = TORCH
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None):
         super().__init__()
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
@@ -100,7 +104,7 @@ class Rotary(nn.Module):
 
         `cache` (per forward pass) keeps the looked-up cos/sin so the layers share one lookup.
         """
-        native = cpu_kernels.for_tensor(q)
+        native = self.backend.native
         if native is not None and k.dtype == q.dtype:
             self.check_positions(positions, cache)
             return (native.rotary_(q, positions, self.cos, self.sin),
@@ -209,6 +213,8 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 class SelfAttention(nn.Module):
     """Fused QKV projection, optional per-head QK norm (Gemma 3), rotary, paged attention, output projection."""
 
+    backend: Backend = TORCH
+
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  rotary: "Rotary", sliding_window: int | None = None, qk_norm_eps: float | None = None,
                  bias: bool = False):
@@ -234,8 +240,8 @@ class SelfAttention(nn.Module):
         qkv = linear(self.qkv_proj, x)
         key_cache, value_cache = kv_cache
         q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_proj.splits, dim=-1))
-        native = cpu_kernels.for_tensor(qkv)
-        if native is not None and qkv.dtype == key_cache.dtype and key_cache.is_contiguous():
+        native = self.backend.native if key_cache.is_contiguous() else None
+        if native is not None and qkv.dtype == key_cache.dtype:
             # QK norm, rotary and the K/V cache writes in one pass over the new tokens.
             self.rotary.check_positions(positions, meta.cache)
             norm = self.q_norm
@@ -250,12 +256,14 @@ class SelfAttention(nn.Module):
             q, k = self.rotary(positions, q, k, meta.cache)
             written = False
         o = paged_attention(q, k, v, key_cache, value_cache, meta, self.scale, self.sliding_window,
-                            kv_written=written)
+                            kv_written=written, native=native)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul."""
+
+    backend: Backend = TORCH
 
     def __init__(self, hidden: int, intermediate: int, activation: str):
         super().__init__()
@@ -264,7 +272,7 @@ class GatedMLP(nn.Module):
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        native = cpu_kernels.for_tensor(x)
+        native = self.backend.native
         if native is not None:
             return self.down_proj(native.gated_act(linear(self.gate_up_proj, x), self.activation))
         gate, up = self.gate_up_proj(x)

@@ -20,8 +20,8 @@ from kvserve.kernels import isa
 from kvserve.models.gguf_file import GGUFFile, GGUFTensor
 from kvserve.models.model_info import (SUPPORTED_ARCHITECTURES, ModelInfo, ModelLoadError, config_from_gguf,  # noqa: F401
                                        config_from_hf, read_model_info)
-from kvserve.models.layers import onednn_prepack_available
-from kvserve.models.int4 import Q4_0, Q4_1, Int4Weight, packed_kernel_available, unpack_gguf_q4
+from kvserve.models import backend
+from kvserve.models.int4 import Q4_0, Q4_1, Int4Weight, unpack_gguf_q4
 
 
 
@@ -200,7 +200,8 @@ def model_class(config: ModelConfig):
 def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
                 max_positions: int | None = None, int4_decode: bool = True, onednn_weights: bool = True,
                 native_decoder: bool = True):
-    """Instantiate the model on `device` in `dtype` and load the checkpoint's weights into it.
+    """Instantiate the model on `device` in `dtype`, load the checkpoint's weights into it and prepare it
+    for its hardware path (models/backend.py; the flags below switch parts of that path off).
 
     int4_decode: on the CPU in bfloat16, also keep the file's Q4_0/Q4_1 matrices packed for
     small-batch decode (see models/int4.py), unless the native decoder attached (it serves those).
@@ -217,12 +218,8 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
     model = model_class(config)(config)
     model.load_weights(checkpoint.tensors)
     model = model.to(device=device, dtype=dtype)
-    cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
-    fused = native_decoder and cpu_bf16 and model.attach_native_decoder()
-    if int4_decode and not fused and checkpoint.int4 and cpu_bf16 and packed_kernel_available():
-        model.attach_int4(checkpoint.int4, dtype)  # the fused decoder beats it even on single decodes
-    if onednn_weights and cpu_bf16 and onednn_prepack_available():
-        model.prepack_onednn()
+    backend.prepare(model, device, dtype, checkpoint.int4, int4_decode=int4_decode, onednn_weights=onednn_weights,
+                    native_decoder=native_decoder)
     model.eval()
     return model
 

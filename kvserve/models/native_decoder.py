@@ -112,9 +112,9 @@ class NativeDecoder:
         return self.phase_seconds
 
     @classmethod
-    def build(cls, model) -> "NativeDecoder | None":
-        """The fused decoder for this model, or None where it does not apply (see the module docstring)."""
-        native = cpu_kernels.load()
+    def build(cls, model, native: cpu_kernels.NativeKernels | None) -> "NativeDecoder | None":
+        """The fused decoder for this model on these kernels, or None where it does not apply (see the
+        module docstring)."""
         if native is None or not native.amx or not cls.supports(model):
             return None
         return cls(model, native)

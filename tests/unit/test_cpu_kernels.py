@@ -9,6 +9,7 @@ import torch
 
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.models import attention as A
+from kvserve.models.backend import TORCH, Backend, choose
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler on this machine")
 
@@ -128,11 +129,12 @@ def test_paged_attention_same_with_and_without_native_kernels(native, dtype, mon
             prefills=[A.PrefillChunk(3, 33, 33, torch.tensor(prefill_table)),
                       A.PrefillChunk(36, 30, 50, torch.tensor(cont_table))])
         kc, vc = base_k.clone(), base_v.clone()
-        out = A.paged_attention(q, k, v, kc, vc, meta, hd ** -0.5)
+        out = A.paged_attention(q, k, v, kc, vc, meta, hd ** -0.5, native=kernels)
         return out, kc, vc
 
+    kernels = native
     with_native = run()
-    monkeypatch.setattr(cpu_kernels, "_library", None)  # as when no compiler is found
+    kernels = None  # the torch path (CUDA, no compiler)
     reference = run()
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0, atol=3e-2)
     torch.testing.assert_close(with_native[0].float(), reference[0].float(), **tol)
@@ -163,14 +165,19 @@ def test_missing_compiler_is_an_error_that_load_turns_into_the_torch_path(monkey
     monkeypatch.setattr(cpu_kernels, "_library", False)
     monkeypatch.setenv("KVSERVE_NATIVE_KERNELS", "1")
     assert cpu_kernels.load() is None
-    q, kc, vc, meta = _paged_setup(torch.float32, 2, 4, 2, 16, 4, [3, 9])
-    assert cpu_kernels.for_tensor(kc) is None
+    assert choose(torch.device("cpu"), torch.float32) == Backend("cpu-torch")
 
 
 # ---- fused elementwise kernels against the torch code of models/layers.py ----------------------------
 
-def _torch_path(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "_library", None)
+def _kernels(native, *modules):
+    for m in modules:
+        m.backend = Backend("cpu-native", native)
+
+
+def _torch_path(*modules):
+    for m in modules:
+        m.backend = TORCH
 
 
 def _close(out, ref, dtype):
@@ -192,11 +199,10 @@ def test_rms_norm_matches_torch(native, dtype, unit_offset, monkeypatch):
     hidden = (torch.randn(13, 72, generator=g) * 3).to(dtype)  # 72: a 16-lane body and a scalar tail
     qkv = torch.randn(5, 7 * 72, generator=g).to(dtype)
     heads = qkv[:, :4 * 72].view(5, 4, 72)  # QK-norm input: a strided view of the fused projection
-    assert cpu_kernels.for_tensor(hidden) is native  # the kernel path runs first, then the torch one
     deep = torch.randn(2, 3, 4, 72, generator=g).to(dtype)  # more than 3 dims: flattened to rows, shape kept
+    _kernels(native, norm)  # the kernel path runs first, then the torch one
     outs = [norm(hidden), norm(heads), norm(deep)]
-    _torch_path(monkeypatch)
-    assert cpu_kernels.for_tensor(hidden) is None
+    _torch_path(norm)
     refs = [norm(hidden), norm(heads), norm(deep)]
     for out, ref in zip(outs, refs):
         assert out.shape == ref.shape and out.dtype == dtype
@@ -217,8 +223,9 @@ def test_rotary_matches_torch_in_place_on_projection_views(native, dtype, monkey
     def views(t):
         return t[:, :9 * 64].view(6, 9, 64), t[:, 9 * 64:12 * 64].view(6, 3, 64)
 
+    _kernels(native, rot)
     q, k = rot(positions, *views(qkv.clone()), {})
-    _torch_path(monkeypatch)
+    _torch_path(rot)
     q_ref, k_ref = rot(positions, *views(qkv.clone()), {})
     _close(q, q_ref, dtype)
     _close(k, k_ref, dtype)
@@ -229,6 +236,7 @@ def test_rotary_refuses_positions_beyond_its_table(native):
     from kvserve.models.layers import Rotary
 
     rot = Rotary(16, 8, 10000.0)
+    _kernels(native, rot)
     q = torch.randn(2, 2, 16)
     with pytest.raises(IndexError):
         rot(torch.tensor([3, 8]), q, q.clone(), {})
@@ -245,6 +253,22 @@ def test_gated_mlp_matches_torch(native, dtype, activation, monkeypatch):
     mlp.gate_up_proj.weight.data = (torch.randn(112, 40, generator=g) * 0.5).to(dtype)
     mlp.down_proj.weight.data = (torch.randn(40, 56, generator=g) * 0.2).to(dtype)
     x = (torch.randn(9, 40, generator=g) * 2).to(dtype)
+    _kernels(native, mlp)
     out = mlp(x)
-    _torch_path(monkeypatch)
+    _torch_path(mlp)
     _close(out, mlp(x), dtype)
+
+
+@needs_compiler
+def test_a_built_model_asks_the_backend_chosen_at_load(native, tiny_llama_gguf):
+    """The hardware path is decided once (models/backend.prepare) and every layer asks it."""
+    from kvserve.models.layers import GatedMLP, RMSNorm, Rotary, SelfAttention
+    from kvserve.models.loader import build_model, load_checkpoint
+
+    ck = load_checkpoint(tiny_llama_gguf)
+    for dtype, kernels in [(torch.float32, True), (torch.float16, False)]:
+        model = build_model(ck, dtype, torch.device("cpu"), 256)
+        expected = Backend("cpu-native", native) if kernels else Backend("cpu-torch")
+        assert model.backend == expected
+        layers = [m for m in model.modules() if isinstance(m, (RMSNorm, Rotary, SelfAttention, GatedMLP))]
+        assert len(layers) > 4 and all(m.backend is model.backend for m in layers)
