@@ -1,0 +1,1 @@
+"""The fleet: engine replicas behind one gateway (Ray Serve). `routing` is the pure replica-choice policy."""
