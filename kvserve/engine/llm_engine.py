@@ -9,21 +9,20 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 from kvserve.config import EngineConfig, TierLimits, engine_config_from_kwargs
-from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.kv_cache import KVCacheManager
-from kvserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from kvserve.engine.request import Priority, Sequence, SequenceStatus
+from kvserve.engine.output_processor import OutputProcessor, RequestState, SeqState
+from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.request import Priority, Sequence
 from kvserve.engine.sampler import Sampler, SamplingMetadata, make_generator
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.scheduler_output import SchedulerOutput
-from kvserve.engine.stops import stop_status, stop_token
 from kvserve.engine.interjection import Interjection
 from kvserve.models.catalog import resolve_model
 from kvserve.models.loader import build_model, load_checkpoint, resolve_device, resolve_dtype
@@ -34,46 +33,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_MEMORY = 2 << 30
 DEFAULT_GPU_KV_FRACTION = 0.5
-
-
-@dataclass
-class _SeqState:
-    seq: Sequence
-    detok: IncrementalDetokenizer
-    generator: torch.Generator | None
-    output: CompletionOutput
-
-
-@dataclass
-class _RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: Priority
-    tenant: str
-    cache_salt: str | None
-    arrival: float
-    seqs: list[_SeqState] = field(default_factory=list)
-    forked: bool = False
-    finished: bool = False
-
-    def output(self, model: str) -> RequestOutput:
-        parent = self.seqs[0].seq
-        t = parent.timings
-        finished_time = None
-        if self.finished:
-            finished_time = max((s.seq.timings.finished or 0.0) for s in self.seqs) or None
-        metrics = RequestMetrics(arrival_time=self.arrival, first_scheduled_time=t.first_scheduled,
-                                 first_token_time=t.first_token, last_token_time=t.last_token,
-                                 finished_time=finished_time,
-                                 queue_time=t.queue_time,
-                                 num_preemptions=sum(s.seq.num_preemptions for s in self.seqs))
-        # Shallow copies: the engine rebinds (never mutates) delta fields, so a snapshot handed to
-        # another thread stays valid while the engine moves on.
-        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                             outputs=[replace(s.output) for s in self.seqs], finished=self.finished,
-                             num_cached_tokens=parent.num_cached_tokens, metrics=metrics, model=model)
 
 
 @dataclass
@@ -146,11 +105,10 @@ class LLMEngine:
         self.runner = runner
         self.sampler = Sampler()
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
-        self._requests: dict[str, _RequestState] = {}
-        self._seq_states: dict[int, _SeqState] = {}
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler, clock,
+                                       self.model_id)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
-        self._dirty: list[_RequestState] = []  # requests whose deltas the next step clears
         self.interjection: Interjection | None = None  # set by AsyncLLM: see step()
         self.last_step: StepStats | None = None
         self.load_seconds = time.perf_counter() - t0
@@ -183,7 +141,7 @@ class LLMEngine:
         params = params or SamplingParams()
         ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(prompt, messages)
         request_id = request_id or f"req-{next(self._request_ids)}"
-        if request_id in self._requests:
+        if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         priority = Priority.parse(priority)
         if params.max_tokens is None:  # what the context leaves (Scheduler.add_request refuses a prompt that fills it)
@@ -193,45 +151,27 @@ class LLMEngine:
         now = self.clock()
         seq.timings.arrival = now if arrival is None else min(arrival, now)
         self.scheduler.add_request([seq])  # admission control may raise here
-        state = _RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, priority,
-                              tenant, cache_salt, arrival=seq.timings.arrival)
-        self._requests[request_id] = state
+        state = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, priority,
+                             tenant, cache_salt, arrival=seq.timings.arrival)
+        self.outputs.add(state)
         self._track(state, seq)
         return request_id
 
-    def _track(self, state: _RequestState, seq: Sequence) -> _SeqState:
+    def _track(self, state: RequestState, seq: Sequence):
         p = state.params
-        gen = make_generator(p.seed, seq.fork_index, self.device) if p.seed is not None else None
-        detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids,
-                                       skip_special_tokens=p.skip_special_tokens, stop=p.stop,
-                                       include_stop_str_in_output=p.include_stop_str_in_output)
-        ss = _SeqState(seq, detok, gen, CompletionOutput(index=seq.fork_index,
-                                                          logprobs=[] if p.logprobs is not None else None))
-        state.seqs.append(ss)
-        self._seq_states[seq.seq_id] = ss
-        return ss
+        return self.outputs.track(state, seq, make_generator(p.seed, seq.fork_index, self.device)
+                                  if p.seed is not None else None)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output (finish_reason 'abort')."""
-        state = self._requests.pop(request_id, None)
-        if state is None:
-            return None
-        self.scheduler.abort(request_id)
-        for ss in state.seqs:
-            self._seq_states.pop(ss.seq.seq_id, None)
-            if ss.output.finish_reason is None:
-                ss.output.finish_reason = SequenceStatus.FINISHED_ABORTED.finish_reason
-                ss.seq.timings.finished = self.clock()
-            ss.output.delta_text, ss.output.delta_token_ids = "", []
-        state.finished = True
-        return state.output(self.model_id)
+        return self.outputs.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(self.outputs.requests)
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._requests)
+        return len(self.outputs.requests)
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -240,10 +180,7 @@ class LLMEngine:
         With `interjection` set (AsyncLLM does), a step that holds batch work may stop between decoder
         layers when its flag is raised, run `interjection.run` (which calls `interject`), and go on."""
         started = self.clock()
-        for state in self._dirty:
-            for ss in state.seqs:
-                ss.output.delta_text, ss.output.delta_token_ids, ss.output.delta_logprobs = "", [], None
-        self._dirty = []
+        self.outputs.begin_step()
         out = self.scheduler.schedule()
         interjection = self.interjection if self.interjection is not None and any(
             ss.seq.priority is Priority.BATCH for ss in out.scheduled) else None
@@ -260,11 +197,11 @@ class LLMEngine:
         return self._run_step(out, started, None)
 
     def _run_step(self, out: SchedulerOutput, started: float, interjection: Interjection | None) -> list[RequestOutput]:
-        touched: dict[str, _RequestState] = {}
+        touched: dict[str, RequestState] = {}
         for seq in out.finished:  # queue timeouts decided by the scheduler
-            ss = self._seq_states.get(seq.seq_id)
+            ss = self.outputs.seq_states.get(seq.seq_id)
             if ss is not None:
-                self._finish(ss, seq.status, touched)
+                self.outputs.finish(ss, seq.status, touched)
         logits = self.runner.execute(out, interjection)
         if logits is not None:
             self._sample_and_update(out, logits, touched)
@@ -273,27 +210,17 @@ class LLMEngine:
         num_prefill = sum(s.num_new_tokens for s in out.scheduled if s.seq.is_prefill or s.num_new_tokens > 1)
         self.last_step = StepStats(started, self.clock() - started, len(out.scheduled), num_prefill,
                                    out.num_batched_tokens - num_prefill, len(out.preempted))
-        results = []
-        for state in touched.values():
-            state.finished = all(ss.output.finish_reason is not None for ss in state.seqs) and (
-                state.forked or state.params.n == 1 or state.seqs[0].output.finish_reason is not None)
-            results.append(state.output(self.model_id))
-            if state.finished:
-                self._requests.pop(state.request_id, None)
-                for ss in state.seqs:
-                    self._seq_states.pop(ss.seq.seq_id, None)
-        self._dirty.extend(touched.values())  # an interjection's, then its suspended step's
-        return results
+        return self.outputs.end_step(touched)
 
     def _sample_and_update(self, out, logits: torch.Tensor, touched: dict) -> None:
         sampled = [s for s in out.scheduled if s.sample]
         rows: list[int] = []
-        targets: list[tuple[_SeqState, _SeqState | None]] = []  # (state, parent if this is a new fork)
+        targets: list[tuple[SeqState, SeqState | None]] = []  # (state, parent if this is a new fork)
         for i, s in enumerate(sampled):
-            ss = self._seq_states[s.seq.seq_id]
+            ss = self.outputs.seq_states[s.seq.seq_id]
             rows.append(i)
             targets.append((ss, None))
-            state = self._requests[ss.seq.request_id]
+            state = self.outputs.requests[ss.seq.request_id]
             if state.params.n > 1 and not state.forked:
                 state.forked = True
                 for k in range(1, state.params.n):
@@ -325,44 +252,7 @@ class LLMEngine:
                 seq.timings.token_times.append(now)
                 self.scheduler.fork(parent.seq, seq)
         for j, ((ss, _), tok) in enumerate(zip(targets, tokens)):
-            self._process_token(ss, tok, logprobs[j] if logprobs else None, touched)
-
-    def _process_token(self, ss: _SeqState, token: int, lp, touched: dict) -> None:
-        seq, out, params = ss.seq, ss.output, ss.seq.sampling
-        state = self._requests[seq.request_id]
-        touched[state.request_id] = state
-        if out.finish_reason is not None:
-            return
-        # As vLLM: an eos / stop_token_ids token that ends the sequence stays in token_ids but its text
-        # is left out of the output unless include_stop_str_in_output.
-        skip_text = not params.include_stop_str_in_output and stop_token(seq, token, self.eos_token_ids)[0]
-        delta = "" if skip_text else ss.detok.add_token(token)
-        out.token_ids.append(token)
-        out.delta_token_ids = out.delta_token_ids + [token]
-        if lp is not None and out.logprobs is not None:
-            entry = Logprob(token, self.tokenizer.id_to_token(token), lp.logprob, lp.rank,
-                            [(t, self.tokenizer.id_to_token(t), v) for t, v in lp.top])
-            out.logprobs.append(entry)
-            out.delta_logprobs = (out.delta_logprobs or []) + [entry]
-        status, stop_reason = stop_status(seq, token, self.eos_token_ids, ss.detok, self.max_model_len)
-        if status is not None:
-            out.stop_reason = stop_reason
-            if not ss.detok.stopped:
-                delta += ss.detok.flush()
-        out.text += delta
-        out.delta_text += delta
-        if status is not None:
-            self._finish(ss, status, touched)
-
-    def _finish(self, ss: _SeqState, status: SequenceStatus, touched: dict) -> None:
-        seq = ss.seq
-        if not seq.is_finished:
-            self.scheduler.finish(seq, status)
-        seq.timings.finished = seq.timings.finished or self.clock()
-        ss.output.finish_reason = status.finish_reason
-        state = self._requests.get(seq.request_id)
-        if state is not None:
-            touched[state.request_id] = state
+            self.outputs.process_token(ss, tok, logprobs[j] if logprobs else None, touched)
 
     @staticmethod
     def reset_deltas(outputs: list[RequestOutput]) -> None:

@@ -17,10 +17,9 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.kernels import isa
-from kvserve.models.gguf_file import GGUFFile, GGUFTensor
-from kvserve.models.model_info import (SUPPORTED_ARCHITECTURES, ModelInfo, ModelLoadError, config_from_gguf,  # noqa: F401
-                                       config_from_hf, read_model_info)
 from kvserve.models import backend
+from kvserve.models.gguf_file import GGUFFile, GGUFTensor
+from kvserve.models.model_info import ModelLoadError, config_from_gguf, config_from_hf
 from kvserve.models.int4 import Q4_0, Q4_1, Int4Weight, unpack_gguf_q4
 
 

@@ -7,8 +7,6 @@ in a small fraction of the time transformers' own conversion takes for Gemma.
 from __future__ import annotations
 
 import json
-import mmap
-import struct
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
