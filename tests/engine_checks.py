@@ -88,6 +88,7 @@ class Req:
     params: SamplingParams
     priority: str | None = None
     cache_salt: str | None = None
+    resumed: list[int] | None = None  # output tokens generated elsewhere (LLMEngine.add_request's resumed_token_ids)
 
 
 @dataclass
@@ -139,8 +140,8 @@ def drive(engine, requests: list[Req], max_steps: int = 100_000) -> Run:
     streamed_text: dict[tuple[str, int], str] = defaultdict(str)
     final: dict[str, RequestOutput] = {}
     with recording(engine, run):
-        ids = [engine.add_request(r.prompt, deepcopy(r.params), priority=r.priority, cache_salt=r.cache_salt)
-               for r in requests]
+        ids = [engine.add_request(r.prompt, deepcopy(r.params), priority=r.priority, cache_salt=r.cache_salt,
+                                  resumed_token_ids=r.resumed) for r in requests]
         while engine.has_unfinished_requests():
             for ro in engine.step():
                 for o in ro.outputs:

@@ -170,10 +170,12 @@ class AsyncLLM:
 
     # ---- requests ------------------------------------------------------------------------
     async def submit(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str,
-                     priority: Priority | str | None, tenant: str, cache_salt: str | None = None) -> _QueueStream:
+                     priority: Priority | str | None, tenant: str, cache_salt: str | None = None,
+                     resumed_token_ids: list[int] | None = None) -> _QueueStream:
         """Queue a request (EngineClient.submit); admission and context errors raise here."""
         return await self._add(dict(prompt=None, prompt_token_ids=prompt_token_ids, params=params,
-                                    request_id=request_id, priority=priority, tenant=tenant, cache_salt=cache_salt))
+                                    request_id=request_id, priority=priority, tenant=tenant, cache_salt=cache_salt,
+                                    resumed_token_ids=resumed_token_ids))
 
     async def generate(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: Priority | str | None = None,

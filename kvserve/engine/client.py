@@ -72,8 +72,10 @@ class EngineClient(Protocol):
     def is_stalled(self, timeout: float) -> bool: ...
 
     async def submit(self, prompt_token_ids: list[int], params: "SamplingParams", *, request_id: str,
-                     priority: str, tenant: str, cache_salt: str | None = None) -> RequestStream:
-        """Queue a request; admission and context errors raise here, before any output."""
+                     priority: str, tenant: str, cache_salt: str | None = None,
+                     resumed_token_ids: list[int] | None = None) -> RequestStream:
+        """Queue a request; admission and context errors raise here, before any output. `resumed_token_ids`:
+        output tokens already sent from another engine (a migrated stream; see LLMEngine.add_request)."""
         ...
 
     def abort(self, request_id: str) -> None: ...

@@ -15,6 +15,8 @@ from typing import Callable
 import torch
 
 from kvserve.config import EngineConfig, TierLimits, engine_config_from_kwargs
+from kvserve.engine.errors import InvalidRequest
+from kvserve.engine.interjection import Interjection
 from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.output_processor import OutputProcessor, RequestState, SeqState
 from kvserve.engine.outputs import RequestOutput
@@ -23,7 +25,6 @@ from kvserve.engine.sampler import Sampler, SamplingMetadata, make_generator
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.scheduler_output import SchedulerOutput
-from kvserve.engine.interjection import Interjection
 from kvserve.models.catalog import resolve_model
 from kvserve.models.loader import build_model, load_checkpoint, resolve_device, resolve_dtype
 from kvserve.models.model_info import ModelInfo
@@ -133,13 +134,20 @@ class LLMEngine:
                     request_id: str | None = None, priority: Priority | str | None = None,
                     tenant: str = "default", cache_salt: str | None = None,
                     messages: list[dict] | None = None, prompt_token_ids: list[int] | None = None,
-                    arrival: float | None = None) -> str:
+                    arrival: float | None = None, resumed_token_ids: list[int] | None = None) -> str:
         """Queue a request. Raises ContextLengthExceeded / CapacityExhausted at once when refused.
 
         `arrival` (on the engine's clock) is when it reached the server, if earlier than now: its wait for
-        the step in flight then counts in its queue time, TTFT and the admission bounds."""
+        the step in flight then counts in its queue time, TTFT and the admission bounds.
+        `resumed_token_ids`: output tokens already generated for this request elsewhere (a stream moved
+        from a failed replica; n = 1). They are computed like a recompute after preemption, count against
+        max_tokens and min_tokens, are seen by penalties and the detokenizer, and are not output again; a
+        seeded request's generator skips their draws, so it goes on as it would have there."""
         params = params or SamplingParams()
         ids = prompt_token_ids if prompt_token_ids is not None else self.encode_prompt(prompt, messages)
+        resumed = list(resumed_token_ids or ())
+        if resumed and params.n != 1:
+            raise InvalidRequest("a request can be resumed only with n = 1", param="n")
         request_id = request_id or f"req-{next(self._request_ids)}"
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -147,14 +155,16 @@ class LLMEngine:
         if params.max_tokens is None:  # what the context leaves (Scheduler.add_request refuses a prompt that fills it)
             params.max_tokens = max(1, self.max_model_len - len(ids))
         seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=ids, sampling=params,
-                       priority=priority, tenant=tenant, cache_salt=cache_salt)
+                       priority=priority, tenant=tenant, cache_salt=cache_salt, output_token_ids=list(resumed))
         now = self.clock()
         seq.timings.arrival = now if arrival is None else min(arrival, now)
         self.scheduler.add_request([seq])  # admission control may raise here
         state = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids, params, priority,
-                             tenant, cache_salt, arrival=seq.timings.arrival)
+                             tenant, cache_salt, arrival=seq.timings.arrival, resumed_token_ids=resumed)
         self.outputs.add(state)
-        self._track(state, seq)
+        ss = self._track(state, seq)
+        if resumed and ss.generator is not None:
+            self.sampler.skip_draws(ss.generator, len(resumed), self.model_config.vocab_size)
         return request_id
 
     def _track(self, state: RequestState, seq: Sequence):

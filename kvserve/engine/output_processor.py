@@ -34,6 +34,9 @@ class RequestState:
     tenant: str
     cache_salt: str | None
     arrival: float
+    # Output tokens generated before this engine took the request (a stream continued from another
+    # replica): they count against max_tokens and min_tokens and condition the text, but are not sent again.
+    resumed_token_ids: list[int] = field(default_factory=list)
     seqs: list[SeqState] = field(default_factory=list)
     forked: bool = False
     finished: bool = False
@@ -76,7 +79,7 @@ class OutputProcessor:
 
     def track(self, state: RequestState, seq: Sequence, generator: Any) -> SeqState:
         p = state.params
-        detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids,
+        detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids + state.resumed_token_ids,
                                        skip_special_tokens=p.skip_special_tokens, stop=p.stop,
                                        include_stop_str_in_output=p.include_stop_str_in_output)
         ss = SeqState(seq, detok, generator, CompletionOutput(index=seq.fork_index,

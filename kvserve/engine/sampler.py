@@ -502,11 +502,25 @@ class Sampler:
         if md.filter_rows is not None:
             w.index_copy_(0, md.filter_rows, wf)
 
+    def _method(self, device: torch.device) -> str:
+        if self.method == "auto":
+            return "inverse_cdf" if device.type == "cpu" else "race"
+        return self.method
+
+    def skip_draws(self, generator: torch.Generator, num_tokens: int, vocab_size: int) -> None:
+        """Advance a seeded row's generator past the draws of `num_tokens` sampled tokens, as `_draw` makes
+        them (one uniform per token, or one exponential per vocabulary entry): a request continued after
+        tokens generated elsewhere then draws what it would have drawn there."""
+        method = self._method(generator.device)
+        for _ in range(num_tokens):
+            if method == "race":
+                torch.empty(vocab_size, device=generator.device).exponential_(generator=generator)
+            else:
+                torch.empty(1, device=generator.device).uniform_(generator=generator)
+
     def _draw(self, w: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """One token per row of the unnormalised weights `w` (consumed)."""
-        method = self.method
-        if method == "auto":
-            method = "inverse_cdf" if w.device.type == "cpu" else "race"
+        method = self._method(w.device)
         R, V = w.shape
         if method == "race":  # argmax(p / Exp(1))
             q = self._buf("q", (R, V), torch.float32, w.device)

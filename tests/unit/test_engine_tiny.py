@@ -13,6 +13,7 @@ import random
 import time
 from collections import defaultdict
 from copy import deepcopy
+from dataclasses import replace
 
 import pytest
 
@@ -214,6 +215,35 @@ def test_forks_under_preemption(tiny):
     compare_outputs(ref, run, "forks under preemption", requests=reqs, max_diverged=3, logprob_tol=1e-3,
                     replay=replay(tiny, reqs))
     assert_no_leaks(eng)
+
+
+def test_a_request_resumed_after_its_first_tokens_goes_on_as_it_would_have(tiny):
+    """A stream moved to another engine (fleet failover) is added with the tokens already sent: it outputs only
+    the rest, max_tokens counts the sent ones, penalties see them, and seeded sampling and greedy go on as
+    the undisturbed request does (up to rounding at a draw boundary or a near-tie: compare_outputs)."""
+    from kvserve.engine.errors import InvalidRequest
+
+    rng = random.Random(11)
+    common = dict(max_tokens=12, ignore_eos=True, logprobs=2)
+    reqs = [Req(rand_tokens(rng, 30), SamplingParams(temperature=HOT, seed=7, **common)),
+            Req(rand_tokens(rng, 21), SamplingParams(temperature=0, **common)),
+            Req(rand_tokens(rng, 9), SamplingParams(temperature=1.0, seed=3, frequency_penalty=1.5, **common))]
+    whole = drive(engine(tiny), reqs)
+    k = 5
+    sent = [ro.outputs[0].token_ids[:k] for ro in whole.outputs]
+    rest = [replace(ro, outputs=[replace(o, token_ids=o.token_ids[k:], logprobs=o.logprobs[k:])])
+            for ro in whole.outputs for o in ro.outputs]
+    resumed = [replace(r, resumed=s) for r, s in zip(reqs, sent)]
+    eng = engine(tiny)
+    run = drive(eng, resumed)
+    assert [len(ro.outputs[0].token_ids) for ro in run.outputs] == [12 - k] * 3
+    assert [ro.prompt_token_ids for ro in run.outputs] == [r.prompt for r in reqs]
+    base = SeededDrawReplay(engine(tiny), reqs)
+    compare_outputs(rest, run, "resumed after 5 tokens", requests=reqs, logprob_tol=1e-3,
+                    replay=lambda request, fork, prefix: base(request, fork, sent[request] + prefix))
+    assert_no_leaks(eng)
+    with pytest.raises(InvalidRequest, match="n = 1"):
+        eng.add_request(reqs[0].prompt, SamplingParams(n=2, temperature=1.0), resumed_token_ids=sent[0])
 
 
 # ---- aborts ------------------------------------------------------------------------------------------
