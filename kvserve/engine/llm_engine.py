@@ -26,7 +26,7 @@ from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.scheduler_output import SchedulerOutput
 from kvserve.models.catalog import resolve_model
-from kvserve.models.loader import build_model, load_checkpoint, resolve_device, resolve_dtype
+from kvserve.models.loader import build_model, checkpoint_info, load_checkpoint, resolve_device, resolve_dtype
 from kvserve.models.model_info import ModelInfo
 from kvserve.models.tokenizer import Tokenizer
 
@@ -67,9 +67,7 @@ class LLMEngine:
             self.device = resolve_device(config.device)
             self.dtype = resolve_dtype(config.dtype, self.device)
             checkpoint = load_checkpoint(path)
-            tokenizer = (Tokenizer.from_gguf_metadata(checkpoint.metadata, name=model_id or resolved_id)
-                         if checkpoint.format == "gguf" else Tokenizer.from_hf_dir(path))
-            info = ModelInfo(checkpoint.config, tokenizer)
+            info = checkpoint_info(checkpoint, name=model_id or resolved_id)
         else:
             if info is None or not cache_cfg.num_gpu_blocks_override:
                 raise ValueError("an injected runner needs the model's info and config.cache.num_gpu_blocks_override")

@@ -73,8 +73,7 @@ class OutputProcessor:
         self._dirty: list[RequestState] = []  # requests whose deltas the next step clears
 
     def add(self, state: RequestState) -> None:
-        if state.request_id in self.requests:
-            raise ValueError(f"request id {state.request_id!r} is already in use")
+        """A request the scheduler admitted (LLMEngine.add_request checked its id is free)."""
         self.requests[state.request_id] = state
 
     def track(self, state: RequestState, seq: Sequence, generator: Any) -> SeqState:

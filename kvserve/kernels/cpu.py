@@ -115,10 +115,6 @@ class NativeKernels:
             fns[dtype] = f
         return fns
 
-    def handles(self, x: torch.Tensor) -> bool:
-        """A CPU tensor of a dtype the kernels are built for."""
-        return x.device.type == "cpu" and x.dtype in _SUFFIX
-
     def write_kv(self, key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         """key/value [T, Hkv, D] -> cache slots; slots are int64 and contiguous."""
@@ -141,7 +137,7 @@ class NativeKernels:
                                       out.data_ptr(), num_seqs, num_heads, h, nb, bs, d, window or 0, scale)
         return out
 
-    # ---- fused elementwise ops (callers check `handles`) ----
+    # ---- fused elementwise ops (for the models whose backend chose these kernels: CPU, fp32 or bf16) ----
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
         """RMSNorm of x [..., dim] -> a new contiguous tensor of x's shape. 2-D and 3-D inputs are read
         through their strides (rows must be contiguous); others are flattened to rows first."""

@@ -80,10 +80,6 @@ def native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
-def has_amx() -> bool:
-    return current().name == "native" and {"amx_tile", "amx_bf16"} <= cpu_flags()
-
-
 def compile_flags() -> list[str]:
     return list(current().march)
 

@@ -6,7 +6,6 @@ same model code, and parity with transformers can be checked on identical weight
 """
 from __future__ import annotations
 
-import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,7 +18,8 @@ from kvserve.config import ModelConfig
 from kvserve.kernels import isa
 from kvserve.models import backend
 from kvserve.models.gguf_file import GGUFFile, GGUFTensor
-from kvserve.models.model_info import ModelLoadError, config_from_gguf, config_from_hf
+from kvserve.models.model_info import (ModelInfo, ModelLoadError, config_from_gguf, model_format, read_hf_config,
+                                       tokenizer_for)
 from kvserve.models.int4 import Q4_0, Q4_1, Int4Weight, unpack_gguf_q4
 
 
@@ -152,10 +152,7 @@ def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
     from safetensors.torch import load_file
 
     path = Path(path)
-    cfg_path = path / "config.json"
-    if not cfg_path.exists():
-        raise ModelLoadError(f"{path} is not a Hugging Face checkpoint directory: no config.json")
-    config = config_from_hf(json.loads(cfg_path.read_text()))
+    config = read_hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors files (only safetensors checkpoints are supported)")
@@ -175,13 +172,12 @@ def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
 
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     path = Path(path)
-    if path.is_dir():
-        return load_hf_dir(path)
-    if path.suffix == ".gguf" and path.is_file():
-        return load_gguf(path)
-    if not path.exists():
-        raise ModelLoadError(f"model file or directory not found: {path}")
-    raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face checkpoint directory")
+    return load_hf_dir(path) if model_format(path) == "hf" else load_gguf(path)
+
+
+def checkpoint_info(checkpoint: Checkpoint, name: str = "") -> ModelInfo:
+    """The loaded checkpoint's config and tokenizer (a GGUF's metadata is not read again)."""
+    return ModelInfo(checkpoint.config, tokenizer_for(checkpoint.path, checkpoint.format, checkpoint.metadata, name))
 
 
 def model_class(config: ModelConfig):

@@ -117,17 +117,37 @@ class ModelInfo:
         return list(prompt)
 
 
-def read_model_info(path: str | os.PathLike, name: str = "") -> ModelInfo:
-    """The config and tokenizer of a .gguf file (its metadata only) or a HF checkpoint directory."""
-    path = Path(path)
+def model_format(path: Path) -> str:
+    """"hf" for a checkpoint directory, "gguf" for a .gguf file; ModelLoadError for anything else."""
     if path.is_dir():
-        cfg_path = path / "config.json"
-        if not cfg_path.exists():
-            raise ModelLoadError(f"{path} is not a Hugging Face checkpoint directory: no config.json")
-        return ModelInfo(config_from_hf(json.loads(cfg_path.read_text())), Tokenizer.from_hf_dir(path))
+        return "hf"
     if path.suffix == ".gguf" and path.is_file():
-        meta = read_gguf_metadata(path)
-        return ModelInfo(config_from_gguf(meta), Tokenizer.from_gguf_metadata(meta, name=name or path.name))
+        return "gguf"
     if not path.exists():
         raise ModelLoadError(f"model file or directory not found: {path}")
     raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face checkpoint directory")
+
+
+def read_hf_config(path: Path) -> ModelConfig:
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise ModelLoadError(f"{path} is not a Hugging Face checkpoint directory: no config.json")
+    return config_from_hf(json.loads(cfg_path.read_text()))
+
+
+def tokenizer_for(path: Path, fmt: str, metadata: dict | None = None, name: str = "") -> Tokenizer:
+    """The model's tokenizer: from the GGUF metadata (read here unless given), or the directory's tokenizer.json."""
+    if fmt == "gguf":
+        return Tokenizer.from_gguf_metadata(metadata if metadata is not None else read_gguf_metadata(path),
+                                            name=name or path.name)
+    return Tokenizer.from_hf_dir(path)
+
+
+def read_model_info(path: str | os.PathLike, name: str = "") -> ModelInfo:
+    """The config and tokenizer of a .gguf file (its metadata only) or a HF checkpoint directory."""
+    path = Path(path)
+    fmt = model_format(path)
+    if fmt == "hf":
+        return ModelInfo(read_hf_config(path), tokenizer_for(path, fmt))
+    meta = read_gguf_metadata(path)
+    return ModelInfo(config_from_gguf(meta), tokenizer_for(path, fmt, meta, name))

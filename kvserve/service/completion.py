@@ -29,7 +29,7 @@ from kvserve.service.models import ClientFactory, ModelHandle, RequestInfo, in_p
 from kvserve.service.responses import StreamChunks, TokenText, full_response
 from kvserve.service.usage import UsageLedger
 
-# Prompts up to this many characters (about 2k tokens) are tokenized on the event loop (about a
+# Calls with up to this many prompt characters (about 2k tokens) are tokenized on the event loop (about a
 # millisecond): a worker thread would first have to win a core from the engine's threads, which under
 # load costs more than the tokenizing. Longer ones go to a worker thread (tokenizers release the GIL).
 INLINE_ENCODE_CHARS = 8192
@@ -186,18 +186,16 @@ class CompletionService:
             inputs, param = [dict(messages=c.req.template_messages())], "messages"
         else:
             inputs, param = [dict(prompt=pr) for pr in c.req.prompts()], "prompt"
-        try:
-            out = []
-            for kwargs in inputs:
-                size = len(kwargs["prompt"]) if isinstance(kwargs.get("prompt"), str) else sum(
-                    len(str(m.get("content") or "")) for m in kwargs.get("messages") or ())
-                if size <= INLINE_ENCODE_CHARS:
-                    out.append(info.encode(**kwargs))
-                else:
-                    out.append(await asyncio.to_thread(info.encode, **kwargs))
-            return out
-        except ValueError as e:
-            raise InvalidRequest(str(e), param=param, code="invalid_prompt") from None
+
+        def encode_all() -> list[list[int]]:
+            try:
+                return [info.encode(**kwargs) for kwargs in inputs]
+            except ValueError as e:
+                raise InvalidRequest(str(e), param=param, code="invalid_prompt") from None
+
+        if c.req.prompt_chars() <= INLINE_ENCODE_CHARS:
+            return encode_all()
+        return await asyncio.to_thread(encode_all)
 
     async def _submit(self, c: Completion, prompts: list[list[int]], params: SamplingParams) -> None:
         """One engine request per prompt, submitted together (one engine step applies them all)."""
