@@ -53,6 +53,61 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_fleet(args: argparse.Namespace) -> int:
+    """`kvserve serve --fleet`: the same API from a gateway over replica pools on Ray Serve (fleet/deploy.py)."""
+    from pathlib import Path
+
+    from kvserve.config import ServerConfig
+    from kvserve.fleet import deploy
+    from kvserve.models.catalog import DEFAULT_CONFIG
+    from kvserve.server.auth import ensure_dev_tenant
+    from kvserve.store import Store, default_db_path
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = ServerConfig.from_toml(args.config, host=args.host, port=args.port, stall_timeout_s=args.stall_timeout,
+                                 shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)
+    db = Path(cfg.db_path) if cfg.db_path else Path(cfg.home) / "kvserve.db" if cfg.home else default_db_path()
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with Store(db) as store:
+        token, _ = ensure_dev_tenant(store, db.parent)
+    print(f"kvserve fleet: starting replica pools for {', '.join(m.id for m in cfg.models)} on Ray "
+          f"({args.ray_address or 'a local instance'}); the gateway answers on http://{cfg.host}:{cfg.port} "
+          f"once they are up", flush=True)
+    try:
+        deploy.start(cfg, Path(args.config or DEFAULT_CONFIG).read_text(), args.ray_address)
+    except deploy.FleetError as e:
+        print(f"kvserve fleet: {e}", file=sys.stderr)
+        return 1
+    print(f"kvserve fleet: serving on http://{cfg.host}:{cfg.port}" + (f"; development token: {token}" if token else "")
+          + "\n  kvserve fleet status | kvserve fleet apply NEW.toml; Ctrl-C stops the fleet", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        from ray import serve
+
+        serve.shutdown()
+    return 0
+
+
+def cmd_fleet(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvserve.fleet import deploy, status
+
+    try:
+        if args.fleet_cmd == "apply":
+            for line in deploy.apply(Path(args.config).read_text(), args.ray_address) or ["no change"]:
+                print(line)
+            return 0
+        print(status.render(status.collect(args.ray_address, args.url)))
+        return 0
+    except deploy.FleetError as e:
+        print(f"kvserve fleet: refused: {e}", file=sys.stderr)
+        return 1
+
+
 # ---- models -------------------------------------------------------------------------------------
 
 
@@ -239,7 +294,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=None,
                    help="SIGTERM grace period for running requests, seconds (default 30)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    s.set_defaults(func=cmd_serve)
+    s.add_argument("--fleet", action="store_true", help="serve through a gateway over replica pools on Ray Serve")
+    s.add_argument("--ray-address", default=None, help="with --fleet: join this Ray cluster (default: start one)")
+    s.set_defaults(func=lambda a: cmd_serve_fleet(a) if a.fleet else cmd_serve(a))
+
+    f = sub.add_parser("fleet", help="the fleet on Ray Serve: status, rolling updates")
+    fsub = f.add_subparsers(dest="fleet_cmd", required=True)
+    fa = fsub.add_parser("apply", help="apply a new models TOML: new pools warm up, traffic moves, old ones drain")
+    fa.add_argument("config")
+    fa.add_argument("--ray-address", default="auto")
+    fs = fsub.add_parser("status", help="replicas, versions, health, load, routing and prefix hit rates")
+    fs.add_argument("--ray-address", default="auto")
+    fs.add_argument("--url", default=None, help="a gateway's base URL (default: http://[server].host:port)")
+    f.set_defaults(func=cmd_fleet)
 
     m = sub.add_parser("models", help="list the models of the catalog")
     m.add_argument("--config", help="server TOML (default: the packaged models file)")

@@ -267,6 +267,79 @@ def engine_config_from_kwargs(model: str, **kwargs) -> EngineConfig:
     return EngineConfig(model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **top)
 
 
+# ---- the fleet -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelFleet:
+    """A `[models.fleet]` table: the model's pool of engine replicas in the fleet (`kvserve serve --fleet`).
+
+    `replicas` fixes the pool's size; `min_replicas` < `max_replicas` turns on autoscaling between them on
+    the engines' own signals (fleet/autoscale.py). Each replica reserves `cpus` CPUs and `gpus` GPUs."""
+
+    replicas: int = 1
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    cpus: float = 1.0
+    gpus: float = 0.0
+    upscale_delay_s: float = 10.0
+    downscale_delay_s: float = 120.0
+    target_queued_tokens: int = 2048  # per replica: waiting prompt tokens the autoscaler aims at
+    target_kv_usage: float = 0.8  # per replica: KV-cache use above which it adds a replica
+
+    def __post_init__(self):
+        _validate(self, dict(replicas=POSITIVE_INT, min_replicas=OPTIONAL_POSITIVE_INT,
+                             max_replicas=OPTIONAL_POSITIVE_INT, cpus=NONNEG_NUMBER, gpus=NONNEG_NUMBER,
+                             upscale_delay_s=NONNEG_NUMBER, downscale_delay_s=NONNEG_NUMBER,
+                             target_queued_tokens=POSITIVE_INT, target_kv_usage=FRACTION))
+        lo, hi = self.bounds
+        _check("ModelFleet", "min_replicas", self.min_replicas, lo <= hi, f"at most max_replicas ({hi})")
+
+    @property
+    def autoscaling(self) -> bool:
+        lo, hi = self.bounds
+        return lo < hi
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        lo = self.min_replicas if self.min_replicas is not None else self.replicas
+        hi = self.max_replicas if self.max_replicas is not None else max(lo, self.replicas)
+        return lo, hi
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """The `[fleet]` table: the gateway, routing, migration, health and rollout of `kvserve serve --fleet`."""
+
+    gateway_replicas: int = 1
+    gateway_cpus: float = 0.5
+    migration_limit: int = 3  # times one request may move to another replica before it fails
+    route_timeout_s: float = 30.0  # a request that no replica accepts in this time fails (never a hung stream)
+    health_check_period_s: float = 5.0
+    health_check_timeout_s: float = 30.0  # a check that does not answer in this time fails too
+    drain_timeout_s: float = 60.0  # a stopping replica (update, downscale) finishes its streams for at most this long
+    stats_period_s: float = 0.5  # how often each replica's load reaches the gateways' routers
+    affinity_blocks: int = 8  # routing (fleet/routing.py RoutingPolicy)
+    load_bound: float = 1.25
+    ray_namespace: str = "kvserve"
+
+    def __post_init__(self):
+        _validate(self, dict(gateway_replicas=POSITIVE_INT, gateway_cpus=NONNEG_NUMBER, migration_limit=NONNEG_INT,
+                             route_timeout_s=POSITIVE_NUMBER, health_check_period_s=POSITIVE_NUMBER,
+                             health_check_timeout_s=POSITIVE_NUMBER, drain_timeout_s=NONNEG_NUMBER,
+                             stats_period_s=POSITIVE_NUMBER, affinity_blocks=POSITIVE_INT,
+                             load_bound=(lambda v: _is_number(v) and v >= 1, "a number >= 1")))
+
+
+def _table(cls, data: dict, where: str):
+    """A frozen config dataclass from a TOML table; unknown keys are refused by name."""
+    names = set(cls.__dataclass_fields__)
+    unknown = set(data) - names
+    if unknown:
+        raise ConfigError(f"unknown {where} keys: {sorted(unknown)}; allowed: {', '.join(sorted(names))}")
+    return cls(**data)
+
+
 # ---- the server ------------------------------------------------------------------------------
 
 
@@ -280,10 +353,13 @@ class ServedModel:
     role: str = ""  # "fast" | "capable" | "" (model="auto" routing)
     description: str = ""
     engine_args: dict = field(default_factory=dict)  # vLLM-style flat args; `interactive`/`batch` tables are TierLimits
+    version: str = "1"  # a label for this model's weights/config; responses carry it (x-kvserve-model-version)
+    fleet: ModelFleet = field(default_factory=ModelFleet)
 
     def __post_init__(self):
         _validate(self, dict(id=(lambda v: isinstance(v, str) and v != "" and v != "auto",
                                  "a non-empty name other than 'auto'"),
+                             version=(lambda v: isinstance(v, str) and v != "", "a non-empty string"),
                              source=(lambda v: isinstance(v, str) and v != "", "a path, a catalog id or pkg:..."),
                              role=(lambda v: v in ("", "fast", "capable"), "fast, capable or empty")))
         try:
@@ -324,6 +400,7 @@ class ServerConfig:
     load_high_fraction: float = 0.5  # x-kvserve-load "high" at this fraction of a tier's queue bound
     load_shedding_fraction: float = 0.9  # "shedding" at this fraction
     auto: AutoRoutingConfig = field(default_factory=AutoRoutingConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
     log_level: str = "info"
 
     def __post_init__(self):
@@ -362,22 +439,24 @@ class ServerConfig:
         models_data = data.get("models")
         if not models_data and path is not None:
             models_data = tomllib.loads(Path(DEFAULT_CONFIG).read_text()).get("models", [])
-        known = {"id", "source", "role", "description", "install"}
+        known = {"id", "source", "role", "description", "install", "version", "fleet"}
         models = []
         for i, m in enumerate(models_data or []):
             missing = [k for k in ("id", "source") if k not in m]
             if missing:
                 raise ConfigError(f"[[models]] entry {i} in {path or DEFAULT_CONFIG} has no {' or '.join(missing)}")
             models.append(ServedModel(id=m["id"], source=m["source"], role=m.get("role", ""),
-                                      description=m.get("description", ""),
+                                      description=m.get("description", ""), version=str(m.get("version", "1")),
+                                      fleet=_table(ModelFleet, m.get("fleet", {}), f"[models.fleet] ({m['id']})"),
                                       engine_args={k: v for k, v in m.items() if k not in known}))
-        auto_names = set(AutoRoutingConfig.__dataclass_fields__)
-        if set(auto) - auto_names:
-            raise ConfigError(f"unknown [server.auto] keys: {sorted(set(auto) - auto_names)}; allowed: "
-                              f"{', '.join(sorted(auto_names))}")
-        names = {f for f in cls.__dataclass_fields__} - {"models", "auto", "config_path"}
+        fleet = _table(FleetConfig, data.get("fleet", {}), "[fleet]")
+        unknown_tables = set(data) - {"server", "models", "fleet"}
+        if unknown_tables:
+            raise ConfigError(f"unknown tables in {path}: {sorted(unknown_tables)}; allowed: server, models, fleet")
+        names = {f for f in cls.__dataclass_fields__} - {"models", "auto", "config_path", "fleet"}
         unknown = set(server) - names
         if unknown:
             raise ConfigError(f"unknown [server] keys in {path}: {sorted(unknown)}; allowed: {', '.join(sorted(names))}")
         server.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(config_path=str(path) if path else None, models=models, auto=AutoRoutingConfig(**auto), **server)
+        return cls(config_path=str(path) if path else None, models=models, auto=_table(AutoRoutingConfig, auto, "[server.auto]"),
+                   fleet=fleet, **server)

@@ -85,6 +85,14 @@ class _QueueStream:
         self._done = out.finished
         return out
 
+    def get_nowait(self) -> RequestOutput | None:
+        """The next output if one is already queued, else None (to batch what a step delivered at once)."""
+        if self._done or self._queue.empty():
+            return None
+        out = self._queue.get_nowait()
+        self._done = out.finished
+        return out
+
     async def aclose(self) -> None:
         if not self._done:
             self._done = True

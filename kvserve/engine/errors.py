@@ -79,3 +79,21 @@ class ServerDraining(KVServeError):
     code = "server_draining"
     http_status = 503
     error_type = "server_draining"
+
+
+def to_wire(exc: KVServeError) -> dict:
+    """A typed error as plain data, to cross a process boundary (a fleet replica refusing a request)."""
+    return {"class": type(exc).__name__, "message": str(exc),
+            "attrs": {k: v for k, v in vars(exc).items() if isinstance(v, (str, int, float, type(None)))}}
+
+
+def from_wire(data: dict) -> KVServeError:
+    """The typed error `to_wire` described (a KVServeError when the class is not one of ours)."""
+    cls = globals().get(data.get("class", ""))
+    if not (isinstance(cls, type) and issubclass(cls, KVServeError)):
+        cls = KVServeError
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, data.get("message", ""))
+    for k, v in data.get("attrs", {}).items():
+        setattr(exc, k, v)
+    return exc

@@ -45,6 +45,7 @@ def _order_key(seq: Sequence) -> tuple[int, float, int]:
 @dataclass(frozen=True)
 class SchedulerStats:
     waiting: dict[Priority, int]  # queue depth per tier (fresh + recompute-preempted)
+    waiting_prompt_tokens: dict[Priority, int]  # their prompt tokens still to compute, per tier
     running: int
     swapped: int
     blocks_used: int
@@ -602,6 +603,7 @@ class Scheduler:
         estimates = {prio: self._estimates(prio, 1) for prio in self._tiers}  # of a one-token prompt
         return SchedulerStats(
             waiting={prio: t.num_waiting for prio, t in self._tiers.items()},
+            waiting_prompt_tokens={prio: t.prompt_tokens for prio, t in self._tiers.items()},
             running=len(self._running),
             swapped=len(self._swapped),
             blocks_used=usage.used_device_blocks,

@@ -14,13 +14,20 @@ from kvserve.config import ServerConfig
 from kvserve.server.errors import install_exception_handlers
 from kvserve.server.routes import ops, v1
 from kvserve.server.state import ServerState
+from kvserve.service.completion import CompletionService
+from kvserve.service.models import ClientFactory
 
 log = logging.getLogger(__name__)
 
 
-def create_app(config: ServerConfig | None = None) -> FastAPI:
+def create_app(config: ServerConfig | None = None, client_factory: ClientFactory | None = None,
+               shared_store: bool = False) -> FastAPI:
+    """`client_factory`: how each model's EngineClient is made (default: an engine in this process; the
+    fleet's gateway passes one that reaches a replica pool). `shared_store`: other servers use the same
+    store (fleet gateways), so nothing left in progress is this process's alone to release."""
     config = config or ServerConfig.from_toml()
-    state = ServerState(config)
+    service = CompletionService(config, client_factory) if client_factory is not None else None
+    state = ServerState(config, service, shared_store=shared_store)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

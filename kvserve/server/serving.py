@@ -84,6 +84,7 @@ class Call:
             h["x-kvserve-client-request-id"] = client_id  # metadata.request_id, echoed for tracing
         if c is not None:
             h.update(c.handle.load_headers(c.tier, queue_wait_ms, load))
+            h["x-kvserve-model-version"] = c.model_version
         return h
 
 

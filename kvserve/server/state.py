@@ -19,8 +19,9 @@ log = logging.getLogger(__name__)
 
 
 class ServerState:
-    def __init__(self, config: ServerConfig, service: CompletionService | None = None):
+    def __init__(self, config: ServerConfig, service: CompletionService | None = None, shared_store: bool = False):
         self.config = config
+        self.shared_store = shared_store
         self.service = service or CompletionService(config)
         self.store: AsyncStore | None = None
         self.idempotency: IdempotencyManager | None = None
@@ -64,7 +65,8 @@ class ServerState:
         self.drain_done = asyncio.Event()
         self.db_path.parent.mkdir(parents=True, exist_ok=True)
         self.store = await AsyncStore.aopen(self.db_path, auth_cache_ttl_s=self.config.auth_cache_ttl_s)
-        released = await self.store.areset_in_progress()  # this process is the only server on its data dir
+        # The only server on its data dir releases what a previous run left in progress; fleet gateways share it.
+        released = 0 if self.shared_store else await self.store.areset_in_progress()
         if released:
             log.info("released %d idempotency keys left in progress by a previous run", released)
         self.idempotency = IdempotencyManager(self.store, self.spawn)

@@ -66,6 +66,13 @@ class Completion:
         return self.handle.id
 
     @property
+    def model_version(self) -> str:
+        """The version label of the weights that serve this call (in a fleet: the replica's, which a rolling
+        update may make newer than the gateway's config)."""
+        served = getattr(self.streams[0], "model_version", None) if self.streams else None
+        return served or self.handle.spec.version
+
+    @property
     def num_prompts(self) -> int:
         return len(self.request_ids)
 

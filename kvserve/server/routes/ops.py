@@ -46,3 +46,15 @@ async def ready(request: Request):
 async def metrics(request: Request):
     state: ServerState = request.app.state.kv
     return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/fleet/status")
+async def fleet_status(request: Request):
+    """In a fleet gateway: each model's pool, its replicas' live load and prefix hits, and this gateway's
+    routing counts (fleet/client.py FleetClient.pool_status). 404 on a single-process server."""
+    state: ServerState = request.app.state.kv
+    pools = {h.id: h.client.pool_status() for h in state.models.values() if hasattr(h.client, "pool_status")}
+    if not pools:
+        return JSONResponse({"error": {"message": "this server is not a fleet gateway", "type": "invalid_request_error",
+                                       "code": "not_found"}}, status_code=404)
+    return JSONResponse({"models": pools})

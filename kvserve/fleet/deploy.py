@@ -1,0 +1,285 @@
+"""The fleet on Ray Serve: what runs where, starting it, and applying a new config with no downtime.
+
+Serve applications:
+- "kvserve": the gateway (fleet/gateway.py), the HTTP ingress at "/", `[fleet].gateway_replicas` replicas.
+- one pool per model and model version, "pool-<model>-<digest>", with no HTTP route: its "engine"
+  deployment is the model's EngineReplicas (fleet/replica.py). The digest covers what a replica is built
+  from (source, engine arguments, version label, CPUs and GPUs), so a change of any of them is a new pool.
+
+Applying a config (`kvserve fleet apply new.toml`, the rolling update):
+1. The TOML is parsed and checked (unknown keys and bad values are refused by name), and each replica's
+   CPUs and GPUs must fit on some node of the cluster.
+2. The pools that change are deployed next to the old ones: their replicas load and warm up (a replica
+   starts only once it has run a request). The old pools keep serving meanwhile. A pool that fails to
+   come up is deleted again and the apply is refused, naming the model and the error: the fleet is as it
+   was.
+3. The fleet record switches the models to their new pools; the gateways follow within a second, so new
+   requests go to the new replicas.
+4. The old pools are deleted: Serve stops sending them requests and lets each replica finish its
+   streams for up to `drain_timeout_s`, then stops it. A stream still running then moves to the new pool
+   (migration, fleet/client.py): no request fails.
+Pools whose digest did not change are redeployed in place (a replica-count or autoscaling change).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from kvserve.config import ModelFleet, ServedModel, ServerConfig
+
+log = logging.getLogger(__name__)
+
+GATEWAY_APP = "kvserve"
+MAX_ONGOING = 4096  # per replica: the engine queues and refuses by its own tier bounds, not Serve
+
+
+class FleetError(RuntimeError):
+    """A fleet operation refused or failed; the message says why, and the running fleet is unchanged."""
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+def pool_name(spec: ServedModel) -> str:
+    f = spec.fleet
+    return f"pool-{spec.id}-" + _digest([spec.source, spec.engine_args, spec.version, f.cpus, f.gpus])
+
+
+def gateway_view(config: ServerConfig) -> ServerConfig:
+    """The config a gateway runs with: replica shapes and version labels are the pools' business."""
+    return replace(config, models=[replace(m, version="1", fleet=ModelFleet()) for m in config.models])
+
+
+# ---- Serve options (pure: also what deploy/ renders for KubeRay) ---------------------------------
+
+def engine_options(spec: ServedModel, config: ServerConfig) -> dict:
+    """The `engine` deployment's Serve options for one model."""
+    shape, fleet = spec.fleet, config.fleet
+    lo, hi = shape.bounds
+    opts = dict(name="engine",
+                ray_actor_options={"num_cpus": shape.cpus, "num_gpus": shape.gpus},
+                max_ongoing_requests=MAX_ONGOING, health_check_period_s=fleet.health_check_period_s,
+                health_check_timeout_s=fleet.health_check_timeout_s,
+                graceful_shutdown_timeout_s=fleet.drain_timeout_s, graceful_shutdown_wait_loop_s=0.5)
+    if shape.autoscaling:
+        opts["autoscaling_config"] = dict(
+            min_replicas=lo, max_replicas=hi, initial_replicas=max(lo, min(hi, shape.replicas)),
+            upscale_delay_s=shape.upscale_delay_s, downscale_delay_s=shape.downscale_delay_s,
+            policy=dict(policy_function="kvserve.fleet.autoscale:LLMSignalPolicy",
+                        policy_kwargs=dict(target_queued_tokens=shape.target_queued_tokens,
+                                           target_kv_usage=shape.target_kv_usage,
+                                           ttft_slo_s=config.ttft_target_ms.get("interactive", 500.0) / 1000)))
+    else:
+        opts["num_replicas"] = shape.replicas
+    return opts
+
+
+def router_options(spec: ServedModel, config: ServerConfig) -> dict:
+    fleet = config.fleet
+    return dict(request_router_class="kvserve.fleet.serve_router:KVRequestRouter",
+                request_router_kwargs=dict(affinity_blocks=fleet.affinity_blocks, load_bound=fleet.load_bound,
+                                           block_size=spec.engine_config().cache.block_size),
+                request_routing_stats_period_s=fleet.stats_period_s,
+                request_routing_stats_timeout_s=max(1.0, fleet.health_check_timeout_s / 2))
+
+
+def gateway_options(config: ServerConfig) -> dict:
+    fleet = config.fleet
+    return dict(name="gateway", num_replicas=fleet.gateway_replicas,
+                ray_actor_options={"num_cpus": fleet.gateway_cpus}, max_ongoing_requests=MAX_ONGOING,
+                graceful_shutdown_timeout_s=fleet.drain_timeout_s, graceful_shutdown_wait_loop_s=0.5)
+
+
+# ---- Serve applications ---------------------------------------------------------------------------
+
+def pool_app(spec: ServedModel, config: ServerConfig):
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from kvserve.fleet.replica import EngineReplica
+
+    deployment = serve.deployment(EngineReplica).options(
+        request_router_config=RequestRouterConfig(**router_options(spec, config)), **engine_options(spec, config))
+    return deployment.bind(spec, config.stall_timeout_s)
+
+
+def gateway_app(config: ServerConfig):
+    from ray import serve
+
+    from kvserve.fleet.gateway import Gateway
+
+    return serve.deployment(Gateway).options(**gateway_options(config)).bind(gateway_view(config))
+
+
+def build_pool(args: dict):
+    """Serve application builder (`import_path: kvserve.fleet.deploy:build_pool`, args {config, model})."""
+    config = ServerConfig.from_toml(args["config"])
+    return pool_app(next(m for m in config.models if m.id == args["model"]), config)
+
+
+def build_gateway(args: dict):
+    """Serve application builder for the gateway (args {config}); creates the fleet record if there is
+    none yet (a fleet started by KubeRay, not by `kvserve serve --fleet`)."""
+    import ray
+
+    from kvserve.fleet.record import record
+
+    config = ServerConfig.from_toml(args["config"])
+    rec = record(config.fleet.ray_namespace, create=True)
+    _, pools = ray.get(rec.get.remote())
+    if not pools:
+        ray.get(rec.set.remote(Path(args["config"]).read_text(), pools_of(config)))
+    return gateway_app(config)
+
+
+def pools_of(config: ServerConfig) -> dict[str, dict]:
+    return {m.id: {"app": pool_name(m), "source": m.source, "version": m.version} for m in config.models}
+
+
+# ---- the cluster --------------------------------------------------------------------------------
+
+def connect(address: str | None, config: ServerConfig, num_cpus: int | None = None) -> None:
+    """Join the Ray cluster at `address` ("auto": the local one), or start a local instance."""
+    import ray
+
+    # Ray 2.60 otherwise binds to the first interface's address, which a sandboxed box may not route.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if ray.is_initialized():
+        return
+    kwargs = dict(namespace=config.fleet.ray_namespace, ignore_reinit_error=True, log_to_driver=False)
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, **kwargs)
+
+
+def check_placement(config: ServerConfig) -> None:
+    """Every replica's CPUs and GPUs must fit on one alive node (Serve would wait for them forever)."""
+    import ray
+
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    problems = []
+
+    def fits(cpus: float, gpus: float) -> bool:
+        return any(n.get("CPU", 0) >= cpus and n.get("GPU", 0) >= gpus for n in nodes)
+
+    for m in config.models:
+        if not fits(m.fleet.cpus, m.fleet.gpus):
+            problems.append(f"model {m.id}: a replica needs {m.fleet.cpus} CPUs and {m.fleet.gpus} GPUs; "
+                            f"no node has that")
+    if not fits(config.fleet.gateway_cpus, 0):
+        problems.append(f"the gateway needs {config.fleet.gateway_cpus} CPUs; no node has that")
+    if problems:
+        biggest = max(nodes, key=lambda n: (n.get("GPU", 0), n.get("CPU", 0)), default={})
+        raise FleetError("; ".join(problems) + f" (largest node: {biggest.get('CPU', 0):g} CPUs, "
+                         f"{biggest.get('GPU', 0):g} GPUs)")
+
+
+def _wait_running(apps: list[str], timeout: float) -> None:
+    """Until every app is RUNNING; FleetError naming the first that failed or did not start in time."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout
+    while True:
+        status = serve.status().applications
+        pending = []
+        for app in apps:
+            st = status.get(app)
+            state = str(getattr(st, "status", "NOT_STARTED"))
+            if state.endswith("DEPLOY_FAILED") or state.endswith("UNHEALTHY"):
+                raise FleetError(f"{app} failed to start: {_app_message(st)}")
+            if not state.endswith("RUNNING"):
+                pending.append(app)
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise FleetError(f"{', '.join(pending)} did not start within {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def _app_message(st) -> str:
+    parts = [st.message] if getattr(st, "message", "") else []
+    for name, d in (getattr(st, "deployments", None) or {}).items():
+        if getattr(d, "message", ""):
+            parts.append(f"{name}: {d.message}")
+    return " | ".join(parts)[:2000] or "no message"
+
+
+def _deploy_pools(specs: list[ServedModel], config: ServerConfig) -> None:
+    from ray import serve
+    from ray.serve.api import RunTarget
+
+    if specs:
+        serve.run_many([RunTarget(pool_app(m, config), name=pool_name(m), route_prefix=None) for m in specs],
+                       wait_for_applications_running=False)
+
+
+def start(config: ServerConfig, config_text: str, address: str | None = None, start_timeout_s: float = 900) -> None:
+    """`kvserve serve --fleet`: the pools, the record, then the gateway on config.host:config.port."""
+    from ray import serve
+
+    from kvserve.fleet.record import record
+
+    connect(address, config)
+    check_placement(config)
+    serve.start(http_options={"host": config.host, "port": config.port})
+    _deploy_pools(config.models, config)
+    _wait_running([pool_name(m) for m in config.models], start_timeout_s)
+    ray_get(record(config.fleet.ray_namespace, create=True).set.remote(config_text, pools_of(config)))
+    serve.run(gateway_app(config), name=GATEWAY_APP, route_prefix="/")
+
+
+def ray_get(ref):
+    import ray
+
+    return ray.get(ref)
+
+
+def apply(config_text: str, address: str | None = "auto", start_timeout_s: float = 900) -> list[str]:
+    """Apply a new config to the running fleet (the rolling update in the module docstring); what changed.
+    ConfigError / FleetError when refused, with the fleet left on its old config."""
+    import tempfile
+
+    from ray import serve
+
+    from kvserve.fleet.record import record
+
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(config_text)
+    try:
+        new = ServerConfig.from_toml(f.name)
+    finally:
+        os.unlink(f.name)
+    connect(address, new)
+    rec = record(new.fleet.ray_namespace)
+    old_text, old_pools = ray_get(rec.get.remote())
+    check_placement(new)
+    new_pools = pools_of(new)
+    fresh = [m for m in new.models if old_pools.get(m.id, {}).get("app") != new_pools[m.id]["app"]]
+    same = [m for m in new.models if m not in fresh]
+    changes = []
+    _deploy_pools(fresh, new)
+    try:
+        _wait_running([pool_name(m) for m in fresh], start_timeout_s)
+    except FleetError:
+        for m in fresh:
+            serve.delete(pool_name(m), _blocking=False)
+        raise
+    _deploy_pools(same, new)  # replica counts and autoscaling bounds, in place
+    ray_get(rec.set.remote(config_text, new_pools))
+    changes += [f"{m.id}: {old_pools.get(m.id, {}).get('version', '-')} -> {m.version} ({pool_name(m)})"
+                for m in fresh]
+    serve.run(gateway_app(new), name=GATEWAY_APP, route_prefix="/")  # in place unless the gateway view changed
+    time.sleep(2.0)  # the gateways poll the record every second: let them all switch before the old pools go
+    live = set(new_pools[m]["app"] for m in new_pools)
+    for model, entry in old_pools.items():
+        if entry["app"] not in live:
+            serve.delete(entry["app"], _blocking=False)  # drains: graceful_shutdown_timeout_s = drain_timeout_s
+            changes.append(f"{model}: pool {entry['app']} draining")
+    return changes
