@@ -288,7 +288,8 @@ class ModelFleet:
     target_kv_usage: float = 0.8  # per replica: KV-cache use above which it adds a replica
 
     def __post_init__(self):
-        _validate(self, dict(replicas=POSITIVE_INT, min_replicas=OPTIONAL_POSITIVE_INT,
+        _validate(self, dict(replicas=NONNEG_INT, min_replicas=(lambda v: v is None or (_is_int(v) and v >= 0),
+                                                                 "an integer >= 0, or unset"),
                              max_replicas=OPTIONAL_POSITIVE_INT, cpus=NONNEG_NUMBER, gpus=NONNEG_NUMBER,
                              upscale_delay_s=NONNEG_NUMBER, downscale_delay_s=NONNEG_NUMBER,
                              target_queued_tokens=POSITIVE_INT, target_kv_usage=FRACTION))
@@ -313,6 +314,7 @@ class FleetConfig:
 
     gateway_replicas: int = 1
     gateway_cpus: float = 0.5
+    gateway_resources: dict = field(default_factory=dict)  # custom Ray resources, to pin gateways to ingress nodes
     migration_limit: int = 3  # times one request may move to another replica before it fails
     route_timeout_s: float = 30.0  # a request that no replica accepts in this time fails (never a hung stream)
     health_check_period_s: float = 5.0
@@ -325,6 +327,9 @@ class FleetConfig:
 
     def __post_init__(self):
         _validate(self, dict(gateway_replicas=POSITIVE_INT, gateway_cpus=NONNEG_NUMBER, migration_limit=NONNEG_INT,
+                             gateway_resources=(lambda v: isinstance(v, dict) and all(
+                                 isinstance(k, str) and _is_number(x) and x > 0 for k, x in v.items()),
+                                                "a table of resource name -> amount > 0"),
                              route_timeout_s=POSITIVE_NUMBER, health_check_period_s=POSITIVE_NUMBER,
                              health_check_timeout_s=POSITIVE_NUMBER, drain_timeout_s=NONNEG_NUMBER,
                              stats_period_s=POSITIVE_NUMBER, affinity_blocks=POSITIVE_INT,

@@ -78,10 +78,16 @@ class FleetStream:
                 continue
             if msg[0] == wire.REFUSED:
                 replica, err = msg[1], from_wire(msg[2])
-                # A full replica is not a full pool: try the others before refusing (429 only when all are).
-                if isinstance(err, CapacityExhausted) and len(self.exclude) + 1 < self.client.pool_size():
-                    self.exclude.append(replica)
-                    continue
+                # A full replica is not a full pool: try the others; while the autoscaler can still add
+                # replicas, wait for them. 429 only when the pool is at its maximum and every replica is full.
+                if isinstance(err, CapacityExhausted):
+                    if len(self.exclude) + 1 < self.client.pool_size():
+                        self.exclude.append(replica)
+                        continue
+                    if self.client.can_grow() and time.monotonic() + 0.5 < deadline:
+                        self.exclude.clear()
+                        await asyncio.sleep(0.5)
+                        continue
                 raise err
             _, self.replica, self.model_version = msg
             self._gen = gen
@@ -181,6 +187,7 @@ class FleetClient:
         self.pool: str | None = None  # the Serve application of the replica pool requests go to
         self.handle = None
         self.version: str | None = None
+        self.max_replicas = 1  # the pool's autoscaling maximum
         self._max_model_len: int | None = None
         self.policy = RoutingPolicy(affinity_blocks=fleet.affinity_blocks, block_size=config.cache.block_size,
                                     load_bound=fleet.load_bound)
@@ -224,6 +231,7 @@ class FleetClient:
         handle = self.directory.handle(entry["app"])
         desc = await handle.describe.remote()  # the context length the replicas settled on
         self.handle, self.pool, self.version = handle, entry["app"], entry["version"]
+        self.max_replicas = entry.get("max_replicas", 1)
         self._max_model_len = desc["max_model_len"]
         if self.status in (EngineStatus.WARMING, EngineStatus.FAILED):
             self.status, self.error = EngineStatus.READY, None
@@ -272,6 +280,9 @@ class FleetClient:
     def pool_size(self) -> int:
         return max(1, len(self.replica_stats()))
 
+    def can_grow(self) -> bool:
+        return len(self.replica_stats()) < self.max_replicas
+
     @property
     def stats(self) -> SchedulerStats | None:
         """The pool's load as one scheduler snapshot: sums over the replicas' latest stats (the shortest
@@ -309,7 +320,8 @@ class FleetClient:
                                  inflight=router.inflight.get(rid, 0) if router else 0,
                                  prefix_hit_rate=h / q if q else None,
                                  **{k: stats.get(k) for k in ("accepted", "running", "queued_prompt_tokens",
-                                                              "kv_usage", "est_ttft_s", "busy_seconds")}))
+                                                              "kv_usage", "est_ttft_s", "busy_seconds",
+                                                              "prefix_query_tokens", "prefix_hit_tokens")}))
         return dict(status=self.status.value, pool=self.pool, version=self.version, replicas=replicas,
                     by_reason=dict(routing.by_reason) if routing else {}, migrations=dict(self.migrations),
                     inflight=self.num_inflight)

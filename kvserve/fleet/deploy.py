@@ -92,7 +92,8 @@ def router_options(spec: ServedModel, config: ServerConfig) -> dict:
 def gateway_options(config: ServerConfig) -> dict:
     fleet = config.fleet
     return dict(name="gateway", num_replicas=fleet.gateway_replicas,
-                ray_actor_options={"num_cpus": fleet.gateway_cpus}, max_ongoing_requests=MAX_ONGOING,
+                ray_actor_options={"num_cpus": fleet.gateway_cpus, "resources": dict(fleet.gateway_resources)},
+                max_ongoing_requests=MAX_ONGOING,
                 graceful_shutdown_timeout_s=fleet.drain_timeout_s, graceful_shutdown_wait_loop_s=0.5)
 
 
@@ -106,7 +107,8 @@ def pool_app(spec: ServedModel, config: ServerConfig):
 
     deployment = serve.deployment(EngineReplica).options(
         request_router_config=RequestRouterConfig(**router_options(spec, config)), **engine_options(spec, config))
-    return deployment.bind(spec, config.stall_timeout_s)
+    # The replica is built from the spec without its pool shape: a count change must not look like new code.
+    return deployment.bind(replace(spec, fleet=ModelFleet()), config.stall_timeout_s)
 
 
 def gateway_app(config: ServerConfig):
@@ -124,22 +126,19 @@ def build_pool(args: dict):
 
 
 def build_gateway(args: dict):
-    """Serve application builder for the gateway (args {config}); creates the fleet record if there is
-    none yet (a fleet started by KubeRay, not by `kvserve serve --fleet`)."""
-    import ray
-
+    """Serve application builder for the gateway (args {config}), for a fleet whose config is a manifest
+    (KubeRay): that config is the truth, so the fleet record is written from it."""
     from kvserve.fleet.record import record
 
     config = ServerConfig.from_toml(args["config"])
-    rec = record(config.fleet.ray_namespace, create=True)
-    _, pools = ray.get(rec.get.remote())
-    if not pools:
-        ray.get(rec.set.remote(Path(args["config"]).read_text(), pools_of(config)))
+    ray_get(record(config.fleet.ray_namespace, create=True).set.remote(Path(args["config"]).read_text(),
+                                                                       pools_of(config)))
     return gateway_app(config)
 
 
 def pools_of(config: ServerConfig) -> dict[str, dict]:
-    return {m.id: {"app": pool_name(m), "source": m.source, "version": m.version} for m in config.models}
+    return {m.id: {"app": pool_name(m), "source": m.source, "version": m.version, "max_replicas": m.fleet.bounds[1]}
+            for m in config.models}
 
 
 # ---- the cluster --------------------------------------------------------------------------------
@@ -173,8 +172,11 @@ def check_placement(config: ServerConfig) -> None:
         if not fits(m.fleet.cpus, m.fleet.gpus):
             problems.append(f"model {m.id}: a replica needs {m.fleet.cpus} CPUs and {m.fleet.gpus} GPUs; "
                             f"no node has that")
-    if not fits(config.fleet.gateway_cpus, 0):
-        problems.append(f"the gateway needs {config.fleet.gateway_cpus} CPUs; no node has that")
+    gw = config.fleet
+    if not any(n.get("CPU", 0) >= gw.gateway_cpus and all(n.get(k, 0) >= v for k, v in gw.gateway_resources.items())
+               for n in nodes):
+        problems.append(f"the gateway needs {gw.gateway_cpus} CPUs and {gw.gateway_resources or 'no other resources'}"
+                        f"; no node has that")
     if problems:
         biggest = max(nodes, key=lambda n: (n.get("GPU", 0), n.get("CPU", 0)), default={})
         raise FleetError("; ".join(problems) + f" (largest node: {biggest.get('CPU', 0):g} CPUs, "
@@ -244,42 +246,76 @@ def ray_get(ref):
 def apply(config_text: str, address: str | None = "auto", start_timeout_s: float = 900) -> list[str]:
     """Apply a new config to the running fleet (the rolling update in the module docstring); what changed.
     ConfigError / FleetError when refused, with the fleet left on its old config."""
-    import tempfile
-
     from ray import serve
 
     from kvserve.fleet.record import record
 
-    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
-        f.write(config_text)
-    try:
-        new = ServerConfig.from_toml(f.name)
-    finally:
-        os.unlink(f.name)
+    new = _parse(config_text)
     connect(address, new)
     rec = record(new.fleet.ray_namespace)
     old_text, old_pools = ray_get(rec.get.remote())
+    old = {m.id: m for m in _parse(old_text).models} if old_text else {}
     check_placement(new)
     new_pools = pools_of(new)
     fresh = [m for m in new.models if old_pools.get(m.id, {}).get("app") != new_pools[m.id]["app"]]
     same = [m for m in new.models if m not in fresh]
-    changes = []
-    _deploy_pools(fresh, new)
+    # Without room for a whole new pool beside the old one, each model's new pool starts with one replica,
+    # in room made by stopping one old replica (it drains first); it grows to its size once it serves alone.
+    tight = [] if _room_for(fresh) else fresh
+    for m in tight:
+        if m.id in old:
+            _deploy_pools([_resized(old[m.id], _initial(old[m.id]) - 1)], new)
+    _deploy_pools([_resized(m, 1) if m in tight else m for m in fresh], new)
     try:
         _wait_running([pool_name(m) for m in fresh], start_timeout_s)
     except FleetError:
         for m in fresh:
             serve.delete(pool_name(m), _blocking=False)
+        _deploy_pools([old[m.id] for m in tight if m.id in old], new)  # the old pools back to their size
         raise
     _deploy_pools(same, new)  # replica counts and autoscaling bounds, in place
     ray_get(rec.set.remote(config_text, new_pools))
-    changes += [f"{m.id}: {old_pools.get(m.id, {}).get('version', '-')} -> {m.version} ({pool_name(m)})"
-                for m in fresh]
+    changes = [f"{m.id}: {old_pools.get(m.id, {}).get('version', '-')} -> {m.version} ({pool_name(m)})"
+               for m in fresh]
     serve.run(gateway_app(new), name=GATEWAY_APP, route_prefix="/")  # in place unless the gateway view changed
     time.sleep(2.0)  # the gateways poll the record every second: let them all switch before the old pools go
-    live = set(new_pools[m]["app"] for m in new_pools)
+    live = {e["app"] for e in new_pools.values()}
     for model, entry in old_pools.items():
         if entry["app"] not in live:
-            serve.delete(entry["app"], _blocking=False)  # drains: graceful_shutdown_timeout_s = drain_timeout_s
-            changes.append(f"{model}: pool {entry['app']} draining")
+            serve.delete(entry["app"], _blocking=not tight)  # drains: graceful_shutdown_timeout_s = drain_timeout_s
+            changes.append(f"{model}: pool {entry['app']} drained")
+    if tight:
+        _deploy_pools(tight, new)  # now the new pools to their size, in place
+        _wait_running([pool_name(m) for m in tight], start_timeout_s)
     return changes
+
+
+def _parse(config_text: str) -> ServerConfig:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(config_text)
+    try:
+        return ServerConfig.from_toml(f.name)
+    finally:
+        os.unlink(f.name)
+
+
+def _initial(m: ServedModel) -> int:
+    lo, hi = m.fleet.bounds
+    return max(lo, min(hi, m.fleet.replicas))
+
+
+def _resized(m: ServedModel, replicas: int) -> ServedModel:
+    """`m` with a fixed replica count (the same pool: the count is not in its name)."""
+    return replace(m, fleet=replace(m.fleet, replicas=max(0, replicas), min_replicas=None, max_replicas=None))
+
+
+def _room_for(specs: list[ServedModel]) -> bool:
+    """Whether the cluster has the CPUs and GPUs free for all these pools' replicas next to the running ones."""
+    import ray
+
+    free = ray.available_resources()
+    cpus = sum(_initial(m) * m.fleet.cpus for m in specs)
+    gpus = sum(_initial(m) * m.fleet.gpus for m in specs)
+    return free.get("CPU", 0) >= cpus and free.get("GPU", 0) >= gpus

