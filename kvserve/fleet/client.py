@@ -299,14 +299,15 @@ class FleetClient:
         kv = KVCacheUsage(num_device_blocks=blocks[3], used_device_blocks=blocks[0], cached_device_blocks=blocks[1],
                           free_device_blocks=blocks[2], num_host_blocks=0, used_host_blocks=0,
                           prefix_query_tokens=total("prefix_query_tokens"), prefix_hit_tokens=total("prefix_hit_tokens"))
+        def per_tier(key: str, combine=sum, default=0):
+            return {p: combine(s.get(key, {}).get(p.label, default) for s in stats) for p in tiers}
+
         return SchedulerStats(
-            waiting={p: sum(s.get("waiting", {}).get(p.label, 0) for s in stats) for p in tiers},
-            waiting_prompt_tokens={p: 0 for p in tiers} | {tiers[0]: total("queued_prompt_tokens")},
+            waiting=per_tier("waiting"), waiting_prompt_tokens=per_tier("waiting_prompt_tokens"),
             running=total("running"), swapped=0, blocks_used=blocks[0], blocks_cached=blocks[1], blocks_free=blocks[2],
             num_preemptions=total("num_preemptions"), prefix_query_tokens=kv.prefix_query_tokens,
             prefix_hit_tokens=kv.prefix_hit_tokens, tokens_per_s=sum(s.get("tokens_per_s", 0.0) for s in stats),
-            queue_wait_s={p: min(s.get("queue_wait_s", {}).get(p.label, 0.0) for s in stats) for p in tiers},
-            ttft_s={p: min(s.get("ttft_s", {}).get(p.label, 0.0) for s in stats) for p in tiers}, kv=kv)
+            queue_wait_s=per_tier("queue_wait_s", min, 0.0), ttft_s=per_tier("ttft_s", min, 0.0), kv=kv)
 
     def pool_status(self) -> dict:
         """The pool as this gateway sees it: replicas with their latest stats, and where it routed what."""

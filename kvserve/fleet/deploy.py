@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import replace
@@ -154,8 +155,9 @@ def connect(address: str | None, config: ServerConfig, num_cpus: int | None = No
     kwargs = dict(namespace=config.fleet.ray_namespace, ignore_reinit_error=True, log_to_driver=False)
     if address:
         ray.init(address=address, **kwargs)
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, **kwargs)
+    else:  # a local instance with the logical CPUs the config reserves (Ray schedules by them, it does not pin cores)
+        ray.init(num_cpus=num_cpus or max(os.cpu_count() or 1, math.ceil(demand(config)[0])), include_dashboard=False,
+                 **kwargs)
 
 
 def check_placement(config: ServerConfig) -> None:
@@ -177,10 +179,21 @@ def check_placement(config: ServerConfig) -> None:
                for n in nodes):
         problems.append(f"the gateway needs {gw.gateway_cpus} CPUs and {gw.gateway_resources or 'no other resources'}"
                         f"; no node has that")
+    total = ray.cluster_resources()
+    need_cpu, need_gpu = demand(config)
+    if not problems and (need_cpu > total.get("CPU", 0) + 1e-9 or need_gpu > total.get("GPU", 0) + 1e-9):
+        problems.append(f"the pools and gateways need {need_cpu:g} CPUs and {need_gpu:g} GPUs in all; the cluster "
+                        f"has {total.get('CPU', 0):g} and {total.get('GPU', 0):g}")
     if problems:
         biggest = max(nodes, key=lambda n: (n.get("GPU", 0), n.get("CPU", 0)), default={})
         raise FleetError("; ".join(problems) + f" (largest node: {biggest.get('CPU', 0):g} CPUs, "
                          f"{biggest.get('GPU', 0):g} GPUs)")
+
+
+def demand(config: ServerConfig) -> tuple[float, float]:
+    """CPUs and GPUs the fleet reserves at its start size (pools at their initial replicas, the gateways)."""
+    cpus = sum(_initial(m) * m.fleet.cpus for m in config.models) + config.fleet.gateway_replicas * config.fleet.gateway_cpus
+    return cpus, sum(_initial(m) * m.fleet.gpus for m in config.models)
 
 
 def _wait_running(apps: list[str], timeout: float) -> None:
@@ -230,7 +243,11 @@ def start(config: ServerConfig, config_text: str, address: str | None = None, st
 
     connect(address, config)
     check_placement(config)
-    serve.start(http_options={"host": config.host, "port": config.port})
+    from starlette.middleware import Middleware
+
+    from kvserve.fleet.gateway import OneRequestId
+
+    serve.start(http_options={"host": config.host, "port": config.port, "middlewares": [Middleware(OneRequestId)]})
     _deploy_pools(config.models, config)
     _wait_running([pool_name(m) for m in config.models], start_timeout_s)
     ray_get(record(config.fleet.ray_namespace, create=True).set.remote(config_text, pools_of(config)))

@@ -101,7 +101,9 @@ class EngineReplica:
             return out
         kv = stats.kv
         out.update(queued_prompt_tokens=sum(stats.waiting_prompt_tokens.values()),
-                   waiting={p.label: n for p, n in stats.waiting.items()}, running=stats.running,
+                   waiting={p.label: n for p, n in stats.waiting.items()},
+                   waiting_prompt_tokens={p.label: n for p, n in stats.waiting_prompt_tokens.items()},
+                   running=stats.running,
                    kv_usage=kv.device_usage,
                    kv_blocks=(kv.used_device_blocks, kv.cached_device_blocks, kv.free_device_blocks,
                               kv.num_device_blocks),
