@@ -109,6 +109,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.interjection: Interjection | None = None  # set by AsyncLLM: see step()
+        self._interjected_s = 0.0  # time spent in interjections, to keep it out of their suspended steps' charge
         self.last_step: StepStats | None = None
         self.load_seconds = time.perf_counter() - t0
         backend = getattr(getattr(runner, "model", None), "backend", None)
@@ -202,10 +203,13 @@ class LLMEngine:
         out = self.scheduler.schedule_interjection()
         if not out.scheduled:
             return None
-        return self._run_step(out, started, None)
+        outputs = self._run_step(out, started, None)
+        self._interjected_s += self.last_step.duration  # not the suspended step's own time
+        return outputs
 
     def _run_step(self, out: SchedulerOutput, started: float, interjection: Interjection | None) -> list[RequestOutput]:
         touched: dict[str, RequestState] = {}
+        interjected_before = self._interjected_s
         for seq in out.finished:  # queue timeouts decided by the scheduler
             ss = self.outputs.seq_states.get(seq.seq_id)
             if ss is not None:
@@ -216,8 +220,10 @@ class LLMEngine:
         elif out.scheduled:
             self.scheduler.update_from_output(out, {})
         num_prefill = sum(s.num_new_tokens for s in out.scheduled if s.seq.is_prefill or s.num_new_tokens > 1)
-        self.last_step = StepStats(started, self.clock() - started, len(out.scheduled), num_prefill,
+        duration = self.clock() - started
+        self.last_step = StepStats(started, duration, len(out.scheduled), num_prefill,
                                    out.num_batched_tokens - num_prefill, len(out.preempted))
+        self.outputs.charge(out.scheduled, duration - (self._interjected_s - interjected_before))
         return self.outputs.end_step(touched)
 
     def _sample_and_update(self, out, logits: torch.Tensor, touched: dict) -> None:

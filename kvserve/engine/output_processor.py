@@ -40,6 +40,7 @@ class RequestState:
     seqs: list[SeqState] = field(default_factory=list)
     forked: bool = False
     finished: bool = False
+    engine_seconds: float = 0.0  # its share of the engine steps it was in (OutputProcessor.charge)
 
     def output(self, model: str) -> RequestOutput:
         parent = self.seqs[0].seq
@@ -56,7 +57,8 @@ class RequestState:
         # another thread stays valid while the engine moves on.
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                              outputs=[replace(s.output) for s in self.seqs], finished=self.finished,
-                             num_cached_tokens=parent.num_cached_tokens, metrics=metrics, model=model)
+                             num_cached_tokens=parent.num_cached_tokens, metrics=metrics, model=model,
+                             engine_seconds=self.engine_seconds)
 
 
 class OutputProcessor:
@@ -86,6 +88,22 @@ class OutputProcessor:
         state.seqs.append(ss)
         self.seq_states[seq.seq_id] = ss
         return ss
+
+    def charge(self, scheduled, seconds: float) -> None:
+        """Split one step's measured time over its sequences by their share of the step's tokens (a prefill
+        chunk of 300 tokens is charged 300 times a decode token). Per request the shares add up, and over
+        a run they add up to the engine's busy time. Approximate where cost is not linear in tokens:
+        attention grows with context, so a decode token deep in a long context costs more than its share,
+        and a small decode batch is dominated by reading the weights, which any token share splits evenly."""
+        total = sum(s.num_new_tokens for s in scheduled)
+        if total <= 0 or seconds <= 0:
+            return
+        per_token = seconds / total
+        requests = self.requests
+        for s in scheduled:
+            state = requests.get(s.seq.request_id)
+            if state is not None:
+                state.engine_seconds += s.num_new_tokens * per_token
 
     def begin_step(self) -> None:
         """Clear the deltas the previous step handed out."""

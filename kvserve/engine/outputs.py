@@ -60,6 +60,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     model: str = ""
+    engine_seconds: float = 0.0  # engine time charged to it so far (OutputProcessor.charge)
 
     @property
     def num_prompt_tokens(self) -> int:

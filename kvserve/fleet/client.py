@@ -127,6 +127,7 @@ class FleetStream:
 
     async def _migrate(self, failure: str) -> None:
         client = self.client
+        self.acc.replica_lost()
         if self.replica is not None:
             self.exclude.append(self.replica)
         log.warning("request %s lost replica %s (%s)", self.request_id, self.replica, failure)

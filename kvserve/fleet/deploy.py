@@ -243,11 +243,7 @@ def start(config: ServerConfig, config_text: str, address: str | None = None, st
 
     connect(address, config)
     check_placement(config)
-    from starlette.middleware import Middleware
-
-    from kvserve.fleet.gateway import OneRequestId
-
-    serve.start(http_options={"host": config.host, "port": config.port, "middlewares": [Middleware(OneRequestId)]})
+    serve.start(http_options={"host": config.host, "port": config.port})
     _deploy_pools(config.models, config)
     _wait_running([pool_name(m) for m in config.models], start_timeout_s)
     ray_get(record(config.fleet.ray_namespace, create=True).set.remote(config_text, pools_of(config)))

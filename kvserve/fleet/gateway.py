@@ -34,29 +34,3 @@ class Gateway:
         state.metrics.registry.register(FleetCollector(lambda: [h.client for h in state.models.values()]))
         return app
 
-
-class OneRequestId:
-    """Serve's HTTP proxy adds its own X-Request-ID to every response; a completion's already carries the
-    completion id (as the single-process server's does). Keep the first, so clients see one value.
-    Installed as a proxy middleware by deploy.start (http_options.middlewares)."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def send_one(message):
-            if message["type"] == "http.response.start":
-                seen, headers = False, []
-                for k, v in message.get("headers", []):
-                    if k.lower() == b"x-request-id":
-                        if seen:
-                            continue
-                        seen = True
-                    headers.append((k, v))
-                message = dict(message, headers=headers)
-            await send(message)
-
-        await self.app(scope, receive, send_one)

@@ -48,6 +48,8 @@ class OutputAccumulator:
         self.last_token_time: float | None = None
         self.finished = False
         self.num_preemptions = 0
+        self._engine_s_before = 0.0  # engine time on replicas this request has left
+        self._engine_s = 0.0  # on the replica serving it now (its outputs carry the running total)
 
     @property
     def sent_token_ids(self) -> list[int]:
@@ -78,8 +80,14 @@ class OutputAccumulator:
             self.queue_time = out.metrics.queue_time
         if out.metrics is not None:
             self.num_preemptions = max(self.num_preemptions, out.metrics.num_preemptions)
+        self._engine_s = out.engine_seconds
         self.finished = out.finished
         return self._output(merged, now if out.finished else None)
+
+    def replica_lost(self) -> None:
+        """The request moves to another replica: what the last one charged stays charged."""
+        self._engine_s_before += self._engine_s
+        self._engine_s = 0.0
 
     def final(self, finish_reason: str, now: float) -> RequestOutput:
         """The request's last output when it ends at the gateway (aborted, or failed with no replica left)."""
@@ -98,4 +106,4 @@ class OutputAccumulator:
             metrics.first_scheduled_time = self.arrival + self.queue_time
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                              outputs=outputs, finished=self.finished, num_cached_tokens=self.num_cached_tokens or 0,
-                             metrics=metrics, model=self.model)
+                             metrics=metrics, model=self.model, engine_seconds=self._engine_s_before + self._engine_s)

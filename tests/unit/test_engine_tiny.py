@@ -497,3 +497,32 @@ def test_an_interjection_applies_interactive_adds_only_and_holds_the_rest():
     llm._apply_commands()
     assert llm.engine.calls[2:] == [("add", "batch-1"), ("abort", "old"), ("add", "bad")]
     assert llm._interject_flag.value == 0 and not llm._held
+
+
+# ---- engine time per request ------------------------------------------------------------------------
+
+def test_engine_time_split_over_requests_adds_up_to_the_busy_time(tiny):
+    """Each step's measured time is charged to its sequences by token share (OutputProcessor.charge): over a
+    run with chunked prefills, forks, preemption and an abort, the requests' engine_seconds add up to the
+    steps' measured time, and a long prompt is charged more than a short one with the same output."""
+    rng = random.Random(5)
+    eng = engine(tiny, max_num_batched_tokens=64, num_gpu_blocks_override=48, swap_space="1MiB")
+    params = dict(max_tokens=6, ignore_eos=True, temperature=0)
+    ids = [eng.add_request(rand_tokens(rng, n), SamplingParams(**params)) for n in (200, 8, 40, 3)]
+    ids.append(eng.add_request(rand_tokens(rng, 20), SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=5)))
+    victim = eng.add_request(rand_tokens(rng, 30), SamplingParams(max_tokens=50, ignore_eos=True))
+    busy, finals, steps = 0.0, {}, 0
+    while eng.has_unfinished_requests():
+        for ro in eng.step():
+            if ro.finished:
+                finals[ro.request_id] = ro
+        busy += eng.last_step.duration
+        steps += 1
+        if steps == 4:
+            aborted = eng.abort_request(victim)
+            finals[victim] = aborted
+    charged = sum(ro.engine_seconds for ro in finals.values())
+    assert set(finals) == set(ids) | {victim}
+    assert charged == pytest.approx(busy, rel=0.01)
+    assert all(finals[i].engine_seconds > 0 for i in ids)
+    assert finals[ids[0]].engine_seconds > finals[ids[3]].engine_seconds

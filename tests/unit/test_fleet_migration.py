@@ -31,7 +31,7 @@ class FakeReplica:
         yield (wire.ACCEPTED, self.rid, "v1")
         start = len(payload.get("resumed_token_ids") or [])
         total = payload["params"].max_tokens
-        pos = start
+        pos, charged = start, 0.0
         while pos < total:
             if self.die_after is not None and pos >= self.die_after:
                 raise ConnectionError(f"replica {self.rid} died")
@@ -40,7 +40,8 @@ class FakeReplica:
             done = pos >= total
             o = CompletionOutput(0, delta_text="".join(f"<{t}>" for t in toks), delta_token_ids=toks,
                                  finish_reason="length" if done else None)
-            yield (wire.OUTPUTS, [RequestOutput(payload["request_id"], None, [], [o], done)])
+            charged += 0.25  # engine seconds, cumulative per replica as an engine reports them
+            yield (wire.OUTPUTS, [RequestOutput(payload["request_id"], None, [], [o], done, engine_seconds=charged)])
             await asyncio.sleep(0)
 
 
@@ -109,6 +110,7 @@ def test_a_stream_moves_on_when_its_replica_dies():
     assert last.outputs[0].text == "".join(f"<{t}>" for t in range(100, 109))
     assert [f.num_completion_tokens for f in finished] == [9] and finished[0].outputs[0].finish_reason == "length"
     assert c.migrations == {"migrated": 1} and stream.migrations == 1 and c.num_inflight == 0
+    assert finished[0].engine_seconds == pytest.approx(0.5 + 0.75)  # both replicas' time is charged
 
 
 def test_past_the_migration_limit_the_request_fails_and_says_so():
