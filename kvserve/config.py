@@ -267,6 +267,26 @@ def engine_config_from_kwargs(model: str, **kwargs) -> EngineConfig:
     return EngineConfig(model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **top)
 
 
+# ---- prices ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelPrice:
+    """A `[models.price]` table: list prices in dollars per million tokens (interactive tier; the batch tier
+    pays `batch_discount` times them), and what one replica of the model costs to run per hour (its GPU or
+    CPU share: the cost side of each request, from the engine time it used)."""
+
+    input: float = 0.02
+    cached_input: float = 0.005
+    output: float = 0.08
+    batch_discount: float = 0.5
+    replica_cost_per_hour: float = 0.10
+
+    def __post_init__(self):
+        _validate(self, dict(input=NONNEG_NUMBER, cached_input=NONNEG_NUMBER, output=NONNEG_NUMBER,
+                             batch_discount=FRACTION, replica_cost_per_hour=NONNEG_NUMBER))
+
+
 # ---- the fleet -------------------------------------------------------------------------------
 
 
@@ -360,6 +380,7 @@ class ServedModel:
     engine_args: dict = field(default_factory=dict)  # vLLM-style flat args; `interactive`/`batch` tables are TierLimits
     version: str = "1"  # a label for this model's weights/config; responses carry it (x-kvserve-model-version)
     fleet: ModelFleet = field(default_factory=ModelFleet)
+    price: ModelPrice = field(default_factory=ModelPrice)
 
     def __post_init__(self):
         _validate(self, dict(id=(lambda v: isinstance(v, str) and v != "" and v != "auto",
@@ -444,7 +465,7 @@ class ServerConfig:
         models_data = data.get("models")
         if not models_data and path is not None:
             models_data = tomllib.loads(Path(DEFAULT_CONFIG).read_text()).get("models", [])
-        known = {"id", "source", "role", "description", "install", "version", "fleet"}
+        known = {"id", "source", "role", "description", "install", "version", "fleet", "price"}
         models = []
         for i, m in enumerate(models_data or []):
             missing = [k for k in ("id", "source") if k not in m]
@@ -453,6 +474,7 @@ class ServerConfig:
             models.append(ServedModel(id=m["id"], source=m["source"], role=m.get("role", ""),
                                       description=m.get("description", ""), version=str(m.get("version", "1")),
                                       fleet=_table(ModelFleet, m.get("fleet", {}), f"[models.fleet] ({m['id']})"),
+                                      price=_table(ModelPrice, m.get("price", {}), f"[models.price] ({m['id']})"),
                                       engine_args={k: v for k, v in m.items() if k not in known}))
         fleet = _table(FleetConfig, data.get("fleet", {}), "[fleet]")
         unknown_tables = set(data) - {"server", "models", "fleet"}

@@ -12,6 +12,7 @@ from kvserve.config import TIER_NAMES, EngineConfig, ServedModel, ServerConfig
 from kvserve.engine.client import EngineClient, EngineStatus
 from kvserve.engine.errors import ModelNotFound
 from kvserve.engine.outputs import RequestOutput
+from kvserve.metering.prices import request_cost, request_price
 from kvserve.service.metrics import LiveModelStats, ServerMetrics
 from kvserve.service.router import AUTO_MODEL, AutoPolicy, LoadLevel, ModelView, choose_auto_model, load_level
 from kvserve.service.usage import UsageLedger
@@ -90,12 +91,17 @@ class ModelHandle:
 
         reason = next((o.finish_reason for o in out.outputs if o.finish_reason == "abort"), None) or (
             out.outputs[0].finish_reason if out.outputs else None)
+        cached = min(out.num_cached_tokens, out.num_prompt_tokens)
+        price = self.spec.price
         return UsageRecord(request_id=out.request_id, tenant=info.tenant, model=self.id, tier=info.tier,
-                           prompt_tokens=out.num_prompt_tokens,
-                           cached_prompt_tokens=min(out.num_cached_tokens, out.num_prompt_tokens),
+                           prompt_tokens=out.num_prompt_tokens, cached_prompt_tokens=cached,
                            completion_tokens=out.num_completion_tokens,
                            queue_ms=ms(m.queue_time if m else None), ttft_ms=ms(m.ttft if m else None),
-                           e2e_ms=ms(m.e2e if m else None), status=_status_of(reason), finish_reason=reason)
+                           e2e_ms=ms(m.e2e if m else None), status=_status_of(reason), finish_reason=reason,
+                           engine_s=out.engine_seconds,
+                           price=request_price(price, info.tier, out.num_prompt_tokens, cached,
+                                               out.num_completion_tokens),
+                           cost=request_cost(price, out.engine_seconds))
 
     def register(self, request_id: str, info: RequestInfo) -> None:
         with self._lock:

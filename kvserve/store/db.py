@@ -121,6 +121,16 @@ MIGRATIONS: list[tuple[int, str]] = [
         CREATE INDEX idempotency_created ON idempotency_keys(created_at);
         """,
     ),
+    (
+        2,
+        """
+        -- What a request was charged and what it cost: its share of the engine's time, the list price of its
+        -- tokens, and that time at the replica's cost per hour (metering/prices.py).
+        ALTER TABLE usage_records ADD COLUMN engine_s REAL;
+        ALTER TABLE usage_records ADD COLUMN price REAL;
+        ALTER TABLE usage_records ADD COLUMN cost REAL;
+        """,
+    ),
 ]
 
 

@@ -33,6 +33,9 @@ class UsageRecord:
     finish_reason: str | None = None
     created_at: float | None = None  # None: the store's clock at recording time
     finished_at: float | None = None
+    engine_s: float | None = None  # engine time charged to it (seconds)
+    price: float | None = None  # dollars charged (list price of its tokens)
+    cost: float | None = None  # dollars its engine time cost
 
     def validate(self) -> None:
         for name in ("request_id", "tenant", "model", "status"):

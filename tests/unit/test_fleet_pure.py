@@ -132,3 +132,4 @@ def test_pool_names_change_with_what_a_replica_is_built_from():
     assert opts["autoscaling_config"]["min_replicas"] == 1 and opts["autoscaling_config"]["max_replicas"] == 3
     assert "num_replicas" not in opts
     assert gateway_view(cfg).models[0].fleet == ModelFleet()
+

@@ -78,6 +78,14 @@ def test_the_service_completes_streams_refuses_and_writes_usage(tiny_llama_gguf,
             await service.ledger.flush()
             totals = await store.ausage_totals("acme")
             assert totals[0]["requests"] == 4 and totals[0]["completion_tokens"] == 2 * 2 * 6 + 5 + 5
+            from kvserve.metering.prices import request_cost, request_price
+
+            price = service.models["tiny"].spec.price
+            for call, tier in ((c, "interactive"), (c2, "batch")):
+                row = await asyncio.to_thread(store.store.usage.get, "acme", call.request_ids[0])
+                assert row.engine_s > 0 and row.cost == pytest.approx(request_cost(price, row.engine_s))
+                assert row.price == pytest.approx(request_price(price, tier, row.prompt_tokens,
+                                                                row.cached_prompt_tokens, row.completion_tokens))
         finally:
             for handle in service.models.values():
                 await asyncio.to_thread(handle.client.stop)

@@ -1,0 +1,21 @@
+"""Metering's pure parts: prices and costs."""
+from __future__ import annotations
+
+import pytest
+
+from kvserve.config import ConfigError
+
+
+def test_prices_and_costs():
+    from kvserve.config import ModelPrice
+    from kvserve.metering.prices import request_cost, request_price, worst_case_price
+
+    p = ModelPrice(input=1.0, cached_input=0.25, output=4.0, batch_discount=0.5, replica_cost_per_hour=36.0)
+    # 1000 prompt tokens, 400 of them cached, 100 out: (600 x 1 + 400 x 0.25 + 100 x 4) per million
+    assert request_price(p, "interactive", 1000, 400, 100) == pytest.approx(1100e-6)
+    assert request_price(p, "batch", 1000, 400, 100) == pytest.approx(550e-6)
+    assert worst_case_price(p, "interactive", 1000, 256) == pytest.approx((1000 + 4 * 256) * 1e-6)
+    assert worst_case_price(p, "interactive", 1000, 256) >= request_price(p, "interactive", 1000, 999, 256)
+    assert request_cost(p, 2.0) == pytest.approx(0.02)  # 2 s at $36/h
+    with pytest.raises(ConfigError, match="batch_discount"):
+        ModelPrice(batch_discount=0)
