@@ -251,6 +251,33 @@ def cmd_tenants(args: argparse.Namespace) -> int:
                 created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t.created_at))
                 print(f"{t.name:<{width}}  {'revoked' if t.revoked else 'active':<8} {t.active_tokens:>6}  {created}")
             return 0
+        if args.tenants_cmd == "budget":
+            if args.clear:
+                gone = store.budgets.delete_budget(args.name, args.model or "*")
+                print(f"budget of {args.name!r} ({args.model or 'all models'}) " + ("removed" if gone else "not set"))
+                return 0 if gone else 1
+            if store.get_tenant(args.name) is None:
+                print(f"error: no tenant {args.name!r}", file=sys.stderr)
+                return 1
+            try:
+                b = store.budgets.set_budget(args.name, args.amount, args.period, args.model or "*")
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            print(f"budget of {b.tenant!r} for {'all models' if b.model == '*' else b.model}: ${b.amount:g} per "
+                  f"{b.period if b.period != 'none' else 'lifetime (no reset)'}; spent ${b.spent:.6f}, "
+                  f"held ${b.reserved:.6f}, left ${b.remaining:.6f}")
+            return 0
+        if args.tenants_cmd == "budgets":
+            rows = store.budgets.list(args.name)
+            if not rows:
+                print("no budgets (set one: kvserve tenants budget TENANT AMOUNT --period month)")
+                return 0
+            print(f"{'TENANT':<20} {'MODEL':<16} {'PERIOD':<6} {'AMOUNT':>12} {'SPENT':>12} {'HELD':>12} {'LEFT':>12}")
+            for b in rows:
+                print(f"{b.tenant:<20} {b.model:<16} {b.period:<6} {b.amount:>12.6f} {b.spent:>12.6f} "
+                      f"{b.reserved:>12.6f} {b.remaining:>12.6f}")
+            return 0
         if args.tenants_cmd == "revoke":
             if store.revoke_tenant(args.name):
                 print(f"revoked tenant {args.name!r} and all its tokens")
@@ -339,6 +366,15 @@ def build_parser() -> argparse.ArgumentParser:
     tsub.add_parser("list", help="list tenants")
     tr = tsub.add_parser("revoke", help="revoke a tenant and all its tokens")
     tr.add_argument("name")
+    tb = tsub.add_parser("budget", help="set a tenant's budget in dollars per period (requests that could exceed "
+                                        "it get 429 insufficient_quota)")
+    tb.add_argument("name")
+    tb.add_argument("amount", type=float, nargs="?", default=0.0)
+    tb.add_argument("--period", choices=["day", "month", "none"], default="month")
+    tb.add_argument("--model", default=None, help="only this model's requests (default: all models)")
+    tb.add_argument("--clear", action="store_true", help="remove the budget")
+    tl = tsub.add_parser("budgets", help="budgets with what is spent, held and left")
+    tl.add_argument("name", nargs="?", default=None)
     t.set_defaults(func=cmd_tenants)
 
     _add_bench(sub)

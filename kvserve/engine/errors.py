@@ -46,6 +46,14 @@ class CapacityExhausted(KVServeError):
         self.reason = reason
 
 
+class InsufficientQuota(KVServeError):
+    """The tenant's budget cannot cover the request's worst-case price (checked before any engine work)."""
+
+    code = "insufficient_quota"
+    http_status = 429
+    error_type = "insufficient_quota"
+
+
 class QueueTimeout(KVServeError):
     """A request waited past its tier's queue deadline without being scheduled."""
 

@@ -19,10 +19,11 @@ from typing import AsyncIterator
 
 from kvserve.config import ServerConfig
 from kvserve.engine.client import RequestStream, check_available
-from kvserve.engine.errors import (CapacityExhausted, ContextLengthExceeded, InvalidRequest, ModelWarming,
-                                   QueueTimeout, ServerDraining)
+from kvserve.engine.errors import (CapacityExhausted, ContextLengthExceeded, InsufficientQuota, InvalidRequest,
+                                   ModelWarming, QueueTimeout, ServerDraining)
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling import SamplingParams
+from kvserve.metering.gate import BudgetGate
 from kvserve.service import protocol as p
 from kvserve.service.metrics import ServerMetrics
 from kvserve.service.models import ClientFactory, ModelHandle, RequestInfo, in_process_client, resolve_model
@@ -151,6 +152,7 @@ class CompletionService:
         self.metrics = ServerMetrics(config.metrics_window_s, live=lambda: [h.live_stats()
                                                                           for h in self.models.values()])
         self.ledger = UsageLedger()
+        self.budgets = BudgetGate()
         self.models: dict[str, ModelHandle] = {
             m.id: ModelHandle(m, config, self.metrics, self.ledger, client_factory) for m in config.models}
         self.draining = False
@@ -180,7 +182,7 @@ class CompletionService:
         reason = None
         if isinstance(exc, CapacityExhausted):
             reason = getattr(exc, "reason", "queue_full") or "queue_full"
-        elif isinstance(exc, (ModelWarming, ServerDraining, ContextLengthExceeded, QueueTimeout)):
+        elif isinstance(exc, (ModelWarming, ServerDraining, ContextLengthExceeded, QueueTimeout, InsufficientQuota)):
             reason = exc.code
         if reason:
             self.metrics.reject(handle.id, tier, reason)
@@ -219,17 +221,29 @@ class CompletionService:
                 sp.min_tokens = min(sp.min_tokens, sp.max_tokens)
             return sp
 
+        per_request = [params_for(ids) for ids in prompts]
+        try:
+            await self.budgets.reserve(c.tenant, handle.id, handle.spec.price, c.tier,
+                                       [(rid, len(ids), sp.max_tokens * sp.n)
+                                        for rid, ids, sp in zip(c.request_ids, prompts, per_request)])
+        except BaseException:
+            for rid in c.request_ids:
+                c.finished.add(rid)
+                handle.unregister(rid)
+            raise
         results = await asyncio.gather(*(
-            handle.client.submit(ids, params_for(ids), request_id=rid, priority=c.tier, tenant=c.tenant,
-                                 cache_salt=c.tenant)
-            for rid, ids in zip(c.request_ids, prompts)), return_exceptions=True)
+            handle.client.submit(ids, sp, request_id=rid, priority=c.tier, tenant=c.tenant, cache_salt=c.tenant)
+            for rid, ids, sp in zip(c.request_ids, prompts, per_request)), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
+            never_ran = []
             for rid, r in zip(c.request_ids, results):
                 c.finished.add(rid)
                 if isinstance(r, BaseException):
                     handle.unregister(rid)
+                    never_ran.append(rid)
                 else:
-                    handle.client.abort(rid)
+                    handle.client.abort(rid)  # its usage row settles its hold
+            await self.budgets.release(c.tenant, never_ran)
             raise errors[0]
         c.streams = list(results)

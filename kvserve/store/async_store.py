@@ -100,6 +100,16 @@ class AsyncStore:
         return await self._read(functools.partial(self.store.usage.totals, tenant, since=since, until=until,
                                                   group_by=group_by))
 
+    # budgets ------------------------------------------------------------------------------
+    async def ahas_budget(self, tenant: str) -> bool:
+        return await self._read(self.store.budgets.has_budget, tenant)
+
+    async def areserve(self, tenant: str, model: str, asks: Sequence[tuple[str, float]]):
+        return await self._write(self.store.budgets.reserve, tenant, model, list(asks))
+
+    async def arelease(self, tenant: str, request_ids: Sequence[str]) -> None:
+        return await self._write(self.store.budgets.release, tenant, list(request_ids))
+
     # idempotency --------------------------------------------------------------------------
     async def abegin_idempotent(self, tenant: str, key: str, body_hash: str) -> BeginResult:
         return await self._write(self.store.idempotency.begin, tenant, key, body_hash)

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from kvserve.store.budgets import BudgetBook
 from kvserve.store.idempotency import DEFAULT_IDEMPOTENCY_TTL_S, BeginResult, IdempotencyStore, StoredResponse
 from kvserve.store.tenants import (
     DEFAULT_AUTH_CACHE_SIZE,
@@ -129,6 +130,34 @@ MIGRATIONS: list[tuple[int, str]] = [
         ALTER TABLE usage_records ADD COLUMN engine_s REAL;
         ALTER TABLE usage_records ADD COLUMN price REAL;
         ALTER TABLE usage_records ADD COLUMN cost REAL;
+        """,
+    ),
+    (
+        3,
+        """
+        -- Budgets (store/budgets.py): dollars per tenant and model ('*': all models) per period.
+        CREATE TABLE budgets (
+            tenant        TEXT NOT NULL,
+            model         TEXT NOT NULL,
+            amount        REAL NOT NULL CHECK (amount >= 0),
+            period        TEXT NOT NULL CHECK (period IN ('day', 'month', 'none')),
+            spent         REAL NOT NULL DEFAULT 0,
+            reserved      REAL NOT NULL DEFAULT 0,
+            period_start  REAL NOT NULL,
+            updated_at    REAL NOT NULL,
+            PRIMARY KEY (tenant, model)
+        );
+        -- A request's worst-case price held in its budgets until its usage row settles it.
+        CREATE TABLE budget_reservations (
+            tenant      TEXT NOT NULL,
+            request_id  TEXT NOT NULL,
+            models      TEXT NOT NULL,   -- the budgets' model keys it is held in, comma-separated
+            amount      REAL NOT NULL,
+            created_at  REAL NOT NULL,
+            expires_at  REAL NOT NULL,
+            PRIMARY KEY (tenant, request_id)
+        );
+        CREATE INDEX budget_reservations_expiry ON budget_reservations(expires_at);
         """,
     ),
 ]
@@ -301,7 +330,8 @@ class Store:
         self.clock = clock
         self.tenants = TenantRegistry(self.db, scrypt_n=scrypt_n, cache_ttl_s=auth_cache_ttl_s,
                                       cache_size=auth_cache_size)
-        self.usage = UsageLedger(self.db)
+        self.budgets = BudgetBook(self.db, cache_ttl_s=auth_cache_ttl_s)
+        self.usage = UsageLedger(self.db, self.budgets)
         self.idempotency = IdempotencyStore(self.db, ttl_s=idempotency_ttl_s)
 
     @property

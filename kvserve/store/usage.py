@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
+    from kvserve.store.budgets import BudgetBook
     from kvserve.store.db import Database
 
 TIERS = ("interactive", "batch")
@@ -73,8 +74,9 @@ def _epoch(t: Any) -> float | None:
 
 
 class UsageLedger:
-    def __init__(self, db: "Database") -> None:
+    def __init__(self, db: "Database", budgets: "BudgetBook | None" = None) -> None:
         self.db = db
+        self.budgets = budgets  # settled in the same transaction as each new row: a request is charged once
 
     def _row(self, rec: UsageRecord) -> tuple:
         rec.validate()
@@ -85,17 +87,18 @@ class UsageLedger:
 
     def record(self, rec: UsageRecord) -> bool:
         """Append one record; False if ``(tenant, request_id)`` was already recorded."""
-        row = self._row(rec)
-        with self.db.write() as conn:
-            return conn.execute(_INSERT, row).rowcount == 1
+        return self.record_many([rec]) == 1
 
     def record_many(self, records: Sequence[UsageRecord]) -> int:
         """Append several records in one transaction; returns how many were new."""
         rows = [self._row(r) for r in records]
         n = 0
         with self.db.write() as conn:
-            for row in rows:
-                n += conn.execute(_INSERT, row).rowcount
+            for rec, row in zip(records, rows):
+                new = conn.execute(_INSERT, row).rowcount
+                n += new
+                if new and self.budgets is not None:
+                    self.budgets.settle(conn, rec.tenant, rec.request_id, rec.model, rec.price or 0.0)
         return n
 
     def totals(self, tenant: str, since: Any = None, until: Any = None,

@@ -1,0 +1,54 @@
+"""Budget arithmetic, pure (no I/O): budget periods and whether a reservation fits.
+
+A budget is an amount of dollars per tenant (optionally per model) per period: "day" and "month" reset
+at the start of each UTC day or month, "none" never does. Admission reserves a request's worst-case
+price (metering/prices.py); it fits when spent + reserved + the ask stays within the amount. The finish
+settles: the reservation goes, its real price is added to spent. The store (store/budgets.py) does
+each of these in one write transaction, so concurrent gateways cannot overspend between check and add.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+PERIODS = ("day", "month", "none")
+ALL_MODELS = "*"
+
+
+def period_start(period: str, now: float) -> float:
+    """The start (epoch seconds) of the budget period that `now` falls in."""
+    if period == "none":
+        return 0.0
+    t = datetime.fromtimestamp(now, timezone.utc)
+    if period == "day":
+        return datetime(t.year, t.month, t.day, tzinfo=timezone.utc).timestamp()
+    if period == "month":
+        return datetime(t.year, t.month, 1, tzinfo=timezone.utc).timestamp()
+    raise ValueError(f"unknown budget period {period!r}; one of {', '.join(PERIODS)}")
+
+
+def period_end(period: str, now: float) -> float | None:
+    """When the period that `now` falls in ends (None: it never does)."""
+    if period == "none":
+        return None
+    t = datetime.fromtimestamp(period_start(period, now), timezone.utc)
+    if period == "day":
+        return t.timestamp() + 86400
+    return datetime(t.year + (t.month == 12), t.month % 12 + 1, 1, tzinfo=timezone.utc).timestamp()
+
+
+@dataclass(frozen=True)
+class Budget:
+    tenant: str
+    model: str  # a model id, or ALL_MODELS
+    amount: float
+    period: str
+    spent: float = 0.0  # settled in the current period
+    reserved: float = 0.0  # held by requests in flight
+
+    @property
+    def remaining(self) -> float:
+        return max(0.0, self.amount - self.spent - self.reserved)
+
+    def fits(self, ask: float) -> bool:
+        return self.spent + self.reserved + ask <= self.amount + 1e-12

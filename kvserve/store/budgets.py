@@ -1,0 +1,150 @@
+"""Budgets and reservations in the store (the arithmetic is metering/budgets.py).
+
+Tables (migration 3): `budgets` (tenant, model) -> amount, period, spent in the current period, reserved,
+period_start; `budget_reservations` (tenant, request_id) -> the budgets it holds money in, amount, expiry.
+
+Every change is one write transaction (BEGIN IMMEDIATE, so two gateways serialise on the database):
+`reserve` rolls a budget into its current period, drops expired reservations (a gateway that died
+without settling), checks every budget that applies and holds the ask in each, or refuses;
+`settle` (called by the usage ledger inside the transaction that writes the request's usage row, so a
+request is charged exactly once) moves a reservation's hold to its real price; `release` drops holds
+for requests that never ran.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Sequence
+
+from kvserve.metering.budgets import ALL_MODELS, PERIODS, Budget, period_start
+
+if TYPE_CHECKING:
+    import sqlite3
+
+    from kvserve.store.db import Database
+
+DEFAULT_RESERVATION_TTL_S = 3600.0
+
+
+class BudgetBook:
+    def __init__(self, db: "Database", reservation_ttl_s: float = DEFAULT_RESERVATION_TTL_S,
+                 cache_ttl_s: float = 5.0):
+        self.db = db
+        self.reservation_ttl_s = reservation_ttl_s
+        self.cache_ttl_s = cache_ttl_s
+        self._has: dict[str, tuple[bool, float]] = {}  # tenant -> (has a budget, when read)
+        self._lock = threading.Lock()
+
+    # ---- admin ------------------------------------------------------------------------------
+    def set_budget(self, tenant: str, amount: float, period: str, model: str = ALL_MODELS) -> Budget:
+        if period not in PERIODS:
+            raise ValueError(f"period must be one of {', '.join(PERIODS)}, got {period!r}")
+        if not isinstance(amount, (int, float)) or isinstance(amount, bool) or amount < 0:
+            raise ValueError(f"amount must be a number >= 0, got {amount!r}")
+        now = self.db.clock()
+        with self.db.write() as conn:
+            conn.execute(
+                "INSERT INTO budgets (tenant, model, amount, period, spent, reserved, period_start, updated_at)"
+                " VALUES (?, ?, ?, ?, 0, 0, ?, ?) ON CONFLICT (tenant, model) DO UPDATE SET amount = excluded.amount,"
+                " period = excluded.period, updated_at = excluded.updated_at",
+                (tenant, model, float(amount), period, period_start(period, now), now))
+            self._roll(conn, tenant, now)
+        self._forget(tenant)
+        return self.get(tenant, model)
+
+    def delete_budget(self, tenant: str, model: str = ALL_MODELS) -> bool:
+        with self.db.write() as conn:
+            gone = conn.execute("DELETE FROM budgets WHERE tenant = ? AND model = ?", (tenant, model)).rowcount == 1
+        self._forget(tenant)
+        return gone
+
+    def get(self, tenant: str, model: str = ALL_MODELS) -> Budget | None:
+        return next((b for b in self.list(tenant) if b.model == model), None)
+
+    def list(self, tenant: str | None = None) -> list[Budget]:
+        now = self.db.clock()
+        with self.db.write() as conn:  # a read that rolls periods and expires holds first
+            self._roll(conn, tenant, now)
+            self._expire(conn, now)
+            rows = conn.execute("SELECT tenant, model, amount, period, spent, reserved FROM budgets"
+                                + (" WHERE tenant = ?" if tenant else "") + " ORDER BY tenant, model",
+                                (tenant,) if tenant else ()).fetchall()
+        return [Budget(*r) for r in rows]
+
+    def has_budget(self, tenant: str) -> bool:
+        """Whether any budget applies to the tenant (cached for cache_ttl_s: a budget set from another
+        process takes effect within that time)."""
+        now = time.monotonic()
+        with self._lock:
+            hit = self._has.get(tenant)
+        if hit is not None and now - hit[1] < self.cache_ttl_s:
+            return hit[0]
+        with self.db.read() as conn:
+            has = conn.execute("SELECT 1 FROM budgets WHERE tenant = ? LIMIT 1", (tenant,)).fetchone() is not None
+        with self._lock:
+            self._has[tenant] = (has, now)
+        return has
+
+    def _forget(self, tenant: str) -> None:
+        with self._lock:
+            self._has.pop(tenant, None)
+
+    # ---- the request path ----------------------------------------------------------------------
+    def reserve(self, tenant: str, model: str, asks: Sequence[tuple[str, float]]) -> Budget | None:
+        """Hold each (request id, worst-case price) in every budget of `tenant` that covers `model`, all or
+        nothing. None when held (or no budget applies); else the first budget it does not fit in."""
+        total = sum(a for _, a in asks)
+        now = self.db.clock()
+        with self.db.write() as conn:
+            self._roll(conn, tenant, now)
+            self._expire(conn, now)
+            rows = conn.execute("SELECT tenant, model, amount, period, spent, reserved FROM budgets WHERE tenant = ?"
+                                " AND model IN (?, ?)", (tenant, model, ALL_MODELS)).fetchall()
+            budgets = [Budget(*r) for r in rows]
+            short = next((b for b in budgets if not b.fits(total)), None)
+            if short is not None or not budgets:
+                return short
+            keys = ",".join(b.model for b in budgets)
+            for rid, amount in asks:
+                conn.execute("INSERT INTO budget_reservations (tenant, request_id, models, amount, created_at,"
+                             " expires_at) VALUES (?, ?, ?, ?, ?, ?)",
+                             (tenant, rid, keys, amount, now, now + self.reservation_ttl_s))
+            conn.execute("UPDATE budgets SET reserved = reserved + ? WHERE tenant = ? AND model IN (?, ?)",
+                         (total, tenant, model, ALL_MODELS))
+        return None
+
+    def settle(self, conn: "sqlite3.Connection", tenant: str, request_id: str, model: str, price: float) -> None:
+        """Inside the caller's write transaction: the request's hold goes, its real price is spent."""
+        row = conn.execute("SELECT models, amount FROM budget_reservations WHERE tenant = ? AND request_id = ?",
+                           (tenant, request_id)).fetchone()
+        if row is not None:
+            conn.execute("DELETE FROM budget_reservations WHERE tenant = ? AND request_id = ?", (tenant, request_id))
+            models = row[0].split(",")
+            conn.execute(f"UPDATE budgets SET reserved = MAX(0, reserved - ?) WHERE tenant = ? AND model IN "
+                         f"({','.join('?' * len(models))})", (row[1], tenant, *models))
+        if price:
+            conn.execute("UPDATE budgets SET spent = spent + ? WHERE tenant = ? AND model IN (?, ?)",
+                         (price, tenant, model, ALL_MODELS))
+
+    def release(self, tenant: str, request_ids: Sequence[str]) -> None:
+        """Drop the holds of requests that never ran (refused after the reservation)."""
+        with self.db.write() as conn:
+            for rid in request_ids:
+                self.settle(conn, tenant, rid, ALL_MODELS, 0.0)
+
+    # ---- housekeeping (inside a write transaction) ----------------------------------------------
+    def _roll(self, conn: "sqlite3.Connection", tenant: str | None, now: float) -> None:
+        """Budgets whose period ended start a new one: spent goes back to 0 (holds stay held)."""
+        rows = conn.execute("SELECT tenant, model, period, period_start FROM budgets"
+                            + (" WHERE tenant = ?" if tenant else ""), (tenant,) if tenant else ()).fetchall()
+        for t, m, period, start in rows:
+            current = period_start(period, now)
+            if current > start:
+                conn.execute("UPDATE budgets SET spent = 0, period_start = ? WHERE tenant = ? AND model = ?",
+                             (current, t, m))
+
+    def _expire(self, conn: "sqlite3.Connection", now: float) -> None:
+        """Holds past their expiry (their gateway died before settling) are released."""
+        for tenant, rid in conn.execute("SELECT tenant, request_id FROM budget_reservations WHERE expires_at < ?",
+                                        (now,)).fetchall():
+            self.settle(conn, tenant, rid, ALL_MODELS, 0.0)

@@ -1,0 +1,138 @@
+"""Budgets: the store's reservations (all or nothing, settled once by the usage row, released, expired,
+rolled into a new period), and through the server: 200 concurrent requests against a budget that covers
+about 50 never overspend it and serve at least 45; the refused ones get 429 insufficient_quota."""
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timezone
+
+import httpx
+import pytest
+
+from kvserve.config import ServedModel, ServerConfig
+from kvserve.metering.budgets import Budget, period_end, period_start
+from kvserve.store import Store, UsageRecord
+
+T0 = datetime(2026, 3, 31, 23, 0, tzinfo=timezone.utc).timestamp()  # an hour before a day and a month end
+
+
+class Clock:
+    def __init__(self, t: float = T0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def store(tmp_path, clock):
+    s = Store(tmp_path / "kv.db", clock=clock, scrypt_n=2**10, auth_cache_ttl_s=0)
+    s.create_tenant("acme")
+    yield s
+    s.close()
+
+
+def usage(rid: str, price: float, model: str = "m") -> UsageRecord:
+    return UsageRecord(request_id=rid, tenant="acme", model=model, prompt_tokens=1, completion_tokens=1, price=price)
+
+
+def test_periods():
+    assert period_start("day", T0) == datetime(2026, 3, 31, tzinfo=timezone.utc).timestamp()
+    assert period_start("month", T0) == datetime(2026, 3, 1, tzinfo=timezone.utc).timestamp()
+    assert period_end("month", T0) == datetime(2026, 4, 1, tzinfo=timezone.utc).timestamp()
+    assert period_end("month", datetime(2026, 12, 9, tzinfo=timezone.utc).timestamp()) == \
+        datetime(2027, 1, 1, tzinfo=timezone.utc).timestamp()
+    assert period_start("none", T0) == 0.0 and period_end("none", T0) is None
+    with pytest.raises(ValueError, match="period"):
+        period_start("week", T0)
+    assert Budget("a", "*", 1.0, "day", spent=0.5, reserved=0.25).remaining == 0.25
+
+
+def test_reservations_hold_settle_once_and_release(store):
+    b = store.budgets
+    b.set_budget("acme", 1.0, "month")
+    assert b.reserve("acme", "m", [("r1", 0.4), ("r2", 0.4)]) is None
+    short = b.reserve("acme", "m", [("r3", 0.3)])  # 0.8 held: 0.3 more does not fit
+    assert short is not None and short.remaining == pytest.approx(0.2)
+    assert store.usage.record(usage("r1", 0.1))  # settles r1: 0.4 held -> 0.1 spent
+    assert not store.usage.record(usage("r1", 0.1))  # the same request again: not charged twice
+    got = b.get("acme")
+    assert (got.spent, got.reserved) == (pytest.approx(0.1), pytest.approx(0.4))
+    b.release("acme", ["r2"])
+    assert b.get("acme").reserved == pytest.approx(0.0)
+    assert b.reserve("acme", "m", [("r3", 0.9)]) is None
+    assert b.reserve("acme", "m", [("r4", 0.01)]) is not None
+    assert b.reserve("other", "m", [("x", 100.0)]) is None  # no budget, no limit
+
+
+def test_a_model_budget_and_the_tenant_budget_both_apply(store):
+    b = store.budgets
+    b.set_budget("acme", 1.0, "none")
+    b.set_budget("acme", 0.3, "day", model="big")
+    assert b.reserve("acme", "big", [("a", 0.25)]) is None
+    assert b.reserve("acme", "big", [("b", 0.1)]).model == "big"
+    assert b.reserve("acme", "small", [("c", 0.7)]) is None  # only the all-models budget applies
+    assert b.reserve("acme", "small", [("d", 0.1)]).model == "*"
+    store.usage.record(usage("a", 0.2, model="big"))
+    assert b.get("acme", "big").spent == pytest.approx(0.2) and b.get("acme").spent == pytest.approx(0.2)
+
+
+def test_a_new_period_starts_from_zero_and_stale_holds_expire(store, clock):
+    b = store.budgets
+    b.set_budget("acme", 1.0, "day")
+    b.reserve("acme", "m", [("r1", 0.5)])
+    store.usage.record(usage("r1", 0.5))
+    assert b.reserve("acme", "m", [("r2", 0.6)]) is not None
+    clock.t += 3600  # midnight: a new day
+    assert b.get("acme").spent == 0.0
+    assert b.reserve("acme", "m", [("r2", 0.6)]) is None
+    clock.t += b.reservation_ttl_s + 1  # its gateway died: the hold expires
+    assert b.get("acme").reserved == 0.0
+    store.usage.record(usage("r2", 0.2))  # a late row is still charged
+    assert b.get("acme").spent == pytest.approx(0.2)
+
+
+def test_200_concurrent_requests_never_overspend_a_budget(tiny_llama_gguf, tmp_path):
+    from kvserve.metering.prices import worst_case_price
+    from kvserve.server.app import create_app
+
+    model = ServedModel(id="tiny", source=str(tiny_llama_gguf), role="fast",
+                        engine_args=dict(dtype="float32", num_gpu_blocks_override=256, max_model_len=128,
+                                         max_num_seqs=64, interactive={"max_waiting": 512}))
+    app = create_app(ServerConfig(models=[model], home=str(tmp_path)))
+    state = app.state.kv
+    prompt, max_tokens = [11, 12, 13, 14, 15], 4
+    worst = worst_case_price(model.price, "interactive", len(prompt), max_tokens)
+    budget = 50.5 * worst
+
+    async def scenario():
+        await state.startup()
+        try:
+            _, token = await state.store.acreate_tenant("acme")
+            await asyncio.to_thread(state.store.store.budgets.set_budget, "acme", budget, "month")
+            assert await asyncio.to_thread(state.models["tiny"].client.wait_ready, 60)
+            auth = {"Authorization": f"Bearer {token}"}
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                         timeout=120) as client:
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0}
+                responses = await asyncio.gather(*(client.post("/v1/completions", json=body, headers=auth)
+                                                   for _ in range(200)))
+            await state.service.ledger.flush()
+            return responses, await asyncio.to_thread(state.store.store.budgets.get, "acme")
+        finally:
+            await state.shutdown()
+
+    responses, b = asyncio.run(scenario())
+    served = [r for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code != 200]
+    assert all(r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota" for r in refused)
+    assert b.spent <= budget + 1e-12 and b.reserved == pytest.approx(0.0, abs=1e-12)
+    assert len(served) >= 45
+    assert b.spent == pytest.approx(sum(
+        worst_case_price(model.price, "interactive", len(prompt), r.json()["usage"]["completion_tokens"])
+        for r in served))
