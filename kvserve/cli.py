@@ -268,6 +268,19 @@ def cmd_tenants(args: argparse.Namespace) -> int:
                   f"{b.period if b.period != 'none' else 'lifetime (no reset)'}; spent ${b.spent:.6f}, "
                   f"held ${b.reserved:.6f}, left ${b.remaining:.6f}")
             return 0
+        if args.tenants_cmd == "limits":
+            if store.get_tenant(args.name) is None:
+                print(f"error: no tenant {args.name!r}", file=sys.stderr)
+                return 1
+            try:
+                store.rate_limits.set_limits(args.name, args.rpm, args.tpm)
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            print(f"rate limits of {args.name!r}: " + (
+                f"{args.rpm or 'unlimited'} requests and {args.tpm or 'unlimited'} tokens per minute"
+                if args.rpm or args.tpm else "none"))
+            return 0
         if args.tenants_cmd == "budgets":
             rows = store.budgets.list(args.name)
             if not rows:
@@ -373,6 +386,10 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--period", choices=["day", "month", "none"], default="month")
     tb.add_argument("--model", default=None, help="only this model's requests (default: all models)")
     tb.add_argument("--clear", action="store_true", help="remove the budget")
+    tm = tsub.add_parser("limits", help="set a tenant's rate limits (no flags: remove them)")
+    tm.add_argument("name")
+    tm.add_argument("--rpm", type=int, default=None, help="requests per minute")
+    tm.add_argument("--tpm", type=int, default=None, help="tokens per minute (prompt + max_tokens, settled to real)")
     tl = tsub.add_parser("budgets", help="budgets with what is spent, held and left")
     tl.add_argument("name", nargs="?", default=None)
     t.set_defaults(func=cmd_tenants)

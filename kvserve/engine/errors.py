@@ -10,6 +10,7 @@ class KVServeError(Exception):
     http_status = 500
     error_type = "server_error"
     retry_after: float | None = None
+    headers: dict | None = None  # more response headers (a rate limit's x-ratelimit-*)
 
 
 class InvalidRequest(KVServeError):
@@ -52,6 +53,19 @@ class InsufficientQuota(KVServeError):
     code = "insufficient_quota"
     http_status = 429
     error_type = "insufficient_quota"
+
+
+class RateLimitExceeded(KVServeError):
+    """The tenant's requests or tokens per minute are used up for this window: 429 with Retry-After."""
+
+    code = "rate_limit_exceeded"
+    http_status = 429
+    error_type = "requests"
+
+    def __init__(self, message: str, retry_after: float, headers: dict | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.headers = headers
 
 
 class QueueTimeout(KVServeError):

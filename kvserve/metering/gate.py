@@ -1,46 +1,57 @@
-"""The budget gate: the service asks it before submitting a call's engine requests.
+"""The metering gate: the service asks it before submitting a call's engine requests.
 
-Each engine request's worst-case price (its prompt at the input price, max_tokens x n at the output price)
-is held in the tenant's budgets in one store transaction (store/budgets.py); a call that does not fit is
-refused with 429 insufficient_quota before any engine work. The hold is settled by the request's usage
-row (its real price) whatever way it ends (finished, aborted, failed, migrated: one row per request), or
-released here when the request never reached an engine. Tenants without a budget skip the transaction
-(a cached per-tenant flag).
+Each engine request's worst case, its prompt at the input price plus max_tokens x n at the output price
+(metering/prices.py) and prompt + max_tokens x n tokens, is held in the tenant's budgets and counted in
+its rate-limit window in one store transaction (store/metering.py). A call that does not fit is refused
+before any engine work: 429 insufficient_quota (a budget), or 429 rate_limit_exceeded with Retry-After
+(the window). The hold is settled by the request's usage row (real price, real tokens) however it ends
+(finished, aborted, failed, migrated: one row per request), or released here when the request never
+reached an engine. Tenants with neither a budget nor limits skip the transaction (cached flags).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from kvserve.config import ModelPrice
-from kvserve.engine.errors import InsufficientQuota
+from kvserve.engine.errors import InsufficientQuota, RateLimitExceeded
 from kvserve.metering.prices import worst_case_price
+from kvserve.metering.rate_limits import RateState
 
 if TYPE_CHECKING:
     from kvserve.store import AsyncStore
 
 
-class BudgetGate:
+class MeteringGate:
     def __init__(self):
         self.store: "AsyncStore | None" = None
 
     def open(self, store: "AsyncStore") -> None:
         self.store = store
 
-    async def reserve(self, tenant: str, model: str, price: ModelPrice, tier: str,
-                      requests: list[tuple[str, int, int]]) -> None:
-        """Hold (request id, prompt tokens, output tokens at most) for each; InsufficientQuota if they do not fit."""
+    async def admit(self, tenant: str, model: str, price: ModelPrice, tier: str,
+                    requests: list[tuple[str, int, int]]) -> RateState | None:
+        """Hold (request id, prompt tokens, output tokens at most) for each; the tenant's rate window after
+        (its x-ratelimit-* headers), None without limits. InsufficientQuota / RateLimitExceeded if refused."""
         store = self.store
-        if store is None or not await store.ahas_budget(tenant):
-            return
-        asks = [(rid, worst_case_price(price, tier, prompt, out)) for rid, prompt, out in requests]
-        short = await store.areserve(tenant, model, asks)
-        if short is not None:
-            scope = "all models" if short.model == "*" else f"model {short.model}"
-            raise InsufficientQuota(
-                f"this request could cost up to ${sum(a for _, a in asks):.6f}; the {short.period if short.period != 'none' else 'total'}"
-                f" budget of tenant {tenant} for {scope} has ${short.remaining:.6f} left of ${short.amount:.6f}"
-                " (lower max_tokens, or raise the budget)")
+        if store is None or not await store.ameters(tenant):
+            return None
+        asks = [(rid, worst_case_price(price, tier, prompt, out), prompt + out) for rid, prompt, out in requests]
+        got = await store.aadmit(tenant, model, asks)
+        if got.rate_limited:
+            r = got.rate
+            what = "requests" if r.rpm is not None and r.requests + 1 > r.rpm else "tokens"
+            raise RateLimitExceeded(f"rate limit reached for tenant {tenant}: {what} per minute "
+                                    f"({r.rpm if what == 'requests' else r.tpm}); retry in {r.reset_s:.1f} s",
+                                    retry_after=r.reset_s, headers=r.headers())
+        if got.short is not None:
+            s = got.short
+            scope = "all models" if s.model == "*" else f"model {s.model}"
+            period = {"none": "total", "day": "daily", "month": "monthly"}[s.period]
+            raise InsufficientQuota(f"this request could cost up to ${sum(a[1] for a in asks):.6f}; the {period} "
+                                    f"budget of tenant {tenant} for {scope} has ${s.remaining:.6f} left of "
+                                    f"${s.amount:.6f} (lower max_tokens, or raise the budget)")
+        return got.rate
 
     async def release(self, tenant: str, request_ids: list[str]) -> None:
-        if self.store is not None and request_ids and await self.store.ahas_budget(tenant):
+        if self.store is not None and request_ids and await self.store.ameters(tenant):
             await self.store.arelease(tenant, request_ids)

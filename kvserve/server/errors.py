@@ -101,7 +101,7 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(exc.http_status, str(exc), exc.error_type, exc.code, param="model")
     if isinstance(exc, KVServeError):
         retry = exc.retry_after if exc.retry_after is not None else (1 if exc.http_status == 503 else None)
-        headers = {"Retry-After": retry_after_header(retry)} if retry is not None else None
+        headers = {**(exc.headers or {}), **({"Retry-After": retry_after_header(retry)} if retry is not None else {})}
         return APIError(exc.http_status, str(exc), exc.error_type, exc.code, param=getattr(exc, "param", None),
                         headers=headers)
     if isinstance(exc, InvalidSamplingParams):

@@ -71,7 +71,7 @@ class ServerState:
             log.info("released %d idempotency keys left in progress by a previous run", released)
         self.idempotency = IdempotencyManager(self.store, self.spawn)
         self.service.ledger.open(self.store, self.loop)
-        self.service.budgets.open(self.store)
+        self.service.metering.open(self.store)
         for handle in self.models.values():
             handle.client.start()  # loads in its own thread; the server listens meanwhile
             log.info("loading model %s (%s) in the background", handle.id, handle.spec.source)

@@ -20,10 +20,10 @@ from typing import AsyncIterator
 from kvserve.config import ServerConfig
 from kvserve.engine.client import RequestStream, check_available
 from kvserve.engine.errors import (CapacityExhausted, ContextLengthExceeded, InsufficientQuota, InvalidRequest,
-                                   ModelWarming, QueueTimeout, ServerDraining)
+                                   ModelWarming, QueueTimeout, RateLimitExceeded, ServerDraining)
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling import SamplingParams
-from kvserve.metering.gate import BudgetGate
+from kvserve.metering.gate import MeteringGate
 from kvserve.service import protocol as p
 from kvserve.service.metrics import ServerMetrics
 from kvserve.service.models import ClientFactory, ModelHandle, RequestInfo, in_process_client, resolve_model
@@ -53,6 +53,7 @@ class Completion:
     finished: set[str] = field(default_factory=set)
     text: TokenText | None = None
     service: "CompletionService | None" = None
+    rate_headers: dict[str, str] = field(default_factory=dict)  # the tenant's x-ratelimit-* after admission
 
     @property
     def tier(self) -> str:
@@ -152,7 +153,7 @@ class CompletionService:
         self.metrics = ServerMetrics(config.metrics_window_s, live=lambda: [h.live_stats()
                                                                           for h in self.models.values()])
         self.ledger = UsageLedger()
-        self.budgets = BudgetGate()
+        self.metering = MeteringGate()
         self.models: dict[str, ModelHandle] = {
             m.id: ModelHandle(m, config, self.metrics, self.ledger, client_factory) for m in config.models}
         self.draining = False
@@ -182,7 +183,8 @@ class CompletionService:
         reason = None
         if isinstance(exc, CapacityExhausted):
             reason = getattr(exc, "reason", "queue_full") or "queue_full"
-        elif isinstance(exc, (ModelWarming, ServerDraining, ContextLengthExceeded, QueueTimeout, InsufficientQuota)):
+        elif isinstance(exc, (ModelWarming, ServerDraining, ContextLengthExceeded, QueueTimeout, InsufficientQuota,
+                              RateLimitExceeded)):
             reason = exc.code
         if reason:
             self.metrics.reject(handle.id, tier, reason)
@@ -223,9 +225,10 @@ class CompletionService:
 
         per_request = [params_for(ids) for ids in prompts]
         try:
-            await self.budgets.reserve(c.tenant, handle.id, handle.spec.price, c.tier,
-                                       [(rid, len(ids), sp.max_tokens * sp.n)
-                                        for rid, ids, sp in zip(c.request_ids, prompts, per_request)])
+            rate = await self.metering.admit(c.tenant, handle.id, handle.spec.price, c.tier,
+                                             [(rid, len(ids), sp.max_tokens * sp.n)
+                                              for rid, ids, sp in zip(c.request_ids, prompts, per_request)])
+            c.rate_headers = rate.headers() if rate is not None else {}
         except BaseException:
             for rid in c.request_ids:
                 c.finished.add(rid)
@@ -244,6 +247,6 @@ class CompletionService:
                     never_ran.append(rid)
                 else:
                     handle.client.abort(rid)  # its usage row settles its hold
-            await self.budgets.release(c.tenant, never_ran)
+            await self.metering.release(c.tenant, never_ran)
             raise errors[0]
         c.streams = list(results)

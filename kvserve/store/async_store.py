@@ -100,15 +100,15 @@ class AsyncStore:
         return await self._read(functools.partial(self.store.usage.totals, tenant, since=since, until=until,
                                                   group_by=group_by))
 
-    # budgets ------------------------------------------------------------------------------
-    async def ahas_budget(self, tenant: str) -> bool:
-        return await self._read(self.store.budgets.has_budget, tenant)
+    # budgets and rate limits ---------------------------------------------------------------
+    async def ameters(self, tenant: str) -> bool:
+        return await self._read(self.store.holds.applies, tenant)
 
-    async def areserve(self, tenant: str, model: str, asks: Sequence[tuple[str, float]]):
-        return await self._write(self.store.budgets.reserve, tenant, model, list(asks))
+    async def aadmit(self, tenant: str, model: str, asks: Sequence[tuple[str, float, int]]):
+        return await self._write(self.store.holds.admit, tenant, model, list(asks))
 
     async def arelease(self, tenant: str, request_ids: Sequence[str]) -> None:
-        return await self._write(self.store.budgets.release, tenant, list(request_ids))
+        return await self._write(self.store.holds.release, tenant, list(request_ids))
 
     # idempotency --------------------------------------------------------------------------
     async def abegin_idempotent(self, tenant: str, key: str, body_hash: str) -> BeginResult:

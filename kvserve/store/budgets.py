@@ -4,17 +4,15 @@ Tables (migration 3): `budgets` (tenant, model) -> amount, period, spent in the 
 period_start; `budget_reservations` (tenant, request_id) -> the budgets it holds money in, amount, expiry.
 
 Every change is one write transaction (BEGIN IMMEDIATE, so two gateways serialise on the database):
-`reserve` rolls a budget into its current period, drops expired reservations (a gateway that died
-without settling), checks every budget that applies and holds the ask in each, or refuses;
-`settle` (called by the usage ledger inside the transaction that writes the request's usage row, so a
-request is charged exactly once) moves a reservation's hold to its real price; `release` drops holds
-for requests that never ran.
+admission (store/metering.py) rolls a budget into its current period, drops expired holds (a gateway
+that died without settling), checks every budget that applies and holds the ask in each, or refuses;
+the usage row's transaction moves a hold to the real price, so a request is charged exactly once.
 """
 from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from kvserve.metering.budgets import ALL_MODELS, PERIODS, Budget, period_start
 
@@ -23,14 +21,9 @@ if TYPE_CHECKING:
 
     from kvserve.store.db import Database
 
-DEFAULT_RESERVATION_TTL_S = 3600.0
-
-
 class BudgetBook:
-    def __init__(self, db: "Database", reservation_ttl_s: float = DEFAULT_RESERVATION_TTL_S,
-                 cache_ttl_s: float = 5.0):
+    def __init__(self, db: "Database", cache_ttl_s: float = 5.0):
         self.db = db
-        self.reservation_ttl_s = reservation_ttl_s
         self.cache_ttl_s = cache_ttl_s
         self._has: dict[str, tuple[bool, float]] = {}  # tenant -> (has a budget, when read)
         self._lock = threading.Lock()
@@ -89,48 +82,35 @@ class BudgetBook:
         with self._lock:
             self._has.pop(tenant, None)
 
-    # ---- the request path ----------------------------------------------------------------------
-    def reserve(self, tenant: str, model: str, asks: Sequence[tuple[str, float]]) -> Budget | None:
-        """Hold each (request id, worst-case price) in every budget of `tenant` that covers `model`, all or
-        nothing. None when held (or no budget applies); else the first budget it does not fit in."""
-        total = sum(a for _, a in asks)
-        now = self.db.clock()
-        with self.db.write() as conn:
-            self._roll(conn, tenant, now)
-            self._expire(conn, now)
-            rows = conn.execute("SELECT tenant, model, amount, period, spent, reserved FROM budgets WHERE tenant = ?"
-                                " AND model IN (?, ?)", (tenant, model, ALL_MODELS)).fetchall()
-            budgets = [Budget(*r) for r in rows]
-            short = next((b for b in budgets if not b.fits(total)), None)
-            if short is not None or not budgets:
-                return short
-            keys = ",".join(b.model for b in budgets)
-            for rid, amount in asks:
-                conn.execute("INSERT INTO budget_reservations (tenant, request_id, models, amount, created_at,"
-                             " expires_at) VALUES (?, ?, ?, ?, ?, ?)",
-                             (tenant, rid, keys, amount, now, now + self.reservation_ttl_s))
-            conn.execute("UPDATE budgets SET reserved = reserved + ? WHERE tenant = ? AND model IN (?, ?)",
-                         (total, tenant, model, ALL_MODELS))
-        return None
+    # ---- the request path (inside the admission's write transaction: store/metering.py) ---------------
+    def check(self, conn: "sqlite3.Connection", tenant: str, model: str, total: float, now: float
+              ) -> tuple[list[Budget], Budget | None]:
+        """The budgets that cover `model` for `tenant` (rolled, stale holds expired) and the first that
+        `total` more does not fit in (None: it fits them all)."""
+        self._roll(conn, tenant, now)
+        self._expire(conn, now)
+        rows = conn.execute("SELECT tenant, model, amount, period, spent, reserved FROM budgets WHERE tenant = ?"
+                            " AND model IN (?, ?)", (tenant, model, ALL_MODELS)).fetchall()
+        budgets = [Budget(*r) for r in rows]
+        return budgets, next((b for b in budgets if not b.fits(total)), None)
 
-    def settle(self, conn: "sqlite3.Connection", tenant: str, request_id: str, model: str, price: float) -> None:
-        """Inside the caller's write transaction: the request's hold goes, its real price is spent."""
-        row = conn.execute("SELECT models, amount FROM budget_reservations WHERE tenant = ? AND request_id = ?",
-                           (tenant, request_id)).fetchone()
-        if row is not None:
-            conn.execute("DELETE FROM budget_reservations WHERE tenant = ? AND request_id = ?", (tenant, request_id))
-            models = row[0].split(",")
+    def hold(self, conn: "sqlite3.Connection", tenant: str, budgets: list[Budget], total: float) -> str:
+        """Hold `total` in each of `budgets`; the budget keys the hold row records."""
+        if budgets and total:
+            conn.execute(f"UPDATE budgets SET reserved = reserved + ? WHERE tenant = ? AND model IN "
+                         f"({','.join('?' * len(budgets))})", (total, tenant, *(b.model for b in budgets)))
+        return ",".join(b.model for b in budgets)
+
+    def unhold(self, conn: "sqlite3.Connection", tenant: str, models: str, amount: float) -> None:
+        keys = [m for m in models.split(",") if m]
+        if keys and amount:
             conn.execute(f"UPDATE budgets SET reserved = MAX(0, reserved - ?) WHERE tenant = ? AND model IN "
-                         f"({','.join('?' * len(models))})", (row[1], tenant, *models))
+                         f"({','.join('?' * len(keys))})", (amount, tenant, *keys))
+
+    def spend(self, conn: "sqlite3.Connection", tenant: str, model: str, price: float) -> None:
         if price:
             conn.execute("UPDATE budgets SET spent = spent + ? WHERE tenant = ? AND model IN (?, ?)",
                          (price, tenant, model, ALL_MODELS))
-
-    def release(self, tenant: str, request_ids: Sequence[str]) -> None:
-        """Drop the holds of requests that never ran (refused after the reservation)."""
-        with self.db.write() as conn:
-            for rid in request_ids:
-                self.settle(conn, tenant, rid, ALL_MODELS, 0.0)
 
     # ---- housekeeping (inside a write transaction) ----------------------------------------------
     def _roll(self, conn: "sqlite3.Connection", tenant: str | None, now: float) -> None:
@@ -145,6 +125,8 @@ class BudgetBook:
 
     def _expire(self, conn: "sqlite3.Connection", now: float) -> None:
         """Holds past their expiry (their gateway died before settling) are released."""
-        for tenant, rid in conn.execute("SELECT tenant, request_id FROM budget_reservations WHERE expires_at < ?",
-                                        (now,)).fetchall():
-            self.settle(conn, tenant, rid, ALL_MODELS, 0.0)
+        stale = conn.execute("SELECT tenant, request_id, models, amount FROM budget_reservations WHERE expires_at < ?",
+                             (now,)).fetchall()
+        for tenant, rid, models, amount in stale:
+            conn.execute("DELETE FROM budget_reservations WHERE tenant = ? AND request_id = ?", (tenant, rid))
+            self.unhold(conn, tenant, models, amount)

@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from kvserve.store.budgets import BudgetBook
+from kvserve.store.metering import Holds
+from kvserve.store.rate_limits import RateLimiter
 from kvserve.store.idempotency import DEFAULT_IDEMPOTENCY_TTL_S, BeginResult, IdempotencyStore, StoredResponse
 from kvserve.store.tenants import (
     DEFAULT_AUTH_CACHE_SIZE,
@@ -158,6 +160,25 @@ MIGRATIONS: list[tuple[int, str]] = [
             PRIMARY KEY (tenant, request_id)
         );
         CREATE INDEX budget_reservations_expiry ON budget_reservations(expires_at);
+        """,
+    ),
+    (
+        4,
+        """
+        -- Rate limits (store/rate_limits.py): per tenant, requests and tokens per minute, fixed windows.
+        CREATE TABLE rate_limits (
+            tenant  TEXT PRIMARY KEY,
+            rpm     INTEGER CHECK (rpm IS NULL OR rpm > 0),
+            tpm     INTEGER CHECK (tpm IS NULL OR tpm > 0)
+        );
+        CREATE TABLE rate_windows (
+            tenant        TEXT PRIMARY KEY,
+            window_start  REAL NOT NULL,
+            requests      INTEGER NOT NULL,
+            tokens        INTEGER NOT NULL
+        );
+        -- A hold (store/metering.py) also counts the request's worst-case tokens in its rate window.
+        ALTER TABLE budget_reservations ADD COLUMN tokens INTEGER NOT NULL DEFAULT 0;
         """,
     ),
 ]
@@ -331,7 +352,9 @@ class Store:
         self.tenants = TenantRegistry(self.db, scrypt_n=scrypt_n, cache_ttl_s=auth_cache_ttl_s,
                                       cache_size=auth_cache_size)
         self.budgets = BudgetBook(self.db, cache_ttl_s=auth_cache_ttl_s)
-        self.usage = UsageLedger(self.db, self.budgets)
+        self.rate_limits = RateLimiter(self.db, cache_ttl_s=auth_cache_ttl_s)
+        self.holds = Holds(self.db, self.budgets, self.rate_limits)
+        self.usage = UsageLedger(self.db, self.holds)
         self.idempotency = IdempotencyStore(self.db, ttl_s=idempotency_ttl_s)
 
     @property

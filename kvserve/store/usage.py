@@ -11,8 +11,8 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
-    from kvserve.store.budgets import BudgetBook
     from kvserve.store.db import Database
+    from kvserve.store.metering import Holds
 
 TIERS = ("interactive", "batch")
 GROUP_BY = (None, "model", "day")
@@ -74,9 +74,9 @@ def _epoch(t: Any) -> float | None:
 
 
 class UsageLedger:
-    def __init__(self, db: "Database", budgets: "BudgetBook | None" = None) -> None:
+    def __init__(self, db: "Database", holds: "Holds | None" = None) -> None:
         self.db = db
-        self.budgets = budgets  # settled in the same transaction as each new row: a request is charged once
+        self.holds = holds  # settled in the same transaction as each new row: a request is charged once
 
     def _row(self, rec: UsageRecord) -> tuple:
         rec.validate()
@@ -97,8 +97,8 @@ class UsageLedger:
             for rec, row in zip(records, rows):
                 new = conn.execute(_INSERT, row).rowcount
                 n += new
-                if new and self.budgets is not None:
-                    self.budgets.settle(conn, rec.tenant, rec.request_id, rec.model, rec.price or 0.0)
+                if new and self.holds is not None:
+                    self.holds.settle(conn, rec)
         return n
 
     def totals(self, tenant: str, since: Any = None, until: Any = None,

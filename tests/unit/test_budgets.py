@@ -1,6 +1,8 @@
-"""Budgets: the store's reservations (all or nothing, settled once by the usage row, released, expired,
-rolled into a new period), and through the server: 200 concurrent requests against a budget that covers
-about 50 never overspend it and serve at least 45; the refused ones get 429 insufficient_quota."""
+"""Budgets and rate limits: the store's holds (all or nothing, settled once by the usage row, released,
+expired, rolled into a new period; rate windows counted and given back), and through the server: 200
+concurrent requests against a budget that covers about 50 never overspend it and serve at least 45 (the
+refused get 429 insufficient_quota); a rate limit answers 429 rate_limit_exceeded with Retry-After and
+x-ratelimit-* headers."""
 from __future__ import annotations
 
 import asyncio
@@ -37,8 +39,14 @@ def store(tmp_path, clock):
     s.close()
 
 
-def usage(rid: str, price: float, model: str = "m") -> UsageRecord:
-    return UsageRecord(request_id=rid, tenant="acme", model=model, prompt_tokens=1, completion_tokens=1, price=price)
+def usage(rid: str, price: float, model: str = "m", tokens: int = 2) -> UsageRecord:
+    return UsageRecord(request_id=rid, tenant="acme", model=model, prompt_tokens=1, completion_tokens=tokens - 1,
+                       price=price)
+
+
+def hold(store, model: str, *asks) -> object:
+    """store.holds.admit with (request id, dollars) asks of 10 tokens each; the refusing budget, or None."""
+    return store.holds.admit("acme", model, [(rid, dollars, 10) for rid, dollars in asks]).short
 
 
 def test_periods():
@@ -56,28 +64,28 @@ def test_periods():
 def test_reservations_hold_settle_once_and_release(store):
     b = store.budgets
     b.set_budget("acme", 1.0, "month")
-    assert b.reserve("acme", "m", [("r1", 0.4), ("r2", 0.4)]) is None
-    short = b.reserve("acme", "m", [("r3", 0.3)])  # 0.8 held: 0.3 more does not fit
+    assert hold(store, "m", ("r1", 0.4), ("r2", 0.4)) is None
+    short = hold(store, "m", ("r3", 0.3))  # 0.8 held: 0.3 more does not fit
     assert short is not None and short.remaining == pytest.approx(0.2)
     assert store.usage.record(usage("r1", 0.1))  # settles r1: 0.4 held -> 0.1 spent
     assert not store.usage.record(usage("r1", 0.1))  # the same request again: not charged twice
     got = b.get("acme")
     assert (got.spent, got.reserved) == (pytest.approx(0.1), pytest.approx(0.4))
-    b.release("acme", ["r2"])
+    store.holds.release("acme", ["r2"])
     assert b.get("acme").reserved == pytest.approx(0.0)
-    assert b.reserve("acme", "m", [("r3", 0.9)]) is None
-    assert b.reserve("acme", "m", [("r4", 0.01)]) is not None
-    assert b.reserve("other", "m", [("x", 100.0)]) is None  # no budget, no limit
+    assert hold(store, "m", ("r3", 0.9)) is None
+    assert hold(store, "m", ("r4", 0.01)) is not None
+    assert store.holds.admit("other", "m", [("x", 100.0, 10)]).admitted  # no budget, no limit
 
 
 def test_a_model_budget_and_the_tenant_budget_both_apply(store):
     b = store.budgets
     b.set_budget("acme", 1.0, "none")
     b.set_budget("acme", 0.3, "day", model="big")
-    assert b.reserve("acme", "big", [("a", 0.25)]) is None
-    assert b.reserve("acme", "big", [("b", 0.1)]).model == "big"
-    assert b.reserve("acme", "small", [("c", 0.7)]) is None  # only the all-models budget applies
-    assert b.reserve("acme", "small", [("d", 0.1)]).model == "*"
+    assert hold(store, "big", ("a", 0.25)) is None
+    assert hold(store, "big", ("b", 0.1)).model == "big"
+    assert hold(store, "small", ("c", 0.7)) is None  # only the all-models budget applies
+    assert hold(store, "small", ("d", 0.1)).model == "*"
     store.usage.record(usage("a", 0.2, model="big"))
     assert b.get("acme", "big").spent == pytest.approx(0.2) and b.get("acme").spent == pytest.approx(0.2)
 
@@ -85,16 +93,37 @@ def test_a_model_budget_and_the_tenant_budget_both_apply(store):
 def test_a_new_period_starts_from_zero_and_stale_holds_expire(store, clock):
     b = store.budgets
     b.set_budget("acme", 1.0, "day")
-    b.reserve("acme", "m", [("r1", 0.5)])
+    hold(store, "m", ("r1", 0.5))
     store.usage.record(usage("r1", 0.5))
-    assert b.reserve("acme", "m", [("r2", 0.6)]) is not None
+    assert hold(store, "m", ("r2", 0.6)) is not None
     clock.t += 3600  # midnight: a new day
     assert b.get("acme").spent == 0.0
-    assert b.reserve("acme", "m", [("r2", 0.6)]) is None
-    clock.t += b.reservation_ttl_s + 1  # its gateway died: the hold expires
+    assert hold(store, "m", ("r2", 0.6)) is None
+    clock.t += store.holds.hold_ttl_s + 1  # its gateway died: the hold expires
     assert b.get("acme").reserved == 0.0
     store.usage.record(usage("r2", 0.2))  # a late row is still charged
     assert b.get("acme").spent == pytest.approx(0.2)
+
+
+def test_rate_windows_count_refuse_give_back_and_reset(store, clock):
+    from kvserve.metering.rate_limits import window_start
+
+    clock.t = window_start(clock.t) + 10
+    store.rate_limits.set_limits("acme", rpm=3, tpm=100)
+    a = store.holds.admit("acme", "m", [("r1", 0.0, 40)])
+    assert a.admitted and (a.rate.requests, a.rate.tokens) == (1, 40)
+    assert a.rate.headers()["x-ratelimit-remaining-tokens"] == "60"
+    assert a.rate.headers()["x-ratelimit-reset-requests"] == "50s"
+    refused = store.holds.admit("acme", "m", [("r2", 0.0, 61)])
+    assert refused.rate_limited and refused.rate.reset_s == pytest.approx(50)
+    store.usage.record(usage("r1", 0.0, tokens=15))  # used 15 of the 40 counted: 25 come back
+    assert store.holds.admit("acme", "m", [("r2", 0.0, 61)]).admitted
+    assert store.holds.admit("acme", "m", [("r3", 0.0, 1)]).admitted
+    assert store.holds.admit("acme", "m", [("r4", 0.0, 1)]).rate_limited  # the fourth request this minute
+    clock.t += 60
+    assert store.holds.admit("acme", "m", [("r4", 0.0, 1)]).rate.requests == 1  # a new window
+    with pytest.raises(ValueError, match="rpm"):
+        store.rate_limits.set_limits("acme", rpm=0, tpm=None)
 
 
 def test_200_concurrent_requests_never_overspend_a_budget(tiny_llama_gguf, tmp_path):
@@ -115,6 +144,7 @@ def test_200_concurrent_requests_never_overspend_a_budget(tiny_llama_gguf, tmp_p
         try:
             _, token = await state.store.acreate_tenant("acme")
             await asyncio.to_thread(state.store.store.budgets.set_budget, "acme", budget, "month")
+            await asyncio.to_thread(state.store.store.rate_limits.set_limits, "acme", 10_000, None)
             assert await asyncio.to_thread(state.models["tiny"].client.wait_ready, 60)
             auth = {"Authorization": f"Bearer {token}"}
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
@@ -136,3 +166,38 @@ def test_200_concurrent_requests_never_overspend_a_budget(tiny_llama_gguf, tmp_p
     assert b.spent == pytest.approx(sum(
         worst_case_price(model.price, "interactive", len(prompt), r.json()["usage"]["completion_tokens"])
         for r in served))
+
+
+def test_a_rate_limited_tenant_gets_429_with_retry_after_and_headers(tiny_llama_gguf, tmp_path):
+    import time
+
+    from kvserve.metering.rate_limits import window_start
+    from kvserve.server.app import create_app
+
+    model = ServedModel(id="tiny", source=str(tiny_llama_gguf), role="fast",
+                        engine_args=dict(dtype="float32", num_gpu_blocks_override=64, max_model_len=128))
+    app = create_app(ServerConfig(models=[model], home=str(tmp_path)))
+    state = app.state.kv
+
+    async def scenario():
+        await state.startup()
+        try:
+            _, token = await state.store.acreate_tenant("acme")
+            assert await asyncio.to_thread(state.models["tiny"].client.wait_ready, 60)
+            auth = {"Authorization": f"Bearer {token}"}
+            body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                await client.post("/v1/completions", json=body, headers=auth)  # warm: the three take well under 5 s
+                left = window_start(time.time()) + 60 - time.time()
+                if left < 5:  # all three in one window
+                    await asyncio.sleep(left + 0.01)
+                await asyncio.to_thread(state.store.store.rate_limits.set_limits, "acme", 2, None)
+                return [await client.post("/v1/completions", json=body, headers=auth) for _ in range(3)]
+        finally:
+            await state.shutdown()
+
+    ok1, ok2, limited = asyncio.run(scenario())
+    assert ok1.status_code == ok2.status_code == 200
+    assert ok1.headers["x-ratelimit-limit-requests"] == "2" and ok2.headers["x-ratelimit-remaining-requests"] == "0"
+    assert limited.status_code == 429 and limited.json()["error"]["code"] == "rate_limit_exceeded"
+    assert int(limited.headers["Retry-After"]) >= 1 and limited.headers["x-ratelimit-remaining-requests"] == "0"

@@ -1,0 +1,97 @@
+"""Admission holds: a request's worst-case price in its tenant's budgets (store/budgets.py) and its
+worst-case tokens in the tenant's rate-limit window (store/rate_limits.py), taken in one write
+transaction per call, all or nothing, and settled by the request's usage row.
+
+`budget_reservations` has one row per held engine request (tenant, request id): the budget keys and the
+dollars held, the tokens counted, when, and when the hold expires (a gateway that died never settles;
+expired holds are dropped by the next admission). `settle` runs inside the usage ledger's transaction
+that writes the request's row: the hold goes, the real price is spent, unused tokens are given back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from kvserve.metering.budgets import Budget
+from kvserve.metering.rate_limits import RateState
+
+if TYPE_CHECKING:
+    import sqlite3
+
+    from kvserve.store.budgets import BudgetBook
+    from kvserve.store.db import Database
+    from kvserve.store.rate_limits import RateLimiter
+    from kvserve.store.usage import UsageRecord
+
+DEFAULT_HOLD_TTL_S = 3600.0
+
+
+@dataclass(frozen=True)
+class Admission:
+    short: Budget | None = None  # the budget the call does not fit in
+    rate: RateState | None = None  # the tenant's rate window after the check (None: no limits)
+    rate_limited: bool = False
+
+    @property
+    def admitted(self) -> bool:
+        return self.short is None and not self.rate_limited
+
+
+class _Refused(Exception):
+    def __init__(self, admission: Admission):
+        self.admission = admission
+
+
+class Holds:
+    def __init__(self, db: "Database", budgets: "BudgetBook", limits: "RateLimiter",
+                 hold_ttl_s: float = DEFAULT_HOLD_TTL_S):
+        self.db, self.budgets, self.limits, self.hold_ttl_s = db, budgets, limits, hold_ttl_s
+
+    def applies(self, tenant: str) -> bool:
+        """Whether the tenant has a budget or rate limits (cached flags: no transaction for the others)."""
+        return self.budgets.has_budget(tenant) or self.limits.limits(tenant) is not None
+
+    def admit(self, tenant: str, model: str, asks: Sequence[tuple[str, float, int]]) -> Admission:
+        """Hold each (request id, worst-case dollars, worst-case tokens), all or nothing."""
+        now = self.db.clock()
+        dollars, tokens = sum(a[1] for a in asks), sum(a[2] for a in asks)
+        try:
+            with self.db.write() as conn:
+                ok, rate = self.limits.admit(conn, tenant, tokens, now)
+                if not ok:
+                    raise _Refused(Admission(rate=rate, rate_limited=True))
+                budgets, short = self.budgets.check(conn, tenant, model, dollars, now)
+                if short is not None:
+                    raise _Refused(Admission(short=short, rate=rate))  # rolls the rate count back too
+                keys = self.budgets.hold(conn, tenant, budgets, dollars)
+                conn.executemany(
+                    "INSERT INTO budget_reservations (tenant, request_id, models, amount, tokens, created_at,"
+                    " expires_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    [(tenant, rid, keys, amount if budgets else 0.0, n, now, now + self.hold_ttl_s)
+                     for rid, amount, n in asks])
+        except _Refused as r:
+            return r.admission
+        return Admission(rate=rate)
+
+    def settle(self, conn: "sqlite3.Connection", rec: "UsageRecord") -> None:
+        """In the usage row's transaction: drop the request's hold, spend its real price, give back tokens."""
+        row = conn.execute("SELECT models, amount, tokens, created_at FROM budget_reservations WHERE tenant = ?"
+                           " AND request_id = ?", (rec.tenant, rec.request_id)).fetchone()
+        if row is not None:
+            models, amount, tokens, created = row
+            conn.execute("DELETE FROM budget_reservations WHERE tenant = ? AND request_id = ?",
+                         (rec.tenant, rec.request_id))
+            self.budgets.unhold(conn, rec.tenant, models, amount)
+            self.limits.settle(conn, rec.tenant, tokens - rec.prompt_tokens - rec.completion_tokens, created)
+        self.budgets.spend(conn, rec.tenant, rec.model, rec.price or 0.0)
+
+    def release(self, tenant: str, request_ids: Sequence[str]) -> None:
+        """Drop the holds of requests that never reached an engine (no usage row will settle them)."""
+        with self.db.write() as conn:
+            for rid in request_ids:
+                row = conn.execute("SELECT models, amount, tokens, created_at FROM budget_reservations"
+                                   " WHERE tenant = ? AND request_id = ?", (tenant, rid)).fetchone()
+                if row is not None:
+                    conn.execute("DELETE FROM budget_reservations WHERE tenant = ? AND request_id = ?", (tenant, rid))
+                    self.budgets.unhold(conn, tenant, row[0], row[1])
+                    self.limits.settle(conn, tenant, row[2], row[3])
