@@ -233,7 +233,7 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     with _store() as store:
         if args.tenants_cmd == "create":
             try:
-                _, token = store.create_tenant(args.name)
+                _, token = store.create_tenant(args.name, admin=args.admin)
             except TenantError as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
@@ -298,6 +298,42 @@ def cmd_tenants(args: argparse.Namespace) -> int:
             print(f"error: no active tenant {args.name!r}", file=sys.stderr)
             return 1
     return 2
+
+
+def cmd_usage(args: argparse.Namespace) -> int:
+    """`kvserve usage`: the usage report (the same rows as GET /v1/usage) as a table, or CSV."""
+    from kvserve.metering import reports
+
+    if args.bucket not in reports.BUCKET_WIDTHS:
+        print(f"error: --bucket must be one of {', '.join(reports.BUCKET_WIDTHS)}", file=sys.stderr)
+        return 2
+    group_by = [g for g in (args.group_by or "").split(",") if g]
+    width = reports.BUCKET_WIDTHS[args.bucket]
+    now = time.time()
+    start = (now // width - args.buckets + 1) * width
+    with _store() as store:
+        try:
+            rows = store.usage.buckets(start, now, width, group_by, args.tenant)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    page = reports.page(rows, start, now, args.bucket, group_by, args.buckets)
+    if args.csv:
+        sys.stdout.write(reports.to_csv(page))
+        return 0
+    table = [("BUCKET (UTC)", "TENANT", "MODEL", "TIER", "REQUESTS", "INPUT", "CACHED", "OUTPUT", "CHARGED $",
+              "COST $", "ENGINE S")]
+    fmt = "%Y-%m-%d %H:%M" if width < 86400 else "%Y-%m-%d"
+    for r in reports.flat(page):
+        table.append((time.strftime(fmt, time.gmtime(r[0])), r[2] or "-", r[3] or "-", r[4] or "-", str(r[5]),
+                      str(r[6]), str(r[7]), str(r[8]), f"{r[9]:.6f}", f"{r[10]:.6f}", f"{r[11]:.2f}"))
+    if len(table) == 1:
+        print("no usage in this range")
+        return 0
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        print("  ".join(c.rjust(w) if i >= 4 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+    return 0
 
 
 # ---- bench (placeholder for the load generator) ----------------------------------------------------
@@ -376,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     tsub = t.add_subparsers(dest="tenants_cmd", required=True)
     tc = tsub.add_parser("create", help="create a tenant; prints its token once, alone on the last line")
     tc.add_argument("name")
+    tc.add_argument("--admin", action="store_true", help="an admin tenant: every tenant's usage, budgets and limits")
     tsub.add_parser("list", help="list tenants")
     tr = tsub.add_parser("revoke", help="revoke a tenant and all its tokens")
     tr.add_argument("name")
@@ -393,6 +430,14 @@ def build_parser() -> argparse.ArgumentParser:
     tl = tsub.add_parser("budgets", help="budgets with what is spent, held and left")
     tl.add_argument("name", nargs="?", default=None)
     t.set_defaults(func=cmd_tenants)
+
+    u = sub.add_parser("usage", help="usage, charges and cost per time bucket (the store's ledger)")
+    u.add_argument("--bucket", default="1d", help="1m, 1h or 1d (default)")
+    u.add_argument("--buckets", type=int, default=7, help="how many buckets back from now (default 7)")
+    u.add_argument("--group-by", default="tenant,model", help="any of tenant,model,tier (default tenant,model)")
+    u.add_argument("--tenant", default=None, help="one tenant only")
+    u.add_argument("--csv", action="store_true", help="CSV instead of a table")
+    u.set_defaults(func=cmd_usage)
 
     _add_bench(sub)
     return parser

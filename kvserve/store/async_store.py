@@ -59,9 +59,9 @@ class AsyncStore:
         return self._run(self._readers, fn, *args)
 
     # tenants and tokens -------------------------------------------------------------------
-    async def acreate_tenant(self, name: str) -> tuple[Tenant, str]:
+    async def acreate_tenant(self, name: str, admin: bool = False) -> tuple[Tenant, str]:
         minted = await self._read(self.store.tenants.mint)  # scrypt off the writer thread
-        return await self._write(self.store.tenants.create_tenant, name, minted)
+        return await self._write(self.store.tenants.create_tenant, name, minted, admin)
 
     async def acreate_token(self, tenant: str | Tenant) -> str:
         minted = await self._read(self.store.tenants.mint)
@@ -99,6 +99,10 @@ class AsyncStore:
                             group_by: str | None = None) -> list[dict[str, Any]]:
         return await self._read(functools.partial(self.store.usage.totals, tenant, since=since, until=until,
                                                   group_by=group_by))
+
+    async def ausage_buckets(self, start: float, end: float, width: float, group_by: Sequence[str] = (),
+                             tenant: str | None = None) -> list[dict[str, Any]]:
+        return await self._read(self.store.usage.buckets, start, end, width, list(group_by), tenant)
 
     # budgets and rate limits ---------------------------------------------------------------
     async def ameters(self, tenant: str) -> bool:

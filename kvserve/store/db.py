@@ -181,6 +181,15 @@ MIGRATIONS: list[tuple[int, str]] = [
         ALTER TABLE budget_reservations ADD COLUMN tokens INTEGER NOT NULL DEFAULT 0;
         """,
     ),
+    (
+        5,
+        """
+        -- Admin tenants read every tenant's usage and set budgets and limits.
+        ALTER TABLE tenants ADD COLUMN is_admin INTEGER NOT NULL DEFAULT 0;
+        -- Usage reports over all tenants bucket by time.
+        CREATE INDEX usage_created ON usage_records(created_at);
+        """,
+    ),
 ]
 
 
@@ -366,8 +375,8 @@ class Store:
         return self.db.schema_version
 
     # tenants and tokens
-    def create_tenant(self, name: str) -> tuple[Tenant, str]:
-        return self.tenants.create_tenant(name)
+    def create_tenant(self, name: str, admin: bool = False) -> tuple[Tenant, str]:
+        return self.tenants.create_tenant(name, admin=admin)
 
     def create_token(self, tenant: str | Tenant) -> str:
         return self.tenants.create_token(tenant)

@@ -71,6 +71,7 @@ class Tenant:
     name: str
     created_at: float
     revoked: bool = False
+    admin: bool = False  # may read every tenant's usage and set budgets and limits (`tenants create --admin`)
 
 
 @dataclass(frozen=True)
@@ -234,17 +235,18 @@ class TenantRegistry:
                 minted = None
         raise RuntimeError("could not allocate a unique token prefix")
 
-    def create_tenant(self, name: str, minted: MintedToken | None = None) -> tuple[Tenant, str]:
+    def create_tenant(self, name: str, minted: MintedToken | None = None, admin: bool = False) -> tuple[Tenant, str]:
         """Create a tenant and its first token; the raw token is returned here and never again."""
         validate_tenant_name(name)
         minted = minted or self.mint()  # hash outside the write transaction
         now = self.db.clock()
         with self.db.write() as conn:
             try:
-                cur = conn.execute("INSERT INTO tenants (name, created_at) VALUES (?, ?)", (name, now))
+                cur = conn.execute("INSERT INTO tenants (name, created_at, is_admin) VALUES (?, ?, ?)",
+                                   (name, now, int(admin)))
             except sqlite3.IntegrityError:
                 raise TenantExistsError(f"tenant {name!r} already exists") from None
-            tenant = Tenant(id=cur.lastrowid, name=name, created_at=now)
+            tenant = Tenant(id=cur.lastrowid, name=name, created_at=now, admin=admin)
             token = self._insert_token(conn, tenant.id, minted)
         return tenant, token
 
@@ -278,12 +280,12 @@ class TenantRegistry:
             return hit
         generation = self.cache.generation  # before the read: see _AuthCache
         row = self.db.conn().execute(
-            "SELECT t.id, t.name, t.created_at, k.id, k.hash FROM api_tokens k JOIN tenants t ON t.id = k.tenant_id"
-            " WHERE k.prefix = ? AND k.revoked_at IS NULL AND t.revoked_at IS NULL",
+            "SELECT t.id, t.name, t.created_at, k.id, k.hash, t.is_admin FROM api_tokens k JOIN tenants t"
+            " ON t.id = k.tenant_id WHERE k.prefix = ? AND k.revoked_at IS NULL AND t.revoked_at IS NULL",
             (token_lookup_prefix(token),)).fetchone()
         if row is None or not verify_token_hash(token, row[4]):
             return None
-        tenant = Tenant(id=row[0], name=row[1], created_at=row[2])
+        tenant = Tenant(id=row[0], name=row[1], created_at=row[2], admin=bool(row[5]))
         self.cache.put(key, tenant, row[3], generation, self.db.clock())
         return tenant
 
@@ -328,9 +330,10 @@ class TenantRegistry:
     # -- listing ----------------------------------------------------------------------------
 
     def get_tenant(self, name: str) -> Tenant | None:
-        row = self.db.conn().execute("SELECT id, name, created_at, revoked_at FROM tenants WHERE name = ?",
+        row = self.db.conn().execute("SELECT id, name, created_at, revoked_at, is_admin FROM tenants WHERE name = ?",
                                      (name,)).fetchone()
-        return None if row is None else Tenant(id=row[0], name=row[1], created_at=row[2], revoked=row[3] is not None)
+        return None if row is None else Tenant(id=row[0], name=row[1], created_at=row[2], revoked=row[3] is not None,
+                                               admin=bool(row[4]))
 
     def list_tenants(self) -> list[TenantInfo]:
         rows = self.db.conn().execute(

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 TIERS = ("interactive", "batch")
 GROUP_BY = (None, "model", "day")
+REPORT_GROUPS = ("tenant", "model", "tier")
 
 
 @dataclass
@@ -127,6 +128,27 @@ class UsageLedger:
             sql = (f"SELECT {expr} AS {group_by}, {_SUMS} FROM usage_records WHERE {' AND '.join(where)}"
                    f" GROUP BY 1 ORDER BY 1")
         cur = self.db.conn().execute(sql, params)
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, row)) for row in cur.fetchall()]
+
+    def buckets(self, start: float, end: float, width: float, group_by: Sequence[str] = (),
+                tenant: str | None = None) -> list[dict[str, Any]]:
+        """Sums per time bucket [start + i x width, ...) and per `group_by` columns (tenant, model, tier), for
+        one tenant or (None) all; aggregated in SQL (the index on created_at, or on tenant and created_at)."""
+        bad = [g for g in group_by if g not in REPORT_GROUPS]
+        if bad:
+            raise ValueError(f"group_by must be among {REPORT_GROUPS}, got {bad}")
+        cols = "".join(f", {g}" for g in group_by)
+        where, params = "created_at >= ? AND created_at < ?", [start, end]
+        if tenant is not None:
+            where += " AND tenant = ?"
+            params.append(tenant)
+        sql = (f"SELECT CAST((created_at - ?) / ? AS INTEGER) AS bucket{cols}, COUNT(*) AS requests,"
+               " SUM(prompt_tokens) AS input_tokens, SUM(cached_prompt_tokens) AS input_cached_tokens,"
+               " SUM(completion_tokens) AS output_tokens, COALESCE(SUM(price), 0) AS amount,"
+               " COALESCE(SUM(cost), 0) AS cost, COALESCE(SUM(engine_s), 0) AS engine_seconds"
+               f" FROM usage_records WHERE {where} GROUP BY 1{cols} ORDER BY 1{cols}")
+        cur = self.db.conn().execute(sql, [start, width, *params])
         names = [d[0] for d in cur.description]
         return [dict(zip(names, row)) for row in cur.fetchall()]
 

@@ -1,12 +1,16 @@
 """/v1 routes: completions, chat completions, models, serving metrics, usage. All need a bearer token."""
 from __future__ import annotations
 
+import time
 from datetime import datetime, timezone
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
+from kvserve.metering.reports import BUCKET_WIDTHS, DEFAULT_LIMIT, MAX_LIMIT, to_csv
+from kvserve.metering.reports import page as usage_page
 from kvserve.service import protocol as p
+from kvserve.store.usage import REPORT_GROUPS
 from kvserve.server.auth import authenticate
 from kvserve.server.errors import APIError
 from kvserve.server.serving import handle_completion
@@ -91,15 +95,46 @@ def _parse_time(value: str | None, param: str) -> float | None:
 
 
 @router.get("/usage")
-async def usage(request: Request, since: str | None = None, until: str | None = None, group_by: str | None = None):
-    """The caller's own tenant's usage totals (never another tenant's)."""
+async def usage(request: Request, start_time: str | None = None, end_time: str | None = None,
+                bucket_width: str = "1d", limit: int | None = None, page: str | None = None,
+                format: str = "json"):
+    """Usage per time bucket in the shape of OpenAI's usage API (metering/reports.py), grouped by any of
+    tenant, model, tier (`group_by`, repeated or comma-separated). A tenant sees its own usage; an admin
+    token sees every tenant's, or one's with `tenant=`. `format=csv` exports the same rows."""
     state = _state(request)
-    tenant = await authenticate(request, state.store)
-    if group_by not in (None, "", "model", "day"):
-        raise APIError(400, f"group_by must be 'model' or 'day', got {group_by!r}", param="group_by",
+    caller = await authenticate(request, state.store)
+    q = request.query_params
+    group_by = [g for v in q.getlist("group_by") for g in v.split(",") if g]
+    bad = [g for g in group_by if g not in REPORT_GROUPS]
+    if bad:
+        raise APIError(400, f"group_by must be among {', '.join(REPORT_GROUPS)}, got {bad[0]!r}", param="group_by",
                        code="invalid_value")
+    if bucket_width not in BUCKET_WIDTHS:
+        raise APIError(400, f"bucket_width must be one of {', '.join(BUCKET_WIDTHS)}, got {bucket_width!r}",
+                       param="bucket_width", code="invalid_value")
+    if format not in ("json", "csv"):
+        raise APIError(400, f"format must be json or csv, got {format!r}", param="format", code="invalid_value")
+    width = BUCKET_WIDTHS[bucket_width]
+    limit = DEFAULT_LIMIT[bucket_width] if limit is None else limit
+    if not 1 <= limit <= MAX_LIMIT[bucket_width]:
+        raise APIError(400, f"limit must be in [1, {MAX_LIMIT[bucket_width]}] for bucket_width {bucket_width}",
+                       param="limit", code="invalid_value")
+    now = time.time()
+    start = _parse_time(page, "page") or _parse_time(start_time, "start_time")
+    if start is None:  # the last `limit` buckets, aligned to the width (UTC)
+        start = (now // width - limit + 1) * width
+    end = _parse_time(end_time, "end_time") or now
+    if end <= start:
+        raise APIError(400, "end_time must be after start_time", param="end_time", code="invalid_value")
+    tenant = q.get("tenant")
+    if tenant is not None and not caller.admin and tenant != caller.name:
+        raise APIError(403, "only an admin token may read another tenant's usage", "permission_error",
+                       "permission_denied", param="tenant")
+    scope = tenant if tenant is not None else (None if caller.admin else caller.name)
     await state.service.ledger.flush()
-    rows = await state.store.ausage_totals(tenant.name, since=_parse_time(since, "since"),
-                                           until=_parse_time(until, "until"), group_by=group_by or None)
-    return JSONResponse({"object": "usage", "tenant": tenant.name, "group_by": group_by or None,
-                         "since": _parse_time(since, "since"), "until": _parse_time(until, "until"), "data": rows})
+    rows = await state.store.ausage_buckets(start, end, width, group_by, scope)
+    body = usage_page(rows, start, end, bucket_width, group_by, limit)
+    if format == "csv":
+        return Response(to_csv(body), media_type="text/csv",
+                        headers={"content-disposition": "attachment; filename=usage.csv"})
+    return JSONResponse(body)

@@ -1,0 +1,62 @@
+"""Usage reports in the shape of OpenAI's usage API (pure: the store aggregates, this shapes).
+
+A page of time buckets [start_time, end_time), each with one result per group (tenant, model, tier, as
+asked): requests, input tokens (and of them cached), output tokens, the amount charged, the cost of the
+engine time, the engine seconds. Every bucket of the range is present, empty ones too, as OpenAI's are.
+"""
+from __future__ import annotations
+
+import csv
+import io
+from typing import Any
+
+BUCKET_WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
+DEFAULT_LIMIT = {"1m": 60, "1h": 24, "1d": 7}
+MAX_LIMIT = {"1m": 1440, "1h": 168, "1d": 31}
+
+
+def page(rows: list[dict[str, Any]], start: float, end: float, width: str, group_by: list[str],
+         limit: int) -> dict[str, Any]:
+    """The OpenAI-shaped page for the store's bucket rows (UsageLedger.buckets) over [start, end)."""
+    w = BUCKET_WIDTHS[width]
+    n = max(0, min(limit, -(-int(end - start) // w)))
+    by_bucket: dict[int, list[dict]] = {}
+    for r in rows:
+        by_bucket.setdefault(r["bucket"], []).append(r)
+    data = []
+    for i in range(n):
+        b0 = start + i * w
+        results = [dict({"object": "organization.usage.completions.result",
+                         "input_tokens": r["input_tokens"], "input_cached_tokens": r["input_cached_tokens"],
+                         "output_tokens": r["output_tokens"], "num_model_requests": r["requests"],
+                         "amount": {"value": round(r["amount"], 9), "currency": "usd"},
+                         "cost": {"value": round(r["cost"], 9), "currency": "usd"},
+                         "engine_seconds": round(r["engine_seconds"], 6)},
+                        **{g: (r[g] if g in group_by else None) for g in ("tenant", "model", "tier")})
+                   for r in by_bucket.get(i, [])]
+        data.append({"object": "bucket", "start_time": int(b0), "end_time": int(min(b0 + w, end)), "results": results})
+    more = start + n * w < end
+    return {"object": "page", "data": data, "has_more": more, "next_page": str(int(start + n * w)) if more else None}
+
+
+COLUMNS = ("start_time", "end_time", "tenant", "model", "tier", "num_model_requests", "input_tokens",
+           "input_cached_tokens", "output_tokens", "amount_usd", "cost_usd", "engine_seconds")
+
+
+def flat(p: dict[str, Any]) -> list[tuple]:
+    """One row per (bucket, group): what the CSV export and `kvserve usage` print."""
+    out = []
+    for b in p["data"]:
+        for r in b["results"]:
+            out.append((b["start_time"], b["end_time"], r["tenant"], r["model"], r["tier"], r["num_model_requests"],
+                        r["input_tokens"], r["input_cached_tokens"], r["output_tokens"], r["amount"]["value"],
+                        r["cost"]["value"], r["engine_seconds"]))
+    return out
+
+
+def to_csv(p: dict[str, Any]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(COLUMNS)
+    w.writerows(flat(p))
+    return buf.getvalue()
