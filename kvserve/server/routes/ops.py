@@ -51,10 +51,7 @@ async def metrics(request: Request):
 @router.get("/fleet/status")
 async def fleet_status(request: Request):
     """In a fleet gateway: each model's pool, its replicas' live load and prefix hits, and this gateway's
-    routing counts (fleet/client.py FleetClient.pool_status). 404 on a single-process server."""
+    routing counts (fleet/client.py FleetClient.pool_status); on a single-process server, no models."""
     state: ServerState = request.app.state.kv
     pools = {h.id: h.client.pool_status() for h in state.models.values() if hasattr(h.client, "pool_status")}
-    if not pools:
-        return JSONResponse({"error": {"message": "this server is not a fleet gateway", "type": "invalid_request_error",
-                                       "code": "not_found"}}, status_code=404)
-    return JSONResponse({"models": pools})
+    return JSONResponse({"fleet": bool(pools), "models": pools})
