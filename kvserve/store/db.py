@@ -190,6 +190,30 @@ MIGRATIONS: list[tuple[int, str]] = [
         CREATE INDEX usage_created ON usage_records(created_at);
         """,
     ),
+    (
+        6,
+        """
+        -- Hourly roll-up of the ledger, kept in the transaction that writes each row: reports and the
+        -- dashboard over hours and days read this, not every request's row.
+        CREATE TABLE usage_hourly (
+            hour                  REAL NOT NULL,
+            tenant                TEXT NOT NULL,
+            model                 TEXT NOT NULL,
+            tier                  TEXT NOT NULL,
+            requests              INTEGER NOT NULL,
+            prompt_tokens         INTEGER NOT NULL,
+            cached_prompt_tokens  INTEGER NOT NULL,
+            completion_tokens     INTEGER NOT NULL,
+            price                 REAL NOT NULL,
+            cost                  REAL NOT NULL,
+            engine_s              REAL NOT NULL,
+            PRIMARY KEY (hour, tenant, model, tier)
+        );
+        INSERT INTO usage_hourly SELECT CAST(created_at / 3600 AS INTEGER) * 3600.0, tenant, model, tier, COUNT(*),
+            SUM(prompt_tokens), SUM(cached_prompt_tokens), SUM(completion_tokens), COALESCE(SUM(price), 0),
+            COALESCE(SUM(cost), 0), COALESCE(SUM(engine_s), 0) FROM usage_records GROUP BY 1, 2, 3, 4;
+        """,
+    ),
 ]
 
 

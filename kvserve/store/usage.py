@@ -58,6 +58,22 @@ _COLUMNS = [f.name for f in fields(UsageRecord)]
 _INSERT = (f"INSERT OR IGNORE INTO usage_records ({', '.join(_COLUMNS)})"
            f" VALUES ({', '.join('?' * len(_COLUMNS))})")
 
+_ROLLUP = ("INSERT INTO usage_hourly (hour, tenant, model, tier, requests, prompt_tokens, cached_prompt_tokens,"
+           " completion_tokens, price, cost, engine_s) VALUES (?, ?, ?, ?, 1, ?, ?, ?, ?, ?, ?)"
+           " ON CONFLICT (hour, tenant, model, tier) DO UPDATE SET requests = requests + 1,"
+           " prompt_tokens = prompt_tokens + excluded.prompt_tokens,"
+           " cached_prompt_tokens = cached_prompt_tokens + excluded.cached_prompt_tokens,"
+           " completion_tokens = completion_tokens + excluded.completion_tokens, price = price + excluded.price,"
+           " cost = cost + excluded.cost, engine_s = engine_s + excluded.engine_s")
+
+
+def _rollup_row(row: tuple) -> tuple:
+    """The roll-up upsert's values for one usage row (as _row made it)."""
+    r = dict(zip(_COLUMNS, row))
+    return ((r["created_at"] // 3600) * 3600.0, r["tenant"], r["model"], r["tier"], r["prompt_tokens"],
+            r["cached_prompt_tokens"], r["completion_tokens"], r["price"] or 0.0, r["cost"] or 0.0, r["engine_s"] or 0.0)
+
+
 _SUMS = ("COUNT(*) AS requests,"
          " COALESCE(SUM(prompt_tokens), 0) AS prompt_tokens,"
          " COALESCE(SUM(cached_prompt_tokens), 0) AS cached_prompt_tokens,"
@@ -98,8 +114,10 @@ class UsageLedger:
             for rec, row in zip(records, rows):
                 new = conn.execute(_INSERT, row).rowcount
                 n += new
-                if new and self.holds is not None:
-                    self.holds.settle(conn, rec)
+                if new:
+                    conn.execute(_ROLLUP, _rollup_row(row))
+                    if self.holds is not None:
+                        self.holds.settle(conn, rec)
         return n
 
     def totals(self, tenant: str, since: Any = None, until: Any = None,
@@ -139,15 +157,21 @@ class UsageLedger:
         if bad:
             raise ValueError(f"group_by must be among {REPORT_GROUPS}, got {bad}")
         cols = "".join(f", {g}" for g in group_by)
-        where, params = "created_at >= ? AND created_at < ?", [start, end]
+        # Whole hours read the hourly roll-up (a range ending now includes the hour in progress, kept up to date)
+        rollup = width % 3600 == 0 and start % 3600 == 0 and (end % 3600 == 0 or end >= self.db.clock())
+        if rollup:
+            table, t, count = "usage_hourly", "hour", "SUM(requests)"
+        else:
+            table, t, count = "usage_records", "created_at", "COUNT(*)"
+        where, params = f"{t} >= ? AND {t} < ?", [start, end]
         if tenant is not None:
             where += " AND tenant = ?"
             params.append(tenant)
-        sql = (f"SELECT CAST((created_at - ?) / ? AS INTEGER) AS bucket{cols}, COUNT(*) AS requests,"
+        sql = (f"SELECT CAST(({t} - ?) / ? AS INTEGER) AS bucket{cols}, {count} AS requests,"
                " SUM(prompt_tokens) AS input_tokens, SUM(cached_prompt_tokens) AS input_cached_tokens,"
                " SUM(completion_tokens) AS output_tokens, COALESCE(SUM(price), 0) AS amount,"
                " COALESCE(SUM(cost), 0) AS cost, COALESCE(SUM(engine_s), 0) AS engine_seconds"
-               f" FROM usage_records WHERE {where} GROUP BY 1{cols} ORDER BY 1{cols}")
+               f" FROM {table} WHERE {where} GROUP BY 1{cols} ORDER BY 1{cols}")
         cur = self.db.conn().execute(sql, [start, width, *params])
         names = [d[0] for d in cur.description]
         return [dict(zip(names, row)) for row in cur.fetchall()]

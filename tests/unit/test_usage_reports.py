@@ -42,6 +42,11 @@ def test_buckets_group_and_page(tmp_path):
         only = reports.page(store.usage.buckets(T0, T0 + 3 * DAY, DAY, [], "acme"), T0, T0 + 3 * DAY, "1d", [], 2)
         assert [b["results"][0]["num_model_requests"] if b["results"] else 0 for b in only["data"]] == [2, 0]
         assert only["has_more"] and only["next_page"] == str(int(T0 + 2 * DAY))
+        # the hourly roll-up (aligned ranges) and the rows themselves (any other range) agree
+        raw = store.usage.buckets(T0 - 1800, T0 + 3 * DAY, DAY, ["tenant"])
+        rolled = store.usage.buckets(T0, T0 + 3 * DAY, DAY, ["tenant"])
+        for key in ("requests", "input_tokens", "output_tokens", "amount", "engine_seconds"):
+            assert sum(r[key] for r in raw) == pytest.approx(sum(r[key] for r in rolled))
         lines = list(csv.reader(io.StringIO(reports.to_csv(p))))
         assert tuple(lines[0]) == reports.COLUMNS and len(lines) == 5
         with pytest.raises(ValueError, match="group_by"):
