@@ -98,3 +98,27 @@ def tiny_gemma_gguf(tiny_gguf_dir, smollm2_gguf_path) -> Path:
     if not path.exists():
         write_tiny_gguf(path, TinySpec(arch="gemma3", layers=6, kv_heads=1, quant="Q5_0"), str(smollm2_gguf_path))
     return path
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A PostgreSQL server for the session (tests/postgres_server.py); skipped without the binaries unless
+    KVSERVE_REQUIRE_POSTGRES=1 (CI installs them and sets it)."""
+    from tests.postgres_server import PostgresServer, binaries
+
+    bindir = binaries()
+    if bindir is None:
+        if os.environ.get("KVSERVE_REQUIRE_POSTGRES") == "1":
+            raise RuntimeError("PostgreSQL binaries not found (apt-get install postgresql)")
+        pytest.skip("PostgreSQL is not installed (.ci/run installs Debian's postgresql)")
+    server = PostgresServer(bindir).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_target(request, tmp_path):
+    """Where a Store lives: an SQLite file, or a fresh database on the session's PostgreSQL server."""
+    if request.param == "sqlite":
+        return str(tmp_path / "kvserve.db")
+    return request.getfixturevalue("postgres_server").new_database()

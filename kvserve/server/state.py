@@ -14,6 +14,7 @@ from kvserve.service.completion import CompletionService
 from kvserve.service.metrics import ServerMetrics
 from kvserve.service.models import ModelHandle
 from kvserve.store import AsyncStore, default_db_path, kvserve_home
+from kvserve.store.dialect import is_postgres_url
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,10 @@ class ServerState:
 
     # ---- lifecycle ---------------------------------------------------------------------------
     @property
-    def db_path(self) -> Path:
+    def db_path(self) -> Path | str:
+        """The SQLite file, or a postgresql:// URL (a store shared by gateways on several machines)."""
         if self.config.db_path:
-            return Path(self.config.db_path)
+            return self.config.db_path if is_postgres_url(self.config.db_path) else Path(self.config.db_path)
         if self.config.home:
             return Path(self.config.home) / "kvserve.db"
         return default_db_path()
@@ -63,7 +65,8 @@ class ServerState:
     async def startup(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.drain_done = asyncio.Event()
-        self.db_path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(self.db_path, Path):
+            self.db_path.parent.mkdir(parents=True, exist_ok=True)
         self.store = await AsyncStore.aopen(self.db_path, auth_cache_ttl_s=self.config.auth_cache_ttl_s)
         # The only server on its data dir releases what a previous run left in progress; fleet gateways share it.
         released = 0 if self.shared_store else await self.store.areset_in_progress()

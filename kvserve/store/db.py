@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from kvserve.store.budgets import BudgetBook
+from kvserve.store.dialect import PostgresConnection, integrity_errors, is_postgres_url
 from kvserve.store.metering import Holds
 from kvserve.store.rate_limits import RateLimiter
 from kvserve.store.idempotency import DEFAULT_IDEMPOTENCY_TTL_S, BeginResult, IdempotencyStore, StoredResponse
@@ -241,32 +242,47 @@ def split_sql(script: str) -> list[str]:
     return statements
 
 
-def current_schema_version(conn: sqlite3.Connection) -> int:
-    row = conn.execute("SELECT name FROM sqlite_master WHERE type='table' AND name='schema_version'").fetchone()
-    if row is None:
+def current_schema_version(conn) -> int:
+    if isinstance(conn, PostgresConnection):
+        row = conn.execute("SELECT to_regclass('schema_version') IS NOT NULL").fetchone()
+        exists = bool(row[0])
+    else:
+        exists = conn.execute("SELECT name FROM sqlite_master WHERE type='table' AND name='schema_version'"
+                              ).fetchone() is not None
+    if not exists:
         return 0
     return conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_version").fetchone()[0]
 
 
-def migrate(conn: sqlite3.Connection, migrations: Sequence[tuple[int, str]] = MIGRATIONS,
-            clock: Clock = time.time) -> int:
+def _begin_write(conn) -> None:
+    if isinstance(conn, PostgresConnection):
+        conn.begin_write()
+    else:
+        conn.execute("BEGIN IMMEDIATE")
+
+
+def migrate(conn, migrations: Sequence[tuple[int, str]] = MIGRATIONS, clock: Clock = time.time) -> int:
     """Apply pending migrations, each atomically with its ``schema_version`` row; return the version.
 
     ``conn`` must be in autocommit mode (``isolation_level=None``). Safe against a concurrent
-    migrator in another process: the version is re-read inside each ``BEGIN IMMEDIATE``.
+    migrator in another process: the version is re-read inside each write transaction (``BEGIN
+    IMMEDIATE`` on SQLite, the write advisory lock on PostgreSQL).
     """
     versions = [v for v, _ in migrations]
     if versions != list(range(1, len(versions) + 1)):
         raise SchemaError(f"migration versions must be 1..N in order, got {versions}")
     latest = versions[-1] if versions else 0
-    conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER PRIMARY KEY, applied_at REAL NOT NULL)")
+    _begin_write(conn)  # two migrators starting together: one creates the version table, the other waits
+    conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL PRIMARY KEY,"
+                 " applied_at REAL NOT NULL)")
+    conn.execute("COMMIT")
     found = current_schema_version(conn)
     if found > latest:
         raise SchemaError(f"database schema version {found} is newer than this kvserve supports ({latest})")
     for version, sql in migrations:
         if version <= found:
             continue
-        conn.execute("BEGIN IMMEDIATE")
+        _begin_write(conn)
         try:
             if current_schema_version(conn) < version:
                 for stmt in split_sql(sql):
@@ -280,24 +296,28 @@ def migrate(conn: sqlite3.Connection, migrations: Sequence[tuple[int, str]] = MI
 
 
 class Database:
-    """Thread-local SQLite connections on one file, plus transaction helpers."""
+    """Thread-local connections (an SQLite file, or a PostgreSQL URL: store/dialect.py), plus transaction helpers."""
 
     def __init__(self, path: str | os.PathLike[str], *, clock: Clock = time.time,
                  busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S,
                  migrations: Sequence[tuple[int, str]] = MIGRATIONS) -> None:
-        self.path = Path(path).expanduser()
+        self.postgres = is_postgres_url(path)
+        self.url = str(path) if self.postgres else None
+        self.path = None if self.postgres else Path(path).expanduser()
         if str(path) == ":memory:" or str(path).startswith("file:"):
             raise ValueError("Store needs a file path (each thread opens its own connection)")
         self.clock = clock
         self.busy_timeout_s = busy_timeout_s
+        self.integrity_errors = integrity_errors()
         self._local = threading.local()
-        self._conns: list[sqlite3.Connection] = []
+        self._conns: list = []
         self._lock = threading.Lock()
         self._closed = False
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if not self.path.exists():
-            # The file holds token hashes: owner-only. SQLite gives -wal/-shm the same mode.
-            os.close(os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600))
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if not self.path.exists():
+                # The file holds token hashes: owner-only. SQLite gives -wal/-shm the same mode.
+                os.close(os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600))
         try:
             self.schema_version = migrate(self.conn(), migrations, clock)
         except BaseException:
@@ -310,12 +330,15 @@ class Database:
             raise StoreClosedError("store is closed")
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = sqlite3.connect(str(self.path), timeout=self.busy_timeout_s, isolation_level=None,
-                                   check_same_thread=False)
-            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
-            conn.execute("PRAGMA journal_mode = WAL")
-            conn.execute("PRAGMA synchronous = NORMAL")  # durable across app crashes; WAL fsyncs at checkpoint
-            conn.execute("PRAGMA foreign_keys = ON")
+            if self.postgres:
+                conn = PostgresConnection(self.url)
+            else:
+                conn = sqlite3.connect(str(self.path), timeout=self.busy_timeout_s, isolation_level=None,
+                                       check_same_thread=False)
+                conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
+                conn.execute("PRAGMA journal_mode = WAL")
+                conn.execute("PRAGMA synchronous = NORMAL")  # durable across app crashes; WAL fsyncs at checkpoint
+                conn.execute("PRAGMA foreign_keys = ON")
             with self._lock:
                 if self._closed:
                     conn.close()
@@ -331,7 +354,7 @@ class Database:
         if conn.in_transaction:
             yield conn
             return
-        conn.execute("BEGIN IMMEDIATE")
+        _begin_write(conn)
         try:
             yield conn
         except BaseException:
@@ -359,7 +382,7 @@ class Database:
         for conn in conns:
             try:
                 conn.close()
-            except sqlite3.Error:
+            except Exception:
                 pass
 
     @property

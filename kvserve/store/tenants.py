@@ -21,7 +21,6 @@ import hashlib
 import hmac
 import re
 import secrets
-import sqlite3
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -220,18 +219,18 @@ class TenantRegistry:
 
     # -- creation ---------------------------------------------------------------------------
 
-    def _insert_token(self, conn: sqlite3.Connection, tenant_id: int, minted: MintedToken | None) -> str:
+    def _insert_token(self, conn, tenant_id: int, minted: MintedToken | None) -> str:
         for _ in range(5):
             m = minted or self.mint()
             try:
                 conn.execute("SAVEPOINT insert_token")
                 conn.execute("INSERT INTO api_tokens (tenant_id, prefix, hash, created_at) VALUES (?, ?, ?, ?)",
                              (tenant_id, m.prefix, m.hash, self.db.clock()))
-                conn.execute("RELEASE insert_token")
+                conn.execute("RELEASE SAVEPOINT insert_token")
                 return m.token
-            except sqlite3.IntegrityError:  # lookup-prefix collision (~2^-48): draw another token
-                conn.execute("ROLLBACK TO insert_token")
-                conn.execute("RELEASE insert_token")
+            except self.db.integrity_errors:  # lookup-prefix collision (~2^-48): draw another token
+                conn.execute("ROLLBACK TO SAVEPOINT insert_token")
+                conn.execute("RELEASE SAVEPOINT insert_token")
                 minted = None
         raise RuntimeError("could not allocate a unique token prefix")
 
@@ -241,12 +240,11 @@ class TenantRegistry:
         minted = minted or self.mint()  # hash outside the write transaction
         now = self.db.clock()
         with self.db.write() as conn:
-            try:
-                cur = conn.execute("INSERT INTO tenants (name, created_at, is_admin) VALUES (?, ?, ?)",
-                                   (name, now, int(admin)))
-            except sqlite3.IntegrityError:
-                raise TenantExistsError(f"tenant {name!r} already exists") from None
-            tenant = Tenant(id=cur.lastrowid, name=name, created_at=now, admin=admin)
+            if conn.execute("SELECT 1 FROM tenants WHERE name = ?", (name,)).fetchone() is not None:
+                raise TenantExistsError(f"tenant {name!r} already exists")
+            (tenant_id,) = conn.execute("INSERT INTO tenants (name, created_at, is_admin) VALUES (?, ?, ?) RETURNING id",
+                                        (name, now, int(admin))).fetchone()
+            tenant = Tenant(id=tenant_id, name=name, created_at=now, admin=admin)
             token = self._insert_token(conn, tenant.id, minted)
         return tenant, token
 

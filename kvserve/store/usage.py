@@ -10,6 +10,8 @@ from dataclasses import astuple, dataclass, fields
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Sequence
 
+from kvserve.store.dialect import day_expr
+
 if TYPE_CHECKING:
     from kvserve.store.db import Database
     from kvserve.store.metering import Holds
@@ -55,16 +57,17 @@ class UsageRecord:
 
 
 _COLUMNS = [f.name for f in fields(UsageRecord)]
-_INSERT = (f"INSERT OR IGNORE INTO usage_records ({', '.join(_COLUMNS)})"
-           f" VALUES ({', '.join('?' * len(_COLUMNS))})")
+_INSERT = (f"INSERT INTO usage_records ({', '.join(_COLUMNS)})"
+           f" VALUES ({', '.join('?' * len(_COLUMNS))}) ON CONFLICT DO NOTHING")
 
 _ROLLUP = ("INSERT INTO usage_hourly (hour, tenant, model, tier, requests, prompt_tokens, cached_prompt_tokens,"
            " completion_tokens, price, cost, engine_s) VALUES (?, ?, ?, ?, 1, ?, ?, ?, ?, ?, ?)"
-           " ON CONFLICT (hour, tenant, model, tier) DO UPDATE SET requests = requests + 1,"
-           " prompt_tokens = prompt_tokens + excluded.prompt_tokens,"
-           " cached_prompt_tokens = cached_prompt_tokens + excluded.cached_prompt_tokens,"
-           " completion_tokens = completion_tokens + excluded.completion_tokens, price = price + excluded.price,"
-           " cost = cost + excluded.cost, engine_s = engine_s + excluded.engine_s")
+           " ON CONFLICT (hour, tenant, model, tier) DO UPDATE SET requests = usage_hourly.requests + 1,"
+           " prompt_tokens = usage_hourly.prompt_tokens + excluded.prompt_tokens,"
+           " cached_prompt_tokens = usage_hourly.cached_prompt_tokens + excluded.cached_prompt_tokens,"
+           " completion_tokens = usage_hourly.completion_tokens + excluded.completion_tokens,"
+           " price = usage_hourly.price + excluded.price, cost = usage_hourly.cost + excluded.cost,"
+           " engine_s = usage_hourly.engine_s + excluded.engine_s")
 
 
 def _rollup_row(row: tuple) -> tuple:
@@ -79,7 +82,7 @@ _SUMS = ("COUNT(*) AS requests,"
          " COALESCE(SUM(cached_prompt_tokens), 0) AS cached_prompt_tokens,"
          " COALESCE(SUM(completion_tokens), 0) AS completion_tokens,"
          " COALESCE(SUM(prompt_tokens + completion_tokens), 0) AS total_tokens")
-_GROUP_EXPR = {"model": "model", "day": "strftime('%Y-%m-%d', created_at, 'unixepoch')"}
+
 
 
 def _epoch(t: Any) -> float | None:
@@ -142,7 +145,7 @@ class UsageLedger:
         if group_by is None:
             sql = f"SELECT {_SUMS} FROM usage_records WHERE {' AND '.join(where)}"
         else:
-            expr = _GROUP_EXPR[group_by]
+            expr = day_expr(self.db.postgres) if group_by == "day" else group_by
             sql = (f"SELECT {expr} AS {group_by}, {_SUMS} FROM usage_records WHERE {' AND '.join(where)}"
                    f" GROUP BY 1 ORDER BY 1")
         cur = self.db.conn().execute(sql, params)

@@ -32,8 +32,8 @@ def clock():
 
 
 @pytest.fixture
-def store(tmp_path, clock):
-    s = Store(tmp_path / "kv.db", clock=clock, scrypt_n=2**10, auth_cache_ttl_s=0)
+def store(store_target, clock):  # SQLite and PostgreSQL alike
+    s = Store(store_target, clock=clock, scrypt_n=2**10, auth_cache_ttl_s=0)
     s.create_tenant("acme")
     yield s
     s.close()
@@ -126,14 +126,14 @@ def test_rate_windows_count_refuse_give_back_and_reset(store, clock):
         store.rate_limits.set_limits("acme", rpm=0, tpm=None)
 
 
-def test_200_concurrent_requests_never_overspend_a_budget(tiny_llama_gguf, tmp_path):
+def test_200_concurrent_requests_never_overspend_a_budget(tiny_llama_gguf, tmp_path, store_target):
     from kvserve.metering.prices import worst_case_price
     from kvserve.server.app import create_app
 
     model = ServedModel(id="tiny", source=str(tiny_llama_gguf), role="fast",
                         engine_args=dict(dtype="float32", num_gpu_blocks_override=256, max_model_len=128,
                                          max_num_seqs=64, interactive={"max_waiting": 512}))
-    app = create_app(ServerConfig(models=[model], home=str(tmp_path)))
+    app = create_app(ServerConfig(models=[model], home=str(tmp_path), db_path=store_target))
     state = app.state.kv
     prompt, max_tokens = [11, 12, 13, 14, 15], 4
     worst = worst_case_price(model.price, "interactive", len(prompt), max_tokens)

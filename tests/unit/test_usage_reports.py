@@ -24,8 +24,8 @@ def rec(rid, tenant, model, tier, t, prompt=10, out=5, price=0.001, cost=0.0002,
                        engine_s=engine)
 
 
-def test_buckets_group_and_page(tmp_path):
-    with Store(tmp_path / "kv.db", scrypt_n=2**10) as store:
+def test_buckets_group_and_page(store_target):
+    with Store(store_target, scrypt_n=2**10) as store:
         store.record_usage_many([rec("a", "acme", "m1", "interactive", T0 + 10),
                                  rec("b", "acme", "m2", "batch", T0 + 20),
                                  rec("c", "beta", "m1", "interactive", T0 + DAY + 5),
