@@ -10,11 +10,10 @@ the usage row's transaction moves a hold to the real price, so a request is char
 """
 from __future__ import annotations
 
-import threading
-import time
 from typing import TYPE_CHECKING
 
 from kvserve.metering.budgets import ALL_MODELS, PERIODS, Budget, period_start
+from kvserve.store.ttl_cache import TTLCache
 
 if TYPE_CHECKING:
     import sqlite3
@@ -24,9 +23,7 @@ if TYPE_CHECKING:
 class BudgetBook:
     def __init__(self, db: "Database", cache_ttl_s: float = 5.0):
         self.db = db
-        self.cache_ttl_s = cache_ttl_s
-        self._has: dict[str, tuple[bool, float]] = {}  # tenant -> (has a budget, when read)
-        self._lock = threading.Lock()
+        self._has: TTLCache[bool] = TTLCache(cache_ttl_s)  # tenant -> has a budget
 
     # ---- admin ------------------------------------------------------------------------------
     def set_budget(self, tenant: str, amount: float, period: str, model: str = ALL_MODELS) -> Budget:
@@ -42,13 +39,13 @@ class BudgetBook:
                 " period = excluded.period, updated_at = excluded.updated_at",
                 (tenant, model, float(amount), period, period_start(period, now), now))
             self._roll(conn, tenant, now)
-        self._forget(tenant)
+        self._has.forget(tenant)
         return self.get(tenant, model)
 
     def delete_budget(self, tenant: str, model: str = ALL_MODELS) -> bool:
         with self.db.write() as conn:
             gone = conn.execute("DELETE FROM budgets WHERE tenant = ? AND model = ?", (tenant, model)).rowcount == 1
-        self._forget(tenant)
+        self._has.forget(tenant)
         return gone
 
     def get(self, tenant: str, model: str = ALL_MODELS) -> Budget | None:
@@ -67,20 +64,11 @@ class BudgetBook:
     def has_budget(self, tenant: str) -> bool:
         """Whether any budget applies to the tenant (cached for cache_ttl_s: a budget set from another
         process takes effect within that time)."""
-        now = time.monotonic()
-        with self._lock:
-            hit = self._has.get(tenant)
-        if hit is not None and now - hit[1] < self.cache_ttl_s:
-            return hit[0]
-        with self.db.read() as conn:
-            has = conn.execute("SELECT 1 FROM budgets WHERE tenant = ? LIMIT 1", (tenant,)).fetchone() is not None
-        with self._lock:
-            self._has[tenant] = (has, now)
-        return has
+        def load() -> bool:
+            with self.db.read() as conn:
+                return conn.execute("SELECT 1 FROM budgets WHERE tenant = ? LIMIT 1", (tenant,)).fetchone() is not None
 
-    def _forget(self, tenant: str) -> None:
-        with self._lock:
-            self._has.pop(tenant, None)
+        return self._has.get(tenant, load)
 
     # ---- the request path (inside the admission's write transaction: store/metering.py) ---------------
     def check(self, conn: "sqlite3.Connection", tenant: str, model: str, total: float, now: float

@@ -6,11 +6,10 @@ hold shares it: one transaction per request); `settle` gives back the tokens a r
 """
 from __future__ import annotations
 
-import threading
-import time
 from typing import TYPE_CHECKING
 
 from kvserve.metering.rate_limits import WINDOW_S, RateState, window_start
+from kvserve.store.ttl_cache import TTLCache
 
 if TYPE_CHECKING:
     import sqlite3
@@ -21,9 +20,7 @@ if TYPE_CHECKING:
 class RateLimiter:
     def __init__(self, db: "Database", cache_ttl_s: float = 5.0):
         self.db = db
-        self.cache_ttl_s = cache_ttl_s
-        self._limits: dict[str, tuple[tuple[int | None, int | None] | None, float]] = {}
-        self._lock = threading.Lock()
+        self._limits: TTLCache = TTLCache(cache_ttl_s)  # tenant -> (rpm, tpm) or None
 
     def set_limits(self, tenant: str, rpm: int | None, tpm: int | None) -> None:
         for name, v in (("rpm", rpm), ("tpm", tpm)):
@@ -35,22 +32,16 @@ class RateLimiter:
             else:
                 conn.execute("INSERT INTO rate_limits (tenant, rpm, tpm) VALUES (?, ?, ?) ON CONFLICT (tenant)"
                              " DO UPDATE SET rpm = excluded.rpm, tpm = excluded.tpm", (tenant, rpm, tpm))
-        with self._lock:
-            self._limits.pop(tenant, None)
+        self._limits.forget(tenant)
 
     def limits(self, tenant: str) -> tuple[int | None, int | None] | None:
         """(rpm, tpm), or None without limits (cached for cache_ttl_s)."""
-        now = time.monotonic()
-        with self._lock:
-            hit = self._limits.get(tenant)
-        if hit is not None and now - hit[1] < self.cache_ttl_s:
-            return hit[0]
-        with self.db.read() as conn:
-            row = conn.execute("SELECT rpm, tpm FROM rate_limits WHERE tenant = ?", (tenant,)).fetchone()
-        value = (row[0], row[1]) if row else None
-        with self._lock:
-            self._limits[tenant] = (value, now)
-        return value
+        def load():
+            with self.db.read() as conn:
+                row = conn.execute("SELECT rpm, tpm FROM rate_limits WHERE tenant = ?", (tenant,)).fetchone()
+            return (row[0], row[1]) if row else None
+
+        return self._limits.get(tenant, load)
 
     def admit(self, conn: "sqlite3.Connection", tenant: str, tokens: int, now: float) -> tuple[bool, RateState | None]:
         """In the caller's write transaction: count the request and `tokens` if the limits allow."""
