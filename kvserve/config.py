@@ -365,6 +365,25 @@ def _table(cls, data: dict, where: str):
     return cls(**data)
 
 
+# ---- the batch API ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """The `[batch]` table: file limits and how much of the engines batch lines may take at once."""
+
+    max_file_lines: int = 50_000
+    max_file_bytes: int = 200 * 1024 * 1024
+    max_inflight: int = 16  # lines in flight in this server, over all batches (shared round-robin by tenant)
+    max_inflight_per_batch: int = 8
+    lease_s: float = 15.0  # a line's runner holds it this long, renewed while it runs; then another may take it
+    poll_s: float = 0.25
+
+    def __post_init__(self):
+        _validate(self, dict(max_file_lines=POSITIVE_INT, max_file_bytes=POSITIVE_INT, max_inflight=POSITIVE_INT,
+                             max_inflight_per_batch=POSITIVE_INT, lease_s=POSITIVE_NUMBER, poll_s=POSITIVE_NUMBER))
+
+
 # ---- the server ------------------------------------------------------------------------------
 
 
@@ -427,6 +446,7 @@ class ServerConfig:
     load_shedding_fraction: float = 0.9  # "shedding" at this fraction
     auto: AutoRoutingConfig = field(default_factory=AutoRoutingConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
     log_level: str = "info"
 
     def __post_init__(self):
@@ -477,13 +497,15 @@ class ServerConfig:
                                       price=_table(ModelPrice, m.get("price", {}), f"[models.price] ({m['id']})"),
                                       engine_args={k: v for k, v in m.items() if k not in known}))
         fleet = _table(FleetConfig, data.get("fleet", {}), "[fleet]")
-        unknown_tables = set(data) - {"server", "models", "fleet"}
+        batch = _table(BatchConfig, data.get("batch", {}), "[batch]")
+        unknown_tables = set(data) - {"server", "models", "fleet", "batch"}
         if unknown_tables:
-            raise ConfigError(f"unknown tables in {path}: {sorted(unknown_tables)}; allowed: server, models, fleet")
-        names = {f for f in cls.__dataclass_fields__} - {"models", "auto", "config_path", "fleet"}
+            raise ConfigError(f"unknown tables in {path}: {sorted(unknown_tables)}; allowed: server, models, fleet, "
+                              "batch")
+        names = {f for f in cls.__dataclass_fields__} - {"models", "auto", "config_path", "fleet", "batch"}
         unknown = set(server) - names
         if unknown:
             raise ConfigError(f"unknown [server] keys in {path}: {sorted(unknown)}; allowed: {', '.join(sorted(names))}")
         server.update({k: v for k, v in overrides.items() if v is not None})
         return cls(config_path=str(path) if path else None, models=models, auto=_table(AutoRoutingConfig, auto, "[server.auto]"),
-                   fleet=fleet, **server)
+                   fleet=fleet, batch=batch, **server)

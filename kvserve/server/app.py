@@ -12,7 +12,7 @@ from fastapi import FastAPI
 
 from kvserve.config import ServerConfig
 from kvserve.server.errors import install_exception_handlers
-from kvserve.server.routes import admin, dashboard, ops, v1
+from kvserve.server.routes import admin, batches, dashboard, ops, v1
 from kvserve.server.state import ServerState
 from kvserve.service.completion import CompletionService
 from kvserve.service.models import ClientFactory
@@ -43,6 +43,7 @@ def create_app(config: ServerConfig | None = None, client_factory: ClientFactory
     app.include_router(v1.router)
     app.include_router(ops.router)
     app.include_router(admin.router)
+    app.include_router(batches.router)
     dashboard.mount(app)
     return app
 

@@ -8,6 +8,9 @@ import logging
 import time
 from pathlib import Path
 
+from kvserve.batch.files import FileStore
+from kvserve.batch.jobs import BatchStore
+from kvserve.batch.runner import BatchRunner
 from kvserve.config import ServerConfig
 from kvserve.server.idempotency import IdempotencyManager
 from kvserve.service.completion import CompletionService
@@ -31,6 +34,9 @@ class ServerState:
         self._tasks: set[asyncio.Task] = set()
         self.started_at = time.time()
         self.drain_done: asyncio.Event | None = None
+        self.batch_files: FileStore | None = None
+        self.batch_jobs: BatchStore | None = None
+        self.batch_runner: BatchRunner | None = None
 
     @property
     def models(self) -> dict[str, ModelHandle]:
@@ -75,11 +81,18 @@ class ServerState:
         self.idempotency = IdempotencyManager(self.store, self.spawn)
         self.service.ledger.open(self.store, self.loop)
         self.service.metering.open(self.store)
+        b = self.config.batch
+        self.batch_files = FileStore(self.store.store.db, self.home / "files", b.max_file_lines, b.max_file_bytes)
+        self.batch_jobs = BatchStore(self.store.store.db)
+        self.batch_runner = BatchRunner(self.service, self.store, self.batch_files, self.batch_jobs, b)
+        self.batch_runner.start()
         for handle in self.models.values():
             handle.client.start()  # loads in its own thread; the server listens meanwhile
             log.info("loading model %s (%s) in the background", handle.id, handle.spec.source)
 
     async def shutdown(self) -> None:
+        if self.batch_runner is not None:  # its lines in flight go back to pending, for the next start
+            await self.batch_runner.stop()
         if not self.draining:
             await self.drain(self.config.shutdown_timeout_s)
         await asyncio.gather(*(asyncio.to_thread(h.client.stop, 10.0) for h in self.models.values()))

@@ -158,13 +158,15 @@ class CompletionService:
             m.id: ModelHandle(m, config, self.metrics, self.ledger, client_factory) for m in config.models}
         self.draining = False
 
-    def open(self, kind: str, req: Request, tenant: str) -> Completion:
-        """A call routed to its model (the id it names, or the "auto" policy's choice), not yet started."""
+    def open(self, kind: str, req: Request, tenant: str, key: str | None = None) -> Completion:
+        """A call routed to its model (the id it names, or the "auto" policy's choice), not yet started.
+        `key`: a stable id for the call instead of a random one (a batch line: run again after a restart,
+        it has the same engine request ids, so its usage row, keyed by them, is written once)."""
         if self.draining:
             raise ServerDraining("the server is draining for shutdown; retry on another replica")
         handle = resolve_model(self.models, self.config, req.model, req.priority, req.prompt_chars())
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-        return Completion(handle, kind, req, tenant, prefix + uuid.uuid4().hex, service=self)
+        return Completion(handle, kind, req, tenant, prefix + (key or uuid.uuid4().hex), service=self)
 
     async def start(self, c: Completion) -> Completion:
         """Check availability, tokenize and submit the call's engine requests; typed errors when refused."""

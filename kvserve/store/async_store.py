@@ -104,6 +104,14 @@ class AsyncStore:
                              tenant: str | None = None) -> list[dict[str, Any]]:
         return await self._read(self.store.usage.buckets, start, end, width, list(group_by), tenant)
 
+    # any store call (the batch API's) -----------------------------------------------------
+    async def awrite(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` on the writer thread (it writes: one at a time, in order)."""
+        return await self._write(fn, *args)
+
+    async def aread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self._read(fn, *args)
+
     # budgets and rate limits ---------------------------------------------------------------
     async def ameters(self, tenant: str) -> bool:
         return await self._read(self.store.holds.applies, tenant)

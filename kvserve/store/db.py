@@ -215,6 +215,58 @@ MIGRATIONS: list[tuple[int, str]] = [
             COALESCE(SUM(cost), 0), COALESCE(SUM(engine_s), 0) FROM usage_records GROUP BY 1, 2, 3, 4;
         """,
     ),
+    (
+        7,
+        """
+        -- The batch API (kvserve/batch): uploaded files (content on disk), batches, and each line's state.
+        CREATE TABLE files (
+            id          TEXT PRIMARY KEY,
+            tenant      TEXT NOT NULL,
+            purpose     TEXT NOT NULL,
+            filename    TEXT NOT NULL,
+            bytes       INTEGER NOT NULL,
+            created_at  REAL NOT NULL,
+            deleted_at  REAL
+        );
+        CREATE INDEX files_tenant ON files(tenant, created_at);
+        CREATE TABLE batches (
+            id                 TEXT PRIMARY KEY,
+            tenant             TEXT NOT NULL,
+            input_file_id      TEXT NOT NULL,
+            endpoint           TEXT NOT NULL,
+            completion_window  TEXT NOT NULL,
+            status             TEXT NOT NULL,
+            created_at         REAL NOT NULL,
+            in_progress_at     REAL,
+            expires_at         REAL,
+            finalizing_at      REAL,
+            completed_at       REAL,
+            failed_at          REAL,
+            expired_at         REAL,
+            cancelling_at      REAL,
+            cancelled_at       REAL,
+            output_file_id     TEXT,
+            error_file_id      TEXT,
+            errors             TEXT,
+            metadata           TEXT,
+            total              INTEGER NOT NULL DEFAULT 0
+        );
+        CREATE INDEX batches_tenant ON batches(tenant, created_at);
+        CREATE INDEX batches_status ON batches(status);
+        -- state: pending | running (leased by a runner until lease_until) | done | failed | expired | cancelled
+        CREATE TABLE batch_lines (
+            batch_id     TEXT NOT NULL,
+            line         INTEGER NOT NULL,
+            custom_id    TEXT NOT NULL,
+            state        TEXT NOT NULL,
+            owner        TEXT,
+            lease_until  REAL,
+            result       TEXT,
+            PRIMARY KEY (batch_id, line)
+        );
+        CREATE INDEX batch_lines_state ON batch_lines(batch_id, state);
+        """,
+    ),
 ]
 
 

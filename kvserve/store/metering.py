@@ -63,6 +63,8 @@ class Holds:
                 budgets, short = self.budgets.check(conn, tenant, model, dollars, now)
                 if short is not None:
                     raise _Refused(Admission(short=short, rate=rate))  # rolls the rate count back too
+                for rid, _, _ in asks:  # a request run again (a batch line after a restart): its old hold goes
+                    self._drop(conn, tenant, rid)
                 keys = self.budgets.hold(conn, tenant, budgets, dollars)
                 conn.executemany(
                     "INSERT INTO budget_reservations (tenant, request_id, models, amount, tokens, created_at,"
@@ -73,25 +75,24 @@ class Holds:
             return r.admission
         return Admission(rate=rate)
 
-    def settle(self, conn: "sqlite3.Connection", rec: "UsageRecord") -> None:
-        """In the usage row's transaction: drop the request's hold, spend its real price, give back tokens."""
-        row = conn.execute("SELECT models, amount, tokens, created_at FROM budget_reservations WHERE tenant = ?"
-                           " AND request_id = ?", (rec.tenant, rec.request_id)).fetchone()
-        if row is not None:
-            models, amount, tokens, created = row
-            conn.execute("DELETE FROM budget_reservations WHERE tenant = ? AND request_id = ?",
-                         (rec.tenant, rec.request_id))
-            self.budgets.unhold(conn, rec.tenant, models, amount)
-            self.limits.settle(conn, rec.tenant, tokens - rec.prompt_tokens - rec.completion_tokens, created)
-        self.budgets.spend(conn, rec.tenant, rec.model, rec.price or 0.0)
+    def settle(self, conn: "sqlite3.Connection", rec: "UsageRecord", charge: bool = True) -> None:
+        """In the usage row's transaction: drop the request's hold, spend its real price (unless `charge` is
+        False: its row was already written by an earlier run), give back unused tokens."""
+        self._drop(conn, rec.tenant, rec.request_id, used_tokens=rec.prompt_tokens + rec.completion_tokens)
+        if charge:
+            self.budgets.spend(conn, rec.tenant, rec.model, rec.price or 0.0)
 
     def release(self, tenant: str, request_ids: Sequence[str]) -> None:
         """Drop the holds of requests that never reached an engine (no usage row will settle them)."""
         with self.db.write() as conn:
             for rid in request_ids:
-                row = conn.execute("SELECT models, amount, tokens, created_at FROM budget_reservations"
-                                   " WHERE tenant = ? AND request_id = ?", (tenant, rid)).fetchone()
-                if row is not None:
-                    conn.execute("DELETE FROM budget_reservations WHERE tenant = ? AND request_id = ?", (tenant, rid))
-                    self.budgets.unhold(conn, tenant, row[0], row[1])
-                    self.limits.settle(conn, tenant, row[2], row[3])
+                self._drop(conn, tenant, rid)
+
+    def _drop(self, conn: "sqlite3.Connection", tenant: str, request_id: str, used_tokens: int = 0) -> None:
+        row = conn.execute("SELECT models, amount, tokens, created_at FROM budget_reservations WHERE tenant = ?"
+                           " AND request_id = ?", (tenant, request_id)).fetchone()
+        if row is not None:
+            models, amount, tokens, created = row
+            conn.execute("DELETE FROM budget_reservations WHERE tenant = ? AND request_id = ?", (tenant, request_id))
+            self.budgets.unhold(conn, tenant, models, amount)
+            self.limits.settle(conn, tenant, tokens - used_tokens, created)

@@ -119,8 +119,8 @@ class UsageLedger:
                 n += new
                 if new:
                     conn.execute(_ROLLUP, _rollup_row(row))
-                    if self.holds is not None:
-                        self.holds.settle(conn, rec)
+                if self.holds is not None:  # a row already there (a re-run): the hold goes, nothing is spent
+                    self.holds.settle(conn, rec, charge=bool(new))
         return n
 
     def totals(self, tenant: str, since: Any = None, until: Any = None,

@@ -1,0 +1,205 @@
+"""The batch API end to end with the official openai client against a real server (a subprocess, the tiny
+model): files and batches, bad files (named lines, nothing runs), cancel, expiry, a budget running out
+mid-batch, and SIGKILL in the middle of a batch: after a restart it resumes, every line is in the output
+exactly once, and every line is billed once."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, home: Path, model: Path):
+        self.home, self.port = home, _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.config = home / "models.toml"
+        self.config.write_text(f'[server]\nhome = "{home}"\n[batch]\npoll_s = 0.1\nlease_s = 3.0\n'
+                               f'max_inflight = 8\n[[models]]\nid = "tiny"\nsource = "{model}"\n'
+                               'dtype = "float32"\nmax_model_len = 256\nnum_gpu_blocks_override = 128\n')
+        from kvserve.store import Store
+
+        with Store(home / "kvserve.db") as store:
+            self.token = store.create_tenant("acme")[1]
+        self.proc = None
+
+    def start(self) -> "Server":
+        log = open(self.home / "server.log", "a")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--port", str(self.port),
+                                      "--config", str(self.config)], env={**os.environ, "KVSERVE_HOME": str(self.home)},
+                                     stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.base + "/ready", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError((self.home / "server.log").read_text()[-3000:])
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(60)
+
+    def openai(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=self.token, max_retries=0, timeout=60)
+
+    def usage_rows(self, prefix: str) -> list[dict]:
+        from kvserve.store import Store
+
+        with Store(self.home / "kvserve.db") as store:
+            conn = store.db.conn()
+            cur = conn.execute("SELECT request_id, completion_tokens, tier, price FROM usage_records"
+                               " WHERE request_id LIKE ?", (prefix + "%",))
+            return [dict(zip(("request_id", "completion_tokens", "tier", "price"), r)) for r in cur.fetchall()]
+
+
+@pytest.fixture
+def server(tiny_llama_gguf, tmp_path):
+    s = Server(tmp_path, tiny_llama_gguf).start()
+    yield s
+    s.stop(signal.SIGKILL)
+
+
+def jsonl(n: int, max_tokens: int = 8, **extra) -> bytes:
+    rows = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "tiny", "messages": [{"role": "user", "content": f"Tell me about number {i}."}],
+                      "max_tokens": max_tokens, "temperature": 0, **extra}} for i in range(n)]
+    return ("\n".join(json.dumps(r) for r in rows) + "\n").encode()
+
+
+def wait(client, batch_id: str, statuses: tuple[str, ...], timeout: float = 180):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        b = client.batches.retrieve(batch_id)
+        if b.status in statuses:
+            return b
+        time.sleep(0.2)
+    raise AssertionError(f"batch {batch_id} still {b.status}: {b.request_counts}")
+
+
+def lines_of(client, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in client.files.content(file_id).text.splitlines() if x.strip()]
+
+
+def test_a_batch_runs_through_the_openai_client(server):
+    client = server.openai()
+    f = client.files.create(file=("in.jsonl", jsonl(12)), purpose="batch")
+    assert f.purpose == "batch" and f.bytes > 0 and client.files.retrieve(f.id).id == f.id
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                              metadata={"job": "nightly"})
+    assert b.status == "in_progress" and b.request_counts.total == 12 and b.metadata == {"job": "nightly"}
+    b = wait(client, b.id, ("completed",))
+    assert b.request_counts.completed == 12 and b.request_counts.failed == 0 and b.error_file_id is None
+    assert b.in_progress_at <= b.finalizing_at <= b.completed_at
+    out = lines_of(client, b.output_file_id)
+    assert sorted(x["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(12))
+    assert all(x["response"]["status_code"] == 200 and x["error"] is None for x in out)
+    assert all(x["response"]["body"]["object"] == "chat.completion" for x in out)
+    assert b.id in [x.id for x in client.batches.list(limit=5).data]
+    rows = server.usage_rows(f"chatcmpl-{b.id}-")
+    assert len(rows) == 12 and all(r["tier"] == "batch" for r in rows)  # batch tier prices
+    assert sum(r["completion_tokens"] for r in rows) == sum(x["response"]["body"]["usage"]["completion_tokens"]
+                                                            for x in out)
+    assert client.files.delete(f.id).deleted
+    with pytest.raises(Exception):
+        client.files.retrieve(f.id)
+
+
+def test_a_bad_file_fails_the_batch_naming_its_lines(server):
+    client = server.openai()
+    rows = [json.loads(x) for x in jsonl(4).splitlines()]
+    rows[1]["custom_id"] = "req-0"  # duplicate
+    rows[2]["url"] = "/v1/embeddings"
+    rows[3]["body"]["model"] = "gpt-9"
+    data = ("\n".join(json.dumps(r) for r in rows) + "\nnot json\n").encode()
+    f = client.files.create(file=("bad.jsonl", data), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert b.status == "failed" and b.failed_at is not None and b.request_counts.total == 0
+    by_line = {e.line: e.code for e in b.errors.data}
+    assert by_line == {2: "duplicate_custom_id", 3: "invalid_url", 4: "model_not_found", 5: "invalid_json"}
+    assert server.usage_rows(f"chatcmpl-{b.id}-") == []
+    r = httpx.post(server.base + "/v1/files", headers={"Authorization": f"Bearer {server.token}"},
+                   files={"file": ("x.jsonl", b"{}\n")}, data={"purpose": "fine-tune"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "purpose"
+    r = httpx.post(server.base + "/v1/batches", headers={"Authorization": f"Bearer {server.token}"},
+                   json={"input_file_id": f.id, "endpoint": "/v1/chat/completions", "completion_window": "soon"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "completion_window"
+
+
+def test_cancel_and_expiry_end_every_line_once(server):
+    client = server.openai()
+    for window, action, status, code in (("24h", "cancel", "cancelled", "batch_cancelled"),
+                                         ("2s", None, "expired", "batch_expired")):
+        f = client.files.create(file=("in.jsonl", jsonl(60, max_tokens=48)), purpose="batch")
+        b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window=window)
+        if action:
+            time.sleep(1.0)
+            assert client.batches.cancel(b.id).status in ("cancelling", "cancelled")
+        b = wait(client, b.id, (status,))
+        out, err = lines_of(client, b.output_file_id), lines_of(client, b.error_file_id)
+        ids = [x["custom_id"] for x in out + err]
+        assert sorted(ids) == sorted(f"req-{i}" for i in range(60))  # every line exactly once
+        assert err and all(x["error"]["code"] == code for x in err)
+        assert b.request_counts.completed == len(out) and b.request_counts.failed == len(err)
+
+
+def test_sigkill_mid_batch_resumes_with_exactly_once_output_and_billing(server):
+    client = server.openai()
+    f = client.files.create(file=("in.jsonl", jsonl(40, max_tokens=24)), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while client.batches.retrieve(b.id).request_counts.completed < 6:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    server.stop(signal.SIGKILL)
+    server.start()
+    client = server.openai()
+    b = wait(client, b.id, ("completed",))
+    out = lines_of(client, b.output_file_id)
+    assert sorted(x["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(40))
+    assert b.request_counts.completed == 40
+    rows = server.usage_rows(f"chatcmpl-{b.id}-")
+    assert len(rows) == 40 == len({r["request_id"] for r in rows})  # billed once per line
+    assert sum(r["completion_tokens"] for r in rows) == sum(x["response"]["body"]["usage"]["completion_tokens"]
+                                                            for x in out)
+
+
+def test_a_budget_that_runs_out_fails_the_remaining_lines(server):
+    from kvserve.config import ModelPrice
+    from kvserve.metering.prices import worst_case_price
+    from kvserve.store import Store
+
+    with Store(server.home / "kvserve.db") as store:
+        # about five lines' worst case (the batch tier's price), held line by line as they start
+        store.budgets.set_budget("acme", 5.5 * worst_case_price(ModelPrice(), "batch", 40, 8), "month")
+    time.sleep(6)  # the server's cached "no budget" flag expires (auth_cache_ttl_s)
+    client = server.openai()
+    f = client.files.create(file=("in.jsonl", jsonl(20)), purpose="batch")
+    b = wait(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                           completion_window="24h").id, ("completed",))
+    out, err = lines_of(client, b.output_file_id), lines_of(client, b.error_file_id)
+    assert 1 <= len(out) < 20 and len(out) + len(err) == 20
+    assert all(x["response"]["status_code"] == 429 and x["error"]["code"] == "insufficient_quota" for x in err)
