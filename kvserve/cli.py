@@ -439,6 +439,10 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--csv", action="store_true", help="CSV instead of a table")
     u.set_defaults(func=cmd_usage)
 
+    from kvserve.batch.cli import add_arguments as add_batch_arguments
+
+    add_batch_arguments(sub.add_parser("batch", help="the batch API: submit a JSONL file, status, list, cancel, "
+                                                      "download"))
     _add_bench(sub)
     return parser
 

@@ -203,3 +203,20 @@ def test_a_budget_that_runs_out_fails_the_remaining_lines(server):
     out, err = lines_of(client, b.output_file_id), lines_of(client, b.error_file_id)
     assert 1 <= len(out) < 20 and len(out) + len(err) == 20
     assert all(x["response"]["status_code"] == 429 and x["error"]["code"] == "insufficient_quota" for x in err)
+
+
+def test_the_batch_cli(server, tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(jsonl(6))
+    base = [sys.executable, "-m", "kvserve.cli", "batch", "--url", server.base, "--token", server.token]
+    done = subprocess.run(base + ["submit", str(path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    batch_id = done.stdout.split()[1]
+    assert f"{batch_id}  completed   6/6 done, 0 failed" in done.stdout
+    out = tmp_path / "out.jsonl"
+    got = subprocess.run(base + ["download", batch_id, "-o", str(out)], capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0 and len(out.read_text().splitlines()) == 6
+    listed = subprocess.run(base + ["list"], capture_output=True, text=True, timeout=60)
+    assert batch_id in listed.stdout
+    bad = subprocess.run(base + ["cancel", batch_id], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "invalid_state" in bad.stderr
