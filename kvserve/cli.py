@@ -81,12 +81,19 @@ def cmd_serve_fleet(args: argparse.Namespace) -> int:
         return 1
     print(f"kvserve fleet: serving on http://{cfg.host}:{cfg.port}" + (f"; development token: {token}" if token else "")
           + "\n  kvserve fleet status | kvserve fleet apply NEW.toml; Ctrl-C stops the fleet", flush=True)
+    import signal
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)  # SIGTERM (and SIGINT) stop the fleet: Serve drains, Ray stops
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         from ray import serve
 
+        print("kvserve fleet: stopping", flush=True)
         serve.shutdown()
     return 0
 
@@ -458,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `kvserve ... | head`
+        return 0
 
 
 if __name__ == "__main__":

@@ -155,9 +155,10 @@ def connect(address: str | None, config: ServerConfig, num_cpus: int | None = No
     kwargs = dict(namespace=config.fleet.ray_namespace, ignore_reinit_error=True, log_to_driver=False)
     if address:
         ray.init(address=address, **kwargs)
-    else:  # a local instance with the logical CPUs the config reserves (Ray schedules by them, it does not pin cores)
-        ray.init(num_cpus=num_cpus or max(os.cpu_count() or 1, math.ceil(demand(config)[0])), include_dashboard=False,
-                 **kwargs)
+    else:  # a local instance with twice the logical CPUs the config reserves, so that a rolling update can start
+        # the new pools beside the old (Ray schedules by logical CPUs; it does not pin cores)
+        ray.init(num_cpus=num_cpus or max(os.cpu_count() or 1, math.ceil(2 * demand(config)[0])),
+                 include_dashboard=False, **kwargs)
 
 
 def check_placement(config: ServerConfig) -> None:
@@ -272,21 +273,29 @@ def apply(config_text: str, address: str | None = "auto", start_timeout_s: float
     new_pools = pools_of(new)
     fresh = [m for m in new.models if old_pools.get(m.id, {}).get("app") != new_pools[m.id]["app"]]
     same = [m for m in new.models if m not in fresh]
-    # Without room for a whole new pool beside the old one, each model's new pool starts with one replica,
-    # in room made by stopping one old replica (it drains first); it grows to its size once it serves alone.
-    tight = [] if _room_for(fresh) else fresh
+    # Without room for the new pools beside the old ones: a model whose old pool has several replicas gets
+    # its new pool with one replica, in room made by stopping one old replica (it drains first), grown to
+    # its size once the old pool is gone ("tight"); a model whose old pool has one replica cannot keep it
+    # while the new one starts, so its source is checked first, then the gateways move to the new pool and
+    # requests wait (at most route_timeout_s) while the old replica drains and the new one loads ("swap").
+    room = _room_for(fresh)
+    swap = [] if room else [m for m in fresh if m.id in old and _initial(old[m.id]) <= 1]
+    tight = [] if room else [m for m in fresh if m not in swap]
+    for m in swap:
+        _check_source(m)
     for m in tight:
         if m.id in old:
             _deploy_pools([_resized(old[m.id], _initial(old[m.id]) - 1)], new)
-    _deploy_pools([_resized(m, 1) if m in tight else m for m in fresh], new)
+    first = [m for m in fresh if m not in swap]
+    _deploy_pools([_resized(m, 1) if m in tight else m for m in first], new)
     try:
-        _wait_running([pool_name(m) for m in fresh], start_timeout_s)
+        _wait_running([pool_name(m) for m in first], start_timeout_s)
     except FleetError:
-        for m in fresh:
+        for m in first:
             serve.delete(pool_name(m), _blocking=False)
         _deploy_pools([old[m.id] for m in tight if m.id in old], new)  # the old pools back to their size
         raise
-    _deploy_pools(same, new)  # replica counts and autoscaling bounds, in place
+    _deploy_pools(same + swap, new)  # counts in place; swap pools wait for the room their old pools leave
     ray_get(rec.set.remote(config_text, new_pools))
     changes = [f"{m.id}: {old_pools.get(m.id, {}).get('version', '-')} -> {m.version} ({pool_name(m)})"
                for m in fresh]
@@ -295,12 +304,23 @@ def apply(config_text: str, address: str | None = "auto", start_timeout_s: float
     live = {e["app"] for e in new_pools.values()}
     for model, entry in old_pools.items():
         if entry["app"] not in live:
-            serve.delete(entry["app"], _blocking=not tight)  # drains: graceful_shutdown_timeout_s = drain_timeout_s
+            serve.delete(entry["app"], _blocking=room is False)  # drains (graceful_shutdown_timeout_s)
             changes.append(f"{model}: pool {entry['app']} drained")
-    if tight:
-        _deploy_pools(tight, new)  # now the new pools to their size, in place
-        _wait_running([pool_name(m) for m in tight], start_timeout_s)
+    if tight or swap:
+        _deploy_pools(tight, new)  # the tight pools to their size, in place
+        _wait_running([pool_name(m) for m in tight + swap], start_timeout_s)
     return changes
+
+
+def _check_source(m: ServedModel) -> None:
+    """The model file can be found and read (before a swap takes the old pool away)."""
+    from kvserve.models.catalog import resolve_source
+    from kvserve.models.model_info import read_model_info
+
+    try:
+        read_model_info(resolve_source(m.source, m.engine_args.get("install", "")), m.id)
+    except Exception as e:
+        raise FleetError(f"model {m.id}: its source {m.source!r} cannot be read: {e}") from None
 
 
 def _parse(config_text: str) -> ServerConfig:
