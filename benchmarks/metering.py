@@ -39,9 +39,10 @@ def log(msg: str) -> None:
     print(f"[metering-bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def start_server(home: Path, port: int) -> subprocess.Popen:
+def start_server(home: Path, port: int, extra: str = "") -> subprocess.Popen:
+    """`kvserve serve` with smollm2-135m only, its data in `home`; `extra`: more TOML tables."""
     config = home / "models.toml"
-    config.write_text(f'[server]\nhome = "{home}"\n[[models]]\nid = "smollm2-135m"\nsource = "{SMOLLM2_SOURCE}"\n')
+    config.write_text(f'[server]\nhome = "{home}"\n{extra}[[models]]\nid = "smollm2-135m"\nsource = "{SMOLLM2_SOURCE}"\n')
     logf = open(home / "server.log", "a")
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port), "--config", str(config)],
                             env={**os.environ, "KVSERVE_HOME": str(home)}, stdout=logf, stderr=subprocess.STDOUT)
