@@ -60,7 +60,8 @@ def run_batch(base: str, token: str, data: bytes) -> dict:
 
 def loadgen(port: int, token: str, args: list[str], seed: int, out: Path) -> dict:
     subprocess.run([sys.executable, "-m", "kvserve.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
-                    "--api-key", token, "--seed", str(seed), "--result-file", str(out), *args],
+                    "--api-key", token, "--model", "smollm2-135m", "--seed", str(seed), "--result-file", str(out),
+                    *args],
                    check=True, capture_output=True, text=True)
     return json.loads(out.read_text())
 

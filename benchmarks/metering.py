@@ -69,7 +69,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 def client(port: int, token: str, args: list[str], seed: int, out: Path) -> dict:
     cmd = [sys.executable, "-m", "kvserve.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
-           "--api-key", token, "--seed", str(seed), "--result-file", str(out), *args]
+           "--api-key", token, "--model", "smollm2-135m", "--seed", str(seed), "--result-file", str(out), *args]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.read_text())
 
