@@ -460,7 +460,12 @@ def test_idempotency(server):
     assert r1.status_code == r2.status_code == 200
     assert r1.json() == r2.json()
 
-    # one ledger row per executed request: 3 (key-1, key-stream, key-concurrent), no replays billed
+    # one ledger row per executed request: 3 (key-1, key-stream, key-concurrent), no replays billed. Rows are
+    # written after the response (the ledger's writer thread): wait for the third, then check no fourth comes.
+    deadline = time.monotonic() + 10
+    while len(server.ledger("idem")) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
     rows = server.ledger("idem")
     assert len(rows) == 3, [dict(r) for r in rows]
 
