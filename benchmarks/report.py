@@ -540,6 +540,20 @@ def main(argv=None) -> int:
     return render(add_report_arguments(ap).parse_args(argv))
 
 
+PLATFORM_PAGES = ("fleet", "metering", "batch")  # written by benchmarks.fleet / .metering / .batch
+
+
+def with_platform_pages(md: str, plots: Path) -> str:
+    """The platform benchmarks' own pages (docs/bench/<name>.md, from their last runs), one heading level
+    down, after the suite's tables."""
+    for name in PLATFORM_PAGES:
+        page = plots / f"{name}.md"
+        if page.exists():
+            text = "\n".join("#" + line if line.startswith("#") else line for line in page.read_text().splitlines())
+            md = md.rstrip("\n") + "\n\n" + text.strip() + "\n"
+    return md
+
+
 def render(a: argparse.Namespace) -> int:
     root = Path(a.session)
     if not root.is_dir():
@@ -548,6 +562,7 @@ def render(a: argparse.Namespace) -> int:
     session = Session(root)
     made = plots(session, Path(a.plots))
     md = Report(session, Path(a.plots), Path(a.markdown)).render()
+    md = with_platform_pages(md, Path(a.plots))
     analysis = Path(a.plots) / "analysis.md"
     if analysis.exists():  # hand-written reading of the numbers (targets, profile), kept across renders
         md = md.rstrip("\n") + "\n\n" + analysis.read_text()
