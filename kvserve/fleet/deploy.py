@@ -53,8 +53,10 @@ def pool_name(spec: ServedModel) -> str:
 
 
 def gateway_view(config: ServerConfig) -> ServerConfig:
-    """The config a gateway runs with: replica shapes and version labels are the pools' business."""
-    return replace(config, models=[replace(m, version="1", fleet=ModelFleet()) for m in config.models])
+    """The config a gateway runs with: replica shapes and version labels are the pools' business, and where the
+    TOML was read from is nobody's (an apply reads it from a temporary file): a change of these alone must not
+    replace the gateways."""
+    return replace(config, config_path=None, models=[replace(m, version="1", fleet=ModelFleet()) for m in config.models])
 
 
 # ---- Serve options (pure: also what deploy/ renders for KubeRay) ---------------------------------

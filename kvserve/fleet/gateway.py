@@ -29,7 +29,9 @@ class Gateway:
         def client_factory(spec, engine_config, on_step, on_finish):
             return FleetClient(spec, engine_config, on_step, on_finish, directory, fleet)
 
-        app = create_app(self.config, client_factory=client_factory, shared_store=True)
+        # ready_models: a new gateway (a rolling update of the gateways) takes traffic only once it knows
+        # every model's pool, instead of answering 503 model_warming meanwhile
+        app = create_app(self.config, client_factory=client_factory, shared_store=True, ready_models=True)
         state = app.state.kv
         state.metrics.registry.register(FleetCollector(lambda: [h.client for h in state.models.values()]))
         return app

@@ -19,7 +19,8 @@ The policy, in order:
    a cache hit does not make up for a long queue. A request without a key goes to the least loaded.
 
 Load of a replica, from its live stats: queued prompt tokens / `tokens_per_load`, + running sequences
-/ its max_num_seqs, + KV-cache use (0..1), + estimated TTFT / `ttft_target_s`. Replicas that are not
+(or, when higher, the requests this gateway has in flight there: stats are a stats period old) / its
+max_num_seqs, + KV-cache use (0..1), + estimated TTFT / `ttft_target_s`. Replicas that are not
 ready are never chosen.
 """
 from __future__ import annotations
@@ -97,7 +98,10 @@ def rank(key: BlockHash, replicas: list[str]) -> list[str]:
 
 
 def load(r: ReplicaView, policy: RoutingPolicy) -> float:
-    return (r.queued_prompt_tokens / policy.tokens_per_load + r.running / max(1, r.max_num_seqs) + r.kv_usage
+    # Running sequences: the replica's last report, or this gateway's own count of what it sent there when
+    # that is higher (reports come every stats period; a burst is routed between two of them).
+    running = max(r.running, r.inflight)
+    return (r.queued_prompt_tokens / policy.tokens_per_load + running / max(1, r.max_num_seqs) + r.kv_usage
             + r.est_ttft_s / policy.ttft_target_s)
 
 

@@ -5,7 +5,7 @@ the pool's running replicas for each request. The request's payload carries its 
 chain hash of its first blocks, computed by the gateway, which has the tokens) and the replicas it must
 not go to (those a migrating stream failed on, or that refused it). Live load comes from each replica's
 `record_routing_stats` (refreshed every `stats_period_s`); the requests in flight per replica are this
-router's own exact count, which the bounded-load guard needs.
+router's own exact count, taken when it chooses, which the bounded-load guard needs.
 """
 from __future__ import annotations
 
@@ -46,7 +46,12 @@ class KVRequestRouter(FIFOMixin, RequestRouter):
         views = [self.view(rid, r) for rid, r in by_id.items()]
         decision = choose(views, payload.get("affinity_key") if payload else None, self.policy)
         if pending_request is not None:
-            self._decisions[pending_request.metadata.internal_request_id] = decision
+            internal = pending_request.metadata.internal_request_id
+            self._undo(internal)  # asked again for the same request (Serve retries): its earlier choice is void
+            self._decisions[internal] = decision
+            # Counted now, not once Serve has sent it: the requests of a burst are chosen before any is sent,
+            # and without this each would see the same (stale) loads and follow the others to one replica.
+            self.inflight[decision.replica] = self.inflight.get(decision.replica, 0) + 1
         rest = sorted((v for v in views if v.id != decision.replica), key=lambda v: (v.inflight, v.id))
         return [[by_id[decision.replica]], [by_id[v.id] for v in rest]]
 
@@ -55,10 +60,17 @@ class KVRequestRouter(FIFOMixin, RequestRouter):
         return ReplicaView(id=rid, inflight=self.inflight.get(rid, 0),
                            **{k: stats[k] for k in _VIEW_FIELDS if k in stats})
 
+    def _undo(self, internal: str) -> Decision | None:
+        """Take back the in-flight count of a choice not yet routed."""
+        decision = self._decisions.pop(internal, None)
+        if decision is not None and self.inflight.get(decision.replica, 0) > 0:
+            self.inflight[decision.replica] -= 1
+        return decision
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         internal = pending_request.metadata.internal_request_id
         rid = replica_id.unique_id
-        decision = self._decisions.pop(internal, None)
+        decision = self._undo(internal)
         if decision is not None:
             if decision.replica != rid:  # Serve fell back to a lower rank (the first was full)
                 decision = Decision(rid, decision.key, decision.preferred, "fallback")
@@ -67,7 +79,7 @@ class KVRequestRouter(FIFOMixin, RequestRouter):
         self._routed_to[internal] = rid
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._decisions.pop(internal_request_id, None)
+        self._undo(internal_request_id)
         rid = self._routed_to.pop(internal_request_id, None)
         if rid is not None and self.inflight.get(rid, 0) > 0:
             self.inflight[rid] -= 1

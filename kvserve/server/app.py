@@ -21,13 +21,14 @@ log = logging.getLogger(__name__)
 
 
 def create_app(config: ServerConfig | None = None, client_factory: ClientFactory | None = None,
-               shared_store: bool = False) -> FastAPI:
+               shared_store: bool = False, ready_models: bool = False) -> FastAPI:
     """`client_factory`: how each model's EngineClient is made (default: an engine in this process; the
     fleet's gateway passes one that reaches a replica pool). `shared_store`: other servers use the same
-    store (fleet gateways), so nothing left in progress is this process's alone to release."""
+    store (fleet gateways), so nothing left in progress is this process's alone to release. `ready_models`:
+    start-up waits (at most the fleet's route timeout) until every model's client is ready."""
     config = config or ServerConfig.from_toml()
     service = CompletionService(config, client_factory) if client_factory is not None else None
-    state = ServerState(config, service, shared_store=shared_store)
+    state = ServerState(config, service, shared_store=shared_store, ready_models=ready_models)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

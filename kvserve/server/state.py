@@ -23,9 +23,11 @@ log = logging.getLogger(__name__)
 
 
 class ServerState:
-    def __init__(self, config: ServerConfig, service: CompletionService | None = None, shared_store: bool = False):
+    def __init__(self, config: ServerConfig, service: CompletionService | None = None, shared_store: bool = False,
+                 ready_models: bool = False):
         self.config = config
         self.shared_store = shared_store
+        self.ready_models = ready_models
         self.service = service or CompletionService(config)
         self.store: AsyncStore | None = None
         self.idempotency: IdempotencyManager | None = None
@@ -89,6 +91,13 @@ class ServerState:
         for handle in self.models.values():
             handle.client.start()  # loads in its own thread; the server listens meanwhile
             log.info("loading model %s (%s) in the background", handle.id, handle.spec.source)
+        if self.ready_models:
+            from kvserve.engine.client import EngineStatus
+
+            deadline = time.monotonic() + self.config.fleet.route_timeout_s
+            while time.monotonic() < deadline and any(h.client.status == EngineStatus.WARMING
+                                                      for h in self.models.values()):
+                await asyncio.sleep(0.1)
 
     async def shutdown(self) -> None:
         if self.batch_runner is not None:  # its lines in flight go back to pending, for the next start
