@@ -267,6 +267,29 @@ MIGRATIONS: list[tuple[int, str]] = [
         CREATE INDEX batch_lines_state ON batch_lines(batch_id, state);
         """,
     ),
+    (
+        8,
+        """
+        -- Daily roll-up too: reports by day over a month of a large ledger read a few thousand rows.
+        CREATE TABLE usage_daily (
+            day                   REAL NOT NULL,
+            tenant                TEXT NOT NULL,
+            model                 TEXT NOT NULL,
+            tier                  TEXT NOT NULL,
+            requests              INTEGER NOT NULL,
+            prompt_tokens         INTEGER NOT NULL,
+            cached_prompt_tokens  INTEGER NOT NULL,
+            completion_tokens     INTEGER NOT NULL,
+            price                 REAL NOT NULL,
+            cost                  REAL NOT NULL,
+            engine_s              REAL NOT NULL,
+            PRIMARY KEY (day, tenant, model, tier)
+        );
+        INSERT INTO usage_daily SELECT CAST(hour / 86400 AS INTEGER) * 86400.0, tenant, model, tier, SUM(requests),
+            SUM(prompt_tokens), SUM(cached_prompt_tokens), SUM(completion_tokens), SUM(price), SUM(cost),
+            SUM(engine_s) FROM usage_hourly GROUP BY 1, 2, 3, 4;
+        """,
+    ),
 ]
 
 

@@ -60,20 +60,28 @@ _COLUMNS = [f.name for f in fields(UsageRecord)]
 _INSERT = (f"INSERT INTO usage_records ({', '.join(_COLUMNS)})"
            f" VALUES ({', '.join('?' * len(_COLUMNS))}) ON CONFLICT DO NOTHING")
 
-_ROLLUP = ("INSERT INTO usage_hourly (hour, tenant, model, tier, requests, prompt_tokens, cached_prompt_tokens,"
-           " completion_tokens, price, cost, engine_s) VALUES (?, ?, ?, ?, 1, ?, ?, ?, ?, ?, ?)"
-           " ON CONFLICT (hour, tenant, model, tier) DO UPDATE SET requests = usage_hourly.requests + 1,"
-           " prompt_tokens = usage_hourly.prompt_tokens + excluded.prompt_tokens,"
-           " cached_prompt_tokens = usage_hourly.cached_prompt_tokens + excluded.cached_prompt_tokens,"
-           " completion_tokens = usage_hourly.completion_tokens + excluded.completion_tokens,"
-           " price = usage_hourly.price + excluded.price, cost = usage_hourly.cost + excluded.cost,"
-           " engine_s = usage_hourly.engine_s + excluded.engine_s")
+ROLLUPS = (("usage_daily", "day", 86400), ("usage_hourly", "hour", 3600))  # coarsest first
+NOW_SLACK_S = 5.0
 
 
-def _rollup_row(row: tuple) -> tuple:
-    """The roll-up upsert's values for one usage row (as _row made it)."""
+def _rollup_sql(table: str, col: str) -> str:
+    return (f"INSERT INTO {table} ({col}, tenant, model, tier, requests, prompt_tokens, cached_prompt_tokens,"
+            " completion_tokens, price, cost, engine_s) VALUES (?, ?, ?, ?, 1, ?, ?, ?, ?, ?, ?)"
+            f" ON CONFLICT ({col}, tenant, model, tier) DO UPDATE SET requests = {table}.requests + 1,"
+            f" prompt_tokens = {table}.prompt_tokens + excluded.prompt_tokens,"
+            f" cached_prompt_tokens = {table}.cached_prompt_tokens + excluded.cached_prompt_tokens,"
+            f" completion_tokens = {table}.completion_tokens + excluded.completion_tokens,"
+            f" price = {table}.price + excluded.price, cost = {table}.cost + excluded.cost,"
+            f" engine_s = {table}.engine_s + excluded.engine_s")
+
+
+_ROLLUP_SQL = {table: _rollup_sql(table, col) for table, col, _ in ROLLUPS}
+
+
+def _rollup_row(row: tuple, width: int) -> tuple:
+    """A roll-up upsert's values for one usage row (as _row made it)."""
     r = dict(zip(_COLUMNS, row))
-    return ((r["created_at"] // 3600) * 3600.0, r["tenant"], r["model"], r["tier"], r["prompt_tokens"],
+    return ((r["created_at"] // width) * float(width), r["tenant"], r["model"], r["tier"], r["prompt_tokens"],
             r["cached_prompt_tokens"], r["completion_tokens"], r["price"] or 0.0, r["cost"] or 0.0, r["engine_s"] or 0.0)
 
 
@@ -118,7 +126,8 @@ class UsageLedger:
                 new = conn.execute(_INSERT, row).rowcount
                 n += new
                 if new:
-                    conn.execute(_ROLLUP, _rollup_row(row))
+                    for table, _, width in ROLLUPS:
+                        conn.execute(_ROLLUP_SQL[table], _rollup_row(row, width))
                 if self.holds is not None:  # a row already there (a re-run): the hold goes, nothing is spent
                     self.holds.settle(conn, rec, charge=bool(new))
         return n
@@ -160,12 +169,14 @@ class UsageLedger:
         if bad:
             raise ValueError(f"group_by must be among {REPORT_GROUPS}, got {bad}")
         cols = "".join(f", {g}" for g in group_by)
-        # Whole hours read the hourly roll-up (a range ending now includes the hour in progress, kept up to date)
-        rollup = width % 3600 == 0 and start % 3600 == 0 and (end % 3600 == 0 or end >= self.db.clock())
-        if rollup:
-            table, t, count = "usage_hourly", "hour", "SUM(requests)"
-        else:
-            table, t, count = "usage_records", "created_at", "COUNT(*)"
+        # Whole days or hours read a roll-up. A range ending now (end taken a moment before this query) includes
+        # the period in progress: the roll-up is current, and what it adds after `end` is those few seconds'.
+        until_now = end >= self.db.clock() - NOW_SLACK_S
+        table, t, count = "usage_records", "created_at", "COUNT(*)"
+        for name, col, unit in ROLLUPS:
+            if width % unit == 0 and start % unit == 0 and (end % unit == 0 or until_now):
+                table, t, count = name, col, "SUM(requests)"
+                break
         where, params = f"{t} >= ? AND {t} < ?", [start, end]
         if tenant is not None:
             where += " AND tenant = ?"
