@@ -450,6 +450,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_batch_arguments(sub.add_parser("batch", help="the batch API: submit a JSONL file, status, list, cancel, "
                                                       "download"))
+    from kvserve.planning.cli import add_arguments as add_plan_arguments
+
+    add_plan_arguments(sub.add_parser("plan", help="capacity planning: the cheapest fleet for a load within SLOs; "
+                                                    "calibrate, simulate, specs"))
     _add_bench(sub)
     return parser
 

@@ -50,6 +50,29 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
     return x
 
 
+def nonnegative_least_squares(a: list[list[float]], b: list[float]) -> list[float]:
+    """The x >= 0 minimizing x'Ax - 2b'x (normal equations A = X'X, b = X'y): each set of free parts
+    solved with the others held at zero, the cheapest kept. Exact; 2^n solves, for a handful of unknowns."""
+    n = len(b)
+    full = _solve(a, b)
+    if full is not None and min(full) >= 0:
+        return full
+    best, best_cost = [0.0] * n, 0.0  # all zero costs 0
+    for k in range(1, n):
+        for free in combinations(range(n), k):
+            sub = _solve([[a[i][j] for j in free] for i in free], [b[i] for i in free])
+            if sub is None or min(sub) < 0:
+                continue
+            theta = [0.0] * n
+            for i, v in zip(free, sub):
+                theta[i] = v
+            cost = sum(theta[i] * a[i][j] * theta[j] for i in range(n) for j in range(n)) \
+                - 2 * sum(b[i] * theta[i] for i in range(n))
+            if cost < best_cost:
+                best, best_cost = theta, cost
+    return best
+
+
 @dataclass
 class StepTimeModel:
     """seconds ~= fixed_s + per_decode_s * decodes + per_prefill_token_s * prefill_tokens."""
@@ -107,21 +130,7 @@ class StepTimeModel:
 
     @staticmethod
     def _nonnegative(a: list[list[float]], b: list[float]) -> list[float]:
-        """The best fit with every part >= 0: each set of free parts, the others held at zero."""
-        best, best_cost = [0.0, 0.0, 0.0], 0.0  # all zero costs 0 in theta'A theta - 2 b'theta
-        for k in (1, 2):
-            for free in combinations(range(3), k):
-                sub = _solve([[a[i][j] for j in free] for i in free], [b[i] for i in free])
-                if sub is None or min(sub) < 0:
-                    continue
-                theta = [0.0, 0.0, 0.0]
-                for i, v in zip(free, sub):
-                    theta[i] = v
-                cost = sum(theta[i] * a[i][j] * theta[j] for i in range(3) for j in range(3)) \
-                    - 2 * sum(b[i] * theta[i] for i in range(3))
-                if cost < best_cost:
-                    best, best_cost = theta, cost
-        return best
+        return nonnegative_least_squares(a, b)
 
     def predict(self, decodes: int, prefill_tokens: int = 0) -> float:
         """Seconds for one step of this shape."""

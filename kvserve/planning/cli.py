@@ -1,0 +1,270 @@
+"""`kvserve plan`: the cheapest fleet for a load within SLOs; `plan calibrate`, `plan simulate`, `plan specs`."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import asdict
+
+from kvserve.config import Priority, SchedulerConfig
+from kvserve.planning.search import SLO, Load, Plan, PlanResult, Redundancy, plan, simulate_replica, step_model
+from kvserve.planning.specs import (UnknownSpec, accelerator_spec, known_accelerators, known_models, model_spec)
+from kvserve.planning.traces import LengthDist, Workload, bursty, poisson, recorded, shape
+
+_SLO_RE = re.compile(r"^(ttft|tpot):p(\d+(?:\.\d+)?)=(\d+(?:\.\d+)?)(ms|s)?$", re.IGNORECASE)
+
+
+def parse_slo(text: str) -> SLO:
+    """"ttft:p50=200ms", "tpot:p99=0.1s" (a bare number is milliseconds)."""
+    m = _SLO_RE.match(text.strip().replace(" ", ""))
+    if not m:
+        raise argparse.ArgumentTypeError(f"an SLO looks like ttft:p50=200ms or tpot:p99=0.1s, not {text!r}")
+    value = float(m.group(3)) / (1 if (m.group(4) or "ms").lower() == "s" else 1000)
+    return SLO(m.group(1).lower(), float(m.group(2)), value)
+
+
+def parse_length(text: str) -> LengthDist:
+    """"1000" or "1000+-0.2" (uniform within 20% of 1000)."""
+    mean, _, spread = text.partition("+-")
+    try:
+        return LengthDist(int(mean), float(spread) if spread else 0.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a token length looks like 1000 or 1000+-0.2, not {text!r}") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="a model name (kvserve plan specs lists them), or a config.json / .gguf path")
+    p.add_argument("--accelerator", default="h100-sxm,h200",
+                   help="comma-separated accelerators, or cpu for this machine's calibration (default h100-sxm,h200)")
+    p.add_argument("--rpm", type=float, default=600.0, help="offered load, requests per minute (default 600)")
+    p.add_argument("--input", type=parse_length, default=LengthDist(1000), help="prompt tokens: 1000 or 1000+-0.2")
+    p.add_argument("--output", type=parse_length, default=LengthDist(500), help="output tokens: 500 or 500+-0.5")
+    p.add_argument("--batch-share", type=float, default=0.0, help="share of the requests in the batch tier (0-1)")
+    p.add_argument("--slo", type=parse_slo, action="append", default=None,
+                   help="interactive SLO, repeatable: ttft:p50=200ms, tpot:p50=50ms (default those two)")
+    p.add_argument("--dtypes", default="bf16,fp8", help="weight and KV dtypes to consider (default bf16,fp8)")
+    p.add_argument("--regions", type=int, default=1, help="regions; >1 sizes each to survive one region's loss")
+    p.add_argument("--availability", type=float, default=None, help="availability target in percent, e.g. 99.9")
+    p.add_argument("--replica-availability", type=float, default=99.0,
+                   help="assumed availability of one replica in percent (default 99)")
+    p.add_argument("--no-simulate", action="store_true", help="skip checking the plan with the simulator")
+    p.add_argument("--sim-seconds", type=float, default=30.0, help="seconds of arrivals the check simulates")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--report", metavar="DIR", help="write a page with plots (TTFT against load, KV use) to DIR")
+    p.set_defaults(func=cmd_plan)
+    sub = p.add_subparsers(dest="plan_cmd")
+    c = sub.add_parser("calibrate", help="fit this machine's step-time model from a short profile of the real engine")
+    c.add_argument("--model", required=True, help="a served model id (from the models TOML)")
+    c.add_argument("--config", default=None, help="models TOML (default: the packaged one)")
+    c.add_argument("--out", default=None, help="where to write it (default $KVSERVE_HOME/calibration/MODEL.json)")
+    c.add_argument("--price-per-hour", type=float, default=None,
+                   help="this machine's cost per hour (default: the model's replica_cost_per_hour)")
+    c.set_defaults(func=cmd_calibrate)
+    s = sub.add_parser("simulate", help="replay a workload through the real scheduler under the step-time model")
+    s.add_argument("--model", required=True)
+    s.add_argument("--accelerator", required=True, help="one accelerator, or cpu")
+    s.add_argument("--tp", type=int, default=1)
+    s.add_argument("--dtype", default="bf16", help="weight and KV dtype (a calibrated machine uses its own)")
+    s.add_argument("--workload", default="W1", help="W1-W5, W3-alone, poisson, bursty, or a JSONL trace path")
+    s.add_argument("--rate", type=float, default=1.0, help="requests/s for poisson and bursty (W5: its rate)")
+    s.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals for poisson and bursty")
+    s.add_argument("--input", type=parse_length, default=LengthDist(256))
+    s.add_argument("--output", type=parse_length, default=LengthDist(128))
+    s.add_argument("--max-num-seqs", type=int, default=None)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_simulate)
+    k = sub.add_parser("specs", help="the models and accelerators the planner knows, with their sources")
+    k.set_defaults(func=cmd_specs)
+
+
+def _fail(e: Exception) -> int:
+    print(f"kvserve plan: {e}", file=sys.stderr)
+    return 2
+
+
+def cmd_plan(a) -> int:
+    if a.model is None:
+        return _fail("--model is required (kvserve plan specs lists the known models)")
+    try:
+        model = model_spec(a.model)
+        accs = [accelerator_spec(x.strip(), model=model.name) for x in a.accelerator.split(",") if x.strip()]
+        slos = a.slo or [SLO("ttft", 50, 0.2), SLO("tpot", 50, 0.05)]
+        load = Load(a.rpm, a.input, a.output, a.batch_share)
+        red = Redundancy(a.regions, a.availability / 100 if a.availability is not None else None,
+                         a.replica_availability / 100)
+        dtypes = tuple(x.strip() for x in a.dtypes.split(","))
+        result = plan(model, accs, load, slos, red, dtypes=dtypes, simulate=not a.no_simulate,
+                      sim_seconds=a.sim_seconds)
+    except (UnknownSpec, ValueError) as e:
+        return _fail(e)
+    if a.json:
+        print(json.dumps(plan_json(result, model.name, load, slos), indent=1))
+    else:
+        print(render(result, model.name, load, slos))
+    if a.report:
+        from kvserve.planning.report import write_report
+
+        path = write_report(a.report, result, model.name, load, slos, render(result, model.name, load, slos))
+        print(f"\nreport: {path}")
+    return 0 if result.best.meets_slo else 1
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.0f} ms"
+
+
+def _gb(v: float) -> str:
+    return f"{v / 1e9:.1f} GB"
+
+
+def describe(p: Plan) -> list[str]:
+    c, d = p.candidate, p.candidate.deployment
+    mem = c.memory
+    lines = [f"{p.replicas} replica(s) of {d.accelerator.name} x{d.tp} ({d.weight_dtype} weights, {d.kv_dtype} KV), "
+             f"max_num_seqs {c.max_num_seqs}: {p.devices} device(s), ${p.cost_per_hour:,.2f}/hour"]
+    if p.interactive_replicas or p.batch_replicas:
+        lines.append(f"  {p.interactive_replicas} for interactive, {p.batch_replicas} for batch only, "
+                     f"{p.replicas - p.interactive_replicas - p.batch_replicas} for redundancy")
+    lines.append("  per million tokens (prompt + output): " + ", ".join(
+        f"{tier} ${v:.3f}" for tier, v in p.cost_per_million.items()))
+    if d.accelerator.calibrated is None:
+        lines.append(f"  per device: weights {_gb(mem.weight_bytes)}, reserve {_gb(mem.reserve_bytes)}, "
+                     f"KV pool {_gb(mem.kv_bytes)} of {_gb(mem.device_bytes)}")
+    lines.append(f"  per replica: KV pool of {mem.kv_tokens:,} tokens; capacity {c.capacity_per_s:.2f} req/s "
+                 f"planned at {c.batch} sequences (TTFT ~{_ms(c.ttft_s)}, TPOT ~{_ms(c.tpot_s)}); "
+                 f"{c.throughput_per_s:.2f} req/s flat out")
+    lines.append(f"  binds: {c.binds}; headroom {p.headroom:.0%} of the interactive capacity")
+    if p.simulation is not None:
+        t = p.simulation.tiers[Priority.INTERACTIVE].summary()
+        s = p.simulation.summary()
+        lines.append(f"  simulated (real scheduler, one replica at {1 / max(p.simulated_replicas, 1):.1%} of the "
+                     f"load, {t['submitted']} requests): TTFT p50 {_ms(t['ttft_s']['p50'])} p99 "
+                     f"{_ms(t['ttft_s']['p99'])}, TPOT p50 {_ms(t['tpot_s']['p50'])} p99 {_ms(t['tpot_s']['p99'])}, "
+                     f"KV peak {s['kv_peak']:.0%}, {s['preemptions']} preemptions"
+                     + ("" if p.meets_slo else " -- MISSES the SLOs"))
+    for note in p.redundancy_notes:
+        lines.append(f"  redundancy: {note}")
+    if p.unreachable:
+        lines.append(f"  UNREACHABLE: {p.unreachable}")
+    return lines
+
+
+def render(r: PlanResult, model: str, load: Load, slos: list[SLO]) -> str:
+    batch = f", {load.batch_share:.0%} batch tier" if load.batch_share else ""
+    out = [f"kvserve plan: {model}, {load.requests_per_min:,.0f} requests/min ({load.requests_per_min / 60:,.1f}/s), "
+           f"{load.prompt.mean} in / {load.output.mean} out{batch}",
+           "SLOs (interactive): " + ", ".join(map(str, slos)), ""]
+    out.append("Plan:" if r.best.meets_slo else "No plan meets the SLOs; the closest:")
+    out += ["  " + x for x in describe(r.best)]
+    if len(r.per_accelerator) > 1:
+        out += ["", "Cheapest on each accelerator:"]
+        for p in r.per_accelerator:
+            out += ["  " + x for x in describe(p)]
+    out += ["", f"searched {r.searched} configurations in {r.seconds:.1f} s"]
+    return "\n".join(out)
+
+
+def _plan_dict(p: Plan) -> dict:
+    c, d = p.candidate, p.candidate.deployment
+    return {"accelerator": d.accelerator.name, "tp": d.tp, "weight_dtype": d.weight_dtype, "kv_dtype": d.kv_dtype,
+            "max_num_seqs": c.max_num_seqs, "replicas": p.replicas, "interactive_replicas": p.interactive_replicas,
+            "batch_replicas": p.batch_replicas, "devices": p.devices, "cost_per_hour": p.cost_per_hour,
+            "cost_per_million_tokens": p.cost_per_million, "headroom": p.headroom, "binds": c.binds,
+            "capacity_per_replica_rps": c.capacity_per_s, "throughput_per_replica_rps": c.throughput_per_s,
+            "planned_batch": c.batch, "model_ttft_s": c.ttft_s, "model_tpot_s": c.tpot_s,
+            "memory": asdict(c.memory), "redundancy": p.redundancy_notes, "meets_slo": p.meets_slo,
+            "unreachable": p.unreachable or None,
+            "simulation": p.simulation.summary() if p.simulation else None}
+
+
+def plan_json(r: PlanResult, model: str, load: Load, slos: list[SLO]) -> dict:
+    return {"model": model, "load": {"requests_per_min": load.requests_per_min, "input": load.prompt.mean,
+                                     "output": load.output.mean, "batch_share": load.batch_share},
+            "slos": [asdict(s) for s in slos], "plan": _plan_dict(r.best),
+            "per_accelerator": [_plan_dict(p) for p in r.per_accelerator], "searched": r.searched,
+            "seconds": r.seconds}
+
+
+def cmd_calibrate(a) -> int:
+    import logging
+
+    from kvserve.planning.calibrate import calibrate
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        doc = calibrate(a.model, a.config, a.out, a.price_per_hour)
+    except (ValueError, OSError) as e:
+        return _fail(e)
+    f = doc["fit"]
+    print(f"calibrated {doc['model']} ({doc['weight_dtype']}) on {doc['cpu']}, {doc['cores']} cores, "
+          f"from {len(doc['samples'])} steps in {doc['profile_s']:.0f} s:\n"
+          f"  {f['flops'] / 1e9:.0f} GFLOP/s, {f['bandwidth'] / 1e9:.1f} GB/s, step overhead "
+          f"{f['step_overhead_s'] * 1000:.2f} ms, per sequence {f['per_seq_s'] * 1000:.3f} ms, per prefill step "
+          f"{f['prefill_overhead_s'] * 1000:.2f} ms\n"
+          f"  fit error: {f['median_abs_relative_error']:.1%} median, {f['rms_relative_error']:.1%} rms\n"
+          f"  written to {doc['path']}")
+    return 0
+
+
+def simulation_workload(a) -> Workload:
+    if a.workload.startswith("W"):
+        return shape(a.workload, a.rate)
+    if a.workload == "poisson":
+        return Workload("poisson", poisson(a.rate, a.duration, a.input, a.output))
+    if a.workload == "bursty":
+        return Workload("bursty", bursty(a.rate, a.duration, a.input, a.output))
+    return Workload(a.workload, recorded(a.workload))
+
+
+def cmd_simulate(a) -> int:
+    from dataclasses import replace
+
+    from kvserve.planning.roofline import Deployment
+    from kvserve.planning.search import replica_memory
+    from kvserve.planning.simulator import Simulator
+
+    try:
+        model = model_spec(a.model)
+        acc = accelerator_spec(a.accelerator, model=model.name)
+        cal = acc.calibrated
+        d = Deployment(model, acc, a.tp, cal["weight_dtype"] if cal else a.dtype, cal["kv_dtype"] if cal else a.dtype)
+        workload = simulation_workload(a)
+    except (UnknownSpec, ValueError, OSError) as e:
+        return _fail(e)
+    cfg = SchedulerConfig()
+    if cal:
+        cfg = replace(cfg, max_num_seqs=cal["max_num_seqs"], max_num_batched_tokens=cal["max_num_batched_tokens"],
+                      max_model_len=cal["max_model_len"])
+    if a.max_num_seqs:
+        cfg = replace(cfg, max_num_seqs=a.max_num_seqs)
+    mem = replica_memory(d, cfg.max_num_batched_tokens)
+    sm = step_model(d)
+    sim = Simulator(sm.cost, mem.num_blocks, mem.block_size, cfg, vocab_size=model.vocab_size,
+                    block_copy_s=lambda n, host: sm.block_copy_seconds(n, mem.block_size, host))
+    result = sim.run(workload).summary()
+    if a.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    print(f"{workload.name} on {d.label} ({model.name}), simulated: {result['steps']} steps, "
+          f"{result['duration_s']:.1f} s, {result['output_tokens_per_s']:.1f} output tokens/s, "
+          f"{result['preemptions']} preemptions, KV peak {result['kv_peak']:.0%}")
+    for tier, t in result["tiers"].items():
+        print(f"  {tier}: {t['completed']}/{t['submitted']} done, {t['rejected']} refused; TTFT p50 "
+              f"{_ms(t['ttft_s']['p50'])} p99 {_ms(t['ttft_s']['p99'])}; TPOT p50 {_ms(t['tpot_s']['p50'])}")
+    return 0
+
+
+def cmd_specs(a) -> int:
+    from kvserve.planning.memory import parameter_count
+
+    print("models:")
+    for m in known_models().values():
+        print(f"  {m.name:16} {parameter_count(m).total / 1e9:7.2f}B  {m.num_layers} layers, {m.num_kv_heads} KV "
+              f"heads x {m.head_dim}  {m.source}")
+    print("accelerators:")
+    for x in known_accelerators().values():
+        fp8 = f"{x.fp8_flops / 1e12:.0f}" if x.fp8_flops else "-"
+        print(f"  {x.name:10} {x.memory_bytes / 1e9:5.0f} GB {x.memory_bandwidth / 1e12:5.2f} TB/s "
+              f"bf16 {x.bf16_flops / 1e12:6.0f} fp8 {fp8:>5} TFLOP/s ${x.price_per_hour:.2f}/h  {x.source}")
+    return 0

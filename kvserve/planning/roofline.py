@@ -1,0 +1,201 @@
+"""Step time from the roofline: how long one engine step of a given shape takes on a given deployment.
+
+A step computes `new` tokens for each scheduled sequence (a prefill chunk, or one decode token) on top of
+the `start` tokens already in its KV cache, and samples one token for those that reach their end. Its
+time is a roofline per kind of operation, summed (the GEMMs and attention run one after the other):
+
+    seconds = host + max(GEMM FLOPs / FLOP/s, weight bytes / bandwidth)
+                   + max(attention FLOPs / FLOP/s, KV bytes / bandwidth) + tensor-parallel comm
+    host    = overhead + per_seq x sequences (+ prefill_overhead when a prompt chunk is in the step)
+
+with FLOP/s = peak x flop_eff and bandwidth = datasheet x bw_eff.
+
+- FLOPs: 2 x (active matmul weights except the head) per computed token, 2 x vocab x hidden per
+  sampled token (the head), and attention's 4 x heads x head_dim per (query, key) pair, the keys a
+  sliding layer sees capped at its window.
+- Bytes: every weight once per step (a step reads the whole model whatever its batch: why decode is
+  bandwidth-bound and batching pays), MoE experts as many as the step's tokens can touch, plus each
+  sequence's KV cache read once and its new tokens' KV written.
+- Tensor parallelism: two all-reduces per layer of tokens x hidden bf16 values, a ring's
+  2 (tp - 1) / tp of that over the link, plus a fixed latency per all-reduce.
+
+Where it is approximate: within a kind, compute and memory traffic overlap perfectly (the max); small GEMMs reach the
+same efficiency as large ones, attention's memory traffic is its KV read alone, and the host's own time
+(scheduling, sampling, detokenizing) is the overhead and per-sequence terms. On GPUs those efficiencies
+are assumptions (GPU_EFFICIENCY); on a calibrated CPU they are fitted from the real engine's steps
+(planning/calibrate.py), which is why the calibrated machine's predictions are the ones to trust.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvserve.planning.memory import dtype_bytes, kv_bytes_per_token, parameter_count
+from kvserve.planning.specs import AcceleratorSpec, ModelSpec
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """How much of the datasheet a real engine gets, and the host's share of a step."""
+
+    flops: float = 0.6  # of dense peak, large GEMMs (published MFU of tuned engines: 0.4-0.7)
+    bandwidth: float = 0.8  # of datasheet bandwidth (STREAM-like reads reach 0.8-0.9 on HBM)
+    step_overhead_s: float = 0.002  # per step: launches, scheduling, sampling (CUDA graphs cut this)
+    per_seq_s: float = 2e-5  # per scheduled sequence: its share of scheduling, sampling, output
+    prefill_overhead_s: float = 0.0  # per step with a prompt chunk (a separate attention path, masks)
+    allreduce_latency_s: float = 1e-5  # per all-reduce, NVLink-class links
+
+    def __post_init__(self):
+        if not (0 < self.flops <= 1 and 0 < self.bandwidth <= 1):
+            raise ValueError("efficiencies must be in (0, 1]")
+        if min(self.step_overhead_s, self.per_seq_s, self.prefill_overhead_s, self.allreduce_latency_s) < 0:
+            raise ValueError("overheads must be >= 0")
+
+
+GPU_EFFICIENCY = Efficiency()
+
+
+@dataclass(frozen=True)
+class Work:
+    """One scheduled sequence's share of a step."""
+
+    new: int  # tokens computed
+    start: int  # tokens already cached before them
+    sample: bool = True
+
+
+@dataclass(frozen=True)
+class StepParts:
+    linear_flops: float  # GEMMs (the layers' weights and the head)
+    weight_bytes: float
+    attention_flops: float
+    kv_bytes: float  # KV read and written
+    tokens: int
+    seqs: int
+    has_prefill: bool
+
+
+@dataclass(frozen=True)
+class StepCost:
+    seconds: float
+    compute_s: float
+    memory_s: float
+    comm_s: float
+    host_s: float
+
+    @property
+    def bound(self) -> str:
+        """What binds this step: compute, bandwidth (weights and KV reads), or the host."""
+        parts = {"compute": self.compute_s, "bandwidth": self.memory_s, "host": self.host_s,
+                 "interconnect": self.comm_s}
+        return max(parts, key=parts.get)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One replica: a model on `tp` devices with its weight and KV dtypes."""
+
+    model: ModelSpec
+    accelerator: AcceleratorSpec
+    tp: int = 1
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+
+    def __post_init__(self):
+        dtype_bytes(self.weight_dtype), dtype_bytes(self.kv_dtype)
+        if self.tp < 1:
+            raise ValueError("tp must be >= 1")
+
+    @property
+    def label(self) -> str:
+        return (f"{self.accelerator.name} x{self.tp} {self.weight_dtype} weights, {self.kv_dtype} KV")
+
+
+class StepModel:
+    """Seconds per step for one deployment; the simulator and the planner's estimates both call it."""
+
+    def __init__(self, d: Deployment, eff: Efficiency = GPU_EFFICIENCY):
+        m, acc = d.model, d.accelerator
+        self.deployment, self.eff = d, eff
+        params = parameter_count(m)
+        wb = dtype_bytes(d.weight_dtype)
+        self._head = m.vocab_size * m.hidden_size
+        self._body_per_token = params.active - self._head  # matmul weights of the layers
+        expert = 3 * m.intermediate_size * m.hidden_size
+        self._expert_bytes = expert * m.num_layers * wb / d.tp
+        self._num_experts, self._k = m.num_experts, m.experts_per_token
+        dense = params.total - params.embedding - expert * m.num_layers * m.num_experts
+        self._dense_bytes = dense * wb / d.tp  # read once per step whatever the batch
+        self._kv_token_bytes = kv_bytes_per_token(m, d.kv_dtype, d.tp)
+        self._attn = 4 * m.num_heads * m.head_dim / d.tp  # FLOPs per (query, key) pair per layer
+        self._layers, self._sliding, self._window = m.num_layers, m.num_sliding_layers, m.sliding_window
+        fp8_compute = d.weight_dtype == "fp8" and acc.fp8_flops is not None
+        self._flops = acc.flops(fp8_compute) * eff.flops
+        self._bandwidth = acc.memory_bandwidth * eff.bandwidth
+        self._tp, self._hidden = d.tp, m.hidden_size
+        self._link = acc.interconnect_bandwidth or acc.memory_bandwidth / 10
+
+    def _pairs(self, new: int, start: int) -> float:
+        """(query, key) pairs of `new` queries after `start` cached keys, summed over layers."""
+        full = new * start + new * (new + 1) / 2
+        if not self._sliding:
+            return self._layers * full
+        w = self._window
+        capped = sum(min(start + i + 1, w) for i in range(new)) if new < 64 else \
+            new * min(start + (new + 1) / 2, w)
+        return (self._layers - self._sliding) * full + self._sliding * capped
+
+    def parts(self, work: Iterable[Work]) -> StepParts:
+        """What a step moves and computes, before any speed is applied."""
+        tokens = sampled = seqs = prefills = 0
+        pairs = kv_read = 0.0
+        for w in work:
+            seqs += 1
+            tokens += w.new
+            sampled += w.sample
+            prefills += w.new > 1
+            pairs += self._pairs(w.new, w.start)
+            kv_read += w.start + w.new
+        experts_touched = min(self._num_experts, tokens * self._k) if self._num_experts > 1 else 1
+        return StepParts(
+            linear_flops=(2 * self._body_per_token * tokens + 2 * self._head * sampled) / self._tp,
+            weight_bytes=(self._dense_bytes + self._expert_bytes * experts_touched) if seqs else 0.0,
+            attention_flops=self._attn * pairs, kv_bytes=kv_read * self._kv_token_bytes,
+            tokens=tokens, seqs=seqs, has_prefill=prefills > 0)
+
+    def cost(self, work: Iterable[Work]) -> StepCost:
+        p = self.parts(work)
+        if not p.seqs:
+            return StepCost(0.0, 0.0, 0.0, 0.0, 0.0)
+        eff = self.eff
+        gemm_c, gemm_m = p.linear_flops / self._flops, p.weight_bytes / self._bandwidth
+        attn_c, attn_m = p.attention_flops / self._flops, p.kv_bytes / self._bandwidth
+        compute_s = (gemm_c if gemm_c >= gemm_m else 0.0) + (attn_c if attn_c >= attn_m else 0.0)
+        memory_s = (gemm_m if gemm_m > gemm_c else 0.0) + (attn_m if attn_m > attn_c else 0.0)
+        comm_s = 0.0
+        if self._tp > 1:
+            msg = p.tokens * self._hidden * 2
+            comm_s = 2 * self._layers * (2 * (self._tp - 1) / self._tp * msg / self._link + eff.allreduce_latency_s)
+        host_s = eff.step_overhead_s + eff.per_seq_s * p.seqs + eff.prefill_overhead_s * p.has_prefill
+        return StepCost(host_s + compute_s + memory_s + comm_s, compute_s, memory_s, comm_s, host_s)
+
+    def seconds(self, work: Iterable[Work]) -> float:
+        return self.cost(work).seconds
+
+    def decode_step(self, batch: int, context: int) -> StepCost:
+        """A step of `batch` sequences decoding one token each at `context` tokens."""
+        return self.cost([Work(1, context - 1)] * batch)
+
+    def prefill(self, prompt: int, chunk: int) -> float:
+        """Seconds to prefill one `prompt`-token prompt alone in chunks of `chunk` tokens."""
+        total, start = 0.0, 0
+        while start < prompt:
+            n = min(chunk, prompt - start)
+            total += self.seconds([Work(n, start, sample=start + n >= prompt)])
+            start += n
+        return total
+
+    def block_copy_seconds(self, blocks: int, block_size: int, across_host: bool) -> float:
+        """Moving `blocks` KV blocks: within the device (copy-on-write) or to/from host memory (swap)."""
+        nbytes = blocks * block_size * self._kv_token_bytes
+        return nbytes / (self._link if across_host else self._bandwidth / 2)

@@ -1,0 +1,256 @@
+"""What the planner plans with: model architectures and accelerators, as data with their sources.
+
+The shipped tables (`data/models.toml`, `data/accelerators.toml`) hold published figures, each with the
+URL it came from; a model may also be given by the path of a Hugging Face `config.json` (or its
+directory) or a GGUF file, and this machine's CPU by a calibration file (`kvserve plan calibrate`).
+Accelerator figures are datasheet peaks; how much of a peak a real engine reaches is the roofline's
+business (planning/roofline.py), not the spec's.
+"""
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass, field, fields
+from functools import cache
+from pathlib import Path
+
+DATA = Path(__file__).parent / "data"
+
+
+class UnknownSpec(ValueError):
+    """A model or accelerator the planner does not know; the message lists the names it does know."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer's shape: everything the memory and step-time arithmetic needs."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    architecture: str = "llama"
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 8192
+    attention_bias: bool = False
+    sliding_window: int | None = None  # tokens a sliding layer attends to
+    sliding_window_pattern: int | None = None  # every Nth layer is global; None with a window: all sliding
+    num_experts: int = 1  # MLP experts per layer (1: dense)
+    experts_per_token: int = 1
+    params_b: float | None = None  # the published parameter count (a cross-check only)
+    source: str = ""
+    aliases: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for f in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                  "vocab_size", "num_experts", "experts_per_token"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"model {self.name!r}: {f} must be a positive integer, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model {self.name!r}: num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(f"model {self.name!r}: experts_per_token exceeds num_experts")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"model {self.name!r}: sliding_window must be positive")
+
+    @property
+    def num_sliding_layers(self) -> int:
+        if self.sliding_window is None:
+            return 0
+        if not self.sliding_window_pattern:
+            return self.num_layers
+        return self.num_layers - self.num_layers // self.sliding_window_pattern
+
+
+@dataclass(frozen=True)
+class AcceleratorSpec:
+    """One accelerator's datasheet: memory, bandwidth, dense peak FLOP/s, its link to its neighbours, a price."""
+
+    name: str
+    memory_bytes: int
+    memory_bandwidth: float  # bytes/s
+    bf16_flops: float  # dense FLOP/s
+    fp8_flops: float | None = None  # None: no fp8 tensor cores (fp8 weights are widened, at bf16 speed)
+    interconnect: str = ""
+    interconnect_bandwidth: float = 0.0  # bytes/s per direction to another device of the node
+    max_per_node: int = 1
+    price_per_hour: float = 0.0  # USD per device-hour
+    vendor: str = ""
+    source: str = ""
+    price_source: str = ""
+    note: str = ""
+    aliases: tuple[str, ...] = ()
+    # Measured machines (kvserve plan calibrate) carry what a datasheet does not: the step's fixed
+    # time and per-sequence time, and the efficiencies already folded into the figures above.
+    calibrated: dict | None = None
+
+    def __post_init__(self):
+        for f in ("memory_bytes", "memory_bandwidth", "bf16_flops"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"accelerator {self.name!r}: {f} must be positive")
+        if self.price_per_hour < 0 or self.max_per_node < 1:
+            raise ValueError(f"accelerator {self.name!r}: price_per_hour >= 0 and max_per_node >= 1")
+
+    def flops(self, fp8: bool) -> float:
+        return self.fp8_flops if fp8 and self.fp8_flops else self.bf16_flops
+
+
+_MODEL_KEYS = {f.name for f in fields(ModelSpec)}
+
+
+def _model_from_row(row: dict) -> ModelSpec:
+    row = {k: v for k, v in row.items() if k in _MODEL_KEYS and v is not None}
+    row["aliases"] = tuple(row.get("aliases", ()))
+    return ModelSpec(**row)
+
+
+def _accelerator_from_row(row: dict) -> AcceleratorSpec:
+    unit = 10**9 if row.get("memory_unit", "GB") == "GB" else 1 << 30
+    return AcceleratorSpec(
+        name=row["name"], memory_bytes=int(row["memory_gib"] * unit),
+        memory_bandwidth=row["memory_bandwidth_gbs"] * 1e9, bf16_flops=row["bf16_tflops"] * 1e12,
+        fp8_flops=row["fp8_tflops"] * 1e12 if row.get("fp8_tflops") else None,
+        interconnect=row.get("interconnect", ""), interconnect_bandwidth=row.get("interconnect_gbs", 0) * 1e9,
+        max_per_node=row.get("max_per_node", 1), price_per_hour=row.get("price_per_hour", 0.0),
+        vendor=row.get("vendor", ""), source=row.get("source", ""), price_source=row.get("price_source", ""),
+        note=row.get("note", ""), aliases=tuple(row.get("aliases", ())))
+
+
+@cache
+def known_models() -> dict[str, ModelSpec]:
+    with open(DATA / "models.toml", "rb") as f:
+        return {m.name: m for m in map(_model_from_row, tomllib.load(f)["model"])}
+
+
+@cache
+def known_accelerators() -> dict[str, AcceleratorSpec]:
+    with open(DATA / "accelerators.toml", "rb") as f:
+        return {a.name: a for a in map(_accelerator_from_row, tomllib.load(f)["accelerator"])}
+
+
+def _lookup(name: str, table: dict, what: str, hint: str):
+    key = name.strip().lower()
+    for spec in table.values():
+        if key == spec.name or key in (a.lower() for a in spec.aliases):
+            return spec
+    raise UnknownSpec(f"unknown {what} {name!r}; known: {', '.join(sorted(table))}. {hint}")
+
+
+MODEL_HINT = "Or pass the path of a Hugging Face config.json (or its directory) or of a .gguf file."
+
+
+def model_spec(name_or_path: str) -> ModelSpec:
+    """A model by its name in the table, or read from a config.json, a checkpoint directory or a GGUF file."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return spec_from_gguf(path)
+        try:
+            cfg = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UnknownSpec(f"{path}: not a JSON config ({e}). {MODEL_HINT}") from None
+        return spec_from_hf_config(cfg, name=path.parent.name or path.stem, source=str(path))
+    if name_or_path.lower().startswith("cpu"):
+        raise UnknownSpec(f"{name_or_path!r} names a machine, not a model. {MODEL_HINT}")
+    return _lookup(name_or_path, known_models(), "model", MODEL_HINT)
+
+
+def spec_from_hf_config(cfg: dict, name: str = "", source: str = "") -> ModelSpec:
+    """A ModelSpec from a Hugging Face config.json's fields (Llama, Mistral, Qwen2, Gemma 3, Mixtral-style MoE)."""
+    if "text_config" in cfg:  # a multimodal wrapper: the text tower decides the serving cost
+        cfg = {**cfg["text_config"], "_name_or_path": cfg.get("_name_or_path")}
+    try:
+        heads = cfg["num_attention_heads"]
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        pattern = cfg.get("sliding_window_pattern")
+        layer_types = cfg.get("layer_types")
+        if layer_types and "full_attention" in layer_types:
+            pattern = layer_types.index("full_attention") + 1
+        model_type = cfg.get("model_type", "llama")
+        if window and pattern is None and model_type.startswith("gemma3"):
+            pattern = 6
+        return ModelSpec(
+            name=name or cfg.get("_name_or_path") or model_type, architecture=model_type,
+            num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"], num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"], tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            sliding_window=window, sliding_window_pattern=pattern,
+            num_experts=cfg.get("num_local_experts") or cfg.get("num_experts") or 1,
+            experts_per_token=cfg.get("num_experts_per_tok") or 1, source=source)
+    except KeyError as e:
+        raise UnknownSpec(f"config {source or name!r} has no {e.args[0]!r}: not a decoder-only transformer "
+                          f"config this planner reads. {MODEL_HINT}") from None
+
+
+def spec_from_gguf(path: Path) -> ModelSpec:
+    from kvserve.models.gguf_file import GGUFFile
+
+    gguf = GGUFFile(path)
+    meta, tensor_names = gguf.metadata, {t.name for t in gguf.tensors}
+    gguf.close()
+    arch = meta.get("general.architecture", "")
+
+    def get(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    if get("block_count") is None:
+        raise UnknownSpec(f"{path}: GGUF architecture {arch!r} has no block count. {MODEL_HINT}")
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    vocab = int(get("vocab_size", 0) or len(meta.get("tokenizer.ggml.tokens", ())) or 0)
+    window = get("attention.sliding_window")
+    return ModelSpec(
+        name=str(meta.get("general.name") or path.stem), architecture=arch, num_layers=int(get("block_count")),
+        hidden_size=hidden, num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", 0) or hidden // heads),
+        intermediate_size=int(get("feed_forward_length")), vocab_size=vocab,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        max_position_embeddings=int(get("context_length", 8192)),
+        sliding_window=int(window) if window else None, sliding_window_pattern=6 if window and arch == "gemma3" else None,
+        num_experts=int(get("expert_count", 1) or 1), experts_per_token=int(get("expert_used_count", 1) or 1),
+        source=str(path))
+
+
+def calibration_path(model: str) -> Path:
+    """Where `kvserve plan calibrate` keeps this machine's calibration for a served model."""
+    from kvserve.store.db import kvserve_home
+
+    return kvserve_home() / "calibration" / f"{model}.json"
+
+
+def accelerator_spec(name_or_path: str, model: str | None = None) -> AcceleratorSpec:
+    """An accelerator by name, or a measured machine: `cpu` (this machine's calibration for `model`) or the
+    path of a calibration file."""
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".json" and path.is_file():
+        return calibrated_spec(json.loads(path.read_text()))
+    if name_or_path.lower() in ("cpu", "this", "local"):
+        where = calibration_path(model or "MODEL")
+        if model is None or not where.is_file():
+            raise UnknownSpec(f"no calibration of this machine for model {model!r} at {where}: run "
+                              f"`kvserve plan calibrate --model {model or 'MODEL'}` first (it profiles the real "
+                              f"engine for about a minute)")
+        return calibrated_spec(json.loads(where.read_text()))
+    return _lookup(name_or_path, known_accelerators(), "accelerator",
+                   "Or `cpu` for this machine once `kvserve plan calibrate` has measured it, or a calibration .json.")
+
+
+def calibrated_spec(doc: dict) -> AcceleratorSpec:
+    """The AcceleratorSpec a calibration file describes (see planning/calibrate.py)."""
+    m = doc["machine"]
+    return AcceleratorSpec(name=m["name"], memory_bytes=int(m["memory_bytes"]),
+                           memory_bandwidth=float(m["memory_bandwidth"]), bf16_flops=float(m["flops"]),
+                           max_per_node=1, price_per_hour=float(m.get("price_per_hour", 0.0)), vendor="cpu",
+                           source=doc.get("source", "kvserve plan calibrate"), note=m.get("note", ""),
+                           calibrated=doc)
