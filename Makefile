@@ -23,7 +23,6 @@ test: $(STAMP)
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) -m benchmarks.suite $(BENCH_ARGS)
 
 clean:

@@ -540,7 +540,7 @@ def main(argv=None) -> int:
     return render(add_report_arguments(ap).parse_args(argv))
 
 
-PLATFORM_PAGES = ("fleet", "metering", "batch")  # written by benchmarks.fleet / .metering / .batch
+PLATFORM_PAGES = ("fleet", "metering", "batch", "planning")  # written by benchmarks.fleet / .metering / .batch / .planning
 
 
 def with_platform_pages(md: str, plots: Path) -> str:

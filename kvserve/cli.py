@@ -23,7 +23,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = ServerConfig.from_toml(args.config, host=args.host, port=args.port, stall_timeout_s=args.stall_timeout,
-                                 shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)
+                                 shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level,
+                                 **({"home": args.home} if args.home else {}))
     app = create_app(cfg)
     state = app.state.kv
     state.home.mkdir(parents=True, exist_ok=True)
@@ -377,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=None,
                    help="SIGTERM grace period for running requests, seconds (default 30)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--home", default=None, help="data directory (default [server].home, else $KVSERVE_HOME or "
+                                                "~/.kvserve); the store is kvserve.db there unless [server].db_path")
     s.add_argument("--fleet", action="store_true", help="serve through a gateway over replica pools on Ray Serve")
     s.add_argument("--ray-address", default=None, help="with --fleet: join this Ray cluster (default: start one)")
     s.set_defaults(func=lambda a: cmd_serve_fleet(a) if a.fleet else cmd_serve(a))

@@ -1,15 +1,17 @@
 """`kvserve plan calibrate`: fit the roofline step-time model to the real engine on this machine.
 
 It loads the model as the server would (the models TOML's engine settings), runs a short profile of
-engine steps (decode batches of 1-64 sequences at two context lengths, prefill chunks of 16-2048 tokens,
-prefill beside decodes), times each step from one `step()` to the next, and fits
+engine steps (decode batches of 1-64 sequences at 128 tokens and of 2-24 at 512, one to eight prompts of
+16-1024 tokens in a step, a prompt beside decodes; two passes over all of them), times each step from one `step()` to the next, and fits
 
-    seconds = overhead + per_seq x sequences + max(FLOPs x a, bytes x b)
+    seconds = overhead + per_seq x sequences (+ prefill overhead) + the per-operation roofline
 
-with FLOPs and bytes from planning/roofline.py for the model at the engine's dtype: 1/a and 1/b are the
-FLOP/s and bytes/s the engine reaches here, the two fixed terms are the host's share. The fit alternates
-between assigning each step to the side of the max that binds it and a non-negative least squares on
-relative error (so the 5 ms steps count as much as the 500 ms ones) until the assignment is stable.
+with FLOPs and bytes from planning/roofline.py for the model at the engine's dtype: the GEMMs' FLOP/s,
+attention's FLOP/s the engine reaches here, and the host's share; the bandwidth is measured (reading a
+tensor far larger than the caches), since with one model it trades off against the fixed step time. The
+speeds come from log grids, each finer than the last around the best point; at each point the host terms
+are a non-negative least squares. Errors are relative (the 5 ms steps count as much as the 2 s ones), and each
+profile point counts once, by its median step.
 
 The result is a calibration file that `--accelerator cpu` plans with. This module runs the engine (torch);
 everything it fits with is pure.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import random
 import statistics
@@ -34,10 +37,14 @@ log = logging.getLogger(__name__)
 
 _UNIT = AcceleratorSpec(name="unit", memory_bytes=1, memory_bandwidth=1.0, bf16_flops=1.0)
 _RAW = Efficiency(flops=1.0, bandwidth=1.0, step_overhead_s=0.0, per_seq_s=0.0, allreduce_latency_s=0.0)
-DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
-DECODE_CONTEXTS = (128, 1024)
-PREFILL_LENGTHS = (16, 64, 256, 1024, 2048)
-STEPS_PER_POINT = 5
+# (context, batches, shared prompt): short contexts over every batch size, cheaply (one shared prompt);
+# a long context with distinct prompts, so attention reads as many blocks as real traffic does.
+DECODE_POINTS = ((128, (1, 2, 4, 8, 16, 32, 64), True), (512, (2, 8, 24), False))
+# (prompts, tokens) computed in one step: single prompts, and the several short prompts of a chunked-prefill
+# step under load (a long prompt's attention, quadratic in its length, is one point, not the scale).
+PREFILL_POINTS = ((1, 16), (1, 64), (1, 256), (4, 256), (8, 256), (1, 1024))
+STEPS_PER_POINT = 4
+PASSES = 2
 
 
 def features(model: ModelSpec, weight_dtype: str, kv_dtype: str, work: list[Work]) -> StepParts:
@@ -48,17 +55,20 @@ def _grid(lo: float, hi: float, n: int) -> list[float]:
     return [lo * (hi / lo) ** (i / (n - 1)) for i in range(n)]
 
 
-def _roof(p: StepParts, flops: float, bandwidth: float) -> float:
-    return max(p.linear_flops / flops, p.weight_bytes / bandwidth) + max(p.attention_flops / flops,
-                                                                         p.kv_bytes / bandwidth)
+def _roof(p: StepParts, speeds: tuple[float, float, float], half: float) -> float:
+    flops, attention_flops, bandwidth = speeds
+    gemm_rate = flops * p.tokens / (p.tokens + half) if p.tokens else flops
+    return max(p.linear_flops / gemm_rate, p.weight_bytes / bandwidth) + max(p.attention_flops / attention_flops,
+                                                                             p.kv_bytes / bandwidth)
 
 
-def _fit_host(samples, flops: float, bandwidth: float) -> tuple[list[float], float]:
-    """For a given FLOP/s and bandwidth, the host terms (overhead, per_seq, prefill overhead) >= 0 that
-    minimize the squared relative error; returns them and that error."""
+def _fit_host(samples, speeds: tuple[float, float, float], half: float) -> tuple[list[float], float]:
+    """For given speeds (GEMM FLOP/s, attention FLOP/s, bandwidth) and GEMM half-rate tokens, the host terms
+    (overhead, per_seq, prefill overhead) >= 0 that minimize the squared relative error; returns them and
+    that error."""
     rows = []
     for p, t in samples:
-        roof = _roof(p, flops, bandwidth)
+        roof = _roof(p, speeds, half)
         rows.append(([1.0 / t, p.seqs / t, p.has_prefill / t], 1.0 - roof / t))
     a = [[sum(r[0][i] * r[0][j] for r in rows) for j in range(3)] for i in range(3)]
     y = [sum(r[0][i] * r[1] for r in rows) for i in range(3)]
@@ -67,25 +77,61 @@ def _fit_host(samples, flops: float, bandwidth: float) -> tuple[list[float], flo
     return theta, err
 
 
-def fit(samples: list[tuple[StepParts, float]]) -> dict:
-    """Fit FLOP/s and bandwidth (a log grid, then a finer one around the best) and, for each pair, the
-    host terms by non-negative least squares, all on relative error. Samples: (a step's parts, seconds)."""
-    best = (float("inf"), 0.0, 0.0, [0.0, 0.0, 0.0])
-    flops_grid, bw_grid = _grid(1e9, 1e16, 36), _grid(1e8, 1e14, 36)
-    for _ in range(3):
-        for fl in flops_grid:
-            for bw in bw_grid:
-                theta, err = _fit_host(samples, fl, bw)
-                if err < best[0]:
-                    best = (err, fl, bw, theta)
-        _, fl, bw = best[:3]
-        flops_grid, bw_grid = _grid(fl / 2, fl * 2, 13), _grid(bw / 2, bw * 2, 13)
-    _, fl, bw, (o, p, pf) = best
-    pred = [o + p * s.seqs + pf * s.has_prefill + _roof(s, fl, bw) for s, _t in samples]
+HALF_RATE_TOKENS = (0.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
+
+
+def fit(samples: list[tuple[StepParts, float]], bandwidth: float) -> dict:
+    """Fit the GEMMs' FLOP/s (and the step size at which they reach half of it) and attention's FLOP/s (log
+    grids, each finer than the last around the best point) and, at each point, the host terms by
+    non-negative least squares, all on relative error; the bandwidth is measured, not fitted (with one
+    model it trades off against the fixed step time). Samples: (a step's parts, seconds)."""
+    best = (float("inf"), (0.0, 0.0, bandwidth), 0.0, [0.0, 0.0, 0.0])
+    for half in HALF_RATE_TOKENS:
+        grids = (_grid(1e9, 1e16, 29), _grid(1e9, 1e16, 29))
+        local = (float("inf"), (0.0, 0.0, bandwidth), half, [0.0, 0.0, 0.0])
+        for span in (1.8, 1.3, 1.1, 1.03, 1.01, None):  # each grid a finer one around the best so far
+            for fl in grids[0]:
+                for at in grids[1]:
+                    theta, err = _fit_host(samples, (fl, at, bandwidth), half)
+                    if err < local[0]:
+                        local = (err, (fl, at, bandwidth), half, theta)
+            if span is None:
+                break
+            grids = tuple(_grid(x / span, x * span, 7) for x in local[1][:2])
+        best = min(best, local, key=lambda b: b[0])
+    _, speeds, half, (o, p, pf) = best
+    pred = [o + p * s.seqs + pf * s.has_prefill + _roof(s, speeds, half) for s, _t in samples]
     rel = [(q - t) / t for q, (_s, t) in zip(pred, samples)]
-    return {"step_overhead_s": o, "per_seq_s": p, "prefill_overhead_s": pf, "flops": fl, "bandwidth": bw,
+    return {"step_overhead_s": o, "per_seq_s": p, "prefill_overhead_s": pf, "flops": speeds[0],
+            "gemm_half_rate_tokens": half, "attention_flops": speeds[1], "bandwidth": bandwidth,
             "rms_relative_error": (sum(r * r for r in rel) / len(rel)) ** 0.5,
             "median_abs_relative_error": statistics.median(abs(r) for r in rel)}
+
+
+def measure_bandwidth(nbytes: int = 256 << 20, repeats: int = 9) -> float:
+    """Bytes/s this machine reads: the median time to sum a bf16 tensor far larger than its caches."""
+    import torch
+
+    x = torch.ones(nbytes // 2, dtype=torch.bfloat16)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times)
+
+
+def point_medians(samples: list[tuple[StepParts, float, int]]) -> list[tuple[StepParts, float]]:
+    """One (parts, seconds) per profile point: its median step over every pass, so a slow stretch (a
+    neighbour's burst on a shared machine) moves the fit less than a whole point does."""
+    by_point: dict[int, list[tuple[StepParts, float]]] = {}
+    for parts, seconds, point in samples:
+        by_point.setdefault(point, []).append((parts, seconds))
+    out = []
+    for steps in by_point.values():
+        steps.sort(key=lambda x: x[1])
+        out.append(steps[len(steps) // 2])
+    return out
 
 
 def _cpu_name() -> str:
@@ -107,7 +153,8 @@ class _Profiler:
 
     def __init__(self, engine, vocab: int, seed: int = 0):
         self.engine, self.vocab, self.rng = engine, vocab, random.Random(seed)
-        self.samples: list[tuple[list[Work], float]] = []
+        self.samples: list[tuple[list[Work], float, int]] = []  # (work, seconds, profile point)
+        self.point = 0
         self._captured = None
         schedule = engine.scheduler.schedule
 
@@ -130,7 +177,8 @@ class _Profiler:
         seconds = time.perf_counter() - t0
         out = self._captured
         if record and out is not None and out.scheduled:
-            self.samples.append(([Work(s.num_new_tokens, s.start, s.sample) for s in out.scheduled], seconds))
+            self.samples.append(([Work(s.num_new_tokens, s.start, s.sample) for s in out.scheduled], seconds,
+                                 self.point))
 
     def _until_decoding(self) -> None:
         sched = self.engine.scheduler
@@ -141,27 +189,30 @@ class _Profiler:
         for rid in ids:
             self.engine.abort_request(rid)
 
-    def decode_point(self, batch: int, context: int) -> None:
-        """`batch` sequences decoding at `context` tokens. They share one prompt, so only the first
-        computes it (the others hit the prefix cache): the profile's time goes to the decode steps."""
+    def decode_point(self, batch: int, context: int, shared: bool) -> None:
+        """`batch` sequences decoding at `context` tokens. `shared`: they share one prompt, so only the first
+        computes it (the others hit the prefix cache) and the profile's time goes to decode steps; their
+        attention then reads the same blocks, which stay in cache, so long contexts use distinct prompts."""
         prompt = [self.rng.randrange(self.vocab) for _ in range(context)]
         room = self.engine.max_model_len - context
-        ids = [self.add(context, room, prompt)]
+        ids = [self.add(context, room, prompt if shared else None)]
         self._until_decoding()
-        ids += [self.add(context, room, prompt) for _ in range(batch - 1)]
+        ids += [self.add(context, room, prompt if shared else None) for _ in range(batch - 1)]
         self._until_decoding()
+        self.point += 1
         for _ in range(STEPS_PER_POINT):
             self.step(True)
         self.clear(ids)
 
-    def prefill_point(self, tokens: int, beside: int = 0, repeats: int = 3) -> None:
-        """A prompt of `tokens` computed in one step, alone or beside `beside` decoding sequences."""
+    def prefill_point(self, prompts: int, tokens: int, beside: int = 0, repeats: int = 3) -> None:
+        """`prompts` prompts of `tokens` computed in one step, alone or beside `beside` decoding sequences."""
         others = [self.add(128, self.engine.max_model_len - 128) for _ in range(beside)]
         self._until_decoding()
+        self.point += 1
         for _ in range(repeats):
-            rid = self.add(tokens, 1)
+            ids = [self.add(tokens, 1) for _ in range(prompts)]
             self.step(True)
-            self.clear([rid])
+            self.clear(ids)
         self.clear(others)
 
 
@@ -189,27 +240,24 @@ def calibrate(model_id: str, config_path: str | None = None, output: str | Path 
     dtype = _dtype_name(engine.dtype)
     prof = _Profiler(engine, spec.vocab_size)
     t0 = time.perf_counter()
-    prof.decode_point(1, 64)  # warm-up (kernels, allocator), not recorded
+    prof.decode_point(1, 64, True)  # warm-up (kernels, allocator), not recorded
     prof.samples.clear()
     cfg = engine.config.scheduler
     pool_tokens = engine.kv.num_device_blocks * engine.kv.block_size
-    for context in DECODE_CONTEXTS:
-        for batch in DECODE_BATCHES:
-            if batch <= cfg.max_num_seqs and context + 64 <= pool_tokens // 2:
-                t = time.perf_counter()
-                prof.decode_point(batch, context)
-                log.info("decode %d x %d tokens: %.1fs", batch, context, time.perf_counter() - t)
-    for tokens in PREFILL_LENGTHS:
-        if tokens <= min(cfg.max_num_batched_tokens, engine.max_model_len - 1):
-            t = time.perf_counter()
-            prof.prefill_point(tokens, repeats=1 if tokens >= 1024 else 3)
-            log.info("prefill %d tokens: %.1fs", tokens, time.perf_counter() - t)
-    prof.prefill_point(min(256, cfg.max_num_batched_tokens // 2), beside=8)
+    for _ in range(PASSES):  # whole passes, so a neighbour's burst on a shared machine hits one pass of a point
+        prof.point = 0
+        for context, batches, shared in DECODE_POINTS:
+            for batch in batches:
+                if batch <= cfg.max_num_seqs and context + 64 <= min(pool_tokens // 2, engine.max_model_len):
+                    prof.decode_point(batch, context, shared)
+        for prompts, tokens in PREFILL_POINTS:
+            if prompts * tokens <= cfg.max_num_batched_tokens and tokens < engine.max_model_len:
+                prof.prefill_point(prompts, tokens, repeats=1 if prompts * tokens >= 1024 else 3)
+        prof.prefill_point(1, min(256, cfg.max_num_batched_tokens // 2), beside=8)
+        log.info("profile pass: %d steps so far, %.0f s", len(prof.samples), time.perf_counter() - t0)
     profile_s = time.perf_counter() - t0
-    rows = [(features(spec, dtype, dtype, w), s) for w, s in prof.samples]
-    result = fit(rows)
-    import os
-
+    bandwidth = measure_bandwidth()
+    result = fit(point_medians([(features(spec, dtype, dtype, w), s, p) for w, s, p in prof.samples]), bandwidth)
     kv_pool = engine.kv.num_device_blocks * engine.kv.block_size * engine.kv_bytes_per_token
     doc = {
         "version": 1, "source": "kvserve plan calibrate", "measured_at": datetime.now(timezone.utc).isoformat(),
@@ -219,10 +267,12 @@ def calibrate(model_id: str, config_path: str | None = None, output: str | Path 
         "max_model_len": engine.max_model_len, "profile_s": profile_s, "fit": result,
         "machine": {"name": f"cpu ({_cpu_name()}, {os.cpu_count()} cores)",
                     "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-                    "flops": result["flops"], "memory_bandwidth": result["bandwidth"],
+                    "flops": result["flops"], "attention_flops": result["attention_flops"],
+                    "memory_bandwidth": result["bandwidth"],
                     "price_per_hour": entry.price.replica_cost_per_hour if price_per_hour is None else price_per_hour,
                     "note": "effective figures of the real engine at its dtype, fitted; not a datasheet"},
-        "samples": [{"work": [[x.new, x.start, int(x.sample)] for x in w], "seconds": s} for w, s in prof.samples],
+        "samples": [{"work": [[x.new, x.start, int(x.sample)] for x in w], "seconds": s, "point": p}
+                    for w, s, p in prof.samples],
     }
     out = Path(output) if output else calibration_path(model_id)
     out.parent.mkdir(parents=True, exist_ok=True)

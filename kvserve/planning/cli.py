@@ -7,8 +7,8 @@ import re
 import sys
 from dataclasses import asdict
 
-from kvserve.config import Priority, SchedulerConfig
-from kvserve.planning.search import SLO, Load, Plan, PlanResult, Redundancy, plan, simulate_replica, step_model
+from kvserve.config import Priority
+from kvserve.planning.search import SLO, Load, Plan, PlanResult, Redundancy, plan
 from kvserve.planning.specs import (UnknownSpec, accelerator_spec, known_accelerators, known_models, model_spec)
 from kvserve.planning.traces import LengthDist, Workload, bursty, poisson, recorded, shape
 
@@ -202,8 +202,8 @@ def cmd_calibrate(a) -> int:
           f"  {f['flops'] / 1e9:.0f} GFLOP/s, {f['bandwidth'] / 1e9:.1f} GB/s, step overhead "
           f"{f['step_overhead_s'] * 1000:.2f} ms, per sequence {f['per_seq_s'] * 1000:.3f} ms, per prefill step "
           f"{f['prefill_overhead_s'] * 1000:.2f} ms\n"
-          f"  fit error: {f['median_abs_relative_error']:.1%} median, {f['rms_relative_error']:.1%} rms\n"
-          f"  written to {doc['path']}")
+          f"  fit error: {f['median_abs_relative_error']:.1%} median, {f['rms_relative_error']:.1%} rms")
+    print(f"  written to {doc['path']}")
     return 0
 
 
@@ -221,8 +221,7 @@ def cmd_simulate(a) -> int:
     from dataclasses import replace
 
     from kvserve.planning.roofline import Deployment
-    from kvserve.planning.search import replica_memory
-    from kvserve.planning.simulator import Simulator
+    from kvserve.planning.search import engine_scheduler, replica_simulator
 
     try:
         model = model_spec(a.model)
@@ -232,16 +231,10 @@ def cmd_simulate(a) -> int:
         workload = simulation_workload(a)
     except (UnknownSpec, ValueError, OSError) as e:
         return _fail(e)
-    cfg = SchedulerConfig()
-    if cal:
-        cfg = replace(cfg, max_num_seqs=cal["max_num_seqs"], max_num_batched_tokens=cal["max_num_batched_tokens"],
-                      max_model_len=cal["max_model_len"])
+    cfg = engine_scheduler(acc)
     if a.max_num_seqs:
         cfg = replace(cfg, max_num_seqs=a.max_num_seqs)
-    mem = replica_memory(d, cfg.max_num_batched_tokens)
-    sm = step_model(d)
-    sim = Simulator(sm.cost, mem.num_blocks, mem.block_size, cfg, vocab_size=model.vocab_size,
-                    block_copy_s=lambda n, host: sm.block_copy_seconds(n, mem.block_size, host))
+    sim = replica_simulator(d, cfg)
     result = sim.run(workload).summary()
     if a.json:
         print(json.dumps(result, indent=1))

@@ -20,7 +20,8 @@ from kvserve.planning.specs import AcceleratorSpec, ModelSpec
 DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0}
 GIB = 1 << 30
 RUNTIME_RESERVE_BYTES = 1.5 * GIB  # CUDA context, cuBLAS/NCCL workspaces (vLLM's profile shows ~1-2 GiB)
-ACTIVATION_FACTOR = 4  # live activation buffers per token of a step, in units of max(hidden, mlp shard, vocab shard)
+ACTIVATION_FACTOR = 4  # live activation buffers per token of a step, in units of max(hidden, MLP shard)
+LOGIT_ROWS = 512  # logits are computed for the sampled sequences only (at most max_num_seqs of them)
 
 
 def dtype_bytes(dtype: str) -> float:
@@ -35,11 +36,6 @@ class ParameterCount:
     total: int  # every weight
     active: int  # weights a token's forward pass multiplies by (MoE: only its experts), lm head included
     embedding: int  # the input embedding table (read by lookup, not multiplied)
-
-    @property
-    def matmul_per_token(self) -> int:
-        """Weights one token multiplies by: 2 x this is its linear FLOPs."""
-        return self.active
 
 
 def parameter_count(m: ModelSpec) -> ParameterCount:
@@ -110,8 +106,9 @@ def memory_plan(m: ModelSpec, acc: AcceleratorSpec, tp: int = 1, weight_dtype: s
         raise ValueError("tp must be >= 1")
     usable = acc.memory_bytes * gpu_memory_utilization
     weights = weight_bytes(m, weight_dtype) / tp
-    widest = max(m.hidden_size, m.intermediate_size * m.experts_per_token / tp, m.vocab_size / tp)
-    activations = ACTIVATION_FACTOR * max_num_batched_tokens * widest * 2  # bf16 activations
+    widest = max(m.hidden_size, m.intermediate_size * m.experts_per_token / tp)
+    activations = (ACTIVATION_FACTOR * max_num_batched_tokens * widest * 2  # bf16 activations of a full step
+                   + LOGIT_ROWS * m.vocab_size / tp * 4)  # float32 logits, one row per sampled sequence
     reserve = runtime_reserve_bytes + activations
     kv = max(0.0, usable - weights - reserve)
     per_token = kv_bytes_per_token(m, kv_dtype, tp)

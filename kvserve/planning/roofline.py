@@ -8,7 +8,9 @@ time is a roofline per kind of operation, summed (the GEMMs and attention run on
                    + max(attention FLOPs / FLOP/s, KV bytes / bandwidth) + tensor-parallel comm
     host    = overhead + per_seq x sequences (+ prefill_overhead when a prompt chunk is in the step)
 
-with FLOP/s = peak x flop_eff and bandwidth = datasheet x bw_eff.
+with FLOP/s = peak x flop_eff and bandwidth = datasheet x bw_eff (a measured machine has its own FLOP/s
+for attention: on a CPU its kernels run far from the GEMMs' rate; and its GEMMs' rate falls for steps
+of few tokens: rate x tokens / (tokens + gemm_half_rate_tokens)).
 
 - FLOPs: 2 x (active matmul weights except the head) per computed token, 2 x vocab x hidden per
   sampled token (the head), and attention's 4 x heads x head_dim per (query, key) pair, the keys a
@@ -43,12 +45,16 @@ class Efficiency:
     step_overhead_s: float = 0.002  # per step: launches, scheduling, sampling (CUDA graphs cut this)
     per_seq_s: float = 2e-5  # per scheduled sequence: its share of scheduling, sampling, output
     prefill_overhead_s: float = 0.0  # per step with a prompt chunk (a separate attention path, masks)
+    # GEMMs of few rows run below the FLOP/s of large ones: at this many tokens in a step they reach half
+    # of it (rate x tokens / (tokens + this)). 0 for GPUs (an assumption); fitted on a calibrated machine.
+    gemm_half_rate_tokens: float = 0.0
     allreduce_latency_s: float = 1e-5  # per all-reduce, NVLink-class links
 
     def __post_init__(self):
         if not (0 < self.flops <= 1 and 0 < self.bandwidth <= 1):
             raise ValueError("efficiencies must be in (0, 1]")
-        if min(self.step_overhead_s, self.per_seq_s, self.prefill_overhead_s, self.allreduce_latency_s) < 0:
+        if min(self.step_overhead_s, self.per_seq_s, self.prefill_overhead_s, self.allreduce_latency_s,
+               self.gemm_half_rate_tokens) < 0:
             raise ValueError("overheads must be >= 0")
 
 
@@ -72,6 +78,7 @@ class StepParts:
     kv_bytes: float  # KV read and written
     tokens: int
     seqs: int
+    sampled: int  # sequences that sample a token (tokens delivered)
     has_prefill: bool
 
 
@@ -131,6 +138,7 @@ class StepModel:
         self._layers, self._sliding, self._window = m.num_layers, m.num_sliding_layers, m.sliding_window
         fp8_compute = d.weight_dtype == "fp8" and acc.fp8_flops is not None
         self._flops = acc.flops(fp8_compute) * eff.flops
+        self._attn_flops = (acc.attention_flops or acc.flops(fp8_compute)) * eff.flops
         self._bandwidth = acc.memory_bandwidth * eff.bandwidth
         self._tp, self._hidden = d.tp, m.hidden_size
         self._link = acc.interconnect_bandwidth or acc.memory_bandwidth / 10
@@ -161,15 +169,16 @@ class StepModel:
             linear_flops=(2 * self._body_per_token * tokens + 2 * self._head * sampled) / self._tp,
             weight_bytes=(self._dense_bytes + self._expert_bytes * experts_touched) if seqs else 0.0,
             attention_flops=self._attn * pairs, kv_bytes=kv_read * self._kv_token_bytes,
-            tokens=tokens, seqs=seqs, has_prefill=prefills > 0)
+            tokens=tokens, seqs=seqs, sampled=sampled, has_prefill=prefills > 0)
 
     def cost(self, work: Iterable[Work]) -> StepCost:
         p = self.parts(work)
         if not p.seqs:
             return StepCost(0.0, 0.0, 0.0, 0.0, 0.0)
         eff = self.eff
-        gemm_c, gemm_m = p.linear_flops / self._flops, p.weight_bytes / self._bandwidth
-        attn_c, attn_m = p.attention_flops / self._flops, p.kv_bytes / self._bandwidth
+        gemm_rate = self._flops * p.tokens / (p.tokens + eff.gemm_half_rate_tokens)
+        gemm_c, gemm_m = p.linear_flops / gemm_rate, p.weight_bytes / self._bandwidth
+        attn_c, attn_m = p.attention_flops / self._attn_flops, p.kv_bytes / self._bandwidth
         compute_s = (gemm_c if gemm_c >= gemm_m else 0.0) + (attn_c if attn_c >= attn_m else 0.0)
         memory_s = (gemm_m if gemm_m > gemm_c else 0.0) + (attn_m if attn_m > attn_c else 0.0)
         comm_s = 0.0

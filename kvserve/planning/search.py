@@ -122,7 +122,8 @@ def _efficiency(acc: AcceleratorSpec) -> Efficiency:
         return GPU_EFFICIENCY
     f = c["fit"]
     return Efficiency(flops=1.0, bandwidth=1.0, step_overhead_s=f["step_overhead_s"], per_seq_s=f["per_seq_s"],
-                      prefill_overhead_s=f.get("prefill_overhead_s", 0.0))
+                      prefill_overhead_s=f.get("prefill_overhead_s", 0.0),
+                      gemm_half_rate_tokens=f.get("gemm_half_rate_tokens", 0.0))
 
 
 def step_model(d: Deployment) -> StepModel:
@@ -242,17 +243,22 @@ def candidates(model: ModelSpec, accelerators: list[AcceleratorSpec], dtypes=DTY
 
 
 def _size(c: Candidate, load: Load, red: Redundancy) -> tuple[int, int, int, list[str], float]:
+    """(replicas in all, interactive replicas, batch-only replicas, redundancy notes, headroom)."""
     inter_rate, batch_rate = load.rate(Priority.INTERACTIVE), load.rate(Priority.BATCH)
     inter = math.ceil(inter_rate / c.capacity_per_s - 1e-9) if inter_rate else 0
-    spare = max(0.0, inter * c.throughput_per_s - inter_rate / (c.capacity_per_s or 1) * c.throughput_per_s) \
-        if inter else 0.0
+    # Batch work rides in the interactive replicas up to their capacity within the SLOs (its decodes
+    # share their steps, so beyond that the interactive TPOT would suffer), then gets replicas of its
+    # own run flat out.
+    spare = max(0.0, inter * c.capacity_per_s / UTILIZATION - inter_rate)
     batch = math.ceil(max(0.0, batch_rate - spare) / c.throughput_per_s - 1e-9) if batch_rate else 0
     total, notes = redundancy(max(1, inter + batch), red)
-    headroom = 1 - inter_rate / (inter * c.capacity_per_s / UTILIZATION) if inter else 1.0
+    headroom = 1 - (inter_rate + min(batch_rate, spare)) / (inter * c.capacity_per_s / UTILIZATION) if inter else 1.0
     return total, inter, batch, notes, headroom
 
 
 UTILIZATION = 0.85  # plan replicas at this share of their modelled capacity
+MIN_SIMULATED_REQUESTS = 50  # a plan's check simulates at least this many arrivals (within MAX_SIMULATED_S)
+MAX_SIMULATED_S = 3600.0
 
 
 @dataclass
@@ -314,15 +320,16 @@ def _finish(c: Candidate, load: Load, red: Redundancy, alternatives: list[Candid
     d = c.deployment
     cost = total * d.tp * d.accelerator.price_per_hour
     tokens = load.prompt.mean + load.output.mean
-    per_tier = {}
+    inter_rate, batch_rate = load.rate(Priority.INTERACTIVE), load.rate(Priority.BATCH)
+    # Each tier pays for the replicas it uses: batch-only replicas are the batch tier's; interactive
+    # replicas are split by the requests they carry (batch riders included); spares in proportion.
+    riders = max(0.0, batch_rate - batch * c.throughput_per_s)
+    inter_share = inter_rate / (inter_rate + riders) if inter_rate + riders else 0.0
     used = inter + batch
-    for tier, n in ((Priority.INTERACTIVE, inter), (Priority.BATCH, batch)):
-        rate = load.rate(tier)
-        if rate:  # the tier's replicas (and its share of the redundancy) over its tokens
-            share = n / used if used else 0
-            if tier is Priority.BATCH and n == 0:  # batch ran in the interactive replicas' headroom:
-                share = rate / (rate + load.rate(Priority.INTERACTIVE))  # charge it by request share
-            per_tier[tier.label] = cost * share / (rate * 3600 * tokens) * 1e6
+    shares = {Priority.INTERACTIVE: inter * inter_share / used if used else 0.0,
+              Priority.BATCH: (inter * (1 - inter_share) + batch) / used if used else 0.0}
+    per_tier = {tier.label: cost * shares[tier] / (rate * 3600 * tokens) * 1e6
+                for tier, rate in ((Priority.INTERACTIVE, inter_rate), (Priority.BATCH, batch_rate)) if rate}
     return Plan(c, total, inter, batch, total * d.tp, cost, per_tier, headroom, notes, alternatives=alternatives)
 
 
@@ -332,7 +339,10 @@ def _verify(p: Plan, load: Load, slos: list[SLO], chunk: int, seconds: float, se
     inter = max(1, p.interactive_replicas)
     for _ in range(4):
         rate = load.rate(Priority.INTERACTIVE) / inter
-        result = simulate_replica(c.deployment, c.max_num_seqs, c.memory, rate, load, seconds, chunk, seed)
+        if rate <= 0:  # batch-tier work only: no latency SLO to check
+            return
+        span = min(max(seconds, MIN_SIMULATED_REQUESTS / rate), MAX_SIMULATED_S)  # enough requests to judge by
+        result = simulate_replica(c.deployment, c.max_num_seqs, c.memory, rate, load, span, chunk, seed)
         t = result.tiers[Priority.INTERACTIVE]
         ok = t.completed > 0 and all(_observed(t, s) <= s.seconds for s in slos)
         p.simulation, p.simulated_replicas = result, inter
@@ -359,12 +369,28 @@ def _observed(t, slo: SLO) -> float:
     return math.inf if v is None else v
 
 
+def engine_scheduler(acc: AcceleratorSpec) -> SchedulerConfig:
+    """The scheduler settings a replica runs with: a calibrated machine's own, else the engine defaults."""
+    c = acc.calibrated
+    if c is None:
+        return SchedulerConfig()
+    return SchedulerConfig(max_num_seqs=c["max_num_seqs"], max_num_batched_tokens=c["max_num_batched_tokens"],
+                           max_model_len=c["max_model_len"])
+
+
+def replica_simulator(d: Deployment, cfg: SchedulerConfig, seed: int = 0) -> Simulator:
+    """A simulator of one replica of `d` running the real scheduler with `cfg`."""
+    mem = replica_memory(d, cfg.max_num_batched_tokens)
+    sm = step_model(d)
+    return Simulator(sm.cost, mem.num_blocks, mem.block_size, cfg, vocab_size=d.model.vocab_size, seed=seed,
+                     block_copy_s=lambda n, host: sm.block_copy_seconds(n, mem.block_size, host))
+
+
 def simulate_replica(d: Deployment, max_num_seqs: int, mem: MemoryPlan, rate: float, load: Load,
                      seconds: float, chunk: int, seed: int = 0) -> SimResult:
-    sm = step_model(d)
+    """One replica at `rate` interactive requests/s of the load's shape (Poisson), no admission bounds."""
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk,
                           max_model_len=max(load.prompt.mean * 2 + load.output.mean * 2, 4096),
                           interactive=TierLimits.unbounded(), batch=TierLimits.unbounded())
-    sim = Simulator(sm.cost, mem.num_blocks, mem.block_size, cfg, vocab_size=d.model.vocab_size, seed=seed,
-                    block_copy_s=lambda n, host: sm.block_copy_seconds(n, mem.block_size, host))
-    return sim.run(Workload("poisson", poisson(rate, seconds, load.prompt, load.output, seed=seed)))
+    return replica_simulator(d, cfg, seed).run(Workload("poisson", poisson(rate, seconds, load.prompt, load.output,
+                                                                           seed=seed)))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from functools import cache
 from pathlib import Path
 
@@ -77,6 +77,7 @@ class AcceleratorSpec:
     memory_bandwidth: float  # bytes/s
     bf16_flops: float  # dense FLOP/s
     fp8_flops: float | None = None  # None: no fp8 tensor cores (fp8 weights are widened, at bf16 speed)
+    attention_flops: float | None = None  # what attention reaches when it differs from the GEMMs (measured machines)
     interconnect: str = ""
     interconnect_bandwidth: float = 0.0  # bytes/s per direction to another device of the node
     max_per_node: int = 1
@@ -251,6 +252,7 @@ def calibrated_spec(doc: dict) -> AcceleratorSpec:
     m = doc["machine"]
     return AcceleratorSpec(name=m["name"], memory_bytes=int(m["memory_bytes"]),
                            memory_bandwidth=float(m["memory_bandwidth"]), bf16_flops=float(m["flops"]),
+                           attention_flops=float(m["attention_flops"]) if m.get("attention_flops") else None,
                            max_per_node=1, price_per_hour=float(m.get("price_per_hour", 0.0)), vendor="cpu",
                            source=doc.get("source", "kvserve plan calibrate"), note=m.get("note", ""),
                            calibrated=doc)

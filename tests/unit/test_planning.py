@@ -1,0 +1,305 @@
+"""Capacity planning: specs, the memory and roofline arithmetic against hand-worked figures, the simulator
+driving the real scheduler, the plan search and its redundancy arithmetic, the calibration fit, the CLI."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvserve.config import Priority, SchedulerConfig
+from kvserve.planning import memory
+from kvserve.planning.calibrate import features, fit
+from kvserve.planning.roofline import GPU_EFFICIENCY, Deployment, StepCost, StepModel, Work
+from kvserve.planning.search import SLO, Load, Redundancy, plan, redundancy
+from kvserve.planning.simulator import Simulator, percentile
+from kvserve.planning.specs import (UnknownSpec, accelerator_spec, known_accelerators, known_models, model_spec,
+                                    spec_from_hf_config)
+from kvserve.planning.traces import Arrival, ClosedLoop, LengthDist, Workload, bursty, poisson, recorded
+
+
+# ---- specs ----------------------------------------------------------------------------------------
+
+def test_every_model_matches_its_published_parameter_count():
+    for m in known_models().values():
+        assert m.source.startswith("http")
+        assert abs(memory.parameter_count(m).total / 1e9 / m.params_b - 1) < 0.01, m.name
+
+
+def test_every_accelerator_has_its_sources():
+    names = set(known_accelerators())
+    assert {"l4", "a10g", "l40s", "a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200", "mi300x"} <= names
+    for a in known_accelerators().values():
+        assert a.source.startswith("http") and a.price_source and a.price_per_hour > 0, a.name
+
+
+def test_unknown_names_list_the_known_ones_and_say_how_to_pass_a_config():
+    with pytest.raises(UnknownSpec) as e:
+        model_spec("llama-9-1t")
+    assert "llama-3.1-70b" in str(e.value) and "config.json" in str(e.value)
+    with pytest.raises(UnknownSpec) as e:
+        accelerator_spec("tpu-v9")
+    assert "h100-sxm" in str(e.value) and "calibrate" in str(e.value)
+    assert model_spec("meta-llama/Llama-3.1-70B-Instruct").name == "llama-3.1-70b"  # aliases
+    assert accelerator_spec("H100").name == "h100-sxm"
+
+
+def test_a_config_json_and_a_gguf_file_are_read(tmp_path, tiny_llama_gguf):
+    cfg = {"model_type": "qwen2", "num_hidden_layers": 28, "hidden_size": 3584, "num_attention_heads": 28,
+           "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064, "use_sliding_window": False,
+           "sliding_window": 131072, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = model_spec(str(tmp_path))  # the checkpoint directory
+    assert (m.num_layers, m.head_dim, m.num_kv_heads, m.sliding_window, m.attention_bias) == (28, 128, 4, None, True)
+    assert abs(memory.parameter_count(m).total / model_spec("qwen2.5-7b").params_b / 1e9 - 1) < 0.01
+    g = model_spec(str(tiny_llama_gguf))
+    assert g.num_layers >= 1 and g.vocab_size > 0 and g.source == str(tiny_llama_gguf)
+    with pytest.raises(UnknownSpec, match="has no 'num_attention_heads'"):
+        spec_from_hf_config({"model_type": "bert"}, name="x")
+
+
+# ---- memory arithmetic ------------------------------------------------------------------------------
+
+def test_kv_bytes_per_token_hand_worked():
+    l70, l8 = model_spec("llama-3.1-70b"), model_spec("llama-3.1-8b")
+    assert memory.kv_bytes_per_token(l70, "bf16") == 2 * 80 * 8 * 128 * 2 == 327_680
+    assert memory.kv_bytes_per_token(l8, "bf16") == 131_072
+    assert memory.kv_bytes_per_token(l70, "fp8") == 163_840
+    assert memory.kv_bytes_per_token(l70, "bf16", tp=4) == 81_920  # 2 of the 8 KV heads per device
+    assert memory.kv_bytes_per_token(l70, "bf16", tp=16) == 40_960  # fewer heads than devices: replicated
+    # Gemma 3 27B at 8192 tokens: 10 global layers hold every token, 52 sliding ones their last 1024
+    g = model_spec("gemma-3-27b")
+    assert g.num_sliding_layers == 52
+    assert memory.kv_bytes_at_context(g, 8192, "bf16") == 2 * 16 * 128 * 2 * (10 * 8192 + 52 * 1024)
+
+
+def test_memory_plan_hand_worked():
+    l70, h100 = model_spec("llama-3.1-70b"), accelerator_spec("h100-sxm")
+    # embeddings 128256 x 8192, untied (x2); per layer attention 2 x 8192^2 + 2 x 8192 x 1024, MLP
+    # 3 x 8192 x 28672, two norms; 80 layers; a final norm
+    per_layer = 2 * 8192 ** 2 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192
+    assert memory.parameter_count(l70).total == 80 * per_layer + 2 * 128256 * 8192 + 8192 == 70_553_706_496
+    p = memory.memory_plan(l70, h100, tp=4, weight_dtype="bf16", kv_dtype="bf16", gpu_memory_utilization=0.9,
+                           max_num_batched_tokens=8192)
+    weights = 70_553_706_496 * 2 / 4
+    reserve = 1.5 * 2 ** 30 + 4 * 8192 * 8192 * 2 + 512 * 128256 / 4 * 4
+    kv = 80e9 * 0.9 - weights - reserve
+    assert p.weight_bytes == weights and p.reserve_bytes == reserve
+    assert p.num_blocks == int(kv // (81_920 * 16)) == 26_329
+    assert p.max_sequences(8192) == 26_329 // 512 == 51
+    # bf16 70B on one 80 GB device: the weights alone do not fit
+    assert not memory.memory_plan(l70, h100, tp=1).fits
+
+
+# ---- roofline ---------------------------------------------------------------------------------------
+
+def test_a_decode_step_hand_worked():
+    l8, h100 = model_spec("llama-3.1-8b"), accelerator_spec("h100-sxm")
+    sm = StepModel(Deployment(l8, h100, 1, "bf16", "bf16"))
+    cost = sm.cost([Work(1, 999)])
+    total = memory.parameter_count(l8).total
+    embedding = 128256 * 4096
+    weights = (total - embedding) * 2  # every weight but the input embedding, read once
+    kv = 1000 * 131_072  # the context read (999) and the new token written
+    bw = 3.35e12 * GPU_EFFICIENCY.bandwidth
+    expected = GPU_EFFICIENCY.step_overhead_s + GPU_EFFICIENCY.per_seq_s + weights / bw + kv / bw
+    assert cost.seconds == pytest.approx(expected, rel=1e-9)
+    assert cost.bound == "bandwidth" and cost.comm_s == 0
+    # a 4096-token prompt is compute-bound, and batching decodes costs far less than running them apart
+    assert sm.cost([Work(4096, 0)]).bound == "compute"
+    assert sm.decode_step(64, 1000).seconds < 64 * sm.decode_step(1, 1000).seconds / 10
+
+
+def test_tensor_parallel_and_fp8_terms():
+    l70, h100 = model_spec("llama-3.1-70b"), accelerator_spec("h100-sxm")
+    one = StepModel(Deployment(l70, h100, 4, "bf16", "bf16")).cost([Work(1, 1000)] * 8)
+    # two all-reduces per layer of 8 tokens x 8192 bf16 values, a ring's 2 (tp-1)/tp of them over NVLink
+    msg = 8 * 8192 * 2
+    assert one.comm_s == pytest.approx(2 * 80 * (2 * 3 / 4 * msg / 450e9 + GPU_EFFICIENCY.allreduce_latency_s))
+    fp8 = StepModel(Deployment(l70, h100, 4, "fp8", "bf16")).cost([Work(1, 1000)] * 8)
+    assert fp8.memory_s < 0.6 * one.memory_s  # half the weight bytes
+
+
+# ---- the simulator ------------------------------------------------------------------------------------
+
+class LinearStep:
+    """10 ms a step plus 1 ms a token: easy to work out by hand."""
+
+    def __call__(self, work):
+        tokens = sum(w.new for w in work)
+        return StepCost(0.010 + 0.001 * tokens if work else 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def test_one_request_hand_worked():
+    sim = Simulator(LinearStep(), num_blocks=64)
+    r = sim.run(Workload("one", [Arrival(0.0, 32, 4)]))
+    t = r.tiers[Priority.INTERACTIVE]
+    assert t.completed == 1 and t.output_tokens == 4 and r.steps == 4
+    assert t.ttft == [pytest.approx(0.042)]  # the prompt's step: 10 ms + 32 x 1 ms, sampling the first token
+    assert t.tpot == [pytest.approx(0.011)]  # then one token a step
+    assert t.latency == [pytest.approx(0.075)] and r.duration_s == pytest.approx(0.075)
+
+
+def test_the_real_scheduler_preempts_in_a_small_pool_and_every_request_finishes():
+    # 12 blocks of 16 = 192 tokens; four requests that grow to 128 tokens each
+    sim = Simulator(LinearStep(), num_blocks=12, scheduler=SchedulerConfig(max_model_len=256))
+    r = sim.run(Workload("tight", loops=[ClosedLoop(4, 4, LengthDist(64), LengthDist(64))]))
+    t = r.tiers[Priority.INTERACTIVE]
+    assert t.completed == 4 and t.output_tokens == 256
+    assert r.preemptions > 0
+    sim.kv.check_integrity()
+    assert sim.kv.usage().used_device_blocks == 0  # nothing leaked
+
+
+def test_prefix_caching_and_tiers_come_from_the_real_scheduler():
+    w4 = Workload("W4", loops=[ClosedLoop(16, 4, LengthDist(64), LengthDist(16), shared_prefix_tokens=256)])
+    assert Simulator(LinearStep(), 512).run(w4).prefix_hit_rate > 0.5
+    assert Simulator(LinearStep(), 512, enable_prefix_caching=False).run(w4).prefix_hit_rate == 0
+    flood = ClosedLoop(64, 16, LengthDist(256), LengthDist(64), Priority.BATCH)
+    chats = [Arrival(0.5 + i * 0.5, 64, 16) for i in range(10)]
+    r = Simulator(LinearStep(), 2048).run(Workload("W3", chats, [flood]))
+    inter, batch = r.tiers[Priority.INTERACTIVE], r.tiers[Priority.BATCH]
+    assert inter.completed == 10 and batch.completed == 64
+    assert percentile(inter.ttft, 50) < percentile(batch.ttft, 50)
+
+
+def test_admission_refusals_count_as_refused():
+    cfg = SchedulerConfig(interactive=SchedulerConfig().interactive.__class__(max_waiting=2))
+    arrivals = [Arrival(0.0, 512, 32) for _ in range(10)]
+    r = Simulator(LinearStep(), 1024, scheduler=cfg).run(Workload("burst", arrivals))
+    t = r.tiers[Priority.INTERACTIVE]
+    assert t.rejected > 0 and t.completed + t.rejected == 10
+
+
+def test_traces(tmp_path):
+    p = poisson(10.0, 30.0, LengthDist(100), LengthDist(50, 0.5), seed=1)
+    assert 200 < len(p) < 400 and all(a.time < 30 for a in p) and all(25 <= a.output_tokens <= 75 for a in p)
+    b = bursty(10.0, 100.0, LengthDist(100), LengthDist(50), seed=1)
+    assert 700 < len(b) < 1300
+    on = sum(1 for a in b if a.time % 10 < 2)  # 20% of the time at 4x the rate: ~80% of the arrivals
+    assert on / len(b) > 0.6
+    f = tmp_path / "trace.jsonl"
+    f.write_text('{"time": 1.5, "prompt_tokens": 10, "output_tokens": 5, "priority": "batch"}\n'
+                 '{"time": 0.5, "prompt_tokens": 20, "output_tokens": 5}\n')
+    r = recorded(f)
+    assert [a.time for a in r] == [0.5, 1.5] and r[1].priority is Priority.BATCH
+    f.write_text('{"time": 1}\n')
+    with pytest.raises(ValueError, match="trace.jsonl:1"):
+        recorded(f)
+
+
+# ---- the search -----------------------------------------------------------------------------------------
+
+def test_redundancy_hand_worked():
+    # 10 replicas needed, each up 99%: P(>= 10 of 11 up) = 0.99^11 + 11 x 0.01 x 0.99^10 = 0.99482 < 0.999;
+    # of 12: + 66 x 0.01^2 x 0.99^10 = 0.99978 -> 2 spares
+    assert redundancy(10, Redundancy(1, 0.999, 0.99))[0] == 12
+    # 3 regions, each for half the load: 5 a region; P(>= 5 of 6) = 0.99854, of 7 = 0.99997 -> 7 x 3
+    total, notes = redundancy(10, Redundancy(3, 0.999, 0.99))
+    assert total == 21 and "ceil(10 / 2) = 5" in notes[0]
+
+
+def test_the_70b_example_meets_its_slos_on_h100_and_h200():
+    slos = [SLO("ttft", 50, 0.2), SLO("tpot", 50, 0.05)]
+    r = plan(model_spec("llama-3.1-70b"), [accelerator_spec("h100-sxm"), accelerator_spec("h200")],
+             Load(10_000, LengthDist(1000), LengthDist(500)), slos, sim_seconds=15)
+    assert {p.candidate.deployment.accelerator.name for p in r.per_accelerator} == {"h100-sxm", "h200"}
+    for p in r.per_accelerator:
+        assert p.meets_slo and p.simulation is not None
+        t = p.simulation.tiers[Priority.INTERACTIVE]
+        assert percentile(t.ttft, 50) <= 0.2 and percentile(t.tpot, 50) <= 0.05
+        # the fleet carries the load: replicas x per-replica capacity >= 10,000 requests a minute
+        assert p.interactive_replicas * p.candidate.capacity_per_s >= 10_000 / 60 * 0.999
+        assert p.cost_per_hour == pytest.approx(p.devices * p.candidate.deployment.accelerator.price_per_hour)
+    assert r.best.cost_per_hour == min(p.cost_per_hour for p in r.per_accelerator)
+
+
+def test_an_slo_no_configuration_meets_gets_the_closest_plan_and_the_reason():
+    r = plan(model_spec("llama-3.1-70b"), [accelerator_spec("l4")], Load(600, LengthDist(1000), LengthDist(200)),
+             [SLO("tpot", 50, 0.001)])
+    assert not r.best.meets_slo and "TPOT" in r.best.unreachable and r.best.replicas >= 1
+
+
+def test_batch_work_fills_headroom_and_is_priced_per_tier():
+    r = plan(model_spec("llama-3.1-8b"), [accelerator_spec("h100-sxm")],
+             Load(6000, LengthDist(500), LengthDist(200), batch_share=0.5), [SLO("ttft", 50, 0.5)], simulate=False)
+    p = r.best
+    assert set(p.cost_per_million) == {"interactive", "batch"} and p.interactive_replicas >= 1
+
+
+# ---- calibration fit ----------------------------------------------------------------------------------
+
+def test_the_fit_recovers_known_machine_figures():
+    m = model_spec("smollm2-135m")
+    shapes = [[Work(1, c)] * b for b in (1, 2, 4, 8, 16, 32, 64) for c in (128, 1024)]
+    shapes += [[Work(n, 0)] for n in (16, 64, 256, 1024, 2048)] + [[Work(256, 0)] + [Work(1, 128)] * 8]
+    true = dict(o=0.012, p=3e-4, pf=0.004, flops=2.5e11, attention=1.0e11, bw=2.0e10)
+    samples = []
+    for w in shapes:
+        parts = features(m, "bf16", "bf16", w)
+        roof = max(parts.linear_flops / true["flops"], parts.weight_bytes / true["bw"]) + \
+            max(parts.attention_flops / true["attention"], parts.kv_bytes / true["bw"])
+        samples.append((parts, true["o"] + true["p"] * parts.seqs + true["pf"] * parts.has_prefill + roof))
+    got = fit(samples, bandwidth=true["bw"])
+    assert got["flops"] == pytest.approx(true["flops"], rel=0.03)
+    assert got["attention_flops"] == pytest.approx(true["attention"], rel=0.05)
+    assert got["step_overhead_s"] == pytest.approx(true["o"], rel=0.1)
+    assert got["rms_relative_error"] < 0.02
+
+
+# ---- the CLI --------------------------------------------------------------------------------------------
+
+def test_plan_cli(capsys, tmp_path):
+    from kvserve.cli import main
+
+    assert main(["plan", "--model", "nope"]) == 2
+    assert "llama-3.1-70b" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a malformed SLO is argparse's usage error
+        main(["plan", "--model", "llama-3.1-8b", "--slo", "latency:p50=1s"])
+    capsys.readouterr()
+    assert main(["plan", "--model", "llama-3.1-8b", "--accelerator", "h100-sxm,l4", "--rpm", "1200", "--json",
+                 "--sim-seconds", "10"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["plan"]["meets_slo"] and len(doc["per_accelerator"]) == 2
+    assert doc["plan"]["simulation"]["tiers"]["interactive"]["completed"] > 0
+    assert main(["plan", "--model", "llama-3.1-70b", "--accelerator", "l4", "--slo", "tpot:p50=1ms",
+                 "--no-simulate"]) == 1
+    assert "UNREACHABLE" in capsys.readouterr().out
+    assert main(["plan", "specs"]) == 0 and "mi300x" in capsys.readouterr().out
+    assert main(["plan", "--model", "smollm2-135m", "--accelerator", "cpu"]) == 2  # not calibrated here
+    assert "kvserve plan calibrate" in capsys.readouterr().err
+
+
+def test_plan_report_writes_its_plots(tmp_path, capsys):
+    from kvserve.cli import main
+
+    assert main(["plan", "--model", "llama-3.2-1b", "--accelerator", "l4", "--rpm", "600", "--input", "500",
+                 "--output", "100", "--sim-seconds", "5", "--report", str(tmp_path / "rep")]) == 0
+    files = {p.name for p in (tmp_path / "rep").iterdir()}
+    assert {"index.html", "ttft_vs_load.png", "kv_over_time.png"} <= files
+    assert "TTFT against load" in (tmp_path / "rep" / "index.html").read_text()
+
+
+def test_calibration_profiles_the_real_engine_and_plans_with_it(tmp_path, tiny_llama_gguf, capsys):
+    """The tiny model through the real loading path: `plan calibrate` writes a file that `--accelerator`
+    takes, and `plan simulate` and `plan` run on it."""
+    from kvserve.cli import main
+
+    config = tmp_path / "models.toml"
+    config.write_text(f'[[models]]\nid = "tiny"\nsource = "{tiny_llama_gguf}"\ndtype = "float32"\n'
+                      'num_gpu_blocks_override = 512\nmax_num_seqs = 16\n')
+    out = tmp_path / "cal.json"
+    assert main(["plan", "calibrate", "--model", "tiny", "--config", str(config), "--out", str(out),
+                 "--price-per-hour", "0.05"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["weight_dtype"] == "fp32" and doc["num_blocks"] == 512 and doc["max_num_seqs"] == 16
+    assert doc["fit"]["flops"] > 0 and doc["fit"]["bandwidth"] > 0 and len(doc["samples"]) >= 20
+    assert doc["fit"]["median_abs_relative_error"] < 0.5
+    capsys.readouterr()
+    assert main(["plan", "simulate", "--model", str(tiny_llama_gguf), "--accelerator", str(out),
+                 "--workload", "W2", "--json"]) == 0
+    sim = json.loads(capsys.readouterr().out)
+    assert sim["tiers"]["interactive"]["completed"] == 8 and sim["output_tokens_per_s"] > 0
+    assert main(["plan", "--model", str(tiny_llama_gguf), "--accelerator", str(out), "--rpm", "10", "--input", "64",
+                 "--output", "16", "--slo", "ttft:p50=10s", "--sim-seconds", "10"]) == 0
+    text = capsys.readouterr().out
+    assert "1 replica(s) of cpu" in text and "$0.05/hour" in text
