@@ -270,9 +270,9 @@ def render(result: dict) -> str:
              "",
              "### Calibration", "",
              f"`kvserve plan calibrate --model smollm2-135m` ({c['weight_dtype']}, {c['samples']} steps profiled in "
-             f"{c['profile_s']:.0f} s; {c['wall_s']:.0f} s with loading): GEMMs {f['flops'] / 1e9:.1f} GFLOP/s, "
-             f"attention {f['attention_flops'] / 1e9:.1f} GFLOP/s, "
-             f"{f['bandwidth'] / 1e9:.2f} GB/s, step overhead {f['step_overhead_s'] * 1000:.2f} ms, per sequence "
+             f"{c['profile_s']:.0f} s; {c['wall_s']:.0f} s with loading): GEMMs {f['flops'] / 1e9:.1f} GFLOP/s ("
+             f"at half that rate for steps of {f['gemm_half_rate_tokens']:.0f} tokens), attention "
+             f"{f['attention_flops'] / 1e9:.1f} GFLOP/s, {f['bandwidth'] / 1e9:.2f} GB/s read (measured), step overhead {f['step_overhead_s'] * 1000:.2f} ms, per sequence "
              f"{f['per_seq_s'] * 1000:.3f} ms, per prefill step {f['prefill_overhead_s'] * 1000:.2f} ms; fit error "
              f"{f['median_abs_relative_error']:.1%} median, {f['rms_relative_error']:.1%} rms. Engine: max_num_seqs "
              f"{c['max_num_seqs']}, max_num_batched_tokens {c['max_num_batched_tokens']}, KV pool "
