@@ -2,7 +2,8 @@
 
 It loads the model as the server would (the models TOML's engine settings), runs a short profile of
 engine steps (decode batches of 1-64 sequences at 128 tokens and of 2-24 at 512, one to eight prompts of
-16-1024 tokens in a step, a prompt beside decodes; two passes over all of them), times each step from one `step()` to the next, and fits
+16-1024 tokens in a step, a prompt beside decodes; two passes over all of them), times each step from
+one `step()` to the next, and fits
 
     seconds = overhead + per_seq x sequences (+ prefill overhead) + the per-operation roofline
 

@@ -88,7 +88,8 @@ def cmd_plan(a) -> int:
         return _fail("--model is required (kvserve plan specs lists the known models)")
     try:
         model = model_spec(a.model)
-        accs = [accelerator_spec(x.strip(), model=model.name) for x in a.accelerator.split(",") if x.strip()]
+        names = (a.model, model.name)  # a calibration is kept under the served model's id
+        accs = [accelerator_spec(x.strip(), model=names) for x in a.accelerator.split(",") if x.strip()]
         slos = a.slo or [SLO("ttft", 50, 0.2), SLO("tpot", 50, 0.05)]
         load = Load(a.rpm, a.input, a.output, a.batch_share)
         red = Redundancy(a.regions, a.availability / 100 if a.availability is not None else None,
@@ -225,7 +226,7 @@ def cmd_simulate(a) -> int:
 
     try:
         model = model_spec(a.model)
-        acc = accelerator_spec(a.accelerator, model=model.name)
+        acc = accelerator_spec(a.accelerator, model=(a.model, model.name))
         cal = acc.calibrated
         d = Deployment(model, acc, a.tp, cal["weight_dtype"] if cal else a.dtype, cal["kv_dtype"] if cal else a.dtype)
         workload = simulation_workload(a)

@@ -218,7 +218,8 @@ def spec_from_gguf(path: Path) -> ModelSpec:
         intermediate_size=int(get("feed_forward_length")), vocab_size=vocab,
         tie_word_embeddings="output.weight" not in tensor_names,
         max_position_embeddings=int(get("context_length", 8192)),
-        sliding_window=int(window) if window else None, sliding_window_pattern=6 if window and arch == "gemma3" else None,
+        sliding_window=int(window) if window else None,
+        sliding_window_pattern=6 if window and arch == "gemma3" else None,
         num_experts=int(get("expert_count", 1) or 1), experts_per_token=int(get("expert_used_count", 1) or 1),
         source=str(path))
 
@@ -230,19 +231,21 @@ def calibration_path(model: str) -> Path:
     return kvserve_home() / "calibration" / f"{model}.json"
 
 
-def accelerator_spec(name_or_path: str, model: str | None = None) -> AcceleratorSpec:
-    """An accelerator by name, or a measured machine: `cpu` (this machine's calibration for `model`) or the
-    path of a calibration file."""
+def accelerator_spec(name_or_path: str, model: str | tuple[str, ...] | None = None) -> AcceleratorSpec:
+    """An accelerator by name, or a measured machine: `cpu` (this machine's calibration for `model`, the
+    first of its names that has one) or the path of a calibration file."""
     path = Path(name_or_path).expanduser()
     if path.suffix == ".json" and path.is_file():
         return calibrated_spec(json.loads(path.read_text()))
     if name_or_path.lower() in ("cpu", "this", "local"):
-        where = calibration_path(model or "MODEL")
-        if model is None or not where.is_file():
-            raise UnknownSpec(f"no calibration of this machine for model {model!r} at {where}: run "
-                              f"`kvserve plan calibrate --model {model or 'MODEL'}` first (it profiles the real "
-                              f"engine for about a minute)")
-        return calibrated_spec(json.loads(where.read_text()))
+        names = (model,) if isinstance(model, str) else tuple(model or ())
+        for n in names:
+            if calibration_path(n).is_file():
+                return calibrated_spec(json.loads(calibration_path(n).read_text()))
+        first = names[0] if names else "MODEL"
+        raise UnknownSpec(f"no calibration of this machine for model {first!r} at {calibration_path(first)}: run "
+                          f"`kvserve plan calibrate --model {first}` first (it profiles the real engine for "
+                          f"about a minute)")
     return _lookup(name_or_path, known_accelerators(), "accelerator",
                    "Or `cpu` for this machine once `kvserve plan calibrate` has measured it, or a calibration .json.")
 
