@@ -242,10 +242,13 @@ def candidates(model: ModelSpec, accelerators: list[AcceleratorSpec], dtypes=DTY
     return out
 
 
-def _size(c: Candidate, load: Load, red: Redundancy) -> tuple[int, int, int, list[str], float]:
-    """(replicas in all, interactive replicas, batch-only replicas, redundancy notes, headroom)."""
+def _size(c: Candidate, load: Load, red: Redundancy, interactive: int | None = None
+          ) -> tuple[int, int, int, list[str], float]:
+    """(replicas in all, interactive replicas, batch-only replicas, redundancy notes, headroom); the
+    interactive count from the candidate's capacity unless given."""
     inter_rate, batch_rate = load.rate(Priority.INTERACTIVE), load.rate(Priority.BATCH)
-    inter = math.ceil(inter_rate / c.capacity_per_s - 1e-9) if inter_rate else 0
+    inter = interactive if interactive is not None else \
+        math.ceil(inter_rate / c.capacity_per_s - 1e-9) if inter_rate else 0
     # Batch work rides in the interactive replicas up to their capacity within the SLOs (its decodes
     # share their steps, so beyond that the interactive TPOT would suffer), then gets replicas of its
     # own run flat out.
@@ -291,7 +294,8 @@ def plan(model: ModelSpec, accelerators: list[AcceleratorSpec], load: Load, slos
         searched += len(evaluated)
         p = _best(evaluated, load, slos, red)
         if simulate and p.meets_slo:
-            _verify(p, load, slos, _configs(p.candidate.deployment, max_num_batched_tokens)[0], sim_seconds, seed)
+            p = _verify(p, load, red, slos, _configs(p.candidate.deployment, max_num_batched_tokens)[0], sim_seconds,
+                        seed)
         plans.append(p)
     plans.sort(key=lambda p: (not p.meets_slo, p.cost_per_hour if p.meets_slo else p.candidate.misses))
     return PlanResult(plans[0], plans, searched, time.perf_counter() - t0)
@@ -315,8 +319,9 @@ def _best(evaluated: list[Candidate], load: Load, slos: list[SLO], red: Redundan
     return _finish(ranked[0], load, red, ranked[1:6])
 
 
-def _finish(c: Candidate, load: Load, red: Redundancy, alternatives: list[Candidate]) -> Plan:
-    total, inter, batch, notes, headroom = _size(c, load, red)
+def _finish(c: Candidate, load: Load, red: Redundancy, alternatives: list[Candidate],
+            interactive: int | None = None) -> Plan:
+    total, inter, batch, notes, headroom = _size(c, load, red, interactive)
     d = c.deployment
     cost = total * d.tp * d.accelerator.price_per_hour
     tokens = load.prompt.mean + load.output.mean
@@ -333,32 +338,31 @@ def _finish(c: Candidate, load: Load, red: Redundancy, alternatives: list[Candid
     return Plan(c, total, inter, batch, total * d.tp, cost, per_tier, headroom, notes, alternatives=alternatives)
 
 
-def _verify(p: Plan, load: Load, slos: list[SLO], chunk: int, seconds: float, seed: int) -> None:
-    """Simulate one replica at its share of the load; add replicas while the SLOs are missed."""
+def _verify(p: Plan, load: Load, red: Redundancy, slos: list[SLO], chunk: int, seconds: float, seed: int) -> Plan:
+    """Check the plan with the simulator: one replica at its share of the load, judged on the requests that
+    arrive after a warm-up of about one request's lifetime (before it the batch is still filling and
+    latencies look better than they will be); replicas are added while the SLOs are missed."""
     c = p.candidate
-    inter = max(1, p.interactive_replicas)
+    rate = load.rate(Priority.INTERACTIVE)
+    if rate <= 0:  # batch-tier work only: no latency SLO to check
+        return p
+    tpot = min((s.seconds for s in slos if s.metric == "tpot"), default=0.05)
+    warm_up = min(max(load.output.mean * tpot, 5.0), MAX_SIMULATED_S / 2)
+    n = max(1, p.interactive_replicas)
     for _ in range(4):
-        rate = load.rate(Priority.INTERACTIVE) / inter
-        if rate <= 0:  # batch-tier work only: no latency SLO to check
-            return
-        span = min(max(seconds, MIN_SIMULATED_REQUESTS / rate), MAX_SIMULATED_S)  # enough requests to judge by
-        result = simulate_replica(c.deployment, c.max_num_seqs, c.memory, rate, load, span, chunk, seed)
+        r = rate / n
+        span = min(max(seconds, MIN_SIMULATED_REQUESTS / r), MAX_SIMULATED_S)  # enough requests to judge by
+        result = simulate_replica(c.deployment, c.max_num_seqs, c.memory, r, load, warm_up + span, chunk, seed,
+                                  measure_from=warm_up)
         t = result.tiers[Priority.INTERACTIVE]
         ok = t.completed > 0 and all(_observed(t, s) <= s.seconds for s in slos)
-        p.simulation, p.simulated_replicas = result, inter
         if ok:
             break
-        inter += max(1, math.ceil(inter * 0.1))
-    else:
-        p.meets_slo = False
-    if inter > max(1, p.interactive_replicas):
-        extra = inter - p.interactive_replicas
-        p.interactive_replicas = inter
-        factor = (p.replicas + extra) / p.replicas
-        p.replicas += extra
-        p.devices = p.replicas * c.deployment.tp
-        p.cost_per_hour *= factor
-        p.cost_per_million = {k: v * factor for k, v in p.cost_per_million.items()}
+        n += max(1, math.ceil(n * 0.1))
+    out = _finish(c, load, red, p.alternatives, interactive=n) if n != p.interactive_replicas else p
+    out.meets_slo = ok
+    out.simulation, out.simulated_replicas = result, n
+    return out
 
 
 def _observed(t, slo: SLO) -> float:
@@ -387,10 +391,10 @@ def replica_simulator(d: Deployment, cfg: SchedulerConfig, seed: int = 0) -> Sim
 
 
 def simulate_replica(d: Deployment, max_num_seqs: int, mem: MemoryPlan, rate: float, load: Load,
-                     seconds: float, chunk: int, seed: int = 0) -> SimResult:
+                     seconds: float, chunk: int, seed: int = 0, measure_from: float = 0.0) -> SimResult:
     """One replica at `rate` interactive requests/s of the load's shape (Poisson), no admission bounds."""
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk,
                           max_model_len=max(load.prompt.mean * 2 + load.output.mean * 2, 4096),
                           interactive=TierLimits.unbounded(), batch=TierLimits.unbounded())
-    return replica_simulator(d, cfg, seed).run(Workload("poisson", poisson(rate, seconds, load.prompt, load.output,
-                                                                           seed=seed)))
+    trace = poisson(rate, seconds, load.prompt, load.output, seed=seed)
+    return replica_simulator(d, cfg, seed).run(Workload("poisson", trace), measure_from=measure_from)

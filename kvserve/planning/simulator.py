@@ -130,7 +130,9 @@ class Simulator:
                                                              for _ in range(a.prefix_tokens)])
         return prefix + [self.rng.randrange(self.vocab) for _ in range(a.prompt_tokens - len(prefix))]
 
-    def run(self, workload: Workload) -> SimResult:
+    def run(self, workload: Workload, measure_from: float = 0.0) -> SimResult:
+        """Replay `workload`. Latency figures count the requests that arrive at `measure_from` or later (a
+        warm-up before it fills the batch); counts and throughput count every request."""
         clock, sched = self.clock, self.scheduler
         tiers = {p: TierResult() for p in Priority}
         pending: list[tuple[float, int, Arrival, ClosedLoop | None]] = [(a.time, i, a, None)
@@ -160,12 +162,13 @@ class Simulator:
             if status is SequenceStatus.FINISHED_LENGTH:
                 tier.completed += 1
                 tier.output_tokens += seq.num_output_tokens
+            if status is SequenceStatus.FINISHED_LENGTH and a.time >= measure_from:
                 tier.ttft.append(t.first_token - t.arrival)
                 tier.latency.append(clock.now - t.arrival)
                 tier.queue.append((t.first_scheduled or t.arrival) - t.arrival)
                 if seq.num_output_tokens > 1:
                     tier.tpot.append((t.last_token - t.first_token) / (seq.num_output_tokens - 1))
-            else:
+            elif status is not SequenceStatus.FINISHED_LENGTH:
                 tier.timed_out += 1
             last_finish = clock.now
             self._live.pop(seq.seq_id, None)
