@@ -166,9 +166,9 @@ def render(r: PlanResult, model: str, load: Load, slos: list[SLO]) -> str:
             checked = (f"; simulated TTFT p50 {_ms(t['ttft_s']['p50'])}, TPOT p50 {_ms(t['tpot_s']['p50'])}"
                        if t else "")
             verdict = "" if p.meets_slo else " -- misses the SLOs"
-            out.append(f"  {d.accelerator.name}: {p.replicas} replica(s) x{d.tp} ({d.weight_dtype} weights, {d.kv_dtype} KV, "
-                       f"max_num_seqs {p.candidate.max_num_seqs}), {p.devices} device(s), ${p.cost_per_hour:,.2f}/hour; "
-                       f"binds: {p.candidate.binds}{checked}{verdict}")
+            out.append(f"  {d.accelerator.name}: {p.replicas} replica(s) x{d.tp} ({d.weight_dtype} weights, "
+                       f"{d.kv_dtype} KV, max_num_seqs {p.candidate.max_num_seqs}), {p.devices} device(s), "
+                       f"${p.cost_per_hour:,.2f}/hour; binds: {p.candidate.binds}{checked}{verdict}")
     out += ["", f"searched {r.searched} configurations in {r.seconds:.1f} s"]
     return "\n".join(out)
 
