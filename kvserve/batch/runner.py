@@ -27,7 +27,6 @@ from kvserve.batch.validate import ENDPOINTS, parse
 from kvserve.config import BatchConfig
 from kvserve.engine.errors import (CapacityExhausted, InsufficientQuota, KVServeError, ModelWarming, QueueTimeout,
                                    ServerDraining)
-from kvserve.server.errors import to_api_error  # the error body a line gets is the one the API would send
 
 if TYPE_CHECKING:
     from kvserve.service.completion import CompletionService
@@ -143,13 +142,11 @@ class BatchRunner:
             except RETRY_LATER:
                 await self.store.awrite(self.jobs.release, b.id, line, self.owner)
                 return
-            except KVServeError as e:
-                err = to_api_error(e)
+            except KVServeError as e:  # the line's result is the error the API would have answered
                 state = "failed"
-                body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
-                result = _line_result(custom_id, err.status, None, body)
+                result = _line_result(custom_id, e.http_status, None, e.error_body())
                 if isinstance(e, InsufficientQuota):
-                    result["error"] = {"code": "insufficient_quota", "message": err.message}
+                    result["error"] = {"code": "insufficient_quota", "message": str(e)}
             await self.store.awrite(self.jobs.end_line, b.id, line, state, result, self.owner)
         except asyncio.CancelledError:
             await asyncio.shield(self.store.awrite(self.jobs.release, b.id, line, self.owner))

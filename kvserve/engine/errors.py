@@ -11,6 +11,11 @@ class KVServeError(Exception):
     error_type = "server_error"
     retry_after: float | None = None
     headers: dict | None = None  # more response headers (a rate limit's x-ratelimit-*)
+    param: str | None = None  # the request field at fault, if one is
+
+    def error_body(self) -> dict:
+        """OpenAI's error object for this error: what an HTTP response, or a batch line's result, carries."""
+        return {"error": {"message": str(self), "type": self.error_type, "param": self.param, "code": self.code}}
 
 
 class InvalidRequest(KVServeError):
@@ -95,6 +100,7 @@ class ModelNotFound(KVServeError):
     code = "model_not_found"
     http_status = 404
     error_type = "invalid_request_error"
+    param = "model"
 
 
 class ServerDraining(KVServeError):

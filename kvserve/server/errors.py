@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvserve.engine.errors import CapacityExhausted, KVServeError, ModelNotFound
+from kvserve.engine.errors import CapacityExhausted, KVServeError
 from kvserve.engine.sampling import InvalidSamplingParams
 
 log = logging.getLogger(__name__)
@@ -97,13 +97,10 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, CapacityExhausted):
         return APIError(exc.http_status, str(exc), exc.error_type, exc.code,
                         headers={"Retry-After": retry_after_header(exc.retry_after)})
-    if isinstance(exc, ModelNotFound):
-        return APIError(exc.http_status, str(exc), exc.error_type, exc.code, param="model")
     if isinstance(exc, KVServeError):
         retry = exc.retry_after if exc.retry_after is not None else (1 if exc.http_status == 503 else None)
         headers = {**(exc.headers or {}), **({"Retry-After": retry_after_header(retry)} if retry is not None else {})}
-        return APIError(exc.http_status, str(exc), exc.error_type, exc.code, param=getattr(exc, "param", None),
-                        headers=headers)
+        return APIError(exc.http_status, str(exc), exc.error_type, exc.code, param=exc.param, headers=headers)
     if isinstance(exc, InvalidSamplingParams):
         return APIError(400, str(exc), "invalid_request_error", "invalid_value", param=exc.param)
     if isinstance(exc, (ValidationError, RequestValidationError)):
