@@ -280,3 +280,55 @@ def calibrate(model_id: str, config_path: str | None = None, output: str | Path 
     out.write_text(json.dumps(doc, indent=1))
     doc["path"] = str(out)
     return doc
+
+
+# Shapes the affine prior is fitted over: decode batches at a typical context, and prompt chunks.
+_PRIOR_DECODES = (1, 2, 4, 8, 16, 32, 64)
+_PRIOR_PROMPTS = (32, 128, 512, 2048)
+_PRIOR_CONTEXT = 512
+
+
+def step_time_prior(doc: dict, model: ModelSpec):
+    """The engine's online step-time model (engine/step_time.py) started from a calibration instead of its
+    generic defaults: the calibrated roofline evaluated over typical decode batches and prompt chunks, and
+    the affine fit of those. Admission's wait and TTFT estimates are then right from the first request;
+    the engine keeps learning from its own steps as before."""
+    from kvserve.engine.step_time import StepTimeModel
+    from kvserve.planning.search import step_model
+    from kvserve.planning.specs import calibrated_spec
+
+    acc = calibrated_spec(doc)
+    sm = step_model(Deployment(model, acc, 1, doc["weight_dtype"], doc["kv_dtype"]))
+    shapes = [(b, 0, sm.seconds([Work(1, _PRIOR_CONTEXT)] * b)) for b in _PRIOR_DECODES]
+    shapes += [(0, n, sm.seconds([Work(n, 0)])) for n in _PRIOR_PROMPTS]
+    rows = [((1 / t, d / t, n / t), 1.0) for d, n, t in shapes]  # relative error: small steps count too
+    a = [[sum(r[0][i] * r[0][j] for r in rows) for j in range(3)] for i in range(3)]
+    y = [sum(r[0][i] * r[1] for r in rows) for i in range(3)]
+    fixed, per_decode, per_prefill = nonnegative_least_squares(a, y)
+    return StepTimeModel(fixed_s=fixed, per_decode_s=per_decode, per_prefill_token_s=per_prefill)
+
+
+def seed_engine(engine, model_id: str) -> bool:
+    """Give `engine`'s scheduler the step-time prior of this machine's calibration for `model_id`, if there
+    is one (`kvserve plan calibrate`) and it was measured at the engine's dtype; True when it did."""
+    from kvserve.planning.specs import calibration_path
+
+    path = calibration_path(model_id)
+    if not path.is_file():
+        return False
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("weight_dtype") != _dtype_name(engine.dtype) or doc.get("cpu") != _cpu_name():
+            return False  # measured on another machine or at another dtype: the generic defaults are as good
+        cfg = engine.model_config
+        spec = ModelSpec(name=model_id, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                         intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
+                         tie_word_embeddings=cfg.tie_word_embeddings, sliding_window=cfg.sliding_window,
+                         sliding_window_pattern=cfg.sliding_window_pattern)
+        engine.scheduler.step_time = step_time_prior(doc, spec)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("calibration %s not used: %s", path, e)
+        return False
+    log.info("step-time prior for %s from %s", model_id, path)
+    return True

@@ -246,6 +246,24 @@ def test_the_fit_recovers_known_machine_figures():
     assert got["rms_relative_error"] < 0.02
 
 
+def test_the_step_time_prior_follows_the_calibrated_roofline():
+    from kvserve.planning.calibrate import step_time_prior
+    from kvserve.planning.search import step_model
+    from kvserve.planning.specs import calibrated_spec
+
+    doc = {"machine": {"name": "cpu (test)", "memory_bytes": 1 << 34, "flops": 3e11, "attention_flops": 1e11,
+                       "memory_bandwidth": 3e10}, "weight_dtype": "bf16", "kv_dtype": "bf16",
+           "fit": {"step_overhead_s": 0.01, "per_seq_s": 2e-4, "prefill_overhead_s": 0.005,
+                   "gemm_half_rate_tokens": 8.0}}
+    m = model_spec("smollm2-135m")
+    prior = step_time_prior(doc, m)
+    sm = step_model(Deployment(m, calibrated_spec(doc), 1, "bf16", "bf16"))
+    for b in (1, 8, 32, 64):
+        assert prior.predict(b) == pytest.approx(sm.seconds([Work(1, 512)] * b), rel=0.15)
+    for n in (64, 256):
+        assert prior.predict(0, n) == pytest.approx(sm.seconds([Work(n, 0)]), rel=0.3)
+
+
 # ---- the CLI --------------------------------------------------------------------------------------------
 
 def test_plan_cli(capsys, tmp_path):
@@ -279,7 +297,7 @@ def test_plan_report_writes_its_plots(tmp_path, capsys):
     assert "TTFT against load" in (tmp_path / "rep" / "index.html").read_text()
 
 
-def test_calibration_profiles_the_real_engine_and_plans_with_it(tmp_path, tiny_llama_gguf, capsys):
+def test_calibration_profiles_the_real_engine_and_plans_with_it(tmp_path, tiny_llama_gguf, capsys, monkeypatch):
     """The tiny model through the real loading path: `plan calibrate` writes a file that `--accelerator`
     takes, and `plan simulate` and `plan` run on it."""
     from kvserve.cli import main
@@ -287,9 +305,9 @@ def test_calibration_profiles_the_real_engine_and_plans_with_it(tmp_path, tiny_l
     config = tmp_path / "models.toml"
     config.write_text(f'[[models]]\nid = "tiny"\nsource = "{tiny_llama_gguf}"\ndtype = "float32"\n'
                       'num_gpu_blocks_override = 512\nmax_num_seqs = 16\n')
-    out = tmp_path / "cal.json"
-    assert main(["plan", "calibrate", "--model", "tiny", "--config", str(config), "--out", str(out),
-                 "--price-per-hour", "0.05"]) == 0
+    monkeypatch.setenv("KVSERVE_HOME", str(tmp_path / "home"))
+    assert main(["plan", "calibrate", "--model", "tiny", "--config", str(config), "--price-per-hour", "0.05"]) == 0
+    out = tmp_path / "home" / "calibration" / "tiny.json"
     doc = json.loads(out.read_text())
     assert doc["weight_dtype"] == "fp32" and doc["num_blocks"] == 512 and doc["max_num_seqs"] == 16
     assert doc["fit"]["flops"] > 0 and doc["fit"]["bandwidth"] > 0 and len(doc["samples"]) >= 20
@@ -303,3 +321,13 @@ def test_calibration_profiles_the_real_engine_and_plans_with_it(tmp_path, tiny_l
                  "--output", "16", "--slo", "ttft:p50=10s", "--sim-seconds", "10"]) == 0
     text = capsys.readouterr().out
     assert "1 replica(s) of cpu" in text and "$0.05/hour" in text
+    # a server's engine for that model starts from this machine's step times, not the generic defaults
+    from kvserve.config import engine_config_from_kwargs
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine.step_time import StepTimeModel
+    from kvserve.planning.calibrate import seed_engine
+
+    engine = LLMEngine(engine_config_from_kwargs(str(tiny_llama_gguf), dtype="float32", num_gpu_blocks_override=512),
+                       model_id="tiny")
+    assert seed_engine(engine, "tiny") and engine.scheduler.step_time.predict(16) != StepTimeModel().predict(16)
+    assert not seed_engine(engine, "another-model")
