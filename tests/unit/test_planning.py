@@ -266,8 +266,10 @@ def test_the_step_time_prior_follows_the_calibrated_roofline():
 
 # ---- the CLI --------------------------------------------------------------------------------------------
 
-def test_plan_cli(capsys, tmp_path):
+def test_plan_cli(capsys, tmp_path, monkeypatch):
     from kvserve.cli import main
+
+    monkeypatch.setenv("KVSERVE_HOME", str(tmp_path))  # no calibration of this machine there
 
     assert main(["plan", "--model", "nope"]) == 2
     assert "llama-3.1-70b" in capsys.readouterr().err
