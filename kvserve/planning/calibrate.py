@@ -26,13 +26,13 @@ import platform
 import random
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 from kvserve.engine.step_time import nonnegative_least_squares
 from kvserve.planning.roofline import Deployment, Efficiency, StepModel, StepParts, Work
-from kvserve.planning.specs import AcceleratorSpec, ModelSpec, calibration_path
+from kvserve.planning.specs import AcceleratorSpec, ModelSpec, calibration_path, model_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +265,7 @@ def calibrate(model_id: str, config_path: str | None = None, output: str | Path 
         "cpu": _cpu_name(), "cores": os.cpu_count(), "model": model_id, "weight_dtype": dtype, "kv_dtype": dtype,
         "num_blocks": engine.kv.num_device_blocks, "block_size": engine.kv.block_size, "kv_pool_bytes": kv_pool,
         "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-        "max_model_len": engine.max_model_len, "profile_s": profile_s, "fit": result,
+        "max_model_len": engine.max_model_len, "profile_s": profile_s, "fit": result, "model_spec": asdict(spec),
         "machine": {"name": f"cpu ({_cpu_name()}, {os.cpu_count()} cores)",
                     "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
                     "flops": result["flops"], "attention_flops": result["attention_flops"],
@@ -311,8 +311,6 @@ def step_time_prior(doc: dict, model: ModelSpec):
 def seed_engine(engine, model_id: str) -> bool:
     """Give `engine`'s scheduler the step-time prior of this machine's calibration for `model_id`, if there
     is one (`kvserve plan calibrate`) and it was measured at the engine's dtype; True when it did."""
-    from kvserve.planning.specs import calibration_path
-
     path = calibration_path(model_id)
     if not path.is_file():
         return False
@@ -320,12 +318,7 @@ def seed_engine(engine, model_id: str) -> bool:
         doc = json.loads(path.read_text())
         if doc.get("weight_dtype") != _dtype_name(engine.dtype) or doc.get("cpu") != _cpu_name():
             return False  # measured on another machine or at another dtype: the generic defaults are as good
-        cfg = engine.model_config
-        spec = ModelSpec(name=model_id, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-                         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                         intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
-                         tie_word_embeddings=cfg.tie_word_embeddings, sliding_window=cfg.sliding_window,
-                         sliding_window_pattern=cfg.sliding_window_pattern)
+        spec = model_from_dict(doc["model_spec"])  # the very spec the calibration was fitted with
         engine.scheduler.step_time = step_time_prior(doc, spec)
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("calibration %s not used: %s", path, e)

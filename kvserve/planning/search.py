@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from kvserve.config import Priority, SchedulerConfig, TierLimits
 from kvserve.planning.memory import MemoryPlan, memory_plan
 from kvserve.planning.roofline import GPU_EFFICIENCY, Deployment, Efficiency, StepModel, Work
-from kvserve.planning.simulator import SimResult, Simulator
+from kvserve.planning.simulator import SimResult, Simulator, percentile
 from kvserve.planning.specs import AcceleratorSpec, ModelSpec
 from kvserve.planning.traces import LengthDist, Workload, poisson
 
@@ -366,8 +366,6 @@ def _verify(p: Plan, load: Load, red: Redundancy, slos: list[SLO], chunk: int, s
 
 
 def _observed(t, slo: SLO) -> float:
-    from kvserve.planning.simulator import percentile
-
     values = t.ttft if slo.metric == "ttft" else t.tpot
     v = percentile(values, slo.percentile)
     return math.inf if v is None else v

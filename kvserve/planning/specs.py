@@ -105,7 +105,8 @@ class AcceleratorSpec:
 _MODEL_KEYS = {f.name for f in fields(ModelSpec)}
 
 
-def _model_from_row(row: dict) -> ModelSpec:
+def model_from_dict(row: dict) -> ModelSpec:
+    """A ModelSpec from a table row or a calibration file's record (unknown keys ignored)."""
     row = {k: v for k, v in row.items() if k in _MODEL_KEYS and v is not None}
     row["aliases"] = tuple(row.get("aliases", ()))
     return ModelSpec(**row)
@@ -126,7 +127,7 @@ def _accelerator_from_row(row: dict) -> AcceleratorSpec:
 @cache
 def known_models() -> dict[str, ModelSpec]:
     with open(DATA / "models.toml", "rb") as f:
-        return {m.name: m for m in map(_model_from_row, tomllib.load(f)["model"])}
+        return {m.name: m for m in map(model_from_dict, tomllib.load(f)["model"])}
 
 
 @cache
