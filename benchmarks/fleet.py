@@ -326,6 +326,7 @@ id = "{model}"
 source = "{source}"
 role = "fast"
 version = "{version}"
+interactive = {{ max_ttft_s = inf }}  # the single-process W1-W4 runs refuse nothing either
 [models.fleet]
 replicas = {replicas}
 cpus = {cpus}

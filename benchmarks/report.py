@@ -323,9 +323,10 @@ class Report:
         s5 = self.shape("W5") or {"duration": "?"}
         self.w(f"\nPoisson arrivals at 3x the request rate W1 sustained on the same engine, for {s5['duration']} s; "
                "requests in flight at the end finish. Goodput = requests whose TTFT was at most 1 s, per "
-               "second of the run. kvserve runs it with the SLO as its admission bound: "
+               "second of the run. kvserve runs it with its shipped interactive admission bound, "
                f"`interactive = {{max_ttft_s = {OVERLOAD_TTFT_S}}}` (refuse a request whose estimated time to first "
-               "token is longer; the rest of the second is left for HTTP, delivery and the estimate's spread).")
+               "token is longer; the rest of the second is left for HTTP, delivery and the estimate's spread); "
+               "W1-W4 lift it, as the peers refuse nothing.")
         self.note_missing("W5")
 
     def ratios(self) -> None:

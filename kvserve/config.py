@@ -129,6 +129,15 @@ TIER_NAMES = tuple(p.label for p in Priority)
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half")
 
 
+# The interactive tier's promise: an admitted request's first token within this at p99, under any load
+# (overload is refused with 429 and Retry-After instead of queued past it; RELIABILITY.md, the soak).
+INTERACTIVE_TTFT_SLO_S = 1.0
+# The shipped admission bound that keeps it: a request whose estimated time to first token (the step-time
+# model's, learned from this machine's steps) is longer is refused. The SLO less what the engine cannot see
+# (HTTP, tokenizing, delivery) and the estimate's spread (BENCHMARKS.md, What bounds each workload, W5).
+INTERACTIVE_MAX_TTFT_S = 0.7
+
+
 @dataclass(frozen=True)
 class TierLimits:
     """Admission bounds for one priority tier."""
@@ -160,7 +169,7 @@ class SchedulerConfig:
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
     preemption_mode: PreemptionMode = PreemptionMode.AUTO
-    interactive: TierLimits = field(default_factory=TierLimits)
+    interactive: TierLimits = field(default_factory=lambda: TierLimits(max_ttft_s=INTERACTIVE_MAX_TTFT_S))
     batch: TierLimits = field(default_factory=lambda: TierLimits(max_waiting=4096, max_queue_wait_s=3600.0,
                                                                  queue_timeout_s=7200.0))
     batch_decode_quantum: int = 64  # batch seqs yield after this many decode steps when interactive work waits

@@ -132,6 +132,7 @@ def test_kvserve_bench_configs_parse(tmp_path):
         ec = cfg.models[0].engine_config()
         assert ec.cache.enable_prefix_caching is caching and ec.scheduler.max_num_seqs == 32
         assert ec.scheduler.interactive.max_queue_wait_s == 2.5 and ec.cache.kv_cache_memory == 512 << 20
+        assert ec.scheduler.interactive.max_ttft_s == float("inf")  # peers refuse nothing in W1-W4; nor do we
         assert spec.ready_path == "/ready" and spec.argv[1:4] == ["-m", "kvserve.cli", "serve"]
     assert t.variant("prefix_off") == "nocache" and t.variant("long") == "default"
     spec = t.server_spec(t.variant("overload"), 8000, tmp_path)  # W5: the SLO as the admission bound
