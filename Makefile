@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench reliability clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,14 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
+
+# The reliability suite at full scale (about 25 minutes): figures and outcomes into RELIABILITY.md.
+RELIABILITY_OUT := reliability-results
+reliability: $(STAMP)
+	rm -rf $(RELIABILITY_OUT) && mkdir -p $(RELIABILITY_OUT)
+	KVSERVE_RELIABILITY=full KVSERVE_RELIABILITY_OUT=$(CURDIR)/$(RELIABILITY_OUT) $(PY) -m pytest -ra \
+		tests/reliability tests/integration/test_isolation.py --junitxml=$(RELIABILITY_OUT)/junit.xml \
+		$(PYTEST_ARGS); status=$$?; $(PY) -m tests.reliability.report $(RELIABILITY_OUT) RELIABILITY.md; exit $$status
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.suite $(BENCH_ARGS)

@@ -5,9 +5,7 @@ exactly once, and every line is billed once."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,62 +14,16 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.live_server import LiveServer, tiny_model_toml
+
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(LiveServer):
+    """The tiny model with a fast batch poll and short leases."""
 
-
-class Server:
     def __init__(self, home: Path, model: Path):
-        self.home, self.port = home, _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.config = home / "models.toml"
-        self.config.write_text(f'[server]\nhome = "{home}"\n[batch]\npoll_s = 0.1\nlease_s = 3.0\n'
-                               f'max_inflight = 8\n[[models]]\nid = "tiny"\nsource = "{model}"\n'
-                               'dtype = "float32"\nmax_model_len = 256\nnum_gpu_blocks_override = 128\n')
-        from kvserve.store import Store
-
-        with Store(home / "kvserve.db") as store:
-            self.token = store.create_tenant("acme")[1]
-        self.proc = None
-
-    def start(self) -> "Server":
-        log = open(self.home / "server.log", "a")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--port", str(self.port),
-                                      "--config", str(self.config)], env={**os.environ, "KVSERVE_HOME": str(self.home)},
-                                     stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.base + "/ready", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError((self.home / "server.log").read_text()[-3000:])
-
-    def stop(self, sig=signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(60)
-
-    def openai(self):
-        import openai
-
-        return openai.OpenAI(base_url=self.base + "/v1", api_key=self.token, max_retries=0, timeout=60)
-
-    def usage_rows(self, prefix: str) -> list[dict]:
-        from kvserve.store import Store
-
-        with Store(self.home / "kvserve.db") as store:
-            conn = store.db.conn()
-            cur = conn.execute("SELECT request_id, completion_tokens, tier, price FROM usage_records"
-                               " WHERE request_id LIKE ?", (prefix + "%",))
-            return [dict(zip(("request_id", "completion_tokens", "tier", "price"), r)) for r in cur.fetchall()]
+        super().__init__(home, tiny_model_toml(model), "[batch]\npoll_s = 0.1\nlease_s = 3.0\nmax_inflight = 8\n")
 
 
 @pytest.fixture
