@@ -48,10 +48,11 @@ def check_fits(config: SchedulerConfig, kv: KVCacheManager, seq: Sequence) -> No
 
 
 def estimates(config: SchedulerConfig, model: StepTimeModel, running: list[Sequence], ahead: list[TierQueue],
-              own_prompt_tokens: int) -> tuple[float, float]:
+              own_prompt_tokens: int, seat_holders: list[Sequence] | None = None,
+              turn_s: float = 0.0) -> tuple[float, float]:
     """(queue wait, time to first token) of a request arriving now with `own_prompt_tokens`, behind the
-    queues `ahead` (its tier's and those above it), from one pass over the running batch. Two parts, each timed by the step-time model (fixed + per
-    decode + per prefill token):
+    queues `ahead` (its tier's and those above it), from one pass over the running batch. Two parts, each
+    timed by the step-time model (fixed + per decode + per prefill token):
     - the prompt tokens ahead of it (running sequences still prefilling, then those queued in its tier
       and above; for the TTFT, its own after them), prefilled in chunks of max_num_batched_tokens
       less the running decodes, each chunk's step also decoding those;
@@ -60,21 +61,25 @@ def estimates(config: SchedulerConfig, model: StepTimeModel, running: list[Seque
       has generated left (EXPECTED_OUTPUT_TOKENS without max_tokens; an upper bound when EOS
       comes first), one token per decode step of the running batch. Seats needed beyond the
       running ones free up a round later each, a round being the expected output of the queued
-      requests.
+      requests. Only `seat_holders` keep their seats (default: all running; interactive work takes the
+      seats of batch sequences);
+    - `turn_s`: a step that must run before the tier's next one (the batch tier's turn after an interactive
+      step alone).
     """
     num_running = len(running)
+    holders = running if seat_holders is None else seat_holders
     # Running sequences still prefilling (chunked, or just admitted) go first.
     owed = sum(s.num_uncomputed_tokens for s in running if s.is_prefill)
     tokens = owed + sum(t.prompt_tokens for t in ahead)
     budget = config.max_num_batched_tokens
-    queue_prefill = model.prefill_seconds(tokens, num_running, budget)
-    ttft_prefill = model.prefill_seconds(tokens + own_prompt_tokens, num_running, budget)
+    queue_prefill = turn_s + model.prefill_seconds(tokens, num_running, budget)
+    ttft_prefill = turn_s + model.prefill_seconds(tokens + own_prompt_tokens, num_running, budget)
     waiting = sum(t.num_waiting for t in ahead)
-    need = waiting + 1 - (config.max_num_seqs - num_running)
-    if need <= 0 or not running:
+    need = waiting + 1 - (config.max_num_seqs - len(holders))
+    if need <= 0 or not holders:
         return queue_prefill, ttft_prefill
     left = sorted(max(1, (s.sampling.max_tokens or EXPECTED_OUTPUT_TOKENS) - s.num_output_tokens)
-                  for s in running)
+                  for s in holders)
     steps = left[min(need, len(left)) - 1]
     if need > len(left):
         round_tokens = sum(t.output_tokens for t in ahead) / max(1, waiting)

@@ -156,8 +156,17 @@ class Scheduler:
         return self._estimates(tier, prompt_tokens)[1]
 
     def _estimates(self, tier: Priority, own_prompt_tokens: int) -> tuple[float, float]:
+        """Admission's estimates with what this scheduler's policy adds: interactive work takes batch seats
+        (_take_batch_seat), and after an interactive step alone the next step is the batch tier's."""
         ahead = [t for prio, t in self._tiers.items() if prio <= tier]
-        return admission.estimates(self.config, self.step_time, self._running, ahead, own_prompt_tokens)
+        holders = [s for s in self._running if s.priority <= tier]
+        turn = 0.0
+        if tier is Priority.INTERACTIVE and self._alone_last and len(holders) < len(self._running):
+            batch_prefill = min(self.config.interactive_batch_prefill_tokens,
+                                self._tiers[Priority.BATCH].prompt_tokens)
+            turn = self.step_time.predict(len(self._running), batch_prefill)
+        return admission.estimates(self.config, self.step_time, self._running, ahead, own_prompt_tokens,
+                                   holders, turn)
 
     @property
     def tokens_per_s(self) -> float:

@@ -372,12 +372,12 @@ def _observed(t, slo: SLO) -> float:
 
 
 def engine_scheduler(acc: AcceleratorSpec) -> SchedulerConfig:
-    """The scheduler settings a replica runs with: a calibrated machine's own, else the engine defaults."""
+    """The scheduler settings a replica runs with: a calibrated machine's own, else the engine defaults; no TTFT
+    admission bound, as a plan sizes replicas so that nothing is refused (a bound would hide overload)."""
     c = acc.calibrated
-    if c is None:
-        return SchedulerConfig()
-    return SchedulerConfig(max_num_seqs=c["max_num_seqs"], max_num_batched_tokens=c["max_num_batched_tokens"],
-                           max_model_len=c["max_model_len"])
+    sizes = {} if c is None else dict(max_num_seqs=c["max_num_seqs"], max_model_len=c["max_model_len"],
+                                      max_num_batched_tokens=c["max_num_batched_tokens"])
+    return SchedulerConfig(**sizes, interactive=TierLimits())
 
 
 def replica_simulator(d: Deployment, cfg: SchedulerConfig, seed: int = 0) -> Simulator:

