@@ -325,6 +325,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         return self.forward(logits, metadata)
 
+    # Always in inference mode, whatever the caller's: the scratch tensors are made by the first call that
+    # needs them and reused by later ones, and one made in inference mode (an interjection samples inside the
+    # suspended step's forward, which runs in inference mode) cannot be written outside it.
+    @torch.inference_mode()
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != md.batch_size:
             raise ValueError(f"logits must be [{md.batch_size}, V], got {tuple(logits.shape)}")

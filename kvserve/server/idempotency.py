@@ -87,6 +87,28 @@ class IdempotencyManager:
         self.store = store
         self.spawn = spawn  # schedules a coroutine as a tracked background task
         self.inflight: dict[tuple[str, str], InflightResponse] = {}
+        self._renewer: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Renew the store leases of this process's keys in progress, three times a lease, until stop(): while
+        it lives its keys stay claimed; if it dies, a retry after the lease runs afresh (not a 409 for a day)."""
+        self._renewer = asyncio.get_running_loop().create_task(self._renew_leases())
+
+    async def stop(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            await asyncio.gather(self._renewer, return_exceptions=True)
+            self._renewer = None
+
+    async def _renew_leases(self) -> None:
+        period = self.store.store.idempotency.lease_s / 3
+        while True:
+            await asyncio.sleep(period)
+            if self.inflight:
+                try:
+                    await self.store.arenew_idempotent(list(self.inflight))
+                except Exception:  # noqa: BLE001 - the next round retries; the lease has two more periods
+                    log.warning("could not renew idempotency key leases", exc_info=True)
 
     async def begin(self, tenant: str, key: str, route: str, body: object) -> tuple[BeginResult, InflightResponse | None]:
         try:

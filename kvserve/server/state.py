@@ -80,7 +80,12 @@ class ServerState:
         released = 0 if self.shared_store else await self.store.areset_in_progress()
         if released:
             log.info("released %d idempotency keys left in progress by a previous run", released)
+        # ... and the budget holds of its requests in flight (no usage row will ever settle them)
+        holds = 0 if self.shared_store else await self.store.arelease_all_holds()
+        if holds:
+            log.info("released %d budget holds left by a previous run's requests in flight", holds)
         self.idempotency = IdempotencyManager(self.store, self.spawn)
+        self.idempotency.start()
         self.service.ledger.open(self.store, self.loop)
         self.service.metering.open(self.store)
         b = self.config.batch
@@ -107,6 +112,8 @@ class ServerState:
         await asyncio.gather(*(asyncio.to_thread(h.client.stop, 10.0) for h in self.models.values()))
         await self.flush()
         await self.service.ledger.flush()
+        if self.idempotency is not None:
+            await self.idempotency.stop()
         if self.store is not None:
             await self.store.aclose()
 

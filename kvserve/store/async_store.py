@@ -122,12 +122,18 @@ class AsyncStore:
     async def arelease(self, tenant: str, request_ids: Sequence[str]) -> None:
         return await self._write(self.store.holds.release, tenant, list(request_ids))
 
+    async def arelease_all_holds(self) -> int:
+        return await self._write(self.store.holds.release_all)
+
     # idempotency --------------------------------------------------------------------------
     async def abegin_idempotent(self, tenant: str, key: str, body_hash: str) -> BeginResult:
         return await self._write(self.store.idempotency.begin, tenant, key, body_hash)
 
     async def acomplete_idempotent(self, tenant: str, key: str, response: StoredResponse) -> bool:
         return await self._write(self.store.idempotency.complete, tenant, key, response)
+
+    async def arenew_idempotent(self, keys: list[tuple[str, str]]) -> int:
+        return await self._write(self.store.idempotency.renew, keys)
 
     async def aabandon_idempotent(self, tenant: str, key: str) -> bool:
         return await self._write(self.store.idempotency.abandon, tenant, key)

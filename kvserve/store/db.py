@@ -290,6 +290,15 @@ MIGRATIONS: list[tuple[int, str]] = [
             SUM(engine_s) FROM usage_hourly GROUP BY 1, 2, 3, 4;
         """,
     ),
+    (
+        9,
+        """
+        -- An in-progress idempotency key is leased by the process running its request, which renews the
+        -- lease while it runs: a key whose process died (a fleet gateway SIGKILLed) is free again once its
+        -- lease lapses, not stuck until the key expires. NULL: no lease (the row of an older server).
+        ALTER TABLE idempotency_keys ADD COLUMN lease_until REAL;
+        """,
+    ),
 ]
 
 

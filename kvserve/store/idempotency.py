@@ -11,9 +11,10 @@ Protocol for the server, per request carrying a key::
 
 ``begin`` is atomic (check and claim in one ``BEGIN IMMEDIATE`` transaction), so of many
 concurrent callers exactly one gets NEW. Keys expire ``ttl_s`` (24 h) after ``begin``: an expired
-key is treated as absent; ``purge_expired()`` deletes them. An ``in_progress`` row whose process
-died stays until it expires; a server that is the only one on its data directory can call
-``reset_in_progress()`` at start-up to release them.
+key is treated as absent; ``purge_expired()`` deletes them. An ``in_progress`` row is leased for
+``lease_s`` by the process that runs it, which ``renew``s the lease while the request runs: a row
+whose lease lapsed (its process died) is treated as absent, so a retry runs afresh. A server that
+is the only one on its data directory also calls ``reset_in_progress()`` at start-up.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from kvserve.store.db import Database
 
 DEFAULT_IDEMPOTENCY_TTL_S = 24 * 3600.0
+# An in-progress key's lease; its holder renews it a few times per lease (server/idempotency.py).
+DEFAULT_IDEMPOTENCY_LEASE_S = 30.0
 MAX_KEY_LEN = 255
 
 
@@ -77,9 +80,11 @@ def validate_key(key: str) -> str:
 
 
 class IdempotencyStore:
-    def __init__(self, db: "Database", *, ttl_s: float = DEFAULT_IDEMPOTENCY_TTL_S) -> None:
+    def __init__(self, db: "Database", *, ttl_s: float = DEFAULT_IDEMPOTENCY_TTL_S,
+                 lease_s: float = DEFAULT_IDEMPOTENCY_LEASE_S) -> None:
         self.db = db
         self.ttl_s = ttl_s
+        self.lease_s = lease_s
 
     def _expiry_cutoff(self) -> float:
         return self.db.clock() - self.ttl_s
@@ -89,16 +94,17 @@ class IdempotencyStore:
         now = self.db.clock()
         with self.db.write() as conn:
             row = conn.execute(
-                "SELECT body_hash, state, status_code, headers, body, events, created_at"
+                "SELECT body_hash, state, status_code, headers, body, events, created_at, lease_until"
                 " FROM idempotency_keys WHERE tenant = ? AND key = ?", (tenant, key)).fetchone()
-            if row is not None and row[6] <= now - self.ttl_s:
+            lapsed = row is not None and row[1] == "in_progress" and row[7] is not None and row[7] < now
+            if row is not None and (row[6] <= now - self.ttl_s or lapsed):
                 conn.execute("DELETE FROM idempotency_keys WHERE tenant = ? AND key = ?", (tenant, key))
                 row = None
             if row is None:
-                conn.execute("INSERT INTO idempotency_keys (tenant, key, body_hash, state, created_at)"
-                             " VALUES (?, ?, ?, 'in_progress', ?)", (tenant, key, body_hash, now))
+                conn.execute("INSERT INTO idempotency_keys (tenant, key, body_hash, state, created_at, lease_until)"
+                             " VALUES (?, ?, ?, 'in_progress', ?, ?)", (tenant, key, body_hash, now, now + self.lease_s))
                 return BeginResult(BeginOutcome.NEW)
-        stored_hash, state, status_code, headers, body, events, _ = row
+        stored_hash, state, status_code, headers, body, events, _, _ = row
         if stored_hash != body_hash:
             return BeginResult(BeginOutcome.MISMATCH)
         if state == "in_progress":
@@ -119,6 +125,16 @@ class IdempotencyStore:
                 "UPDATE idempotency_keys SET state = 'done', status_code = ?, headers = ?, body = ?, events = ?,"
                 " completed_at = ? WHERE tenant = ? AND key = ? AND state = 'in_progress'",
                 (int(response.status_code), headers, body, events, self.db.clock(), tenant, key)).rowcount == 1
+
+    def renew(self, keys: list[tuple[str, str]]) -> int:
+        """Extend the leases of these (tenant, key) pairs, in progress in this process; how many were."""
+        if not keys:
+            return 0
+        until = self.db.clock() + self.lease_s
+        with self.db.write() as conn:
+            return sum(conn.execute("UPDATE idempotency_keys SET lease_until = ? WHERE tenant = ? AND key = ?"
+                                    " AND state = 'in_progress'", (until, tenant, key)).rowcount
+                       for tenant, key in keys)
 
     def abandon(self, tenant: str, key: str) -> bool:
         """Release an ``in_progress`` key (the request failed) so that a retry runs it afresh."""

@@ -4,8 +4,9 @@ transaction per call, all or nothing, and settled by the request's usage row.
 
 `budget_reservations` has one row per held engine request (tenant, request id): the budget keys and the
 dollars held, the tokens counted, when, and when the hold expires (a gateway that died never settles;
-expired holds are dropped by the next admission). `settle` runs inside the usage ledger's transaction
-that writes the request's row: the hold goes, the real price is spent, unused tokens are given back.
+expired holds are dropped by the next admission, and the only server on a store drops all at start-up).
+`settle` runs inside the usage ledger's transaction that writes the request's row: the hold goes, the real
+price is spent, unused tokens are given back.
 """
 from __future__ import annotations
 
@@ -87,6 +88,20 @@ class Holds:
         with self.db.write() as conn:
             for rid in request_ids:
                 self._drop(conn, tenant, rid)
+
+    def release_all(self) -> int:
+        """Drop every hold: start-up of the only server on this store, whose previous run died (SIGKILL, a crash)
+        with requests in flight. Their holds would never be settled (no usage row comes for a request that died
+        with its process) and would keep their dollars out of the budgets until they expire (an hour). The
+        dollars go back; the tokens stay counted in their rate window (they may have been used; it ends within
+        a minute). A batch line that was in flight runs again and takes a new hold. Returns how many."""
+        with self.db.write() as conn:
+            rows = conn.execute("SELECT tenant, request_id, models, amount FROM budget_reservations").fetchall()
+            for tenant, rid, models, amount in rows:
+                conn.execute("DELETE FROM budget_reservations WHERE tenant = ? AND request_id = ?", (tenant, rid))
+                self.budgets.unhold(conn, tenant, models, amount)
+            conn.execute("UPDATE budgets SET reserved = 0 WHERE reserved != 0")  # nothing is held now (no drift)
+        return len(rows)
 
     def _drop(self, conn: "sqlite3.Connection", tenant: str, request_id: str, used_tokens: int = 0) -> None:
         row = conn.execute("SELECT models, amount, tokens, created_at FROM budget_reservations WHERE tenant = ?"

@@ -376,6 +376,21 @@ def test_idempotency_abandon_allows_retry(store):
     assert store.begin_idempotent("a", "k", "h1").new
 
 
+def test_idempotency_lease_frees_a_key_whose_process_died(store, clock):
+    lease = store.idempotency.lease_s
+    assert store.begin_idempotent("a", "alive", "h").new and store.begin_idempotent("a", "dead", "h").new
+    for _ in range(4):  # the holder of "alive" renews it a few times a lease; "dead"'s holder is gone
+        clock.advance(lease / 3)
+        assert store.idempotency.renew([("a", "alive")]) == 1
+    assert store.begin_idempotent("a", "alive", "h").outcome is BeginOutcome.IN_PROGRESS
+    assert store.begin_idempotent("a", "dead", "h").new  # lapsed: the retry runs afresh, and now holds it
+    assert store.begin_idempotent("a", "dead", "h").outcome is BeginOutcome.IN_PROGRESS
+    assert store.complete_idempotent("a", "alive", StoredResponse(200, body=b"x"))
+    assert store.idempotency.renew([("a", "alive")]) == 0  # a done key has no lease
+    clock.advance(10 * lease)
+    assert store.begin_idempotent("a", "alive", "h").outcome is BeginOutcome.REPLAY  # done keys never lapse
+
+
 def test_idempotency_expiry_and_purge(store, clock):
     store.begin_idempotent("a", "old", "h")
     store.complete_idempotent("a", "old", StoredResponse(200, body=b"x"))
