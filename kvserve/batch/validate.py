@@ -7,15 +7,13 @@ OpenAI's do; a file with any error fails the batch and runs nothing.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from pydantic import ValidationError
 
 from kvserve.service import protocol as p
 
-ENDPOINTS = {"/v1/chat/completions": ("chat", p.ChatCompletionRequest),
-             "/v1/completions": ("completion", p.CompletionRequest)}
+ENDPOINTS = dict(zip(p.BATCH_ENDPOINTS, (("chat", p.ChatCompletionRequest), ("completion", p.CompletionRequest))))
 MAX_ERRORS = 100  # listed; the count is always complete
 
 
@@ -38,8 +36,8 @@ def parse(data: bytes, endpoint: str, models: set[str]) -> tuple[list[Line], lis
         if not raw.strip():
             continue
         try:
-            obj = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            obj = p.parse_json(raw)
+        except p.InvalidJSON as e:
             err(n, "invalid_json", f"line {n} is not JSON: {e}")
             continue
         if not isinstance(obj, dict):

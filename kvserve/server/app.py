@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from kvserve.config import ServerConfig
+from kvserve.server import openapi
 from kvserve.server.errors import install_exception_handlers
 from kvserve.server.routes import admin, batches, dashboard, ops, v1
 from kvserve.server.state import ServerState
@@ -46,6 +47,7 @@ def create_app(config: ServerConfig | None = None, client_factory: ClientFactory
     app.include_router(admin.router)
     app.include_router(batches.router)
     dashboard.mount(app)
+    openapi.install(app)
     return app
 
 

@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from kvserve.engine.errors import CapacityExhausted, KVServeError
 from kvserve.engine.sampling import InvalidSamplingParams
@@ -68,25 +69,44 @@ def _is_type_tag(part: str) -> bool:
     return (part in _TYPE_TAGS or "[" in part or "(" in part or "-" in part or part[:1].isupper())
 
 
-def _loc_to_param(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")
-             and (isinstance(p, int) or not _is_type_tag(str(p)))]
+def _path(parts: list) -> str | None:
     if not parts:
         return None
-    out = parts[0]
+    out = str(parts[0])
     for p in parts[1:]:
-        out += f"[{p}]" if p.isdigit() else f".{p}"
+        out += f"[{p}]" if isinstance(p, int) or str(p).isdigit() else f".{p}"
     return out
 
 
+def _loc_to_param(loc: tuple, whole: bool = False) -> str | None:
+    """The parameter an error's `loc` names: up to the union that pydantic tried members of (`whole`: the
+    path inside the member too, for the message)."""
+    parts = []
+    for p in loc:
+        if p in ("body", "query", "path", "header"):
+            continue
+        if not isinstance(p, int) and _is_type_tag(str(p)):
+            if whole:
+                continue
+            break
+        parts.append(p)
+    return _path(parts)
+
+
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """(message, param) of the first error. Of a union's errors (one per member tried), the message is the
+    first that is not a type mismatch: for stop=[""], "stop[0]: String should have at least 1 character"."""
     first = errors[0] if errors else {}
     param = _loc_to_param(tuple(first.get("loc", ())))
-    msg = first.get("msg", "invalid request")
-    if param:
-        msg = f"{param}: {msg}"
-    if len(errors) > 1:
-        msg += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    same = [e for e in errors if _loc_to_param(tuple(e.get("loc", ()))) == param]
+    shown = next((e for e in same if not str(e.get("type", "")).endswith("_type")), first) if len(same) > 1 else first
+    where = _loc_to_param(tuple(shown.get("loc", ())), whole=True)
+    msg = shown.get("msg", "invalid request")
+    if where:
+        msg = f"{where}: {msg}"
+    more = len(errors) - len(same)  # errors about other params
+    if more:
+        msg += f" (and {more} more error{'s' if more > 1 else ''})"
     return msg, param
 
 
@@ -104,8 +124,10 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, InvalidSamplingParams):
         return APIError(400, str(exc), "invalid_request_error", "invalid_value", param=exc.param)
     if isinstance(exc, (ValidationError, RequestValidationError)):
-        msg, param = validation_message(list(exc.errors()))
-        return APIError(400, msg, "invalid_request_error", "invalid_value", param=param)
+        errors = list(exc.errors())
+        msg, param = validation_message(errors)
+        code = "missing_required_parameter" if errors and errors[0].get("type") == "missing" else "invalid_value"
+        return APIError(400, msg, "invalid_request_error", code, param=param)
     if isinstance(exc, json.JSONDecodeError):
         return APIError(400, f"request body is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})",
                         "invalid_request_error", "invalid_json")
@@ -128,14 +150,23 @@ def api_error_response(exc: BaseException, extra_headers: dict[str, str] | None 
     return error_response(err.status, err.message, err.type, err.code, err.param, headers)
 
 
+def allowed_methods(request: Request) -> str:
+    """The Allow header of a 405: the methods some route takes on the request's path."""
+    routes = request.app.router.routes
+    return ", ".join(m for m in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+                     if any(r.matches({**request.scope, "method": m})[0] is Match.FULL for r in routes))
+
+
 def install_exception_handlers(app: FastAPI) -> None:
     async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
         return api_error_response(exc)
 
     async def on_http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error_response(exc.status_code, str(exc.detail), "invalid_request_error", code,
-                              headers=getattr(exc, "headers", None))
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:  # Starlette names the methods of the first route on the path only
+            headers["Allow"] = allowed_methods(request)
+        return error_response(exc.status_code, str(exc.detail), "invalid_request_error", code, headers=headers)
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         return internal_error_response(exc)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -32,7 +31,8 @@ MAX_DRAIN_BYTES = 64 << 20  # past the limit, read (and drop) up to this much so
 
 
 async def read_json_body(request: Request, limit: int) -> dict:
-    """The request body as a JSON object; 413 past `limit` bytes, 400 when it is not a JSON object."""
+    """The request body as a JSON object; 413 past `limit` bytes, 400 when it is not strict JSON (p.parse_json) or
+    not an object."""
     too_large = APIError(413, f"request body exceeds the limit of {limit} bytes", "invalid_request_error",
                          "request_too_large")
     declared = request.headers.get("content-length")
@@ -54,12 +54,9 @@ async def read_json_body(request: Request, limit: int) -> dict:
     if not raw.strip():
         raise APIError(400, "request body is empty; expected a JSON object", code="invalid_json")
     try:
-        data = json.loads(raw)
-    except UnicodeDecodeError:
-        raise APIError(400, "request body is not UTF-8 JSON", code="invalid_json") from None
-    except json.JSONDecodeError as e:
-        raise APIError(400, f"request body is not valid JSON: {e.msg} (line {e.lineno} column {e.colno})",
-                       code="invalid_json") from None
+        data = p.parse_json(raw)
+    except p.InvalidJSON as e:
+        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
     return data

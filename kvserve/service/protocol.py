@@ -1,7 +1,12 @@
 """OpenAI request and response schemas (pydantic), plus kvserve's and vLLM's extra request fields.
 
-Unknown request fields are ignored (OpenAI clients send extras). Field ranges follow OpenAI; the
-SamplingParams built from a request validates once more (its errors are 400s too).
+Unknown request fields are ignored (OpenAI clients send extras); the types of known ones are strict, as
+OpenAI's are ("2" is no integer, 0 no boolean). Field ranges follow OpenAI; the
+SamplingParams built from a request validates once more (its errors are 400s too). Every constraint that
+JSON Schema can state is in the types here (or, for a rule across fields, in `json_schema_extra` beside
+its validator), so the OpenAPI document (kvserve/server/openapi.py) and the validation say the same. The
+`x-kvserve` marks name what only the served models know (their ids, context, vocabulary): the document
+fills those in for the server that serves it.
 
 Defaults stated: chat `max_completion_tokens`/`max_tokens` unset -> min(the server's
 `default_max_tokens` (1024 unless configured), the context left after the prompt); /v1/completions
@@ -11,34 +16,93 @@ context with the prompt is a 400 context_length_exceeded (as vLLM). `temperature
 """
 from __future__ import annotations
 
+import json
+import math
+import re
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from kvserve.config import TIER_NAMES
 from kvserve.engine.sampling import SamplingParams
+from kvserve.metering.budgets import PERIODS as BUDGET_PERIODS
 
 Tier = Literal[TIER_NAMES]  # the labels of kvserve.config.Priority
 MAX_N = 128
 MAX_LOGPROBS = 20
+MAX_STOP = 16
+MAX_TOKEN_ID = 2**31 - 1  # no vocabulary is larger (a top_k or a stop token id past 64 bits killed the engine)
+
+# A token id: for a prompt, the document bounds it by the served vocabulary (out of it: 400 invalid_prompt).
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+PromptTokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID, json_schema_extra={"x-kvserve": "vocabulary"})]
+# A prompt's text: "" encodes to no tokens (400 invalid_prompt) unless the model adds a BOS token.
+PromptText = Annotated[str, Field(json_schema_extra={"x-kvserve": "text"})]
+StopString = Annotated[str, Field(min_length=1)]
+
+
+class InvalidJSON(ValueError):
+    """A request body (or batch line) that is not strict JSON in UTF-8."""
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _not_json(name: str):
+    raise InvalidJSON(f"{name} is not a JSON value")
+
+
+def _number(text: str) -> int | float:
+    """A JSON number with no fraction is an integer, as JSON Schema counts (2.0 for n is 2; the models'
+    strict int types take it then; their float types take ints). One past float's range (1e400) is refused."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise InvalidJSON(f"the number {text[:40]} is out of range")
+    return int(value) if value.is_integer() else value
+
+
+def parse_json(raw: bytes) -> Any:
+    """Strict JSON in UTF-8 (a BOM allowed): not Python's extras NaN and Infinity, nor escaped unpaired
+    UTF-16 surrogates ("\\ud800"), which are no Unicode text (the tokenizer fails on them). InvalidJSON else."""
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise InvalidJSON(f"not UTF-8 (byte {e.start})") from None
+    try:
+        data = json.loads(text, parse_constant=_not_json, parse_float=_number)
+    except json.JSONDecodeError as e:
+        raise InvalidJSON(f"{e.msg} (line {e.lineno} column {e.colno})") from None
+    if _SURROGATE_ESCAPE.search(text):  # rare: check that each one was half of a pair
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidJSON("a string has an unpaired UTF-16 surrogate escape (not Unicode text)") from None
+    return data
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Lenient about unknown fields, strict about the types of known ones."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+# A token count that must fit in the model's context with the prompt (the document: below max_model_len).
+MaxTokens = Annotated[int, Field(ge=1, json_schema_extra={"x-kvserve": "context"})]
+
+
 class _CommonRequest(_Lenient):
-    model: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    # an id of a served model or "auto" (an unknown id: 404 model_not_found)
+    model: str = Field(min_length=1, json_schema_extra={"x-kvserve": "model"})
+    max_tokens: MaxTokens | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: int = Field(default=1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -47,28 +111,24 @@ class _CommonRequest(_Lenient):
     stream_options: StreamOptions | None = None
     # kvserve extensions
     priority: Tier = "interactive"
-    metadata: dict[str, Any] | None = None
+    # free-form; metadata.tenant_id must name the token's own tenant (403), request_id is echoed in a header
+    metadata: dict[str, Any] | None = Field(default=None, json_schema_extra={
+        "properties": {"tenant_id": {"type": "string"}, "request_id": {"type": "string"}}})
     # vLLM extras
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_TOKEN_ID)
     min_p: float | None = Field(default=None, ge=0, le=1)
-    repetition_penalty: float | None = Field(default=None, gt=0)
+    # bounded so that logits / penalty stays finite in float32 (1e-300 was 0 there: the engine died)
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
-        if v is None:
-            return []
-        v = [v] if isinstance(v, str) else v
-        if any(not s for s in v):
-            raise ValueError("stop strings must be non-empty")
-        if len(v) > 16:
-            raise ValueError("at most 16 stop strings")
-        return v
+        return [] if v is None else [v] if isinstance(v, str) else v
 
     @field_validator("metadata")
     @classmethod
@@ -132,6 +192,11 @@ class TextPart(_Lenient):
 
 
 class ChatMessage(_Lenient):
+    # _content below, for the document: only an assistant message may leave content out (or null)
+    model_config = ConfigDict(extra="ignore", json_schema_extra={
+        "if": {"properties": {"role": {"const": "assistant"}}},
+        "else": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}})
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -154,8 +219,13 @@ class ChatMessage(_Lenient):
 
 
 class ChatCompletionRequest(_CommonRequest):
+    # _logprobs below, for the document: a top_logprobs that is not null needs logprobs: true
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"dependentSchemas": {"top_logprobs": {"anyOf": [
+        {"properties": {"top_logprobs": {"type": "null"}}},
+        {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}]}}})
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
@@ -179,27 +249,25 @@ class ChatCompletionRequest(_CommonRequest):
 
 
 class CompletionRequest(_CommonRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # one prompt (text or token ids), or a list of up to MAX_N of them
+    prompt: (PromptText
+             | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_N)]
+             | Annotated[list[PromptTokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[PromptTokenId], Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_N)])
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for /v1/completions
+    echo: bool = Field(default=False, json_schema_extra={"const": False})  # _echo below
+    max_tokens: MaxTokens | None = 16  # OpenAI's default for /v1/completions
 
-    @field_validator("prompt")
+    @field_validator("echo")
     @classmethod
-    def _prompt(cls, v):
-        if isinstance(v, list):
-            if not v:
-                raise ValueError("prompt must not be an empty list")
-            if any(isinstance(x, list) and not x for x in v):
-                raise ValueError("token id lists must not be empty")
-            if len(v) > MAX_N and not isinstance(v[0], int):
-                raise ValueError(f"at most {MAX_N} prompts per request")
+    def _echo(cls, v):
+        if v:
+            raise ValueError("echo is not supported")
         return v
 
     @model_validator(mode="after")
-    def _echo(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
+    def _n_prompts(self):
         if isinstance(self.prompt, list) and not isinstance(self.prompt[0], int) and len(self.prompt) * self.n > MAX_N:
             raise ValueError(f"number of prompts x n must be at most {MAX_N}")
         return self
@@ -220,7 +288,60 @@ class CompletionRequest(_CommonRequest):
         return sum(len(p) if isinstance(p, str) else 4 * len(p) for p in self.prompts())
 
 
+# ---- the batch API's and the admin API's request bodies --------------------------------------
+
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+
+
+class FileUpload(BaseModel):
+    """POST /v1/files, a multipart form. The lines are checked when a batch uses the file (one of blank lines
+    only: 400)."""
+
+    file: bytes = Field(min_length=1)
+    purpose: Literal["batch"]
+
+
+class BatchCreateRequest(_Lenient):
+    input_file_id: str
+    endpoint: Literal[BATCH_ENDPOINTS]
+    # "24h" (OpenAI's one value) or any <n>s|m|h|d, n > 0 (kvserve.batch.jobs.window_seconds)
+    completion_window: str = Field(pattern=r"^0*[1-9][0-9]{0,6}[smhd]$")
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        default=None, max_length=16)
+
+
+class BudgetRequest(_Lenient):
+    """PUT /v1/admin/tenants/{name}/budget. `model`: a served model's id, or unset for all models."""
+
+    amount: Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]  # dollars
+    period: Literal[BUDGET_PERIODS] = "month"
+    model: str | None = None
+
+
+MAX_RATE_LIMIT = 10**12  # per minute: more is no limit, and the store keeps 64-bit integers
+
+
+class LimitsRequest(_Lenient):
+    """PUT /v1/admin/tenants/{name}/limits: requests and tokens per minute; null removes a limit."""
+
+    rpm: StrictInt | None = Field(default=None, ge=1, le=MAX_RATE_LIMIT)
+    tpm: StrictInt | None = Field(default=None, ge=1, le=MAX_RATE_LIMIT)
+
+
 # ---- responses ------------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error response, whatever its status (OpenAI's error schema)."""
+
+    error: ErrorDetail
 
 
 class PromptTokensDetails(BaseModel):

@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Request, UploadFile
+from fastapi import APIRouter, Query, Request, UploadFile
 from fastapi.responses import JSONResponse, Response
 
 from kvserve.batch.runner import create_batch
+from kvserve.server import openapi
 from kvserve.server.auth import authenticate
 from kvserve.server.errors import APIError
 from kvserve.server.serving import read_json_body
 from kvserve.server.state import ServerState
+from kvserve.service import protocol as p
 
 router = APIRouter(prefix="/v1")
 
@@ -24,7 +26,7 @@ def _not_found(what: str, ident: str, param: str) -> APIError:
     return APIError(404, f"no {what} {ident!r}", "invalid_request_error", f"{what}_not_found", param=param)
 
 
-@router.post("/files")
+@router.post("/files", openapi_extra=openapi.multipart_body(p.FileUpload))
 async def create_file(request: Request):
     state, tenant = await _caller(request)
     try:
@@ -35,11 +37,11 @@ async def create_file(request: Request):
     upload, purpose = form.get("file"), form.get("purpose")
     if not hasattr(upload, "read"):
         raise APIError(400, "the form has no 'file' part", param="file", code="missing_required_parameter")
-    if not isinstance(purpose, str):
-        raise APIError(400, "the form has no 'purpose'", param="purpose", code="missing_required_parameter")
     upload: UploadFile
     data = await upload.read(state.batch_files.max_bytes + 1)
-    f = await asyncio.to_thread(state.batch_files.upload, tenant, upload.filename or "upload.jsonl", purpose, data)
+    body = p.FileUpload.model_validate({"file": data, **({"purpose": purpose} if purpose is not None else {})})
+    f = await asyncio.to_thread(state.batch_files.upload, tenant, upload.filename or "upload.jsonl", body.purpose,
+                                data)
     return JSONResponse(f.to_json())
 
 
@@ -59,7 +61,7 @@ async def get_file(request: Request, file_id: str):
     return JSONResponse(f.to_json())
 
 
-@router.get("/files/{file_id}/content")
+@router.get("/files/{file_id}/content", openapi_extra=openapi.media_types("application/jsonl"))
 async def file_content(request: Request, file_id: str):
     state, tenant = await _caller(request)
     data = await asyncio.to_thread(state.batch_files.read, tenant, file_id)
@@ -76,24 +78,18 @@ async def delete_file(request: Request, file_id: str):
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
 
-@router.post("/batches")
+@router.post("/batches", openapi_extra=openapi.json_body(p.BatchCreateRequest))
 async def create(request: Request):
     state, tenant = await _caller(request)
-    body = await read_json_body(request, state.config.max_body_bytes)
-    for key in ("input_file_id", "endpoint", "completion_window"):
-        if not isinstance(body.get(key), str):
-            raise APIError(400, f"{key} is required (a string)", param=key, code="missing_required_parameter")
+    body = p.BatchCreateRequest.model_validate(await read_json_body(request, state.config.max_body_bytes))
     b = await state.store.awrite(create_batch, state.batch_jobs, state.batch_files, set(state.models), tenant,
-                                 body["input_file_id"], body["endpoint"], body["completion_window"],
-                                 body.get("metadata"))
+                                 body.input_file_id, body.endpoint, body.completion_window, body.metadata)
     return JSONResponse(b.to_json())
 
 
 @router.get("/batches")
-async def list_batches(request: Request, after: str | None = None, limit: int = 20):
+async def list_batches(request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)):
     state, tenant = await _caller(request)
-    if not 1 <= limit <= 100:
-        raise APIError(400, "limit must be in [1, 100]", param="limit", code="invalid_value")
     batches, more = await state.store.aread(state.batch_jobs.list, tenant, after, limit)
     data = [b.to_json() for b in batches]
     return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvserve.engine.client import EngineStatus
@@ -42,7 +42,7 @@ async def ready(request: Request):
     return JSONResponse({"ready": ok, "draining": state.draining, "models": models}, status_code=200 if ok else 503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)  # the Prometheus text format
 async def metrics(request: Request):
     state: ServerState = request.app.state.kv
     return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

@@ -3,37 +3,41 @@ from __future__ import annotations
 
 import time
 from datetime import datetime, timezone
+from typing import Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvserve.metering.reports import BUCKET_WIDTHS, DEFAULT_LIMIT, MAX_LIMIT, to_csv
 from kvserve.metering.reports import page as usage_page
 from kvserve.service import protocol as p
 from kvserve.store.usage import REPORT_GROUPS
+from kvserve.server import openapi
 from kvserve.server.auth import authenticate
 from kvserve.server.errors import APIError
 from kvserve.server.serving import handle_completion
 from kvserve.server.state import ServerState
 
 router = APIRouter(prefix="/v1")
+BucketWidth = Literal[tuple(BUCKET_WIDTHS)]
 
 
 def _state(request: Request) -> ServerState:
     return request.app.state.kv
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions",
+             openapi_extra=openapi.json_body(p.ChatCompletionRequest, p.ChatCompletionResponse, stream=True))
 async def chat_completions(request: Request):
     return await handle_completion(request, "chat")
 
 
-@router.post("/completions")
+@router.post("/completions", openapi_extra=openapi.json_body(p.CompletionRequest, p.CompletionResponse, stream=True))
 async def completions(request: Request):
     return await handle_completion(request, "completion")
 
 
-@router.get("/models")
+@router.get("/models", openapi_extra=openapi.json_response(p.ModelList))
 async def list_models(request: Request):
     state = _state(request)
     await authenticate(request, state.store)
@@ -46,7 +50,7 @@ async def list_models(request: Request):
     return JSONResponse(p.ModelList(data=cards).model_dump(mode="json"))
 
 
-@router.get("/models/{model_id}")
+@router.get("/models/{model_id}", openapi_extra=openapi.json_response(p.ModelCard))
 async def get_model(request: Request, model_id: str):
     state = _state(request)
     await authenticate(request, state.store)
@@ -76,44 +80,51 @@ async def serving_metrics(request: Request, model: str | None = None):
                          "data": [state.metrics.window.summary(h.id, h.live_stats()) for h in state.models.values()]})
 
 
+# Unix seconds of the dates ISO 8601 can write (years 1 to 9999); NaN and infinities are not times
+_TIME_RANGE = (datetime(1, 1, 1, tzinfo=timezone.utc).timestamp(),
+               datetime(9999, 12, 31, tzinfo=timezone.utc).timestamp())
+
+
 def _parse_time(value: str | None, param: str) -> float | None:
     """Unix seconds, or an ISO 8601 date/time (UTC when no zone is given)."""
     if value is None or value == "":
         return None
+    bad = APIError(400, f"{param} must be Unix seconds or an ISO 8601 date/time (years 1-9999), got {value!r}",
+                   param=param, code="invalid_value")
     try:
-        return float(value)
+        seconds = float(value)
     except ValueError:
         pass
+    else:
+        if not _TIME_RANGE[0] <= seconds <= _TIME_RANGE[1]:  # False for NaN too
+            raise bad
+        return seconds
     try:
         dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
-        raise APIError(400, f"{param} must be Unix seconds or an ISO 8601 date/time, got {value!r}",
-                       param=param, code="invalid_value") from None
+        raise bad from None
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=timezone.utc)
     return dt.timestamp()
 
 
-@router.get("/usage")
+@router.get("/usage", openapi_extra=openapi.media_types("text/csv"))
 async def usage(request: Request, start_time: str | None = None, end_time: str | None = None,
-                bucket_width: str = "1d", limit: int | None = None, page: str | None = None,
-                format: str = "json"):
+                bucket_width: BucketWidth = "1d", limit: int | None = Query(None, ge=1, le=max(MAX_LIMIT.values())),
+                page: str | None = None, format: Literal["json", "csv"] = "json",
+                group_by: list[str] = Query([], description=f"any of {', '.join(REPORT_GROUPS)}; repeated or "
+                                                            "comma-separated"),
+                tenant: str | None = Query(None, description="an admin's: one tenant's usage")):
     """Usage per time bucket in the shape of OpenAI's usage API (metering/reports.py), grouped by any of
     tenant, model, tier (`group_by`, repeated or comma-separated). A tenant sees its own usage; an admin
     token sees every tenant's, or one's with `tenant=`. `format=csv` exports the same rows."""
     state = _state(request)
     caller = await authenticate(request, state.store)
-    q = request.query_params
-    group_by = [g for v in q.getlist("group_by") for g in v.split(",") if g]
+    group_by = [g for v in group_by for g in v.split(",") if g]
     bad = [g for g in group_by if g not in REPORT_GROUPS]
     if bad:
         raise APIError(400, f"group_by must be among {', '.join(REPORT_GROUPS)}, got {bad[0]!r}", param="group_by",
                        code="invalid_value")
-    if bucket_width not in BUCKET_WIDTHS:
-        raise APIError(400, f"bucket_width must be one of {', '.join(BUCKET_WIDTHS)}, got {bucket_width!r}",
-                       param="bucket_width", code="invalid_value")
-    if format not in ("json", "csv"):
-        raise APIError(400, f"format must be json or csv, got {format!r}", param="format", code="invalid_value")
     width = BUCKET_WIDTHS[bucket_width]
     limit = DEFAULT_LIMIT[bucket_width] if limit is None else limit
     if not 1 <= limit <= MAX_LIMIT[bucket_width]:
@@ -126,7 +137,6 @@ async def usage(request: Request, start_time: str | None = None, end_time: str |
     end = _parse_time(end_time, "end_time") or now
     if end <= start:
         raise APIError(400, "end_time must be after start_time", param="end_time", code="invalid_value")
-    tenant = q.get("tenant")
     if tenant is not None and not caller.admin and tenant != caller.name:
         raise APIError(403, "only an admin token may read another tenant's usage", "permission_error",
                        "permission_denied", param="tenant")
