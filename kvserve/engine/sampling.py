@@ -1,7 +1,13 @@
 """SamplingParams: what a request asks of the sampler and the stop checker (vLLM's field names)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Bounds past which a parameter broke the sampler's tensors (and with them the engine, for every request):
+# token ids and top_k are int32 on the device; a repetition penalty of 0 in float32 divides by zero.
+MAX_TOKEN_ID = 2**31 - 1
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 class InvalidSamplingParams(ValueError):
@@ -49,16 +55,22 @@ class SamplingParams:
             raise bad("n", f"must be at least 1, got {self.n}")
         if self.n > 128:
             raise bad("n", f"must be at most 128, got {self.n}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise bad(name, f"must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise bad("temperature", f"must be non-negative, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise bad("top_k", f"must be -1 (off), 0 (off) or positive, got {self.top_k}")
+        if not 0 <= self.top_k <= MAX_TOKEN_ID:
+            raise bad("top_k", f"must be -1 (off), 0 (off) or in [1, {MAX_TOKEN_ID}], got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", f"must be positive, got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise bad("repetition_penalty", f"must be in [{low}, {high}], got {self.repetition_penalty}")
+        if any(not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"must be token ids in [0, {MAX_TOKEN_ID}]")
         if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if not -2 <= self.presence_penalty <= 2:

@@ -25,14 +25,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from kvserve.config import TIER_NAMES
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.sampling import MAX_TOKEN_ID, REPETITION_PENALTY_RANGE, SamplingParams
 from kvserve.metering.budgets import PERIODS as BUDGET_PERIODS
 
 Tier = Literal[TIER_NAMES]  # the labels of kvserve.config.Priority
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP = 16
-MAX_TOKEN_ID = 2**31 - 1  # no vocabulary is larger (a top_k or a stop token id past 64 bits killed the engine)
 
 # A token id: for a prompt, the document bounds it by the served vocabulary (out of it: 400 invalid_prompt).
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
@@ -118,7 +117,8 @@ class _CommonRequest(_Lenient):
     top_k: int | None = Field(default=None, ge=-1, le=MAX_TOKEN_ID)
     min_p: float | None = Field(default=None, ge=0, le=1)
     # bounded so that logits / penalty stays finite in float32 (1e-300 was 0 there: the engine died)
-    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100)
+    repetition_penalty: float | None = Field(default=None, ge=REPETITION_PENALTY_RANGE[0],
+                                             le=REPETITION_PENALTY_RANGE[1])
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[TokenId] | None = None

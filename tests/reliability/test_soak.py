@@ -22,7 +22,7 @@ from kvserve.bench.loadgen import LoadGenerator, add_bench_arguments, build
 from kvserve.bench.datasets import load_tokenizer
 from kvserve.config import INTERACTIVE_TTFT_SLO_S
 from tests.live_server import LiveServer
-from tests.reliability.conftest import scale
+from tests.reliability.conftest import FULL, scale
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
@@ -130,7 +130,8 @@ def test_overload_soak_with_shipped_defaults(tmp_path, figures):
                    f"{idle.get('kvserve:num_requests_waiting', 0):.0f} waiting", "0", held == 0)
     assert not statuses, {k: t["error_counts"] for k, t in (("interactive", inter), ("batch", batch))}
     assert inter["completed"] > 0 and batch["completed"] + batch["cancelled"] > 0
-    assert p99 <= TTFT_SLO_S, inter
+    if FULL:  # a latency figure: asserted in the full run (RELIABILITY.md), only recorded in make test's short one
+        assert p99 <= TTFT_SLO_S, inter
     assert growth < 0.05, sampler.samples
     assert held == 0 and idle.get("kvserve:num_requests_running", 0) == 0
     assert idle.get("kvserve:num_requests_waiting", 0) == 0

@@ -481,3 +481,16 @@ def test_from_sequences():
     logits[:, 9] = 5.0
     md = SamplingMetadata.from_sequences(seqs, eos_token_ids={9})
     assert Sampler()(logits, md).tolist() == [9, 0]
+
+
+@pytest.mark.parametrize("field, value", [("top_k", 10**23), ("repetition_penalty", 1e-300),
+                                          ("repetition_penalty", 1e9), ("temperature", float("nan")),
+                                          ("top_p", float("inf")), ("stop_token_ids", [2**64])])
+def test_sampling_params_refuse_what_broke_the_engine(field, value):
+    """Out of these ranges the sampler's tensors overflowed or divided by zero and the engine failed for every
+    request; the offline LLM and the server both refuse them here, at the parameters."""
+    from kvserve.engine.sampling import InvalidSamplingParams, SamplingParams
+
+    with pytest.raises(InvalidSamplingParams) as err:
+        SamplingParams(**{field: value})
+    assert err.value.param == field
