@@ -27,7 +27,7 @@ RELIABILITY_OUT := reliability-results
 reliability: $(STAMP)
 	rm -rf $(RELIABILITY_OUT) && mkdir -p $(RELIABILITY_OUT)
 	KVSERVE_RELIABILITY=full KVSERVE_RELIABILITY_OUT=$(CURDIR)/$(RELIABILITY_OUT) $(PY) -m pytest -ra \
-		tests/reliability tests/integration/test_isolation.py --junitxml=$(RELIABILITY_OUT)/junit.xml \
+		tests/reliability --junitxml=$(RELIABILITY_OUT)/junit.xml \
 		$(PYTEST_ARGS); status=$$?; $(PY) -m tests.reliability.report $(RELIABILITY_OUT) RELIABILITY.md; exit $$status
 
 bench: $(STAMP)

@@ -23,6 +23,7 @@ SECTIONS = {  # section -> (title, what it shows)
              "thirds interactive, one third batch tier), the packaged models file and no admission settings."),
     "abandoned": ("Abandoned streams", "Streams cut by the client at random points."),
     "restart": ("Kill and restart", "SIGKILL of the server under load, then a restart on the same store."),
+    "isolation": ("Tenant isolation", "Two tenants on one server: what one can learn of the other's work."),
     "fleet chaos": ("Fleet chaos", "A real local Ray cluster and Serve, SmolLM2 replicas; a replica SIGKILLed "
                     "every 30 s under W1-shaped load, then the gateway."),
 }

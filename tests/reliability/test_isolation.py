@@ -33,7 +33,7 @@ def _not_found(r: httpx.Response) -> None:
     assert set(err) >= {"message", "type", "code"}
 
 
-def test_files_and_batches_of_another_tenant_are_not_found(two):
+def test_files_and_batches_of_another_tenant_are_not_found(two, figures):
     server, other = two
     client = server.openai()
     f = client.files.create(file=("in.jsonl", jsonl(2)), purpose="batch")
@@ -56,9 +56,12 @@ def test_files_and_batches_of_another_tenant_are_not_found(two):
     assert f.id not in [x["id"] for x in httpx.get(base + "/files", headers=_h(other)).json()["data"]]
     assert b.id not in [x["id"] for x in httpx.get(base + "/batches", headers=_h(other)).json()["data"]]
     assert wait(client, b.id, ("completed",)).request_counts.completed == 2  # and it ran untouched
+    figures.record("isolation", "another tenant's files and batches (read, content, delete, cancel, start a "
+                   "batch on them)", "answered as missing ones", "404, the same code as a missing id", True,
+                   "nor listed to it")
 
 
-def test_usage_cache_idempotency_and_admin_are_per_tenant(two):
+def test_usage_cache_idempotency_and_admin_are_per_tenant(two, figures):
     server, other = two
     base = server.base + "/v1"
     prompt = "The tenant isolation test prompt, long enough to fill several KV blocks of sixteen tokens each. " * 3
@@ -89,9 +92,16 @@ def test_usage_cache_idempotency_and_admin_are_per_tenant(two):
                          ("PUT", "/admin/tenants/acme/limits")):
         r = httpx.request(method, base + path, headers=_h(other), json={"amount": 1, "period": "day"})
         assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error", (path, r.text)
+    for name, value in (("cached_tokens for a prompt another tenant sent", "0 (the tenant's own repeat: > 0)"),
+                        ("the same Idempotency-Key from another tenant", "runs its own request"),
+                        ("usage listed to a tenant", "its own only"),
+                        ("another tenant's usage, existing or not", "403, the same answer"),
+                        ("admin endpoints with a tenant token", "403 permission_error")):
+        figures.record("isolation", name, value, "", True)
 
 
-def test_tokens_are_stored_only_as_hashes(two):
+def test_tokens_are_stored_only_as_hashes(two, figures):
     server, other = two
     data = b"".join(p.read_bytes() for p in server.home.glob("kvserve.db*"))
     assert server.token.encode() not in data and other.encode() not in data
+    figures.record("isolation", "tokens in the store's files", "none (hashes only)", "none", True)
