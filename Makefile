@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench reliability clean
+.PHONY: install run test bench reliability reliability-rerun clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,12 @@ reliability: $(STAMP)
 	KVSERVE_RELIABILITY=full KVSERVE_RELIABILITY_OUT=$(CURDIR)/$(RELIABILITY_OUT) $(PY) -m pytest -ra \
 		tests/reliability --junitxml=$(RELIABILITY_OUT)/junit.xml \
 		$(PYTEST_ARGS); status=$$?; $(PY) -m tests.reliability.report $(RELIABILITY_OUT) RELIABILITY.md; exit $$status
+
+# One test again, into the same results (e.g. PYTEST_ARGS=tests/reliability/test_soak.py); RELIABILITY.md anew.
+reliability-rerun: $(STAMP)
+	KVSERVE_RELIABILITY=full KVSERVE_RELIABILITY_OUT=$(CURDIR)/$(RELIABILITY_OUT) $(PY) -m pytest -ra \
+		--junitxml=$(RELIABILITY_OUT)/junit-$$(date +%s).xml $(PYTEST_ARGS); status=$$?; \
+		$(PY) -m tests.reliability.report $(RELIABILITY_OUT) RELIABILITY.md; exit $$status
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.suite $(BENCH_ARGS)

@@ -12,6 +12,7 @@ import pytest
 
 FULL = os.environ.get("KVSERVE_RELIABILITY") == "full"
 OUT = os.environ.get("KVSERVE_RELIABILITY_OUT")  # a directory: figures.jsonl is appended there
+RUN = time.time()  # this pytest session: a test rerun later replaces its figures (report.py keeps the latest)
 
 
 def scale(quick, full):
@@ -31,7 +32,7 @@ class Figures:
             return
         Path(OUT).mkdir(parents=True, exist_ok=True)
         row = {"section": section, "name": name, "value": value, "target": target, "ok": ok, "detail": detail,
-               "test": self.test, "scale": "full" if FULL else "quick", "time": time.time()}
+               "test": self.test, "scale": "full" if FULL else "quick", "time": time.time(), "run": RUN}
         with open(Path(OUT) / "figures.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 

@@ -48,10 +48,25 @@ def commit() -> str:
         return "unknown"
 
 
-def outcomes(junit: Path) -> list[tuple[str, str, float]]:
-    """(test id, passed|failed|skipped, seconds) for each test case."""
-    if not junit.exists():
-        return []
+def outcomes(results: Path) -> list[tuple[str, str, float]]:
+    """(test id, passed|failed|skipped, seconds) for each test case, from every junit*.xml in `results`
+    (`make reliability-rerun` adds one): a test's latest outcome counts."""
+    out: dict[str, tuple[str, str, float]] = {}
+    for junit in sorted(results.glob("junit*.xml"), key=lambda p: p.stat().st_mtime):
+        for case in _cases(junit):
+            out[case[0]] = case
+    return list(out.values())
+
+
+def latest_figures(rows: list[dict]) -> list[dict]:
+    """Each test's figures from its latest run only."""
+    last = {}
+    for r in rows:
+        last[r["test"]] = max(last.get(r["test"], 0.0), r.get("run", 0.0))
+    return [r for r in rows if r.get("run", 0.0) == last[r["test"]]]
+
+
+def _cases(junit: Path) -> list[tuple[str, str, float]]:
     out = []
     for case in ET.parse(junit).getroot().iter("testcase"):
         status = "passed"
@@ -71,7 +86,10 @@ def _cell(v) -> str:
 def render(results: Path) -> str:
     rows = [json.loads(x) for x in (results / "figures.jsonl").read_text().splitlines() if x.strip()] \
         if (results / "figures.jsonl").exists() else []
-    cases = outcomes(results / "junit.xml")
+    rows = latest_figures(rows)
+    cases = outcomes(results)
+    reruns = sorted({r["test"] for r in rows if r.get("run", 0.0) > min((x.get("run", 0.0) for x in rows),
+                                                                         default=0.0)})
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     total = sum(s for _, _, s in cases)
     failed = [c for c in cases if c[1] == "failed"]
@@ -82,6 +100,9 @@ def render(results: Path) -> str:
                  f", **{len(failed)} failed**." if failed else "."), "",
              "Each test also runs at a smaller scale inside `make test`. A figure marked *missed* is one whose "
              "test failed on it.", ""]
+    if reruns:
+        lines += ["Rerun later with `make reliability-rerun` (their figures and outcomes are from that run): "
+                  + ", ".join(f"`{t}`" for t in reruns) + ".", ""]
     seen = [s for s in SECTIONS if any(r["section"] == s for r in rows)]
     seen += sorted({r["section"] for r in rows} - set(SECTIONS))
     for section in seen:
