@@ -81,6 +81,8 @@ def make_server(app: FastAPI, host: str, port: int, log_level: str = "info"):
                 return
             super().handle_exit(sig, frame)
 
+    # Keep-alive past clients' idle expiry (httpx, under the openai client: 5 s, uvicorn's own default): the
+    # client closes an idle connection first, so it never sends a request on one the server is closing.
     cfg = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                         access_log=log_level == "debug")
+                         timeout_keep_alive=75, access_log=log_level == "debug")
     return DrainingServer(cfg)
