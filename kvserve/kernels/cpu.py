@@ -1,6 +1,6 @@
 """Build, cache and call the CPU kernels through ctypes: `paged_attention_cpu.cpp` (paged decode
 attention, KV writes, and the fused RMSNorm, rotary and gated activations of a decoder layer) and
-`decoder_cpu.cpp` (a whole step's decoder stack on AMX tiles), sharing `cpu_common.h`.
+`decoder_cpu.cpp` (a whole step's decoder stack, on AMX tiles or vector units), sharing `cpu_common.h`.
 
 The sources are compiled once per machine with the system g++ (-O3 -march=native -fopenmp) into one
 library in `$KVSERVE_KERNEL_CACHE` (default ~/.cache/kvserve/kernels), keyed by a hash of the sources, the
@@ -93,6 +93,12 @@ class NativeKernels:
         self._gated_act = self._bind("gated_act", [_PTR, _I64, _I64, _I64, _PTR])
         self._lib.kvserve_amx_available.restype = _I64
         self.amx = bool(self._lib.kvserve_amx_available())  # AMX tiles compiled in and granted by the kernel
+        self._lib.kvserve_fused_available.restype = _I64
+        # The packed GEMM and the fused decoder run here: on AMX tiles, else on AVX2/AVX-512 vector units.
+        self.fused = bool(self._lib.kvserve_fused_available())
+        self._lib.kvserve_pair_layout.restype = _I64
+        # pack_weight's layout: AMX's tiles (AMX or AVX-512 BF16 builds), else k-major per 16 columns (AVX2).
+        self.pair_layout = bool(self._lib.kvserve_pair_layout())
         self._lib.kvserve_compiled_isa.restype = _I64
         bits = self._lib.kvserve_compiled_isa()
         # The instruction sets compiled in (isa.compile_flags), as names.
@@ -199,9 +205,9 @@ class NativeKernels:
         self._gated_act[gate_up.dtype](gate_up.data_ptr(), t, n, 0 if activation == "silu" else 1, out.data_ptr())
         return out
 
-    # ---- the fused decoder stack (decoder_cpu.cpp; needs `amx`) ----
+    # ---- the fused decoder stack (decoder_cpu.cpp; needs `fused`) ----
     def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """A bf16 [N, K] weight (N % 16 == 0, K % 32 == 0) in the AMX tile layout, as a flat tensor."""
+        """A bf16 [N, K] weight (N % 16 == 0, K % 32 == 0) in the packed GEMM's layout (`pair_layout`), flat."""
         n, k = weight.shape
         if weight.dtype != torch.bfloat16 or n % 16 or k % 32:
             raise ValueError(f"pack_weight takes bf16 [N, K] with N % 16 == 0 and K % 32 == 0, got {weight.dtype} "
@@ -214,8 +220,8 @@ class NativeKernels:
     def linear_f32(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
         """x [T, K] bf16 times a weight [n, K] packed by pack_weight -> [T, n] float32, each value rounded to
         bf16 as `F.linear(x, w).float()` rounds it (the LM head: logits for the sampler, no bf16 copy)."""
-        if not self.amx:
-            raise RuntimeError("the tile GEMM needs AMX")
+        if not self.fused:
+            raise RuntimeError("the packed GEMM needs AMX or AVX2")
         x = x.contiguous()
         if x.dtype != torch.bfloat16 or x.dim() != 2 or packed.numel() != n * x.shape[1]:
             raise ValueError(f"linear_f32 takes bf16 [T, K] and a packed [{n}, K] weight")
@@ -229,14 +235,14 @@ class NativeKernels:
                 state: torch.Tensor | None = None, stop: ctypes.c_int32 | None = None) -> int:
         """hidden [T, H] bf16 embeddings -> the final-normed hidden states, in place (see decoder_cpu.cpp).
         Per token: positions, slots, context_lens [T] and block_tables [T, width], all int64. tile_chunks
-        [C, 2] int64: (first row, rows) of the prefill chunks whose attention runs on tiles (head_dim % 32
-        == 0; each chunk's rows are consecutive positions of one sequence).
+        [C, 2] int64: (first row, rows) of the prefill chunks whose attention runs on tiles (AMX only,
+        head_dim % 32 == 0; each chunk's rows are consecutive positions of one sequence).
 
         Returns the layer reached: the number of layers when done. With `stop` and `state` (bf16
         [2, T, H], kept between calls) it returns early, at the top of the layer after the first one
         that finds `stop` set (each layer reads it once); call again with first_layer = that layer."""
-        if not self.amx:
-            raise RuntimeError("the fused decoder needs AMX")
+        if not self.fused:
+            raise RuntimeError("the fused decoder needs AMX or AVX2")
         if not hidden.is_contiguous():
             raise ValueError("the fused decoder writes hidden in place: it must be contiguous")
         if state is not None and (state.dtype != torch.bfloat16 or not state.is_contiguous()

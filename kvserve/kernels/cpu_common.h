@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -90,6 +90,60 @@ inline __m512 hsum16(const __m512* v) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The same pieces over 8 lanes, for the AVX2 machines (no AVX-512): what the fused decoder's GEMM
+// epilogues need (bf16 rounding, exp for the activations).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 round8(__m256 v, const float*) { return v; }
+inline __m256 round8(__m256 v, const bf16*) {  // round to nearest even (finite values), as store()
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void store8(__m256 v, float* p) { _mm256_storeu_ps(p, v); }
+inline void store8(__m256 v, bf16* p) {  // the high halves of the rounded values
+  const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(round8(v, p)), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+// exp over 8 lanes: exp2_16<6>'s polynomial; 2^n built in the exponent bits, so t is clamped to
+// [-126, 127] (exp(-87.3) is already below what the softmax and activations can tell from 0).
+inline __m256 exp8(__m256 x) {
+  static constexpr float c[] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                                5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.f};
+  __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-126.f)), _mm256_set1_ps(127.f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(c[0]);
+  for (int i = 1; i <= 6; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c[i]));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+// act 0: SiLU; 1: GELU (tanh approximation), as activation16.
+inline __m256 activation8(__m256 x, int act) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  if (act == 0) return _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+  const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+  const __m256 y = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f), _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x));
+  const __m256 e = exp8(_mm256_add_ps(y, y));
+  const __m256 th = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, one)));
+  return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x), _mm256_add_ps(one, th));
+}
+// r[j] = sum of the 8 lanes of v[j] (a transposing tree, as hsum16).
+inline __m256 hsum8(const __m256* v) {
+  const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);  // per 128-bit lane: rows 0-3, 4-7
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+#endif
+
 // One (sequence, kv head) task: the group's query rows against the visible keys [start, len) of one head,
 // through the block table; writes out [group, hd]. `q` is filled by attend_any (fp32, pre-scaled) for
 // the paths that want it; the AVX512-BF16 path reads q_raw as stored.
@@ -128,6 +182,12 @@ void softmax_rows(float* scores, int64_t rows, int64_t n) {
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     for (; i0 + 16 <= n; i0 += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sg + i0));
     mx = _mm512_reduce_max_ps(vmax);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    for (; i0 + 8 <= n; i0 += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sg + i0));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    for (float v : lanes) mx = std::max(mx, v);
 #endif
     for (int64_t i = i0; i < n; ++i) mx = std::max(mx, sg[i]);
     i0 = 0;
@@ -140,6 +200,17 @@ void softmax_rows(float* scores, int64_t rows, int64_t n) {
       vsum = _mm512_add_ps(vsum, e);
     }
     sum = _mm512_reduce_add_ps(vsum);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 vsum = _mm256_setzero_ps();
+    const __m256 vmx = _mm256_set1_ps(mx);
+    for (; i0 + 8 <= n; i0 += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i0), vmx));
+      _mm256_storeu_ps(sg + i0, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    alignas(32) float parts[8];
+    _mm256_store_ps(parts, vsum);
+    for (float v : parts) sum += v;
 #endif
     for (int64_t i = i0; i < n; ++i) { sg[i] = std::exp(sg[i] - mx); sum += sg[i]; }
     const float inv = 1.f / sum;
@@ -174,43 +245,77 @@ void attend_generic(const Task<T>& task, std::vector<float>& acc) {
   for (int64_t j = 0; j < task.group * hd; ++j) store(acc[j], task.out + j);
 }
 
+// The vector width of attend_vectors: 16 lanes with AVX-512, 8 with AVX2.
 #if defined(__AVX512F__)
-// head_dim = 16 * C, accumulators held in registers (query rows one at a time, at most 8 vectors live).
+struct Lanes {
+  using V = __m512;
+  static constexpr int n = 16;
+  template <typename T> static V load(const T* p) { return load16(p); }
+  static V loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V zero() { return _mm512_setzero_ps(); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V hsum(const V* v) { return hsum16(v); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Lanes {
+  using V = __m256;
+  static constexpr int n = 8;
+  template <typename T> static V load(const T* p) { return load8(p); }
+  static V loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V zero() { return _mm256_setzero_ps(); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V hsum(const V* v) { return hsum8(v); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// head_dim = Lanes::n * C, accumulators held in registers (query rows one at a time, at most 8 vectors
+// live); q.k scores reduced Lanes::n keys at a time by a transposing tree.
 template <typename T, int C>
-void attend_avx512(const Task<T>& task) {
+void attend_vectors(const Task<T>& task) {
+  using L = Lanes;
+  constexpr int N = L::n;
   const int64_t n = task.n();
-  constexpr int64_t hd = 16 * C;
+  constexpr int64_t hd = N * C;
   for (int64_t g = 0; g < task.group; ++g) {
-    __m512 qv[C];
-    for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(task.q + g * hd + 16 * c);
+    typename L::V qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = L::loadf(task.q + g * hd + N * c);
     float* sg = task.scores + g * n;
-    __m512 part[16];  // per-key partial sums, reduced 16 keys at a time
+    typename L::V part[N];  // per-key partial sums
     task.for_each_key(task.k_head, [&](int64_t i, const T* k) {
-      __m512 a = _mm512_mul_ps(qv[0], load16(k));
-      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], load16(k + 16 * c), a);
-      part[i & 15] = a;
-      if ((i & 15) == 15) _mm512_storeu_ps(sg + i - 15, hsum16(part));
+      typename L::V a = L::mul(qv[0], L::load(k));
+      for (int c = 1; c < C; ++c) a = L::fmadd(qv[c], L::load(k + N * c), a);
+      part[i % N] = a;
+      if (i % N == N - 1) L::store(sg + i - (N - 1), L::hsum(part));
     });
-    if (const int64_t rem = n & 15) {
-      for (int64_t j = rem; j < 16; ++j) part[j] = _mm512_setzero_ps();
-      _mm512_mask_storeu_ps(sg + n - rem, static_cast<__mmask16>((1u << rem) - 1), hsum16(part));
+    if (const int64_t rem = n % N) {
+      for (int64_t j = rem; j < N; ++j) part[j] = L::zero();
+      alignas(64) float tail[N];
+      L::store(tail, L::hsum(part));
+      std::memcpy(sg + n - rem, tail, rem * sizeof(float));
     }
   }
   softmax_rows(task.scores, task.group, n);
   constexpr int W = C < 8 ? C : 8;
-  alignas(64) float tmp[16 * W];
+  alignas(64) float tmp[N * W];
   for (int64_t g = 0; g < task.group; ++g) {
     const float* pg = task.scores + g * n;
     for (int c0 = 0; c0 < C; c0 += W) {
-      __m512 acc[W];
-      for (int c = 0; c < W; ++c) acc[c] = _mm512_setzero_ps();
+      typename L::V acc[W];
+      for (int c = 0; c < W; ++c) acc[c] = L::zero();
       task.for_each_key(task.v_head, [&](int64_t i, const T* v) {
-        const __m512 p = _mm512_set1_ps(pg[i]);
-        for (int c = 0; c < W; ++c) acc[c] = _mm512_fmadd_ps(p, load16(v + 16 * (c0 + c)), acc[c]);
+        const typename L::V p = L::set1(pg[i]);
+        for (int c = 0; c < W; ++c) acc[c] = L::fmadd(p, L::load(v + N * (c0 + c)), acc[c]);
       });
-      for (int c = 0; c < W; ++c) _mm512_store_ps(tmp + 16 * c, acc[c]);
-      T* dst = task.out + g * hd + 16 * c0;
-      for (int j = 0; j < 16 * W; ++j) store(tmp[j], dst + j);
+      for (int c = 0; c < W; ++c) L::store(tmp + N * c, acc[c]);
+      T* dst = task.out + g * hd + N * c0;
+      for (int j = 0; j < N * W; ++j) store(tmp[j], dst + j);
     }
   }
 }
@@ -332,11 +437,11 @@ void attend_any(const Task<T>& raw, Scratch& scratch) {
   scratch.q.resize(task.group * task.hd);
   for (int64_t j = 0; j < task.group * task.hd; ++j) scratch.q[j] = to_float(task.q_raw[j]) * task.scale;
   task.q = scratch.q.data();
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   switch (task.hd) {
-    case 64: return attend_avx512<T, 4>(task);
-    case 128: return attend_avx512<T, 8>(task);
-    case 256: return attend_avx512<T, 16>(task);
+    case 64: return attend_vectors<T, 64 / Lanes::n>(task);
+    case 128: return attend_vectors<T, 128 / Lanes::n>(task);
+    case 256: return attend_vectors<T, 256 / Lanes::n>(task);
     default: break;
   }
 #endif
@@ -432,6 +537,12 @@ inline void norm_row(const T* xr, T* o, int64_t dim, const T* weight, float eps,
     const __m512 h = _mm512_mul_ps(load16(xr + i0), vr), w = load16(weight + i0);
     store16(unit_offset ? _mm512_mul_ps(h, _mm512_add_ps(one, w)) : _mm512_mul_ps(w, round16(h, o)), o + i0);
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 vr = _mm256_set1_ps(r), one = _mm256_set1_ps(1.f);
+  for (; i0 + 8 <= dim; i0 += 8) {
+    const __m256 h = _mm256_mul_ps(load8(xr + i0), vr), w = load8(weight + i0);
+    store8(unit_offset ? _mm256_mul_ps(h, _mm256_add_ps(one, w)) : _mm256_mul_ps(w, round8(h, o)), o + i0);
+  }
 #endif
   for (int64_t i = i0; i < dim; ++i) {
     const float h = to_float(xr[i]) * r, w = to_float(weight[i]);
@@ -456,6 +567,8 @@ inline void add_norm_row(const T* xr, T* rr, T* o, int64_t dim, const T* weight,
   int64_t i0 = 0;
 #if defined(__AVX512F__)
   for (; i0 + 16 <= dim; i0 += 16) store16(_mm512_add_ps(load16(xr + i0), load16(rr + i0)), rr + i0);
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (; i0 + 8 <= dim; i0 += 8) store8(_mm256_add_ps(load8(xr + i0), load8(rr + i0)), rr + i0);
 #endif
   for (int64_t i = i0; i < dim; ++i) store(to_float(xr[i]) + to_float(rr[i]), rr + i);
   norm_row(static_cast<const T*>(rr), o, dim, weight, eps, unit_offset);
@@ -480,6 +593,13 @@ inline void rotate_row(T* v, int64_t dim, const float* c, const float* sn) {
     store16(_mm512_fmsub_ps(x1, _mm512_loadu_ps(c + i0), _mm512_mul_ps(x2, _mm512_loadu_ps(sn + i0))), v + i0);
     store16(_mm512_fmadd_ps(x2, _mm512_loadu_ps(c + i0 + half), _mm512_mul_ps(x1, _mm512_loadu_ps(sn + i0 + half))),
             v + i0 + half);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (; i0 + 8 <= half; i0 += 8) {
+    const __m256 x1 = load8(v + i0), x2 = load8(v + i0 + half);
+    store8(_mm256_fmsub_ps(x1, _mm256_loadu_ps(c + i0), _mm256_mul_ps(x2, _mm256_loadu_ps(sn + i0))), v + i0);
+    store8(_mm256_fmadd_ps(x2, _mm256_loadu_ps(c + i0 + half), _mm256_mul_ps(x1, _mm256_loadu_ps(sn + i0 + half))),
+           v + i0 + half);
   }
 #endif
   for (int64_t i = i0; i < half; ++i) {
@@ -578,6 +698,49 @@ void gated_act(const T* gate_up, int64_t tokens, int64_t n, int act, T* out) {
       store(round_to(a, o) * to_float(u[i]), o + i);
     }
   }
+}
+
+// A GEMM's finished 16 output columns of one row (fp32 sums): rounded to bf16 as torch's bf16 matmul
+// rounds its output, stored as bf16 or widened back to fp32 (torch's bf16 linear, then .float()).
+inline void store_rounded16(const float* src, bf16* dst) {
+#if defined(__AVX512F__)
+  store16(_mm512_loadu_ps(src), dst);
+#elif defined(__AVX2__) && defined(__FMA__)
+  store8(_mm256_loadu_ps(src), dst);
+  store8(_mm256_loadu_ps(src + 8), dst + 8);
+#else
+  for (int j = 0; j < 16; ++j) store(src[j], dst + j);
+#endif
+}
+inline void store_rounded16(const float* src, float* dst) {
+#if defined(__AVX512F__)
+  _mm512_storeu_ps(dst, round16(_mm512_loadu_ps(src), static_cast<const bf16*>(nullptr)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (int h = 0; h < 16; h += 8) _mm256_storeu_ps(dst + h, round8(_mm256_loadu_ps(src + h), static_cast<const bf16*>(nullptr)));
+#else
+  for (int j = 0; j < 16; ++j) dst[j] = round_to(src[j], static_cast<const bf16*>(nullptr));
+#endif
+}
+
+// 16 columns of the gated activation from the gate and up GEMM sums: act(gate) * up, rounded as the
+// unfused path rounds it (gate and up to bf16, act(gate) to bf16, then the product).
+inline void gated16(const float* g, const float* u, bf16* o, int act) {
+#if defined(__AVX512F__)
+  const __m512 gv = round16(_mm512_loadu_ps(g), o), uv = round16(_mm512_loadu_ps(u), o);
+  store16(_mm512_mul_ps(round16(activation16(gv, act), o), uv), o);
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (int h = 0; h < 16; h += 8) {
+    const __m256 gv = round8(_mm256_loadu_ps(g + h), o), uv = round8(_mm256_loadu_ps(u + h), o);
+    store8(_mm256_mul_ps(round8(activation8(gv, act), o), uv), o + h);
+  }
+#else
+  for (int j = 0; j < 16; ++j) {
+    const float x = round_to(g[j], o);
+    const float a = act == 0 ? x / (1.f + std::exp(-x))
+                             : 0.5f * x * (1.f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+    store(round_to(a, o) * round_to(u[j], o), o + j);
+  }
+#endif
 }
 
 }  // namespace

@@ -11,9 +11,10 @@
 // at load time (one sequential stream per thread), and nothing returns to Python until the final norm.
 //
 // Weight layout (pack_weight): W [N, K] (torch's Linear layout, out = x W^T) as [N/16][K/32][16][16][2]:
-// one 1 KiB tile per (16 output columns, 32 inputs) in the VNNI pair order TDPBF16PS reads. The fused
-// gate/up weight is packed with gate and up blocks alternating, so one thread holds both halves of
-// 16 columns and applies the activation in the GEMM's epilogue.
+// one 1 KiB tile per (16 output columns, 32 inputs) in the VNNI pair order TDPBF16PS reads (an AVX2-only
+// build packs each 16-column block k-major instead: kPairLayout). The fused gate/up weight is packed
+// with gate and up blocks alternating, so one thread holds both halves of 16 columns and applies the
+// activation in the GEMM's epilogue.
 #include "cpu_common.h"
 
 #include <array>
@@ -23,6 +24,10 @@
 #include <unistd.h>
 
 namespace {
+
+struct TileChunk {  // rows [row0, row0 + rows) of the step: one sequence's prefill chunk
+  int64_t row0, rows;
+};
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 constexpr bool kCompiledWithAmx = true;
@@ -60,7 +65,8 @@ struct TileState {
 // to the HTTP server for a while does not hold the other at the barrier. epi(row0, block0, two, i0, i1,
 // c0, c1) gets rows [i0, i1) of each finished [rows, 16] fp32 tile pair (c1 valid when `two`).
 template <typename Epilogue>
-void gemm(const bf16* a, int64_t m, int64_t k, const bf16* w, int64_t nblocks, TileState& ts, Epilogue&& epi) {
+void gemm_tiles(const bf16* a, int64_t m, int64_t k, const bf16* w, int64_t nblocks, TileState& ts,
+                Epilogue&& epi) {
   const int64_t chunks = k / 32, tile = 16 * 32;  // bf16 elements per packed tile
   // Two buffers: a block's epilogue runs a few rows at a time between the next block's tile products,
   // so the vector units round and store while AMX multiplies. Run after the products instead, it left
@@ -132,39 +138,6 @@ void gemm(const bf16* a, int64_t m, int64_t k, const bf16* w, int64_t nblocks, T
   }
 }
 
-// A [16] fp32 tile row, rounded to bf16 as torch's bf16 matmul rounds its output, stored as bf16 (a
-// bf16 out) or widened back to fp32 (a float out: torch's bf16 linear, then .float()).
-inline void store_rounded16(__m512 v, bf16* p) { store16(v, p); }
-inline void store_rounded16(__m512 v, float* p) { _mm512_storeu_ps(p, round16(v, static_cast<const bf16*>(nullptr))); }
-
-// Epilogue: out [m, n] = the sums, rounded to bf16 (Out: bf16 or float).
-template <typename Out>
-struct StoreTiles {
-  Out* out;
-  int64_t n;
-  void operator()(int64_t r, int64_t nb0, bool two, int i0, int i1, const float* c0, const float* c1) const {
-    for (int i = i0; i < i1; ++i) {
-      store_rounded16(_mm512_load_ps(c0 + i * 16), out + (r + i) * n + nb0 * 16);
-      if (two) store_rounded16(_mm512_load_ps(c1 + i * 16), out + (r + i) * n + (nb0 + 1) * 16);
-    }
-  }
-};
-
-// Epilogue of the gate/up GEMM (blocks alternate gate, up): out [m, n] = act(gate) * up, rounded as the
-// unfused path rounds it (gate and up to bf16, act(gate) to bf16, then the product).
-struct GatedTiles {
-  bf16* out;
-  int64_t n;
-  int act;
-  void operator()(int64_t r, int64_t nb0, bool, int i0, int i1, const float* c0, const float* c1) const {
-    bf16* o = out + (r + i0) * n + (nb0 / 2) * 16;
-    for (int i = i0; i < i1; ++i, o += n) {
-      const __m512 g = round16(_mm512_load_ps(c0 + i * 16), o), u = round16(_mm512_load_ps(c1 + i * 16), o);
-      store16(_mm512_mul_ps(round16(activation16(g, act), o), u), o);
-    }
-  }
-};
-
 // ---- prefill attention on tiles ----
 // A prefill chunk's query tokens are consecutive positions of one sequence, so 16 of them can share
 // each key: S = Q K^T and O = P V run as tile products, where attending row by row (DecodeBatch) reads
@@ -234,9 +207,6 @@ inline void store_sums(float* dst, int64_t stride, int64_t offset, bool four) {
   }
 }
 
-struct TileChunk {  // rows [row0, row0 + rows) of the step: one sequence's prefill chunk
-  int64_t row0, rows;
-};
 
 constexpr int64_t kPackKeys = 256;  // keys per packing task
 
@@ -394,7 +364,183 @@ struct TileAttention {
 };
 #else
 constexpr bool kCompiledWithAmx = false;
+struct TileState {};
 #endif
+
+// The packed weight layout: AMX's tile layout (also what VDPBF16PS reads) where the build has AMX or
+// AVX-512 BF16; else k-major per 16-column block, [N/16][K][16], which AVX2 widens to fp32 cheapest.
+#if (defined(__AMX_TILE__) && defined(__AMX_BF16__)) || defined(__AVX512BF16__)
+constexpr bool kPairLayout = true;
+#else
+constexpr bool kPairLayout = false;
+#endif
+
+// Whether this process may use AMX tiles: compiled in and granted by Linux, which hands out the tile
+// state only on request (ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18). Asked once.
+bool amx_ready() {
+  static const bool ready = kCompiledWithAmx && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ready;
+}
+
+// ---- the same GEMM on vector units, for the CPUs without AMX ----
+// The same tasks as the tile GEMM; each task's column pairs are multiplied by `kRows` rows of A at a
+// time, the accumulators held in registers for the whole of k. AVX-512 BF16: VDPBF16PS on the tile rows
+// as packed (a row of a tile is 16 columns x one bf16 pair of k), one broadcast pair of A per row.
+// AVX2: weights packed k-major, each k's 16 bf16 widened to fp32 in registers, against A's rows
+// converted to fp32 once per task, one FMA per accumulator and k. Both read the weights as bf16: half
+// the bytes of fp32, which is what bounds a decode step.
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool kVectorGemm = true;
+#if defined(__AVX512BF16__)
+constexpr int kRows = 8;  // 16 accumulators (8 rows x 2 column blocks) of 32 registers
+
+template <int R, bool Two>
+void micro(const bf16* a, int64_t lda, int64_t chunks, const bf16* b0, const bf16* b1, float* c0, float* c1) {
+  __m512 acc0[R], acc1[R];
+  for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const bf16* t0 = b0 + ch * 512;
+    const bf16* t1 = b1 + ch * 512;
+    const uint32_t* ar = reinterpret_cast<const uint32_t*>(a + ch * 32);
+    for (int rr = 0; rr < 16; ++rr) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(t0 + rr * 32);
+      const __m512bh w1 = Two ? (__m512bh)_mm512_loadu_si512(t1 + rr * 32) : w0;
+      for (int i = 0; i < R; ++i) {
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(ar[i * lda / 2 + rr]));
+        acc0[i] = _mm512_dpbf16_ps(acc0[i], x, w0);
+        if (Two) acc1[i] = _mm512_dpbf16_ps(acc1[i], x, w1);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm512_storeu_ps(c0 + i * 16, acc0[i]);
+    if (Two) _mm512_storeu_ps(c1 + i * 16, acc1[i]);
+  }
+}
+
+struct RowBlock {  // A's rows as they are (bf16 pairs broadcast as 32-bit)
+  const bf16* rows;
+  void load(const bf16* a, int64_t, int64_t) { rows = a; }
+};
+#else
+constexpr int kRows = 6;  // 12 accumulators (6 rows x 16 columns), 2 weight vectors and a broadcast: 15 of 16
+
+// One column block: c [R, 16] = A (fp32 rows, stride lda) times the block's packed weights, stored for
+// AVX2 k-major ([K][16] bf16 per block: see kPairLayout). Each k's 16 weights are widened to fp32 by
+// interleaving zeros below them, which puts columns 0-3 and 8-11 in one vector and 4-7 and 12-15 in the
+// other; each accumulator takes one FMA per k (no chain longer than the FMA latency), and the columns
+// are put back in order once, at the end.
+template <int R>
+void micro_block(const float* a, int64_t lda, int64_t k, const bf16* b, float* c) {
+  __m256 lo[R], hi[R];
+  for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + kk * 16));
+    const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+    const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+    for (int i = 0; i < R; ++i) {
+      const __m256 x = _mm256_broadcast_ss(a + i * lda + kk);
+      lo[i] = _mm256_fmadd_ps(x, w0, lo[i]);
+      hi[i] = _mm256_fmadd_ps(x, w1, hi[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm256_storeu_ps(c + i * 16, _mm256_permute2f128_ps(lo[i], hi[i], 0x20));
+    _mm256_storeu_ps(c + i * 16 + 8, _mm256_permute2f128_ps(lo[i], hi[i], 0x31));
+  }
+}
+
+template <int R, bool Two>
+void micro(const float* a, int64_t lda, int64_t chunks, const bf16* b0, const bf16* b1, float* c0, float* c1) {
+  micro_block<R>(a, lda, chunks * 32, b0, c0);
+  if (Two) micro_block<R>(a, lda, chunks * 32, b1, c1);
+}
+
+struct RowBlock {  // A's rows widened to fp32 (per thread, once per task and row block)
+  std::vector<float> buffer;
+  const float* rows = nullptr;
+  void load(const bf16* a, int64_t count, int64_t k) {
+    buffer.resize(count * k);
+    for (int64_t j = 0; j + 8 <= count * k; j += 8) _mm256_storeu_ps(buffer.data() + j, load8(a + j));
+    rows = buffer.data();
+  }
+};
+#endif
+
+template <int R, typename A>
+void micro_rows(int rows, A a, int64_t lda, int64_t chunks, const bf16* b0, const bf16* b1, bool two, float* c0,
+                float* c1) {
+  if constexpr (R > 1) {
+    if (rows < R) return micro_rows<R - 1>(rows, a, lda, chunks, b0, b1, two, c0, c1);
+  }
+  if (two) micro<R, true>(a, lda, chunks, b0, b1, c0, c1);
+  else micro<R, false>(a, lda, chunks, b0, b1, c0, c1);
+}
+
+template <typename Epilogue>
+void gemm_vectors(const bf16* a, int64_t m, int64_t k, const bf16* w, int64_t nblocks, Epilogue&& epi) {
+  const int64_t chunks = k / 32, tile = 16 * 32;
+  const int64_t pairs = (nblocks + 1) / 2;
+  // A group's weights (2 x 16 columns x k bf16 per pair) are reused by every row block: at most 256 KiB
+  // of them, so they stay in L2.
+  const int64_t group = m <= 32 ? 1 : std::max<int64_t>(1, std::min<int64_t>(pairs / 8, (256 << 10) / (64 * k)));
+  alignas(64) float c[2][kRows * 16];
+  RowBlock block;
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t task = 0; task < (pairs + group - 1) / group; ++task)
+    for (int64_t r = 0; r < m; r += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, m - r));
+      block.load(a + r * k, rows, k);
+      for (int64_t pair = task * group; pair < std::min(pairs, (task + 1) * group); ++pair) {
+        const int64_t nb0 = 2 * pair;
+        const bool two = nb0 + 1 < nblocks;
+        const bf16* b0 = w + nb0 * chunks * tile;
+        micro_rows<kRows>(rows, block.rows, k, chunks, b0, b0 + chunks * tile, two, c[0], c[1]);
+        epi(r, nb0, two, 0, rows, c[0], c[1]);
+      }
+    }
+}
+#else
+constexpr bool kVectorGemm = false;
+#endif
+
+// C [m, 16 * nblocks] = A [m, k] (row stride k) x W^T, W packed (see the top), inside a parallel region,
+// on AMX tiles where this process has them, else on the vector units. epi(row0, block0, two, i0, i1,
+// c0, c1) gets rows [i0, i1) of each finished [rows, 16] fp32 block pair (c1 valid when `two`).
+template <typename Epilogue>
+void gemm(const bf16* a, int64_t m, int64_t k, const bf16* w, int64_t nblocks, TileState& ts, Epilogue&& epi) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx_ready()) return gemm_tiles(a, m, k, w, nblocks, ts, epi);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  gemm_vectors(a, m, k, w, nblocks, epi);
+#endif
+}
+
+// Epilogue: out [m, n] = the sums, rounded to bf16 (Out: bf16, or float widened back from bf16).
+template <typename Out>
+struct StoreTiles {
+  Out* out;
+  int64_t n;
+  void operator()(int64_t r, int64_t nb0, bool two, int i0, int i1, const float* c0, const float* c1) const {
+    for (int i = i0; i < i1; ++i) {
+      store_rounded16(c0 + i * 16, out + (r + i) * n + nb0 * 16);
+      if (two) store_rounded16(c1 + i * 16, out + (r + i) * n + (nb0 + 1) * 16);
+    }
+  }
+};
+
+// Epilogue of the gate/up GEMM (blocks alternate gate, up): out [m, n] = act(gate) * up (see gated16).
+struct GatedTiles {
+  bf16* out;
+  int64_t n;
+  int act;
+  void operator()(int64_t r, int64_t nb0, bool, int i0, int i1, const float* c0, const float* c1) const {
+    bf16* o = out + (r + i0) * n + (nb0 / 2) * 16;
+    for (int i = i0; i < i1; ++i, o += n) gated16(c0 + i * 16, c1 + i * 16, o, act);
+  }
+};
 
 // One decoder layer's weights and cache, by role (null: the model has no such norm). Llama:
 // attn_in = input_layernorm, mlp_in = post_attention_layernorm. Gemma 3: attn_in = input_layernorm,
@@ -445,17 +591,27 @@ extern "C" int64_t kvserve_compiled_isa() {
   return bits;
 }
 
-extern "C" int64_t kvserve_amx_available() {
-  if (!kCompiledWithAmx) return 0;
-  // Linux hands out AMX tile state only on request (ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18).
-  return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : 0;
-}
+extern "C" int64_t kvserve_amx_available() { return amx_ready() ? 1 : 0; }
 
-// W [n, k] bf16 -> the tile layout above; n % 16 == 0 and k % 32 == 0 (the caller checks).
+// Whether the fused decoder and the packed GEMM run here: on AMX tiles, or on the vector units (AVX2
+// and FMA at least).
+extern "C" int64_t kvserve_fused_available() { return amx_ready() || kVectorGemm ? 1 : 0; }
+
+// 1: weights are packed in the tile layout above; 0: k-major ([N/16][K][16], the AVX2 GEMM's).
+extern "C" int64_t kvserve_pair_layout() { return kPairLayout ? 1 : 0; }
+
+// W [n, k] bf16 -> this build's packed layout; n % 16 == 0 and k % 32 == 0 (the caller checks).
 extern "C" void kvserve_pack_weight_bf16(const void* weight, int64_t n, int64_t k, void* packed) {
   const uint16_t* w = static_cast<const uint16_t*>(weight);
   uint16_t* out = static_cast<uint16_t*>(packed);
   const int64_t chunks = k / 32;
+  if (!kPairLayout) {
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < n / 16; ++nb)
+      for (int64_t kk = 0; kk < k; ++kk)
+        for (int col = 0; col < 16; ++col) out[(nb * k + kk) * 16 + col] = w[(nb * 16 + col) * k + kk];
+    return;
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t nb = 0; nb < n / 16; ++nb)
     for (int64_t c = 0; c < chunks; ++c) {
@@ -470,13 +626,11 @@ extern "C" void kvserve_pack_weight_bf16(const void* weight, int64_t n, int64_t 
 // torch's bf16 linear rounds it: the LM head, whose logits the sampler reads in fp32.
 extern "C" void kvserve_linear_bf16_f32(const void* x, int64_t m, int64_t k, const void* packed, int64_t n,
                                         float* out) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #pragma omp parallel
   {
     TileState ts;
     gemm(static_cast<const bf16*>(x), m, k, static_cast<const bf16*>(packed), n / 16, ts, StoreTiles<float>{out, n});
   }
-#endif
 }
 
 // hidden [m, H]: in, the token embeddings; out, the final norm of the last residual stream. Per token:
@@ -496,7 +650,7 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
                                                int64_t num_tile_chunks, int64_t first_layer, void* state,
                                                const int32_t* stop) {
   int64_t stopped_at = -1;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (!amx_ready()) num_tile_chunks = 0;  // every row attends alone (the caller passes none then)
   const ModelParams& p = *mp;
   const int64_t hd = p.head_dim, hidden = p.hidden, inter = p.intermediate;
   const int64_t q_width = p.q_heads * hd, qkv_width = (p.q_heads + 2 * p.kv_heads) * hd;
@@ -513,6 +667,7 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
   std::vector<int64_t> packed_offsets(num_tile_chunks + 1, 0), untiled;
   std::vector<bool> tiled(m, false);
   std::vector<std::array<int64_t, 3>> pack_tasks, tile_tasks;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   for (int64_t c = 0; c < num_tile_chunks; ++c) {
     const int64_t end = TileAttention::end(positions, chunks[c]);
     packed_offsets[c + 1] = packed_offsets[c] + TileAttention::packed_size(end, p.kv_heads, hd);
@@ -522,6 +677,7 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
     }
     std::fill(tiled.begin() + chunks[c].row0, tiled.begin() + chunks[c].row0 + chunks[c].rows, true);
   }
+#endif
   for (int64_t i = 0; i < m; ++i)
     if (!tiled[i]) untiled.push_back(i);
   std::vector<bf16> packed(packed_offsets[num_tile_chunks]);
@@ -582,6 +738,7 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
       const DecodeBatch<bf16> batch{qkv.data(), qkv_width, L.key_cache, L.value_cache, block_tables, table_stride,
                                     context_lens, attn.data(), m, p.q_heads, p.kv_heads, p.num_blocks,
                                     p.block_size, hd, L.window, L.scale};
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
       const TileAttention tiles{qkv.data(), qkv_width, positions, block_tables, table_stride, chunks,
                                 packed_offsets.data(), packed.data(), L.key_cache, L.value_cache, p.q_heads,
                                 p.kv_heads, hd, p.block_size, p.num_blocks * p.block_size * hd, L.window, L.scale,
@@ -591,10 +748,13 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
         for (size_t task = 0; task < pack_tasks.size(); ++task)
           tiles.pack(pack_tasks[task][0], pack_tasks[task][1], pack_tasks[task][2]);
       }
+#endif
 #pragma omp for schedule(dynamic, 1)
       for (int64_t task = 0; task < num_attention_tasks; ++task) {
         if (task < num_tile_tasks) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
           tiles.run(tile_tasks[task][0], tile_tasks[task][1], tile_tasks[task][2], ts, scores, probs);
+#endif
         } else {
           const int64_t k = task - num_tile_tasks;
           batch.run(untiled[k / p.kv_heads] * p.kv_heads + k % p.kv_heads, scores, scratch);
@@ -622,6 +782,5 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
       mark(8);
     }
   }
-#endif
   return stopped_at >= 0 ? stopped_at : mp->num_layers;
 }

@@ -5,7 +5,8 @@ The machines this project meets are of three kinds: AMX (Intel, with AVX-512 bf1
 bf16 and no AMX (AMD Zen 4), and AVX2 only (no native bf16). The level decides, in one place:
 - the flags the native kernels are compiled with (`compile_flags`), so an AVX2 build also runs on
   an AVX-512 or AMX machine and exercises the AVX2 code;
-- whether bfloat16 is the default dtype (`native_bf16`);
+- whether the CPU has bfloat16 arithmetic (`native_bf16`), one of the reasons bfloat16 is the default
+  dtype (models/loader.resolve_dtype);
 - the ceilings of torch's own CPU dispatch (ATen's `ATEN_CPU_CAPABILITY`, oneDNN's
   `ONEDNN_MAX_CPU_ISA`), which are read once when torch first dispatches: `apply_to_torch` sets them
   and must run before torch is imported (kvserve/__init__.py calls it).

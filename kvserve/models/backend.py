@@ -2,8 +2,8 @@
 code instead of each op checking tensors:
 
 - "cuda": torch ops on the GPU (SDPA prefill, the torch paged-decode reference);
-- "cpu-fused": CPU, bfloat16, AMX: steps run the whole decoder stack in one native call where they
-  fit (models/native_decoder.py), per op otherwise, with the native kernels;
+- "cpu-fused": CPU, bfloat16, AMX or AVX2: steps run the whole decoder stack in one native call where
+  they fit (models/native_decoder.py), per op otherwise, with the native kernels;
 - "cpu-native": CPU, float32 or bfloat16: per op, with the native kernels (kernels/cpu.py) for the
   norms, rotary, K/V writes, decode attention and gated activations;
 - "cpu-torch": CPU without the kernels (no compiler, KVSERVE_NATIVE_KERNELS=0, float16): torch ops.
@@ -47,7 +47,7 @@ def prepare(model, device: torch.device, dtype: torch.dtype, int4: dict, *, int4
 
     backend = choose(device, dtype)
     cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
-    if native_decoder and cpu_bf16 and backend.native is not None and backend.native.amx \
+    if native_decoder and cpu_bf16 and backend.native is not None and backend.native.fused \
             and model.attach_native_decoder(backend.native):
         backend = replace(backend, name="cpu-fused")
     elif int4_decode and int4 and cpu_bf16 and packed_kernel_available():

@@ -1,4 +1,5 @@
-"""A step's whole decoder stack as one native call (kernels/decoder_cpu.cpp), on AMX tiles.
+"""A step's whole decoder stack as one native call (kernels/decoder_cpu.cpp): on AMX tiles, or on the
+vector units of CPUs without AMX (AVX-512 BF16's pair dot products, or AVX2 widening bf16 to fp32).
 
 On the CPU the decode steps are bound by reading the weights and the KV cache, but driven op by op
 from Python each small op started with cold caches after the previous op's weight stream, and the
@@ -10,13 +11,13 @@ chunk) attends to its prefix alone, through its sequence's block table, with vec
 prefill chunk of `tile_min_rows` tokens or more attends on tiles: its visible keys are packed once
 per layer and kv head, and 16 query tokens at a time share them in S = Q K^T and O = P V tile
 products. That is what makes prefix-cache hits cheap: 64 new tokens over a 576-token prefix read the
-prefix once per 16 tokens, not once per token. Tiles want head_dim % 32 == 0; other models attend
-every row alone, and a step whose row-by-row attention exceeds `max_attention_keys`, or whose batch
+prefix once per 16 tokens, not once per token. Tiles want AMX and head_dim % 32 == 0; otherwise every
+row attends alone, and a step whose row-by-row attention exceeds `max_attention_keys`, or whose batch
 is too big for the simple tile loops (`max_tokens`), keeps the per-op path: SDPA prefill and oneDNN
 projections.
 
-It serves bfloat16 Llama and Gemma 3 layers on CPUs with AMX (and a kernel that grants it); `build`
-returns None for anything else, and the model keeps its per-op path, which stays the reference:
+It serves bfloat16 Llama and Gemma 3 layers on CPUs with AMX (and a kernel that grants it) or AVX2;
+`build` returns None for anything else, and the model keeps its per-op path, which stays the reference:
 tests compare the two.
 """
 from __future__ import annotations
@@ -93,7 +94,11 @@ class NativeDecoder:
         lm_head = model.lm_head.data
         self.lm_head = native.pack_weight(lm_head) if lm_head.shape[0] % 16 == 0 else None
         self.vocab_size = lm_head.shape[0]
-        self.tile_attention = config.head_dim % 32 == 0
+        self.tile_attention = native.amx and config.head_dim % 32 == 0
+        if not native.amx:
+            # Without tiles every prefill row attends alone, and the per-op path is no faster at it: on
+            # these CPUs its bf16 projections are the slow part (torch's, through oneDNN or not).
+            self.max_attention_keys = self.max_tokens ** 2
         self._rotaries = list({id(layer.self_attn.rotary): layer.self_attn.rotary for layer in model.layers}.values())
         self._table_key = None
         self._table = None
@@ -115,19 +120,34 @@ class NativeDecoder:
     def build(cls, model, native: cpu_kernels.NativeKernels | None) -> "NativeDecoder | None":
         """The fused decoder for this model on these kernels, or None where it does not apply (see the
         module docstring)."""
-        if native is None or not native.amx or not cls.supports(model):
+        if native is None or not native.fused or not cls.supports(model):
             return None
         return cls(model, native)
 
     @staticmethod
-    def supports(model) -> bool:
+    def shapes_fit(c) -> bool:
+        """The packed layout wants every GEMM's K % 32 and N % 16."""
+        q_width, qkv_width = c.num_heads * c.head_dim, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        return not (c.hidden_size % 32 or q_width % 32 or c.intermediate_size % 32 or qkv_width % 16)
+
+    @classmethod
+    def would_serve(cls, checkpoint) -> bool:
+        """Whether a checkpoint built in bfloat16 on this CPU would run fused, told before it is built (the
+        engine's dtype choice, models/loader.resolve_dtype): the kernels run here, the shapes fit, and no
+        projection has a bias."""
+        native = cpu_kernels.load()
+        return (native is not None and native.fused and checkpoint.config.architecture in ("llama", "gemma3")
+                and cls.shapes_fit(checkpoint.config)
+                and not any(name.endswith(".bias") for name in checkpoint.tensors))
+
+    @classmethod
+    def supports(cls, model) -> bool:
         c = model.config
         params = list(model.parameters())
         if not params or any(p.device.type != "cpu" or p.dtype != torch.bfloat16 for p in params):
             return False
-        q_width, qkv_width = c.num_heads * c.head_dim, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        if c.hidden_size % 32 or q_width % 32 or c.intermediate_size % 32 or qkv_width % 16:
-            return False  # the tile layout wants K % 32 and N % 16
+        if not cls.shapes_fit(c):
+            return False
         norms: set[tuple[float, bool]] = {(model.norm.eps, model.norm.unit_offset)}
         for layer in model.layers:
             if not hasattr(layer, "norm_roles"):

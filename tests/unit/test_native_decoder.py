@@ -17,7 +17,8 @@ from kvserve.models.native_decoder import NativeDecoder
 from tests.parity import PagedHarness, rel_err
 
 native = cpu_kernels.load()
-needs_amx = pytest.mark.skipif(native is None or not native.amx, reason="the fused decoder needs AMX tiles")
+needs_fused = pytest.mark.skipif(native is None or not native.fused, reason="the fused decoder needs AMX or AVX2")
+needs_amx = pytest.mark.skipif(native is None or not native.amx, reason="prefill attention on tiles needs AMX")
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
@@ -39,7 +40,7 @@ def _decode_run(ck, dtype, fused: bool, batch: int, steps: int = 4, seed: int = 
     h = PagedHarness(ck, num_blocks=64 + batch * 8, dtype=dtype)
     decoder = h.model.native_decoder
     if fused:
-        assert decoder is not None, "bf16 on an AMX CPU: the fused decoder must attach"
+        assert decoder is not None, "bf16 on an AMX or AVX2 CPU: the fused decoder must attach"
         decoder.__class__ = CountingDecoder
     else:
         h.model.native_decoder = None
@@ -55,7 +56,7 @@ def _decode_run(ck, dtype, fused: bool, batch: int, steps: int = 4, seed: int = 
     return torch.stack(logits), h, decoder.calls if fused else 0
 
 
-@needs_amx
+@needs_fused
 @pytest.mark.parametrize("batch", [1, 18, 37])  # one tile row block, a partial second one, two blocks of 32
 def test_fused_decode_matches_the_per_op_path(checkpoint, batch):
     fused, hf, calls = _decode_run(checkpoint, torch.bfloat16, True, batch)
@@ -63,14 +64,16 @@ def test_fused_decode_matches_the_per_op_path(checkpoint, batch):
     reference, _, _ = _decode_run(checkpoint, torch.float32, False, batch)
     assert calls == batch + 4, "the short prefills and every decode step go through the fused decoder"
     assert rel_err(fused, per_op) <= 2e-2
-    # As accurate as the per-op bf16 path against float32 (they differ only in accumulation order).
-    assert rel_err(fused, reference) <= 1.25 * rel_err(per_op, reference) + 1e-3
+    # As accurate as the per-op bf16 path against float32: they differ in accumulation order (and, on AVX2,
+    # in rounding the attention probabilities), so either may land nearer on a given batch; measured ratios
+    # over seeds and batches run 0.8-1.3x.
+    assert rel_err(fused, reference) <= 1.5 * rel_err(per_op, reference) + 1e-3
     # The K/V it wrote into the cache are the per-op path's.
     for (kf, vf), (kp, vp) in zip(hf.runner.kv_caches, hp.runner.kv_caches):
         assert rel_err(kf, kp.float()) <= 2e-2 and rel_err(vf, vp.float()) <= 2e-2
 
 
-@needs_amx
+@needs_fused
 def test_mixed_step_with_chunks_and_a_prefix_matches_the_per_op_path(checkpoint):
     """One flattened step mixing decodes, continued chunks (attending to cached tokens) and a fresh prompt."""
     rng = random.Random(5)
@@ -83,10 +86,10 @@ def test_mixed_step_with_chunks_and_a_prefix_matches_the_per_op_path(checkpoint)
     a, b, r = (torch.cat(h.mixed_batch(prompts)) for h in (fused, per_op, reference))
     assert fused.model.native_decoder.calls > 0
     assert rel_err(a, b.float()) <= 2e-2
-    assert rel_err(a, r) <= 1.25 * rel_err(b, r) + 1e-3
+    assert rel_err(a, r) <= 1.5 * rel_err(b, r) + 1e-3
 
 
-@needs_amx
+@needs_fused
 def test_which_steps_take_the_fused_path(checkpoint):
     h = PagedHarness(checkpoint, dtype=torch.bfloat16)
     decoder = h.model.native_decoder
@@ -105,7 +108,7 @@ def test_which_steps_take_the_fused_path(checkpoint):
     assert not decoder.applies(x, decode, h.runner.kv_caches)  # the kernel reads bf16 caches only
 
 
-@needs_amx
+@needs_fused
 def test_a_step_suspended_for_another_gives_both_the_same_logits(checkpoint):
     """A step stops between layers when its flag is raised, runs another step through the same runner
     (the engine's interjection), then finishes its layers: every logit is what it is without the stop."""
@@ -142,7 +145,7 @@ def test_a_step_suspended_for_another_gives_both_the_same_logits(checkpoint):
     assert torch.equal(outer, plain_outer) and torch.equal(inner, plain_inner)
 
 
-@needs_amx
+@needs_fused
 def test_the_kernel_stops_at_the_first_boundary_that_sees_the_flag(checkpoint):
     h = PagedHarness(checkpoint, dtype=torch.bfloat16)
     decoder = h.model.native_decoder
@@ -160,17 +163,24 @@ def test_the_kernel_stops_at_the_first_boundary_that_sees_the_flag(checkpoint):
     assert native.forward(*args, stop=raised) == layers  # no state to keep: the flag is ignored
 
 
-@needs_amx
+@needs_fused
 @pytest.mark.parametrize("rows", [1, 5, 37])
-def test_the_tile_gemm_lm_head_gives_torchs_bf16_logits_bit_for_bit(rows):
+def test_the_packed_gemm_lm_head_gives_torchs_bf16_logits(rows):
+    """On AMX tiles bit for bit (the same tile products as oneDNN's); on vector units the fp32 sums run in
+    another order, so each logit is torch's or a bf16 neighbour of it."""
     torch.manual_seed(rows)
     w = (torch.randn(96, 64) * 0.3).bfloat16()
     x = torch.randn(rows, 64).bfloat16()
     got = native.linear_f32(x, native.pack_weight(w), 96)
-    assert got.dtype == torch.float32 and torch.equal(got, torch.nn.functional.linear(x, w).float())
+    want = torch.nn.functional.linear(x, w).float()
+    assert got.dtype == torch.float32 and torch.equal(got, got.bfloat16().float())  # rounded to bf16
+    if native.amx:
+        assert torch.equal(got, want)
+    exact, scale = x.double() @ w.double().T, x.double().abs() @ w.double().abs().T
+    assert torch.all((got.double() - exact).abs() <= 2 ** -8 * exact.abs() + 1e-5 * scale)
 
 
-@needs_amx
+@needs_fused
 def test_the_model_takes_its_logits_from_the_packed_head(checkpoint):
     h = PagedHarness(checkpoint, dtype=torch.bfloat16)
     decoder = h.model.native_decoder
@@ -186,25 +196,29 @@ def test_the_model_takes_its_logits_from_the_packed_head(checkpoint):
     assert calls and logits.shape == (3, checkpoint.config.vocab_size) and logits.dtype == torch.float32
 
 
-def test_falls_back_to_the_per_op_path_without_amx_or_bf16(checkpoint, monkeypatch):
+def test_falls_back_to_the_per_op_path_without_the_kernel_or_bf16(checkpoint, monkeypatch):
     assert PagedHarness(checkpoint, dtype=torch.float32).model.native_decoder is None
     if native is not None:
-        monkeypatch.setattr(native, "amx", False)
+        monkeypatch.setattr(native, "fused", False)
     assert PagedHarness(checkpoint, dtype=torch.bfloat16).model.native_decoder is None
 
 
-@needs_amx
+@needs_fused
 def test_pack_weight_checks_the_tile_shape():
     with pytest.raises(ValueError):
         native.pack_weight(torch.zeros(24, 64, dtype=torch.bfloat16))  # N % 16 != 0
     with pytest.raises(ValueError):
         native.pack_weight(torch.zeros(32, 48, dtype=torch.bfloat16))  # K % 32 != 0
     w = torch.arange(32 * 64, dtype=torch.float32).reshape(32, 64).bfloat16()
-    packed = native.pack_weight(w).view(2, 2, 16, 16, 2)  # [N/16, K/32, pair rows, cols, 2]
-    assert packed[1, 0, 3, 5, 1] == w[16 + 5, 2 * 3 + 1] and packed[0, 1, 0, 2, 0] == w[2, 32]
+    if native.pair_layout:
+        packed = native.pack_weight(w).view(2, 2, 16, 16, 2)  # [N/16, K/32, pair rows, cols, 2]
+        assert packed[1, 0, 3, 5, 1] == w[16 + 5, 2 * 3 + 1] and packed[0, 1, 0, 2, 0] == w[2, 32]
+    else:
+        packed = native.pack_weight(w).view(2, 64, 16)  # [N/16, K, cols]: AVX2's k-major blocks
+        assert packed[1, 7, 5] == w[16 + 5, 7] and packed[0, 32, 2] == w[2, 32]
 
 
-@needs_amx
+@needs_fused
 def test_a_4_bit_checkpoint_keeps_no_4_bit_copy_when_the_fused_decoder_attaches(tmp_path, smollm2_gguf_path):
     from kvserve.models.loader import build_model
     from tests.gguf_factory import TinySpec, write_tiny_gguf
@@ -218,7 +232,7 @@ def test_a_4_bit_checkpoint_keeps_no_4_bit_copy_when_the_fused_decoder_attaches(
     assert all(getattr(m, "packed", None) is None for m in model.modules())
 
 
-@needs_amx
+@needs_fused
 def test_phase_clocks_and_the_profile_table(tiny_llama_gguf):
     from benchmarks import profile
 
@@ -285,3 +299,24 @@ def test_chunks_on_tiles_do_not_count_against_the_row_attention_limit(wide_head_
     assert decoder.applies(x, hit, h.runner.kv_caches)
     decoder.tile_min_rows = 65
     assert not decoder.applies(x, hit, h.runner.kv_caches)
+
+
+def test_auto_dtype_is_bf16_where_the_fused_decoder_will_serve(checkpoint, monkeypatch):
+    """On a CPU without bf16 arithmetic, "auto" is bfloat16 only for a model the fused decoder will run
+    (its GEMMs widen bf16 weights in registers); anything else stays float32, torch's faster CPU dtype there."""
+    from dataclasses import replace
+
+    from kvserve.kernels import isa
+    from kvserve.models.loader import resolve_dtype
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(isa, "native_bf16", lambda: False)
+    assert resolve_dtype("auto", cpu, fused=True) == torch.bfloat16
+    assert resolve_dtype("auto", cpu, fused=False) == torch.float32
+    assert resolve_dtype("float32", cpu, fused=True) == torch.float32  # an explicit choice wins
+    assert NativeDecoder.would_serve(checkpoint) == (native is not None and native.fused)
+    config = checkpoint.config
+    odd = replace(checkpoint, config=replace(config, intermediate_size=config.intermediate_size + 8))
+    assert not NativeDecoder.would_serve(odd)  # K % 32 does not hold
+    biased = replace(checkpoint, tensors={**checkpoint.tensors, "model.layers.0.self_attn.q_proj.bias": torch.zeros(1)})
+    assert not NativeDecoder.would_serve(biased)
