@@ -207,7 +207,7 @@ class EngineConfig:
     seed: int = 0
     int4_decode: bool = True  # CPU + bf16, no native decoder: small decode batches read the GGUF's Q4 weights
     onednn_weights: bool = True  # CPU + bfloat16: projections use weights pre-reordered into oneDNN's blocked layout
-    native_decoder: bool = True  # CPU + bfloat16 + AMX: steps run as one native call (models/native_decoder.py)
+    native_decoder: bool = True  # CPU + bfloat16 + AMX or AVX2: steps run as one native call (models/native_decoder.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

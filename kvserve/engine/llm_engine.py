@@ -27,6 +27,7 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.scheduler_output import SchedulerOutput
 from kvserve.models.catalog import resolve_model
 from kvserve.models.loader import build_model, checkpoint_info, load_checkpoint, resolve_device, resolve_dtype
+from kvserve.models.native_decoder import NativeDecoder
 from kvserve.models.model_info import ModelInfo
 from kvserve.models.tokenizer import Tokenizer
 
@@ -65,8 +66,9 @@ class LLMEngine:
         if runner is None:
             resolved_id, path = resolve_model(config.model)
             self.device = resolve_device(config.device)
-            self.dtype = resolve_dtype(config.dtype, self.device)
             checkpoint = load_checkpoint(path)
+            fused = config.native_decoder and self.device.type == "cpu" and NativeDecoder.would_serve(checkpoint)
+            self.dtype = resolve_dtype(config.dtype, self.device, fused=fused)
             info = checkpoint_info(checkpoint, name=model_id or resolved_id)
         else:
             if info is None or not cache_cfg.num_gpu_blocks_override:

@@ -42,12 +42,15 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto' -> bfloat16 on CUDA or on CPUs with native bf16 (avx512_bf16 / AMX), else float32."""
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, fused: bool = False) -> torch.dtype:
+    """'auto' -> bfloat16 on CUDA, on CPUs with native bf16 (avx512_bf16 / AMX), and where the model runs
+    on the fused native decoder (`fused`: models/native_decoder.NativeDecoder.would_serve), which reads
+    bf16 weights and widens them in registers on AVX2 machines; else float32 (torch's bf16 ops on a CPU
+    without bf16 arithmetic are slower than its float32 ones)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        if device.type == "cuda" or isa.native_bf16():
+        if device.type == "cuda" or (device.type == "cpu" and (isa.native_bf16() or fused)):
             return torch.bfloat16
         return torch.float32
     names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -202,7 +205,7 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
     small-batch decode (see models/int4.py), unless the native decoder attached (it serves those).
     onednn_weights: on the CPU in bfloat16, reorder the projection weights once into oneDNN's blocked
     layout (see layers.prepack_onednn), instead of on every matmul.
-    native_decoder: on the CPU in bfloat16 with AMX, run steps through the fused native
+    native_decoder: on the CPU in bfloat16 with AMX or AVX2, run steps through the fused native
     decoder (see models/native_decoder.py).
     """
     from dataclasses import replace
