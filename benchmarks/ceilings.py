@@ -30,6 +30,9 @@ def _times(fn, reps: int) -> tuple[float, float]:
 
 
 def measure(quick: bool = False, threads: int | None = None) -> dict:
+    from kvserve.kernels import isa
+
+    isa.apply_to_torch()  # the ceilings of the level in force (KVSERVE_CPU_ISA), as the engine's torch sees it
     import torch
 
     if threads:

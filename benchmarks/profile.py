@@ -1,7 +1,7 @@
 """Where an engine step's time goes: a W1-shaped offline run with timers around each part.
 
   python -m benchmarks.profile [--model smollm2-135m] [--prompts 64] [--input 256] [--output 128]
-                               [--max-seqs 32] [--json out.json]
+                               [--max-seqs 32] [--dtype bfloat16] [--per-op] [--json out.json]
 
 The run is W1's shape on the offline engine (no HTTP): 64 fresh prompts of 256 random tokens,
 128 greedy output tokens each (ignore_eos), at most 32 sequences running. A warm-up run of the
@@ -22,6 +22,7 @@ import json
 import random
 import time
 
+import kvserve  # noqa: F401  (first: it caps torch's CPU dispatch at KVSERVE_CPU_ISA's level)
 import torch
 
 from kvserve.models.native_decoder import PHASES
@@ -60,11 +61,13 @@ class _TimedDecoder:
             self.clock["fused"] += time.perf_counter() - t
 
 
-def run(model: str, prompts: int, input_len: int, output_len: int, max_seqs: int) -> dict:
+def run(model: str, prompts: int, input_len: int, output_len: int, max_seqs: int, dtype: str = "bfloat16",
+        native_decoder: bool = True) -> dict:
     from kvserve import LLM
     from kvserve.engine.sampling import SamplingParams
 
-    llm = LLM(model, dtype="bfloat16", kv_cache_memory="1GiB", max_num_seqs=max_seqs, enable_prefix_caching=False)
+    llm = LLM(model, dtype=dtype, kv_cache_memory="1GiB", max_num_seqs=max_seqs, enable_prefix_caching=False,
+              native_decoder=native_decoder)
     engine = llm.engine
     rng = random.Random(0)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
@@ -106,14 +109,16 @@ def run(model: str, prompts: int, input_len: int, output_len: int, max_seqs: int
         ("sampling and output processing", per_step.get("sample_and_update", 0.0)),
         ("scheduler", per_step.get("scheduler", 0.0)),
     ]
-    return {"model": model, "steps": steps, "wall_s": wall, "output_tok_s": prompts * output_len / wall,
+    return {"model": model, "dtype": str(model_obj.embed_tokens.weight.dtype).removeprefix("torch."),
+            "steps": steps, "wall_s": wall, "output_tok_s": prompts * output_len / wall,
             "threads": torch.get_num_threads(), "fused_decoder": decoder is not None,
             "rows": [{"part": name, "ms_per_step": ms, "share": ms / (wall / steps * 1e3)} for name, ms in rows]}
 
 
 def markdown(result: dict) -> str:
     lines = [f"{result['steps']} steps, {result['wall_s']:.2f} s, {result['output_tok_s']:.0f} output tok/s, "
-             f"{result['threads']} threads, fused decoder {'on' if result['fused_decoder'] else 'off'}", "",
+             f"{result.get('dtype', 'bfloat16')}, {result['threads']} threads, "
+             f"fused decoder {'on' if result['fused_decoder'] else 'off'}", "",
              "| part | ms / step | share |", "|---|---|---|"]
     for row in result["rows"]:
         lines.append(f"| {row['part']} | {row['ms_per_step']:.2f} | {row['share'] * 100:.1f}% |")
@@ -127,9 +132,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input", type=int, default=256)
     parser.add_argument("--output", type=int, default=128)
     parser.add_argument("--max-seqs", type=int, default=32)
+    parser.add_argument("--dtype", default="bfloat16", help="auto, bfloat16 or float32")
+    parser.add_argument("--per-op", action="store_true", help="without the fused decoder (its per-op path)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    result = run(args.model, args.prompts, args.input, args.output, args.max_seqs)
+    result = run(args.model, args.prompts, args.input, args.output, args.max_seqs, args.dtype, not args.per_op)
     print(markdown(result))
     if args.json:
         with open(args.json, "w") as f:

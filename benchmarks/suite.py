@@ -13,7 +13,7 @@ bf16/fp32 matmul FLOP/s, copy bandwidth) are measured with torch at the start. R
 on its own, on a partial session).
 
 Environment:
-  BENCH_PEERS=1        add the peers (vllm, llamacpp-bf16, llamacpp-q4_1, hf-static)
+  BENCH_PEERS=1        add the peers (vllm in bf16 and fp32, llama.cpp at BF16, F16 and Q4_1, hf-static)
   BENCH_PEERS_SETUP=1  run a missing peer's setup.sh (heavy: pip installs, a llama.cpp build); else skip it
   PEERS_DIR            where the peers are installed (default /tmp/peers)
   PEERS_SRC            the peers' scripts (default <repo>/../shared/peers)
@@ -146,7 +146,9 @@ class Suite:
         self.meta_path = self.root / "meta.json"
         self.meta: dict = json.loads(self.meta_path.read_text()) if self.meta_path.exists() else {}
         self.meta.setdefault("targets", {})
-        self.meta.update(session=self.session, quick=args.quick, runs=args.runs, workloads=args.workloads,
+        # A session can be added to (--session): its workloads are those of every run into it.
+        workloads = sorted(set(self.meta.get("workloads", [])) | set(args.workloads), key=ALL_WORKLOADS.index)
+        self.meta.update(session=self.session, quick=args.quick, runs=args.runs, workloads=workloads,
                          argv=sys.argv, git=git_info(),
                          env={k: os.environ.get(k) for k in ("BENCH_PEERS", "BENCH_PEERS_SETUP", "PEERS_DIR",
                                                              "PEERS_SRC", "BENCH_VLLM_PRIORITY", "OMP_NUM_THREADS")})
@@ -196,7 +198,9 @@ class Suite:
     def run_target(self, t: Target, jobs: list[Job]) -> None:
         tdir = self.root / t.name
         tdir.mkdir(parents=True, exist_ok=True)
-        info = {**t.describe(), "status": "running", "servers": {}, "commands": {}}
+        before = self.meta["targets"].get(t.name, {})  # an earlier run into this session keeps its commands
+        info = {**t.describe(), "status": "running", "servers": dict(before.get("servers", {})),
+                "commands": dict(before.get("commands", {}))}
         self.meta["targets"][t.name] = info
         self.save_meta()
         if isinstance(t, HfStaticTarget):
@@ -352,8 +356,10 @@ class Suite:
     def run(self) -> int:
         names = self.args.targets
         jobs = build_jobs(self.args.workloads, self.args.runs, self.args.quick)
-        self.meta["jobs"] = [{"name": j.name, "workload": j.workload, "kind": j.kind, "runs": j.runs,
-                              "seed_base": j.seed_base, "shape": j.shape} for j in jobs]
+        ran = {j["name"]: j for j in self.meta.get("jobs", [])}  # an earlier run into this session
+        ran.update({j.name: {"name": j.name, "workload": j.workload, "kind": j.kind, "runs": j.runs,
+                             "seed_base": j.seed_base, "shape": j.shape} for j in jobs})
+        self.meta["jobs"] = list(ran.values())
         self.save_meta()
         self.log(f"session {self.root}; targets {', '.join(names)}; jobs {', '.join(j.name for j in jobs)}")
         self.ceilings()

@@ -9,7 +9,7 @@ of those scripts' run.sh:
   vLLM:      VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-(nproc-1) LD_PRELOAD=tcmalloc+iomp
              python vllm_cli.py serve $PEERS_DIR/smollm2-135m-instruct-hf --dtype bfloat16
              --served-model-name smollm2-135m [--no-enable-prefix-caching]
-  llama.cpp: llama-server -m SmolLM2-135M-Instruct.{BF16,Q4_1}.gguf --alias smollm2-135m-instruct
+  llama.cpp: llama-server -m SmolLM2-135M-Instruct.{BF16,F16,Q4_1}.gguf --alias smollm2-135m-instruct
              -np 32 -c 16384 --cont-batching -t N -tb N --no-cache-prompt --no-webui
              (clients send Connection: close; see shared/peers/llamacpp/README.md)
 
@@ -263,11 +263,12 @@ class KvserveTarget(Target):
 
 
 class VllmTarget(Target):
-    name = "vllm"
     engine = "vLLM CPU (vllm-cpu 0.32.0)"
     model_id = "smollm2-135m"
 
-    def __init__(self):
+    def __init__(self, dtype: str = "bfloat16"):
+        self.dtype = dtype  # "bfloat16" (target "vllm") | "float32" ("vllm-fp32": the faster one without native bf16)
+        self.name = "vllm" if dtype == "bfloat16" else "vllm-fp32"
         self.venv = Path(os.environ.get("VLLM_VENV", str(peers_dir() / "vllm-venv")))
         self.model_dir = Path(os.environ.get("VLLM_MODEL_DIR", str(peers_dir() / "smollm2-135m-instruct-hf")))
         self.priority = os.environ.get("BENCH_VLLM_PRIORITY", "0") == "1"
@@ -304,7 +305,7 @@ class VllmTarget(Target):
         if os.environ.get("PRELOAD", "tcmalloc_iomp" if tcmalloc.exists() else "none") == "tcmalloc_iomp" \
                 and tcmalloc.exists() and iomp.exists():
             env["LD_PRELOAD"] = f"{tcmalloc}:{iomp}"
-        argv = [str(self.python), str(self.cli), "serve", str(self.model_dir), "--dtype", "bfloat16",
+        argv = [str(self.python), str(self.cli), "serve", str(self.model_dir), "--dtype", self.dtype,
                 "--host", "127.0.0.1", "--port", str(port), "--served-model-name", self.model_id]
         if variant == "nocache":
             argv.append("--no-enable-prefix-caching")
@@ -314,7 +315,8 @@ class VllmTarget(Target):
 
     def describe(self) -> dict:
         d = super().describe()
-        d.update(dtype="bfloat16", weights="fp32 HF dir converted from the Q4_1 GGUF, cast to bf16 at load",
+        d.update(dtype=self.dtype, weights="fp32 HF dir converted from the Q4_1 GGUF"
+                 + (", cast to bf16 at load" if self.dtype == "bfloat16" else ""),
                  threads=f"VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND', f'0-{nproc() - 1}')}",
                  priority_scheduling=self.priority)
         return d
@@ -329,7 +331,7 @@ class LlamaCppTarget(Target):
     connection_close = True  # llama-server closes the connection after a streamed response
 
     def __init__(self, precision: str):
-        self.precision = precision  # "bf16" | "q4_1"
+        self.precision = precision  # "bf16" | "f16" | "q4_1"
         self.name = f"llamacpp-{precision}"
         self.venv = Path(os.environ.get("LLAMACPP_VENV", str(peers_dir() / "llamacpp-venv")))
         self.models = Path(os.environ.get("MODELS_DIR", str(peers_dir() / "models")))
@@ -357,9 +359,17 @@ class LlamaCppTarget(Target):
         if bin_dir is None or not (Path(bin_dir) / "llama-server").exists():
             return False, f"llama-server not installed in {self.venv}; run shared/peers/llamacpp/setup.sh " \
                           "or set BENCH_PEERS_SETUP=1"
+        if not self.model_path.exists() and self.precision == "f16":
+            self.make_f16(bin_dir)  # the peers' setup makes Q4_1 and BF16 files; F16 from Q4_1 the same way
         if not self.model_path.exists():
             return False, f"missing {self.model_path}; run shared/peers/llamacpp/setup.sh"
         return True, ""
+
+    def make_f16(self, bin_dir: str) -> None:
+        source = self.models / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        if source.exists():
+            subprocess.run([str(Path(bin_dir) / "llama-quantize"), "--allow-requantize", str(source),
+                            str(self.model_path), "F16", "2"], capture_output=True, timeout=600)
 
     def setup_command(self) -> list[str]:
         return ["bash", str(peers_src() / "llamacpp" / "setup.sh")]
@@ -388,6 +398,7 @@ class LlamaCppTarget(Target):
     def describe(self) -> dict:
         d = super().describe()
         d.update(dtype={"bf16": "BF16 weights (Q4_1 dequantized by llama-quantize), KV F16",
+                        "f16": "F16 weights (Q4_1 dequantized by llama-quantize), KV F16",
                         "q4_1": "Q4_1 weights as shipped (token_embd Q8_0), KV F16"}[self.precision],
                  threads=f"-t {self.threads} -tb {self.threads}", weights=self.model_path.name)
         return d
@@ -466,7 +477,8 @@ class FakeTarget(Target):
 
 def all_targets(names: list[str], engine_args: dict | None = None) -> list[Target]:
     made = {"kvserve": lambda: KvserveTarget(engine_args), "vllm": VllmTarget, "fake": FakeTarget,
-            "llamacpp-bf16": lambda: LlamaCppTarget("bf16"), "llamacpp-q4_1": lambda: LlamaCppTarget("q4_1"),
+            "vllm-fp32": lambda: VllmTarget("float32"), "llamacpp-bf16": lambda: LlamaCppTarget("bf16"),
+            "llamacpp-f16": lambda: LlamaCppTarget("f16"), "llamacpp-q4_1": lambda: LlamaCppTarget("q4_1"),
             "hf-static": HfStaticTarget}
     unknown = [n for n in names if n not in made]
     if unknown:
@@ -474,7 +486,7 @@ def all_targets(names: list[str], engine_args: dict | None = None) -> list[Targe
     return [made[n]() for n in names]
 
 
-PEER_TARGETS = ["vllm", "llamacpp-bf16", "llamacpp-q4_1", "hf-static"]
+PEER_TARGETS = ["vllm", "vllm-fp32", "llamacpp-bf16", "llamacpp-f16", "llamacpp-q4_1", "hf-static"]
 
 
 def shell_join(argv: list[str], env: dict | None = None) -> str:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import report
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -39,13 +41,16 @@ def test_suite_and_report_against_the_fake_server(tmp_path):
     w5 = json.loads((root / "fake" / "W5" / "run0.json").read_text())
     assert w5["config"]["tiers"][0]["request_rate"] == 10.0
     md = (root / "BENCHMARKS.md").read_text()
-    for heading in ("## Machine", "## W1 throughput", "## W3 tier isolation", "## W4 prefix reuse", "## W5 overload",
-                    "## Throughput against concurrency", "## Exact commands"):
+    kind = report.cpu_kind(report.Session(root))
+    assert f"## {report.CPU_KINDS[kind]}" in md  # this machine's kind of CPU has its section
+    for heading in ("### Machine", "### W1 throughput", "### W3 tier isolation", "### W4 prefix reuse",
+                    "### W5 overload", "### Throughput against concurrency", "### Exact commands"):
         assert heading in md
     assert "| fake |" in md and "--quick" in md
+    assert (root / "plots" / "cpu" / f"{kind}.md").read_text() in md  # kept for the next render
     if importlib.util.find_spec("matplotlib"):
-        assert (root / "plots" / "throughput_vs_concurrency.png").stat().st_size > 1000
-        assert (root / "plots" / "w3_ttft_cdf.png").stat().st_size > 1000
+        assert (root / "plots" / "cpu" / kind / "throughput_vs_concurrency.png").stat().st_size > 1000
+        assert (root / "plots" / "cpu" / kind / "w3_ttft_cdf.png").stat().st_size > 1000
     # the report renders again on its own, from the results alone
     out = tmp_path / "again.md"
     r = subprocess.run([sys.executable, "-m", "benchmarks.report", "--session", str(root), "--markdown", str(out),

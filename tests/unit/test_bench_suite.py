@@ -53,7 +53,7 @@ def test_parse_args_defaults(monkeypatch):
     assert a.targets == ["kvserve"] and a.runs == 3 and a.workloads == ["W1", "W2", "W3", "W4", "W5", "SWEEP"]
     monkeypatch.setenv("BENCH_PEERS", "1")
     a = parse_args(["--quick", "--workloads", "w1,W3"])
-    assert a.targets == ["kvserve", "vllm", "llamacpp-bf16", "llamacpp-q4_1", "hf-static"]
+    assert a.targets == ["kvserve", "vllm", "vllm-fp32", "llamacpp-bf16", "llamacpp-f16", "llamacpp-q4_1", "hf-static"]
     assert a.runs == 1 and a.workloads == ["W1", "W3"]
     with pytest.raises(SystemExit):
         parse_args(["--workloads", "W9"])
@@ -153,3 +153,19 @@ def test_peers_scripts_still_say_what_the_suite_assumes():
         assert flag in llama
     assert "SERVED_NAME=${SERVED_NAME:-smollm2-135m-instruct}" in llama
     assert (src / "vllm" / "baseline_transformers.py").exists()
+
+
+def test_benchmarks_md_keeps_a_section_per_cpu_kind(tmp_path):
+    """A render rewrites its own kind's page; BENCHMARKS.md is every kind's page in a fixed order, then the
+    platform pages."""
+    from benchmarks import report
+
+    cpu = tmp_path / "cpu"
+    cpu.mkdir()
+    (cpu / "avx2.md").write_text("## CPU: avx2 page\n")
+    (cpu / "amx.md").write_text("## CPU: amx page\n")
+    (tmp_path / "fleet.md").write_text("# Fleet benchmarks\n")
+    md = report.assemble(tmp_path)
+    assert md.startswith("# Benchmarks")
+    assert md.index("amx page") < md.index("avx2 page") < md.index("## Fleet benchmarks")
+    assert report.CPU_KINDS["avx512"] not in md  # a kind never rendered has no section
