@@ -423,7 +423,7 @@ struct RowBlock {  // A's rows as they are (bf16 pairs broadcast as 32-bit)
   void load(const bf16* a, int64_t, int64_t) { rows = a; }
 };
 #else
-constexpr int kRows = 6;  // 12 accumulators (6 rows x 16 columns), 2 weight vectors and a broadcast: 15 of 16
+constexpr int kRows = 5;  // 10 accumulators (5 rows x 16 columns), 2 weight vectors, a zero and a broadcast: 14 of 16
 
 // One column block: c [R, 16] = A (fp32 rows, stride lda) times the block's packed weights, stored for
 // AVX2 k-major ([K][16] bf16 per block: see kPairLayout). Each k's 16 weights are widened to fp32 by
@@ -433,18 +433,21 @@ constexpr int kRows = 6;  // 12 accumulators (6 rows x 16 columns), 2 weight vec
 template <int R>
 void micro_block(const float* a, int64_t lda, int64_t k, const bf16* b, float* c) {
   __m256 lo[R], hi[R];
+#pragma GCC unroll 8
   for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
   const __m256i zero = _mm256_setzero_si256();
   for (int64_t kk = 0; kk < k; ++kk) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + kk * 16));
     const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
     const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+#pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const __m256 x = _mm256_broadcast_ss(a + i * lda + kk);
       lo[i] = _mm256_fmadd_ps(x, w0, lo[i]);
       hi[i] = _mm256_fmadd_ps(x, w1, hi[i]);
     }
   }
+#pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
     _mm256_storeu_ps(c + i * 16, _mm256_permute2f128_ps(lo[i], hi[i], 0x20));
     _mm256_storeu_ps(c + i * 16 + 8, _mm256_permute2f128_ps(lo[i], hi[i], 0x31));
