@@ -138,6 +138,189 @@ void gemm_tiles(const bf16* a, int64_t m, int64_t k, const bf16* w, int64_t nblo
   }
 }
 
+// Tiles 0-3 as two or four fp32 sums of A (tile 4) times B tiles b, b + step, ... (rows of 64 bytes), with
+// B alternating between tiles 6 and 7. Tile numbers are immediates, hence the fixed layout.
+inline void zero_sums(bool four) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (four) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+}
+inline void add_products(const bf16* b, int64_t step, bool four) {
+  _tile_loadd(6, b, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_loadd(7, b + step, 64);
+  _tile_dpbf16ps(1, 4, 7);
+  if (four) {
+    _tile_loadd(6, b + 2 * step, 64);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_loadd(7, b + 3 * step, 64);
+    _tile_dpbf16ps(3, 4, 7);
+  }
+}
+// Sum t to dst + t * offset (floats), rows `stride` bytes apart.
+inline void store_sums(float* dst, int64_t stride, int64_t offset, bool four) {
+  _tile_stored(0, dst, stride);
+  _tile_stored(1, dst + offset, stride);
+  if (four) {
+    _tile_stored(2, dst + 2 * offset, stride);
+    _tile_stored(3, dst + 3 * offset, stride);
+  }
+}
+
+
+#else
+constexpr bool kCompiledWithAmx = false;
+struct TileState {};
+#endif
+
+// The packed weight layout: AMX's tile layout (also what VDPBF16PS reads) where the build has AMX or
+// AVX-512 BF16; else k-major per 16-column block, [N/16][K][16], which AVX2 widens to fp32 cheapest.
+#if (defined(__AMX_TILE__) && defined(__AMX_BF16__)) || defined(__AVX512BF16__)
+constexpr bool kPairLayout = true;
+#else
+constexpr bool kPairLayout = false;
+#endif
+
+// Whether this process may use AMX tiles: compiled in and granted by Linux, which hands out the tile
+// state only on request (ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18). Asked once.
+bool amx_ready() {
+  static const bool ready = kCompiledWithAmx && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ready;
+}
+
+// ---- the same GEMM on vector units, for the CPUs without AMX ----
+// The same tasks as the tile GEMM; each task's column pairs are multiplied by `kRows` rows of A at a
+// time, the accumulators held in registers for the whole of k. AVX-512 BF16: VDPBF16PS on the tile rows
+// as packed (a row of a tile is 16 columns x one bf16 pair of k), one broadcast pair of A per row.
+// AVX2: weights packed k-major, each k's 16 bf16 widened to fp32 in registers, against A's rows
+// converted to fp32 once per task, one FMA per accumulator and k. Both read the weights as bf16: half
+// the bytes of fp32, which is what bounds a decode step.
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool kVectorGemm = true;
+#if defined(__AVX512BF16__)
+constexpr int kRows = 8;  // 16 accumulators (8 rows x 2 column blocks) of 32 registers
+
+template <int R, bool Two>
+void micro(const bf16* a, int64_t lda, int64_t chunks, const bf16* b0, const bf16* b1, float* c0, float* c1,
+           int64_t stride) {
+  __m512 acc0[R], acc1[R];
+  for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const bf16* t0 = b0 + ch * stride;
+    const bf16* t1 = b1 + ch * stride;
+    const uint32_t* ar = reinterpret_cast<const uint32_t*>(a + ch * 32);
+    for (int rr = 0; rr < 16; ++rr) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(t0 + rr * 32);
+      const __m512bh w1 = Two ? (__m512bh)_mm512_loadu_si512(t1 + rr * 32) : w0;
+      for (int i = 0; i < R; ++i) {
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(ar[i * lda / 2 + rr]));
+        acc0[i] = _mm512_dpbf16_ps(acc0[i], x, w0);
+        if (Two) acc1[i] = _mm512_dpbf16_ps(acc1[i], x, w1);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm512_storeu_ps(c0 + i * 16, acc0[i]);
+    if (Two) _mm512_storeu_ps(c1 + i * 16, acc1[i]);
+  }
+}
+
+struct RowBlock {  // A's rows as they are (bf16 pairs broadcast as 32-bit)
+  const bf16* rows;
+  void load(const bf16* a, int64_t, int64_t) { rows = a; }
+};
+#else
+constexpr int kRows = 5;  // 10 accumulators (5 rows x 16 columns), 2 weight vectors, a zero and a broadcast: 14 of 16
+
+// One column block: c [R, 16] = A (fp32 rows, stride lda) times the block's packed weights, stored for
+// AVX2 k-major ([K][16] bf16 per block: see kPairLayout). Each k's 16 weights are widened to fp32 by
+// interleaving zeros below them, which puts columns 0-3 and 8-11 in one vector and 4-7 and 12-15 in the
+// other; each accumulator takes one FMA per k (no chain longer than the FMA latency), and the columns
+// are put back in order once, at the end.
+template <int R>
+void micro_block(const float* a, int64_t lda, int64_t k, const bf16* b, float* c) {
+  __m256 lo[R], hi[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + kk * 16));
+    const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+    const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m256 x = _mm256_broadcast_ss(a + i * lda + kk);
+      lo[i] = _mm256_fmadd_ps(x, w0, lo[i]);
+      hi[i] = _mm256_fmadd_ps(x, w1, hi[i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    _mm256_storeu_ps(c + i * 16, _mm256_permute2f128_ps(lo[i], hi[i], 0x20));
+    _mm256_storeu_ps(c + i * 16 + 8, _mm256_permute2f128_ps(lo[i], hi[i], 0x31));
+  }
+}
+
+template <int R, bool Two>
+void micro(const float* a, int64_t lda, int64_t chunks, const bf16* b0, const bf16* b1, float* c0, float* c1,
+           int64_t) {  // k-major blocks: chunks are consecutive
+  micro_block<R>(a, lda, chunks * 32, b0, c0);
+  if (Two) micro_block<R>(a, lda, chunks * 32, b1, c1);
+}
+
+struct RowBlock {  // A's rows widened to fp32 (per thread, once per task and row block)
+  std::vector<float> buffer;
+  const float* rows = nullptr;
+  void load(const bf16* a, int64_t count, int64_t k) {
+    buffer.resize(count * k);
+    for (int64_t j = 0; j + 8 <= count * k; j += 8) _mm256_storeu_ps(buffer.data() + j, load8(a + j));
+    rows = buffer.data();
+  }
+};
+#endif
+
+template <int R, typename A>
+void micro_rows(int rows, A a, int64_t lda, int64_t chunks, const bf16* b0, const bf16* b1, bool two, float* c0,
+                float* c1, int64_t stride = 512) {  // stride: elements from one 32-deep chunk of B to the next
+  if constexpr (R > 1) {
+    if (rows < R) return micro_rows<R - 1>(rows, a, lda, chunks, b0, b1, two, c0, c1, stride);
+  }
+  if (two) micro<R, true>(a, lda, chunks, b0, b1, c0, c1, stride);
+  else micro<R, false>(a, lda, chunks, b0, b1, c0, c1, stride);
+}
+
+template <typename Epilogue>
+void gemm_vectors(const bf16* a, int64_t m, int64_t k, const bf16* w, int64_t nblocks, Epilogue&& epi) {
+  const int64_t chunks = k / 32, tile = 16 * 32;
+  const int64_t pairs = (nblocks + 1) / 2;
+  // A group's weights (2 x 16 columns x k bf16 per pair) are reused by every row block: at most 256 KiB
+  // of them, so they stay in L2.
+  const int64_t group = m <= 32 ? 1 : std::max<int64_t>(1, std::min<int64_t>(pairs / 8, (256 << 10) / (64 * k)));
+  alignas(64) float c[2][kRows * 16];
+  RowBlock block;
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t task = 0; task < (pairs + group - 1) / group; ++task)
+    for (int64_t r = 0; r < m; r += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, m - r));
+      block.load(a + r * k, rows, k);
+      for (int64_t pair = task * group; pair < std::min(pairs, (task + 1) * group); ++pair) {
+        const int64_t nb0 = 2 * pair;
+        const bool two = nb0 + 1 < nblocks;
+        const bf16* b0 = w + nb0 * chunks * tile;
+        micro_rows<kRows>(rows, block.rows, k, chunks, b0, b0 + chunks * tile, two, c[0], c[1]);
+        epi(r, nb0, two, 0, rows, c[0], c[1]);
+      }
+    }
+}
+#else
+constexpr bool kVectorGemm = false;
+#endif
+
+#if defined(__AVX512BF16__)  // AMX builds have it too
+constexpr bool kTileAttention = true;
 // ---- prefill attention on tiles ----
 // A prefill chunk's query tokens are consecutive positions of one sequence, so 16 of them can share
 // each key: S = Q K^T and O = P V run as tile products, where attending row by row (DecodeBatch) reads
@@ -174,39 +357,6 @@ inline void transpose16x16(__m512i v[16]) {
     v[12 + j] = _mm512_shuffle_i32x4(p2, q2, 0xDD);
   }
 }
-
-// Tiles 0-3 as two or four fp32 sums of A (tile 4) times B tiles b, b + step, ... (rows of 64 bytes), with
-// B alternating between tiles 6 and 7. Tile numbers are immediates, hence the fixed layout.
-inline void zero_sums(bool four) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if (four) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-}
-inline void add_products(const bf16* b, int64_t step, bool four) {
-  _tile_loadd(6, b, 64);
-  _tile_dpbf16ps(0, 4, 6);
-  _tile_loadd(7, b + step, 64);
-  _tile_dpbf16ps(1, 4, 7);
-  if (four) {
-    _tile_loadd(6, b + 2 * step, 64);
-    _tile_dpbf16ps(2, 4, 6);
-    _tile_loadd(7, b + 3 * step, 64);
-    _tile_dpbf16ps(3, 4, 7);
-  }
-}
-// Sum t to dst + t * offset (floats), rows `stride` bytes apart.
-inline void store_sums(float* dst, int64_t stride, int64_t offset, bool four) {
-  _tile_stored(0, dst, stride);
-  _tile_stored(1, dst + offset, stride);
-  if (four) {
-    _tile_stored(2, dst + 2 * offset, stride);
-    _tile_stored(3, dst + 3 * offset, stride);
-  }
-}
-
 
 constexpr int64_t kPackKeys = 256;  // keys per packing task
 
@@ -282,9 +432,65 @@ struct TileAttention {
     }
   }
 
-  // Query tokens [tile * 16, +16) of one chunk, every query head of kv head `head`.
+  // Query tokens [tile * 16, +16) of one chunk, every query head of kv head `head`: on AMX tiles where
+  // this process has them, else with VDPBF16PS (the vector GEMM's micro kernels on the same packing).
   void run(int64_t chunk, int64_t head, int64_t tile, TileState& ts, std::vector<float>& scores,
            std::vector<bf16>& probs) const {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx_ready()) return run_tiles(chunk, head, tile, ts, scores, probs);
+#endif
+    run_vectors(chunk, head, tile, scores, probs);
+  }
+
+  void run_vectors(int64_t chunk, int64_t head, int64_t tile, std::vector<float>& scores,
+                   std::vector<bf16>& probs) const {
+    const TileChunk& c = chunks[chunk];
+    const int64_t i0 = c.row0 + tile * 16, rows = std::min<int64_t>(16, c.rows - tile * 16);
+    const int64_t kb = base(c), group = q_heads / kv_heads, dchunks = hd / 32, dtiles = hd / 16;
+    const int64_t c0 = (first_key(positions[i0]) - kb) / 32, c1 = (positions[i0 + rows - 1] + 1 - kb + 31) / 32;
+    const int64_t width = (c1 - c0) * 32;
+    scores.resize(16 * width);
+    probs.resize(16 * width);
+    const bf16* kp = keys(chunk, head);
+    const bf16* vp = values(chunk, head);
+    alignas(64) float sums[2][kRows * 16];
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t qh = head * group + g;
+      const bf16* q = qkv + i0 * qkv_width + qh * hd;
+      for (int64_t r0 = 0; r0 < rows; r0 += kRows) {  // S = Q K^T, 32 keys (two key tiles) at a time
+        const int nr = static_cast<int>(std::min<int64_t>(kRows, rows - r0));
+        for (int64_t kc = c0; kc < c1; ++kc) {
+          const bf16* b0 = kp + 2 * kc * dchunks * 512;
+          micro_rows<kRows>(nr, q + r0 * qkv_width, qkv_width, dchunks, b0, b0 + dchunks * 512, true, sums[0],
+                            sums[1], 512);
+          for (int i = 0; i < nr; ++i) {
+            float* dst = scores.data() + (r0 + i) * width + (kc - c0) * 32;
+            std::memcpy(dst, sums[0] + i * 16, 16 * sizeof(float));
+            std::memcpy(dst + 16, sums[1] + i * 16, 16 * sizeof(float));
+          }
+        }
+      }
+      for (int64_t i = 0; i < rows; ++i) softmax_masked(scores.data() + i * width, probs.data() + i * width, width,
+                                                        first_key(positions[i0 + i]) - kb - c0 * 32,
+                                                        positions[i0 + i] - kb - c0 * 32);
+      for (int64_t dt = 0; dt < dtiles; dt += 2)  // O = P V, 32 dims at a time (hd % 32 == 0)
+        for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+          const int nr = static_cast<int>(std::min<int64_t>(kRows, rows - r0));
+          const bf16* b0 = vp + (c0 * dtiles + dt) * 512;
+          micro_rows<kRows>(nr, probs.data() + r0 * width, width, c1 - c0, b0, b0 + 512, true, sums[0], sums[1],
+                            dtiles * 512);
+          for (int i = 0; i < nr; ++i) {
+            bf16* o = out + (i0 + r0 + i) * q_heads * hd + qh * hd + dt * 16;
+            store_rounded16(sums[0] + i * 16, o);
+            store_rounded16(sums[1] + i * 16, o + 16);
+          }
+        }
+    }
+  }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  void run_tiles(int64_t chunk, int64_t head, int64_t tile, TileState& ts, std::vector<float>& scores,
+                 std::vector<bf16>& probs) const {
     const TileChunk& c = chunks[chunk];
     const int64_t i0 = c.row0 + tile * 16, rows = std::min<int64_t>(16, c.rows - tile * 16);
     const int64_t kb = base(c), group = q_heads / kv_heads, dchunks = hd / 32, dtiles = hd / 16;
@@ -329,6 +535,8 @@ struct TileAttention {
     }
   }
 
+#endif
+
   // One row of scores (unscaled, `width` keys) -> probabilities in bf16 over keys [lo, hi], zero elsewhere.
   // Only the 32-key pairs of vectors that overlap [lo, hi] are read; of those, only vectors not wholly
   // inside it build a lane mask.
@@ -363,149 +571,7 @@ struct TileAttention {
   }
 };
 #else
-constexpr bool kCompiledWithAmx = false;
-struct TileState {};
-#endif
-
-// The packed weight layout: AMX's tile layout (also what VDPBF16PS reads) where the build has AMX or
-// AVX-512 BF16; else k-major per 16-column block, [N/16][K][16], which AVX2 widens to fp32 cheapest.
-#if (defined(__AMX_TILE__) && defined(__AMX_BF16__)) || defined(__AVX512BF16__)
-constexpr bool kPairLayout = true;
-#else
-constexpr bool kPairLayout = false;
-#endif
-
-// Whether this process may use AMX tiles: compiled in and granted by Linux, which hands out the tile
-// state only on request (ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18). Asked once.
-bool amx_ready() {
-  static const bool ready = kCompiledWithAmx && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ready;
-}
-
-// ---- the same GEMM on vector units, for the CPUs without AMX ----
-// The same tasks as the tile GEMM; each task's column pairs are multiplied by `kRows` rows of A at a
-// time, the accumulators held in registers for the whole of k. AVX-512 BF16: VDPBF16PS on the tile rows
-// as packed (a row of a tile is 16 columns x one bf16 pair of k), one broadcast pair of A per row.
-// AVX2: weights packed k-major, each k's 16 bf16 widened to fp32 in registers, against A's rows
-// converted to fp32 once per task, one FMA per accumulator and k. Both read the weights as bf16: half
-// the bytes of fp32, which is what bounds a decode step.
-#if defined(__AVX2__) && defined(__FMA__)
-constexpr bool kVectorGemm = true;
-#if defined(__AVX512BF16__)
-constexpr int kRows = 8;  // 16 accumulators (8 rows x 2 column blocks) of 32 registers
-
-template <int R, bool Two>
-void micro(const bf16* a, int64_t lda, int64_t chunks, const bf16* b0, const bf16* b1, float* c0, float* c1) {
-  __m512 acc0[R], acc1[R];
-  for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
-  for (int64_t ch = 0; ch < chunks; ++ch) {
-    const bf16* t0 = b0 + ch * 512;
-    const bf16* t1 = b1 + ch * 512;
-    const uint32_t* ar = reinterpret_cast<const uint32_t*>(a + ch * 32);
-    for (int rr = 0; rr < 16; ++rr) {
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(t0 + rr * 32);
-      const __m512bh w1 = Two ? (__m512bh)_mm512_loadu_si512(t1 + rr * 32) : w0;
-      for (int i = 0; i < R; ++i) {
-        const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(ar[i * lda / 2 + rr]));
-        acc0[i] = _mm512_dpbf16_ps(acc0[i], x, w0);
-        if (Two) acc1[i] = _mm512_dpbf16_ps(acc1[i], x, w1);
-      }
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    _mm512_storeu_ps(c0 + i * 16, acc0[i]);
-    if (Two) _mm512_storeu_ps(c1 + i * 16, acc1[i]);
-  }
-}
-
-struct RowBlock {  // A's rows as they are (bf16 pairs broadcast as 32-bit)
-  const bf16* rows;
-  void load(const bf16* a, int64_t, int64_t) { rows = a; }
-};
-#else
-constexpr int kRows = 5;  // 10 accumulators (5 rows x 16 columns), 2 weight vectors, a zero and a broadcast: 14 of 16
-
-// One column block: c [R, 16] = A (fp32 rows, stride lda) times the block's packed weights, stored for
-// AVX2 k-major ([K][16] bf16 per block: see kPairLayout). Each k's 16 weights are widened to fp32 by
-// interleaving zeros below them, which puts columns 0-3 and 8-11 in one vector and 4-7 and 12-15 in the
-// other; each accumulator takes one FMA per k (no chain longer than the FMA latency), and the columns
-// are put back in order once, at the end.
-template <int R>
-void micro_block(const float* a, int64_t lda, int64_t k, const bf16* b, float* c) {
-  __m256 lo[R], hi[R];
-#pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
-  const __m256i zero = _mm256_setzero_si256();
-  for (int64_t kk = 0; kk < k; ++kk) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + kk * 16));
-    const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
-    const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
-#pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) {
-      const __m256 x = _mm256_broadcast_ss(a + i * lda + kk);
-      lo[i] = _mm256_fmadd_ps(x, w0, lo[i]);
-      hi[i] = _mm256_fmadd_ps(x, w1, hi[i]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) {
-    _mm256_storeu_ps(c + i * 16, _mm256_permute2f128_ps(lo[i], hi[i], 0x20));
-    _mm256_storeu_ps(c + i * 16 + 8, _mm256_permute2f128_ps(lo[i], hi[i], 0x31));
-  }
-}
-
-template <int R, bool Two>
-void micro(const float* a, int64_t lda, int64_t chunks, const bf16* b0, const bf16* b1, float* c0, float* c1) {
-  micro_block<R>(a, lda, chunks * 32, b0, c0);
-  if (Two) micro_block<R>(a, lda, chunks * 32, b1, c1);
-}
-
-struct RowBlock {  // A's rows widened to fp32 (per thread, once per task and row block)
-  std::vector<float> buffer;
-  const float* rows = nullptr;
-  void load(const bf16* a, int64_t count, int64_t k) {
-    buffer.resize(count * k);
-    for (int64_t j = 0; j + 8 <= count * k; j += 8) _mm256_storeu_ps(buffer.data() + j, load8(a + j));
-    rows = buffer.data();
-  }
-};
-#endif
-
-template <int R, typename A>
-void micro_rows(int rows, A a, int64_t lda, int64_t chunks, const bf16* b0, const bf16* b1, bool two, float* c0,
-                float* c1) {
-  if constexpr (R > 1) {
-    if (rows < R) return micro_rows<R - 1>(rows, a, lda, chunks, b0, b1, two, c0, c1);
-  }
-  if (two) micro<R, true>(a, lda, chunks, b0, b1, c0, c1);
-  else micro<R, false>(a, lda, chunks, b0, b1, c0, c1);
-}
-
-template <typename Epilogue>
-void gemm_vectors(const bf16* a, int64_t m, int64_t k, const bf16* w, int64_t nblocks, Epilogue&& epi) {
-  const int64_t chunks = k / 32, tile = 16 * 32;
-  const int64_t pairs = (nblocks + 1) / 2;
-  // A group's weights (2 x 16 columns x k bf16 per pair) are reused by every row block: at most 256 KiB
-  // of them, so they stay in L2.
-  const int64_t group = m <= 32 ? 1 : std::max<int64_t>(1, std::min<int64_t>(pairs / 8, (256 << 10) / (64 * k)));
-  alignas(64) float c[2][kRows * 16];
-  RowBlock block;
-#pragma omp for schedule(dynamic, 1)
-  for (int64_t task = 0; task < (pairs + group - 1) / group; ++task)
-    for (int64_t r = 0; r < m; r += kRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, m - r));
-      block.load(a + r * k, rows, k);
-      for (int64_t pair = task * group; pair < std::min(pairs, (task + 1) * group); ++pair) {
-        const int64_t nb0 = 2 * pair;
-        const bool two = nb0 + 1 < nblocks;
-        const bf16* b0 = w + nb0 * chunks * tile;
-        micro_rows<kRows>(rows, block.rows, k, chunks, b0, b0 + chunks * tile, two, c[0], c[1]);
-        epi(r, nb0, two, 0, rows, c[0], c[1]);
-      }
-    }
-}
-#else
-constexpr bool kVectorGemm = false;
+constexpr bool kTileAttention = false;
 #endif
 
 // C [m, 16 * nblocks] = A [m, k] (row stride k) x W^T, W packed (see the top), inside a parallel region,
@@ -600,6 +666,9 @@ extern "C" int64_t kvserve_amx_available() { return amx_ready() ? 1 : 0; }
 // and FMA at least).
 extern "C" int64_t kvserve_fused_available() { return amx_ready() || kVectorGemm ? 1 : 0; }
 
+// Whether prefill chunks can attend on packed keys (TileAttention: AMX tiles, or VDPBF16PS without them).
+extern "C" int64_t kvserve_tile_attention() { return kTileAttention ? 1 : 0; }
+
 // 1: weights are packed in the tile layout above; 0: k-major ([N/16][K][16], the AVX2 GEMM's).
 extern "C" int64_t kvserve_pair_layout() { return kPairLayout ? 1 : 0; }
 
@@ -653,7 +722,7 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
                                                int64_t num_tile_chunks, int64_t first_layer, void* state,
                                                const int32_t* stop) {
   int64_t stopped_at = -1;
-  if (!amx_ready()) num_tile_chunks = 0;  // every row attends alone (the caller passes none then)
+  if (!kTileAttention) num_tile_chunks = 0;  // every row attends alone (the caller passes none then)
   const ModelParams& p = *mp;
   const int64_t hd = p.head_dim, hidden = p.hidden, inter = p.intermediate;
   const int64_t q_width = p.q_heads * hd, qkv_width = (p.q_heads + 2 * p.kv_heads) * hd;
@@ -670,7 +739,7 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
   std::vector<int64_t> packed_offsets(num_tile_chunks + 1, 0), untiled;
   std::vector<bool> tiled(m, false);
   std::vector<std::array<int64_t, 3>> pack_tasks, tile_tasks;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AVX512BF16__)  // tile attention (kTileAttention)
   for (int64_t c = 0; c < num_tile_chunks; ++c) {
     const int64_t end = TileAttention::end(positions, chunks[c]);
     packed_offsets[c + 1] = packed_offsets[c] + TileAttention::packed_size(end, p.kv_heads, hd);
@@ -741,7 +810,7 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
       const DecodeBatch<bf16> batch{qkv.data(), qkv_width, L.key_cache, L.value_cache, block_tables, table_stride,
                                     context_lens, attn.data(), m, p.q_heads, p.kv_heads, p.num_blocks,
                                     p.block_size, hd, L.window, L.scale};
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AVX512BF16__)  // tile attention (kTileAttention)
       const TileAttention tiles{qkv.data(), qkv_width, positions, block_tables, table_stride, chunks,
                                 packed_offsets.data(), packed.data(), L.key_cache, L.value_cache, p.q_heads,
                                 p.kv_heads, hd, p.block_size, p.num_blocks * p.block_size * hd, L.window, L.scale,
@@ -755,7 +824,7 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
 #pragma omp for schedule(dynamic, 1)
       for (int64_t task = 0; task < num_attention_tasks; ++task) {
         if (task < num_tile_tasks) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AVX512BF16__)  // tile attention (kTileAttention)
           tiles.run(tile_tasks[task][0], tile_tasks[task][1], tile_tasks[task][2], ts, scores, probs);
 #endif
         } else {

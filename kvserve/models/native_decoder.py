@@ -11,8 +11,9 @@ chunk) attends to its prefix alone, through its sequence's block table, with vec
 prefill chunk of `tile_min_rows` tokens or more attends on tiles: its visible keys are packed once
 per layer and kv head, and 16 query tokens at a time share them in S = Q K^T and O = P V tile
 products. That is what makes prefix-cache hits cheap: 64 new tokens over a 576-token prefix read the
-prefix once per 16 tokens, not once per token. Tiles want AMX and head_dim % 32 == 0; otherwise every
-row attends alone, and a step whose row-by-row attention exceeds `max_attention_keys`, or whose batch
+prefix once per 16 tokens, not once per token. Without AMX the same packed keys and values are
+multiplied with AVX-512 BF16's pair dot products (the vector GEMM's micro kernels); on AVX2, or where
+head_dim % 32 != 0, every row attends alone, and a step whose row-by-row attention exceeds `max_attention_keys`, or whose batch
 is too big for the simple tile loops (`max_tokens`), keeps the per-op path: SDPA prefill and oneDNN
 projections.
 
@@ -94,10 +95,10 @@ class NativeDecoder:
         lm_head = model.lm_head.data
         self.lm_head = native.pack_weight(lm_head) if lm_head.shape[0] % 16 == 0 else None
         self.vocab_size = lm_head.shape[0]
-        self.tile_attention = native.amx and config.head_dim % 32 == 0
+        self.tile_attention = native.tile_attention and config.head_dim % 32 == 0
         if not native.amx:
-            # Without tiles every prefill row attends alone, and the per-op path is no faster at it: on
-            # these CPUs its bf16 projections are the slow part (torch's, through oneDNN or not).
+            # Rows attending alone (every row on AVX2) stay fused however many keys they read: on these
+            # CPUs the per-op path is no faster at attention and its bf16 projections are slower.
             self.max_attention_keys = self.max_tokens ** 2
         self._rotaries = list({id(layer.self_attn.rotary): layer.self_attn.rotary for layer in model.layers}.values())
         self._table_key = None

@@ -18,7 +18,8 @@ from tests.parity import PagedHarness, rel_err
 
 native = cpu_kernels.load()
 needs_fused = pytest.mark.skipif(native is None or not native.fused, reason="the fused decoder needs AMX or AVX2")
-needs_amx = pytest.mark.skipif(native is None or not native.amx, reason="prefill attention on tiles needs AMX")
+needs_tiles = pytest.mark.skipif(native is None or not native.tile_attention,
+                                 reason="prefill attention on packed keys needs AMX or AVX-512 BF16")
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
@@ -276,7 +277,7 @@ def _tile_run(ck, dtype, fused: bool, tile_min_rows: int = NativeDecoder.tile_mi
     return torch.cat([mixed, chunked]).float()
 
 
-@needs_amx
+@needs_tiles
 def test_prefill_chunks_attended_on_tiles_match_the_per_op_path(wide_head_checkpoint):
     tiles = _tile_run(wide_head_checkpoint, torch.bfloat16, True)
     rows = _tile_run(wide_head_checkpoint, torch.bfloat16, True, tile_min_rows=10**9)
@@ -287,7 +288,7 @@ def test_prefill_chunks_attended_on_tiles_match_the_per_op_path(wide_head_checkp
     assert rel_err(tiles, reference) <= 1.25 * rel_err(per_op, reference) + 1e-3
 
 
-@needs_amx
+@needs_tiles
 def test_chunks_on_tiles_do_not_count_against_the_row_attention_limit(wide_head_checkpoint):
     h = PagedHarness(wide_head_checkpoint, dtype=torch.bfloat16)
     decoder = h.model.native_decoder
