@@ -246,7 +246,8 @@ class Report:
                          fmt(values(w2, "median_tpot_ms")), fmt(values(w2, "median_itl_ms")),
                          str(sum(r.get("failed", 0) for r in w1 + w2))])
         self.w(table(["target", "W1 out tok/s", "W1 req/s", "W1 total tok/s",
-                      "W1 out / total tok/s vs bf16 ceiling", "W1 total tok/s vs fp32 ceiling", "W1 TTFT p50", "W1 TPOT p50", "W2 TTFT p50",
+                      "W1 out / total tok/s vs bf16 ceiling", "W1 total tok/s vs fp32 ceiling",
+                      "W1 TTFT p50", "W1 TPOT p50", "W2 TTFT p50",
                       "W2 TPOT p50", "W2 ITL p50", "failed"], rows))
         s1, s2 = self.shape("W1"), self.shape("W2")
         if s1 and s2:
@@ -590,6 +591,11 @@ def assemble(plots_dir: Path) -> str:
         page = plots_dir / "cpu" / f"{kind}.md"
         if page.exists():
             md = md.rstrip("\n") + "\n\n" + page.read_text().strip() + "\n"
+        quality = plots_dir / "cpu" / f"{kind}-quality.md"  # benchmarks.quality on a machine of this kind
+        if page.exists() and quality.exists():
+            text = "\n".join("##" + line if line.startswith("# ") else line
+                             for line in quality.read_text().splitlines())
+            md = md.rstrip("\n") + "\n\n" + text.strip() + "\n"
     return with_platform_pages(md, plots_dir)
 
 
