@@ -432,6 +432,22 @@ struct TileAttention {
     }
   }
 
+  // A task's query rows [i0, i0 + rows), the packed keys they see (32-key chunks [c0, c1) from kb, `width`
+  // of them) and its kv head's packed keys and values; scores and probs sized for 16 rows of them.
+  struct Span {
+    int64_t i0, rows, kb, c0, c1, width;
+    const bf16* kp;
+    const bf16* vp;
+  };
+  Span span(int64_t chunk, int64_t head, int64_t tile, std::vector<float>& scores, std::vector<bf16>& probs) const {
+    const TileChunk& c = chunks[chunk];
+    const int64_t i0 = c.row0 + tile * 16, rows = std::min<int64_t>(16, c.rows - tile * 16), kb = base(c);
+    const int64_t c0 = (first_key(positions[i0]) - kb) / 32, c1 = (positions[i0 + rows - 1] + 1 - kb + 31) / 32;
+    scores.resize(16 * (c1 - c0) * 32);
+    probs.resize(16 * (c1 - c0) * 32);
+    return {i0, rows, kb, c0, c1, (c1 - c0) * 32, keys(chunk, head), values(chunk, head)};
+  }
+
   // Query tokens [tile * 16, +16) of one chunk, every query head of kv head `head`: on AMX tiles where
   // this process has them, else with VDPBF16PS (the vector GEMM's micro kernels on the same packing).
   void run(int64_t chunk, int64_t head, int64_t tile, TileState& ts, std::vector<float>& scores,
@@ -444,15 +460,8 @@ struct TileAttention {
 
   void run_vectors(int64_t chunk, int64_t head, int64_t tile, std::vector<float>& scores,
                    std::vector<bf16>& probs) const {
-    const TileChunk& c = chunks[chunk];
-    const int64_t i0 = c.row0 + tile * 16, rows = std::min<int64_t>(16, c.rows - tile * 16);
-    const int64_t kb = base(c), group = q_heads / kv_heads, dchunks = hd / 32, dtiles = hd / 16;
-    const int64_t c0 = (first_key(positions[i0]) - kb) / 32, c1 = (positions[i0 + rows - 1] + 1 - kb + 31) / 32;
-    const int64_t width = (c1 - c0) * 32;
-    scores.resize(16 * width);
-    probs.resize(16 * width);
-    const bf16* kp = keys(chunk, head);
-    const bf16* vp = values(chunk, head);
+    const auto [i0, rows, kb, c0, c1, width, kp, vp] = span(chunk, head, tile, scores, probs);
+    const int64_t group = q_heads / kv_heads, dchunks = hd / 32, dtiles = hd / 16;
     alignas(64) float sums[2][kRows * 16];
     for (int64_t g = 0; g < group; ++g) {
       const int64_t qh = head * group + g;
@@ -491,15 +500,8 @@ struct TileAttention {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   void run_tiles(int64_t chunk, int64_t head, int64_t tile, TileState& ts, std::vector<float>& scores,
                  std::vector<bf16>& probs) const {
-    const TileChunk& c = chunks[chunk];
-    const int64_t i0 = c.row0 + tile * 16, rows = std::min<int64_t>(16, c.rows - tile * 16);
-    const int64_t kb = base(c), group = q_heads / kv_heads, dchunks = hd / 32, dtiles = hd / 16;
-    const int64_t c0 = (first_key(positions[i0]) - kb) / 32, c1 = (positions[i0 + rows - 1] + 1 - kb + 31) / 32;
-    const int64_t width = (c1 - c0) * 32;
-    scores.resize(16 * width);
-    probs.resize(16 * width);
-    const bf16* kp = keys(chunk, head);
-    const bf16* vp = values(chunk, head);
+    const auto [i0, rows, kb, c0, c1, width, kp, vp] = span(chunk, head, tile, scores, probs);
+    const int64_t group = q_heads / kv_heads, dchunks = hd / 32, dtiles = hd / 16;
     const int r = static_cast<int>(rows);
     alignas(64) float acc[4 * 16 * 16];
     for (int64_t g = 0; g < group; ++g) {
