@@ -137,7 +137,9 @@ def test_mix_with_a_background_flood(tok):
     base = TierSpec(seed=11)
     tiers = parse_mix("batch:concurrency=2,input=32,output=1000,drain=0;"
                       "interactive:rate=5,arrival=constant,dataset=chat,input=48,output=4", base, duration=1.0)
-    res, state = run(FakeConfig(ttft_ms=20, itl_ms=10), ClientConfig(duration=1.0, goodput_ttft_ms=100), tiers, tok)
+    # Goodput's bound is 50x the fake TTFT: the count is what is checked, not this machine's scheduling (at
+    # 100 ms, one request in a loaded `make test` went over it).
+    res, state = run(FakeConfig(ttft_ms=20, itl_ms=10), ClientConfig(duration=1.0, goodput_ttft_ms=1000), tiers, tok)
     inter, batch = res["tiers"]["interactive"], res["tiers"]["batch"]
     assert inter["completed"] == 5 and inter["failed"] == 0
     assert batch["completed"] == 0 and batch["cancelled"] == 2  # 10 s streams cut off at the end
