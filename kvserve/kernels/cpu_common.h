@@ -717,7 +717,8 @@ inline void store_rounded16(const float* src, float* dst) {
 #if defined(__AVX512F__)
   _mm512_storeu_ps(dst, round16(_mm512_loadu_ps(src), static_cast<const bf16*>(nullptr)));
 #elif defined(__AVX2__) && defined(__FMA__)
-  for (int h = 0; h < 16; h += 8) _mm256_storeu_ps(dst + h, round8(_mm256_loadu_ps(src + h), static_cast<const bf16*>(nullptr)));
+  for (int h = 0; h < 16; h += 8)
+    _mm256_storeu_ps(dst + h, round8(_mm256_loadu_ps(src + h), static_cast<const bf16*>(nullptr)));
 #else
   for (int j = 0; j < 16; ++j) dst[j] = round_to(src[j], static_cast<const bf16*>(nullptr));
 #endif

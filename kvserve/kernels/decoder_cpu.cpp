@@ -233,7 +233,8 @@ struct RowBlock {  // A's rows as they are (bf16 pairs broadcast as 32-bit)
   void load(const bf16* a, int64_t, int64_t) { rows = a; }
 };
 #else
-constexpr int kRows = 5;  // 10 accumulators (5 rows x 16 columns), 2 weight vectors, a zero and a broadcast: 14 of 16
+// 10 accumulators (5 rows x 16 columns), 2 weight vectors, a zero and a broadcast: 14 of 16 registers.
+constexpr int kRows = 5;
 
 // One column block: c [R, 16] = A (fp32 rows, stride lda) times the block's packed weights, stored for
 // AVX2 k-major ([K][16] bf16 per block: see kPairLayout). Each k's 16 weights are widened to fp32 by

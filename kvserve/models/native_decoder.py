@@ -13,9 +13,9 @@ per layer and kv head, and 16 query tokens at a time share them in S = Q K^T and
 products. That is what makes prefix-cache hits cheap: 64 new tokens over a 576-token prefix read the
 prefix once per 16 tokens, not once per token. Without AMX the same packed keys and values are
 multiplied with AVX-512 BF16's pair dot products (the vector GEMM's micro kernels); on AVX2, or where
-head_dim % 32 != 0, every row attends alone, and a step whose row-by-row attention exceeds `max_attention_keys`, or whose batch
-is too big for the simple tile loops (`max_tokens`), keeps the per-op path: SDPA prefill and oneDNN
-projections.
+head_dim % 32 != 0, every row attends alone, and a step whose row-by-row attention exceeds
+`max_attention_keys`, or whose batch is too big for the simple tile loops (`max_tokens`), keeps the
+per-op path: SDPA prefill and oneDNN projections.
 
 It serves bfloat16 Llama and Gemma 3 layers on CPUs with AMX (and a kernel that grants it) or AVX2;
 `build` returns None for anything else, and the model keeps its per-op path, which stays the reference:
