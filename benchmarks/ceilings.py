@@ -72,6 +72,9 @@ def machine_info() -> dict:
                     amx=any(f.startswith("amx") for f in flags), avx2="avx2" in flags)
     except OSError:
         pass
+    from kvserve.kernels import isa
+
+    info["isa_level"] = isa.current().name  # "native", or the lower level KVSERVE_CPU_ISA holds this process to
     try:
         info["mem_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 1)
     except (ValueError, OSError):

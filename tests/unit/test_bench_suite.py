@@ -2,7 +2,10 @@
 without starting anything."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -169,3 +172,50 @@ def test_benchmarks_md_keeps_a_section_per_cpu_kind(tmp_path):
     assert md.startswith("# Benchmarks")
     assert md.index("amx page") < md.index("avx2 page") < md.index("## Fleet benchmarks")
     assert report.CPU_KINDS["avx512"] not in md  # a kind never rendered has no section
+
+
+def test_cpu_kind_follows_the_level_a_session_was_held_to():
+    """A session run at KVSERVE_CPU_ISA below the CPU's own renders into the lower kind's section."""
+    from types import SimpleNamespace
+
+    from benchmarks import report
+
+    def kind(**machine):
+        return report.cpu_kind(SimpleNamespace(meta={"ceilings": {"machine": machine}}))
+
+    zen4 = {"avx512_bf16": True, "amx": False}
+    assert kind(**zen4, isa_level="native") == "avx512"
+    assert kind(**zen4, isa_level="avx2") == "avx2"
+    assert kind(avx512_bf16=True, amx=True, isa_level="avx512") == "avx512"
+    assert kind(avx512_bf16=True, amx=True) == "amx"
+    assert kind(avx512_bf16=False, amx=False) == "avx2"
+
+
+def test_a_capped_session_holds_vllm_to_the_level(monkeypatch):
+    """At a capped level vLLM's server gets torch's dispatch ceilings and the masked CPU probes; at the CPU's
+    own level nothing is added."""
+    from kvserve.kernels import isa
+
+    monkeypatch.setattr(isa, "current", lambda: isa.LEVELS["native"])
+    spec = T.VllmTarget("float32").server_spec("default", 8000, Path("/tmp"))
+    assert "BENCH_PEER_ISA" not in spec.env and "ATEN_CPU_CAPABILITY" not in spec.env
+    assert T.LlamaCppTarget("f16").venv.name == "llamacpp-venv" or "LLAMACPP_VENV" in os.environ
+    monkeypatch.setattr(isa, "current", lambda: isa.LEVELS["avx2"])
+    spec = T.VllmTarget("float32").server_spec("default", 8000, Path("/tmp"))
+    assert spec.env["BENCH_PEER_ISA"] == "avx2" and spec.env["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert spec.env["ONEDNN_MAX_CPU_ISA"] == "AVX2" and spec.env["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"
+    assert spec.env["PYTHONPATH"].split(os.pathsep)[0] == str(T.REPO / "benchmarks" / "isa_cap")
+    if "LLAMACPP_VENV" not in os.environ:
+        assert T.LlamaCppTarget("f16").venv.name == "llamacpp-avx2-venv"
+
+
+def test_isa_cap_masks_torch_cpu_probes_above_the_level():
+    """benchmarks/isa_cap/sitecustomize.py, as a peer's interpreter loads it: AVX-512 and AMX probes answer
+    False at avx2, AMX only at avx512; AVX2's own probe keeps the hardware's answer."""
+    code = ("import torch.cpu as c, json; print(json.dumps([c._is_avx512_supported(), c._is_avx512_bf16_supported(),"
+            " c._is_amx_tile_supported(), c._is_avx2_supported()]))")
+    env = {**os.environ, "PYTHONPATH": str(T.REPO / "benchmarks" / "isa_cap"), "BENCH_PEER_ISA": "avx2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    avx512, bf16, amx, avx2 = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (avx512, bf16, amx) == (False, False, False)
+    assert avx2 == ("avx2" in Path("/proc/cpuinfo").read_text())
