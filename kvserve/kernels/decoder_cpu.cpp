@@ -241,23 +241,37 @@ constexpr int kRows = 5;
 // interleaving zeros below them, which puts columns 0-3 and 8-11 in one vector and 4-7 and 12-15 in the
 // other; each accumulator takes one FMA per k (no chain longer than the FMA latency), and the columns
 // are put back in order once, at the end.
+// Fewer than 3 rows (a decode step of one sequence) would leave too few independent sums to cover the FMA
+// latency: S interleaved sets of accumulators take alternate k, added at the end.
 template <int R>
 void micro_block(const float* a, int64_t lda, int64_t k, const bf16* b, float* c) {
-  __m256 lo[R], hi[R];
+  constexpr int S = R == 1 ? 4 : R == 2 ? 2 : 1;  // k % 32 == 0
+  __m256 lo[S * R], hi[S * R];
 #pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+  for (int i = 0; i < S * R; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
   const __m256i zero = _mm256_setzero_si256();
-  for (int64_t kk = 0; kk < k; ++kk) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + kk * 16));
-    const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
-    const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+  for (int64_t k0 = 0; k0 < k; k0 += S) {
+#pragma GCC unroll 4
+    for (int s = 0; s < S; ++s) {
+      const int64_t kk = k0 + s;
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + kk * 16));
+      const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+      const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
 #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) {
-      const __m256 x = _mm256_broadcast_ss(a + i * lda + kk);
-      lo[i] = _mm256_fmadd_ps(x, w0, lo[i]);
-      hi[i] = _mm256_fmadd_ps(x, w1, hi[i]);
+      for (int i = 0; i < R; ++i) {
+        const __m256 x = _mm256_broadcast_ss(a + i * lda + kk);
+        lo[s * R + i] = _mm256_fmadd_ps(x, w0, lo[s * R + i]);
+        hi[s * R + i] = _mm256_fmadd_ps(x, w1, hi[s * R + i]);
+      }
     }
   }
+#pragma GCC unroll 4
+  for (int s = 1; s < S; ++s)
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      lo[i] = _mm256_add_ps(lo[i], lo[s * R + i]);
+      hi[i] = _mm256_add_ps(hi[i], hi[s * R + i]);
+    }
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
     _mm256_storeu_ps(c + i * 16, _mm256_permute2f128_ps(lo[i], hi[i], 0x20));
@@ -300,18 +314,27 @@ void gemm_vectors(const bf16* a, int64_t m, int64_t k, const bf16* w, int64_t nb
   // A group's weights (2 x 16 columns x k bf16 per pair) are reused by every row block: at most 256 KiB
   // of them, so they stay in L2.
   const int64_t group = m <= 32 ? 1 : std::max<int64_t>(1, std::min<int64_t>(pairs / 8, (256 << 10) / (64 * k)));
+  // Rows split evenly into blocks of at most kRows (32 rows of 5: 5,5,5,5,4,4,4, not six 5s and a 2): a
+  // short block has too few accumulators to cover the FMA latency.
+  const int64_t row_blocks = (m + kRows - 1) / kRows;
+  // A decode batch's A (at most 256 KiB as fp32) is prepared once per thread for all of its tasks, not
+  // once per task; a longer prefill's per task and row block.
+  const bool whole = m * k <= (64 << 10);
   alignas(64) float c[2][kRows * 16];
   RowBlock block;
+  if (whole) block.load(a, m, k);
 #pragma omp for schedule(dynamic, 1)
   for (int64_t task = 0; task < (pairs + group - 1) / group; ++task)
-    for (int64_t r = 0; r < m; r += kRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, m - r));
-      block.load(a + r * k, rows, k);
+    for (int64_t b = 0; b < row_blocks; ++b) {
+      const int64_t r = b * m / row_blocks;
+      const int rows = static_cast<int>((b + 1) * m / row_blocks - r);
+      if (!whole) block.load(a + r * k, rows, k);
+      const auto rows_a = whole ? block.rows + r * k : block.rows;
       for (int64_t pair = task * group; pair < std::min(pairs, (task + 1) * group); ++pair) {
         const int64_t nb0 = 2 * pair;
         const bool two = nb0 + 1 < nblocks;
         const bf16* b0 = w + nb0 * chunks * tile;
-        micro_rows<kRows>(rows, block.rows, k, chunks, b0, b0 + chunks * tile, two, c[0], c[1]);
+        micro_rows<kRows>(rows, rows_a, k, chunks, b0, b0 + chunks * tile, two, c[0], c[1]);
         epi(r, nb0, two, 0, rows, c[0], c[1]);
       }
     }
