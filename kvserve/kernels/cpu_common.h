@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -423,6 +424,90 @@ void attend_bf16_dp(const Task<bf16>& task, std::vector<int64_t>& rows, std::vec
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// bfloat16 on AVX2 (no bf16 arithmetic): the cost is widening the cached rows to fp32, so each key and
+// value row is widened once for G query heads of the group, 16 dims at a time by interleaving zeros (one
+// load, two in-lane unpacks). That puts dims [0-3, 8-11] of each 16 in one vector and [4-7, 12-15] in
+// the other: q is laid out in that order once, and p.v's sums are put back in dimension order at the
+// end. Heads [g0, g0 + G) of the task; hd = 16 * C; q is attend_any's fp32, pre-scaled.
+template <int C, int G>
+void attend_bf16_widened(const Task<bf16>& task, int64_t g0) {
+  const int64_t n = task.n();
+  constexpr int64_t hd = 16 * C;
+  const __m256i zero = _mm256_setzero_si256();
+  alignas(32) float qw[G][2 * C][8];  // q in the widened order
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c)
+      for (int j = 0; j < 4; ++j) {
+        const float* q = task.q + (g0 + g) * hd + 16 * c;
+        qw[g][2 * c][j] = q[j], qw[g][2 * c][4 + j] = q[8 + j];
+        qw[g][2 * c + 1][j] = q[4 + j], qw[g][2 * c + 1][4 + j] = q[12 + j];
+      }
+  __m256 part[G][8];  // per-key partial sums, reduced 8 keys at a time
+  task.for_each_key(task.k_head, [&](int64_t i, const bf16* k) {
+    __m256 lo[G], hi[G];
+    for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
+    for (int c = 0; c < C; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + 16 * c));
+      const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+      const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+      for (int g = 0; g < G; ++g) {
+        lo[g] = _mm256_fmadd_ps(_mm256_load_ps(qw[g][2 * c]), w0, lo[g]);
+        hi[g] = _mm256_fmadd_ps(_mm256_load_ps(qw[g][2 * c + 1]), w1, hi[g]);
+      }
+    }
+    for (int g = 0; g < G; ++g) part[g][i & 7] = _mm256_add_ps(lo[g], hi[g]);
+    if ((i & 7) == 7)
+      for (int g = 0; g < G; ++g) _mm256_storeu_ps(task.scores + (g0 + g) * n + i - 7, hsum8(part[g]));
+  });
+  if (const int64_t rem = n & 7)
+    for (int g = 0; g < G; ++g) {
+      for (int64_t j = rem; j < 8; ++j) part[g][j] = _mm256_setzero_ps();
+      alignas(32) float tail[8];
+      _mm256_store_ps(tail, hsum8(part[g]));
+      std::memcpy(task.scores + (g0 + g) * n + n - rem, tail, rem * sizeof(float));
+    }
+  softmax_rows(task.scores + g0 * n, G, n);
+  constexpr int W = G == 1 ? 4 : G == 4 ? 1 : 2;  // 16-dim chunks per pass over the values: 2 x G x W sums
+  for (int c0 = 0; c0 < C; c0 += W) {
+    __m256 acc[G][2 * W];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 2 * W; ++c) acc[g][c] = _mm256_setzero_ps();
+    task.for_each_key(task.v_head, [&](int64_t i, const bf16* v) {
+      __m256 p[G];
+      for (int g = 0; g < G; ++g) p[g] = _mm256_broadcast_ss(task.scores + (g0 + g) * n + i);
+      for (int c = 0; c < W; ++c) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * (c0 + c)));
+        const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x));
+        const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x));
+        for (int g = 0; g < G; ++g) {
+          acc[g][2 * c] = _mm256_fmadd_ps(p[g], w0, acc[g][2 * c]);
+          acc[g][2 * c + 1] = _mm256_fmadd_ps(p[g], w1, acc[g][2 * c + 1]);
+        }
+      }
+    });
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < W; ++c) {
+        bf16* dst = task.out + (g0 + g) * hd + 16 * (c0 + c);
+        store8(_mm256_permute2f128_ps(acc[g][2 * c], acc[g][2 * c + 1], 0x20), dst);
+        store8(_mm256_permute2f128_ps(acc[g][2 * c], acc[g][2 * c + 1], 0x31), dst + 8);
+      }
+  }
+}
+
+template <int C>
+void attend_bf16_widened_heads(const Task<bf16>& task) {
+  for (int64_t g0 = 0; g0 < task.group;) {  // up to 4 heads a pass (the registers' limit)
+    switch (std::min<int64_t>(4, task.group - g0)) {
+      case 4: attend_bf16_widened<C, 4>(task, g0); g0 += 4; break;
+      case 3: attend_bf16_widened<C, 3>(task, g0); g0 += 3; break;
+      case 2: attend_bf16_widened<C, 2>(task, g0); g0 += 2; break;
+      default: attend_bf16_widened<C, 1>(task, g0); g0 += 1; break;
+    }
+  }
+}
+#endif
+
 struct Scratch {
   std::vector<float> q, acc;
   std::vector<int64_t> rows;
@@ -438,6 +523,16 @@ void attend_any(const Task<T>& raw, Scratch& scratch) {
   scratch.q.resize(task.group * task.hd);
   for (int64_t j = 0; j < task.group * task.hd; ++j) scratch.q[j] = to_float(task.q_raw[j]) * task.scale;
   task.q = scratch.q.data();
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, bf16>) {
+    switch (task.hd) {
+      case 64: return attend_bf16_widened_heads<4>(task);
+      case 128: return attend_bf16_widened_heads<8>(task);
+      case 256: return attend_bf16_widened_heads<16>(task);
+      default: break;
+    }
+  }
+#endif
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   switch (task.hd) {
     case 64: return attend_vectors<T, 64 / Lanes::n>(task);

@@ -63,6 +63,8 @@ CASES = [  # (heads, kv heads, head_dim, block size, window): SmolLM2, Gemma 3 (
     (4, 1, 256, 16, 512),
     (4, 1, 256, 16, None),
     (8, 8, 128, 8, None),
+    (10, 2, 64, 16, None),  # groups of 5 and 2: every group size the vector paths take heads in (1-4)
+    (4, 2, 128, 16, None),
     (6, 2, 48, 16, 20),  # head_dim not a multiple of 16: the portable path
     (2, 1, 32, 4, 7),
 ]
