@@ -207,7 +207,8 @@ class Report:
         for name in ("bf16", "fp32"):
             f = c.get(f"matmul_{name}_flops")
             if f:
-                rows.append([f"{name} matmul, {c.get('matmul_n')}x{c.get('matmul_n')} (best / median)",
+                size = c.get(f"matmul_{name}_n", c.get("matmul_n"))
+                rows.append([f"{name} matmul, {size}x{size} (best / median)",
                              f"{f / 1e9:.1f} / {c.get(f'matmul_{name}_flops_median', f) / 1e9:.1f} GFLOP/s",
                              f"{f / (2 * params):.0f} tok/s"])
         if c.get("copy_bytes_per_s"):
@@ -606,11 +607,12 @@ def assemble(plots_dir: Path) -> str:
         page = plots_dir / "cpu" / f"{kind}.md"
         if page.exists():
             md = md.rstrip("\n") + "\n\n" + page.read_text().strip() + "\n"
-        quality = plots_dir / "cpu" / f"{kind}-quality.md"  # benchmarks.quality on a machine of this kind
-        if page.exists() and quality.exists():
-            text = "\n".join("##" + line if line.startswith("# ") else line
-                             for line in quality.read_text().splitlines())
-            md = md.rstrip("\n") + "\n\n" + text.strip() + "\n"
+        for extra in ("quality", "profile"):  # benchmarks.quality and .profile --markdown on a machine of this kind
+            path = plots_dir / "cpu" / f"{kind}-{extra}.md"
+            if page.exists() and path.exists():
+                text = "\n".join("##" + line if line.startswith("# ") else line
+                                 for line in path.read_text().splitlines())
+                md = md.rstrip("\n") + "\n\n" + text.strip() + "\n"
     return with_platform_pages(md, plots_dir)
 
 
@@ -626,6 +628,9 @@ def render(a: argparse.Namespace) -> int:
     page = Report(session, kind_dir, Path(a.markdown)).render()
     (Path(a.plots) / "cpu").mkdir(parents=True, exist_ok=True)
     (Path(a.plots) / "cpu" / f"{kind}.md").write_text(page)
+    for extra in ("profile", "quality"):  # the session's own pages (Suite.kind_pages) replace the kind's
+        if (root / f"{extra}.md").exists():
+            (Path(a.plots) / "cpu" / f"{kind}-{extra}.md").write_text((root / f"{extra}.md").read_text())
     md = assemble(Path(a.plots))
     analysis = Path(a.plots) / "analysis.md"
     if analysis.exists():  # hand-written reading of the numbers (targets, profile), kept across renders

@@ -353,6 +353,18 @@ class Suite:
 
     # -- all ---------------------------------------------------------------------------------------------------------
 
+    def kind_pages(self) -> None:
+        """This CPU kind's profile (where a W1 step's time goes) and bf16 quality pages, for its section of
+        BENCHMARKS.md (the report files them under the session's kind)."""
+        for name in ("profile", "quality"):
+            argv = [sys.executable, "-m", f"benchmarks.{name}", "--markdown", str(self.root / f"{name}.md")]
+            self.log(f"{name}: " + shell_join(argv))
+            r = subprocess.run(argv, capture_output=True, text=True, cwd=str(REPO), timeout=3600)
+            if r.returncode != 0:
+                self.log(f"{name} failed: {r.stderr[-2000:]}")
+            self.meta.setdefault("kind_pages", {})[name] = {"command": shell_join(argv[1:]), "rc": r.returncode}
+            self.save_meta()
+
     def run(self) -> int:
         names = self.args.targets
         jobs = build_jobs(self.args.workloads, self.args.runs, self.args.quick)
@@ -373,6 +385,8 @@ class Suite:
                 self.log(f"{t.name}: FAILED: {type(e).__name__}: {e}")
                 self.meta["targets"][t.name]["status"] = f"failed: {e}"[:2000]
                 self.save_meta()
+        if "kvserve" in names and not self.args.quick and not self.args.no_kind_pages:
+            self.kind_pages()
         self.meta["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         self.save_meta()
         latest = self.root.parent / "latest"
@@ -426,6 +440,8 @@ def add_suite_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--engine-arg", action="append", default=[], type=_engine_arg, metavar="KEY=VALUE",
                     help="extra kvserve engine argument for the bench config (TOML value), repeatable")
     ap.add_argument("--no-report", action="store_true", help="do not render the report at the end")
+    ap.add_argument("--no-kind-pages", action="store_true",
+                    help="skip the profile and quality pages of this CPU kind (run after kvserve's workloads)")
     ap.add_argument("--report-dir", default=None,
                     help="where the report goes (default: the repo root, or the session dir with --quick)")
     return ap

@@ -97,7 +97,8 @@ class NativeKernels:
         # The packed GEMM and the fused decoder run here: on AMX tiles, else on AVX2/AVX-512 vector units.
         self.fused = bool(self._lib.kvserve_fused_available())
         self._lib.kvserve_tile_attention.restype = _I64
-        # Prefill chunks attend on packed keys (AMX tiles, or AVX-512 BF16 pair dot products).
+        # A prefill chunk's rows attend together: on packed keys (AMX tiles, or AVX-512 BF16 pair dot
+        # products), or on AVX2 in row groups that share each widened key and value row.
         self.tile_attention = bool(self._lib.kvserve_tile_attention())
         self._lib.kvserve_pair_layout.restype = _I64
         # pack_weight's layout: AMX's tiles (AMX or AVX-512 BF16 builds), else k-major per 16 columns (AVX2).
@@ -238,8 +239,9 @@ class NativeKernels:
                 state: torch.Tensor | None = None, stop: ctypes.c_int32 | None = None) -> int:
         """hidden [T, H] bf16 embeddings -> the final-normed hidden states, in place (see decoder_cpu.cpp).
         Per token: positions, slots, context_lens [T] and block_tables [T, width], all int64. tile_chunks
-        [C, 2] int64: (first row, rows) of the prefill chunks whose attention runs on packed keys
-        (`tile_attention`, head_dim % 32 == 0; each chunk's rows are consecutive positions of one sequence).
+        [C, 2] int64: (first row, rows) of the prefill chunks whose rows attend together (packed keys, or
+        AVX2 row groups: `tile_attention`, head_dim % 32 == 0; a chunk's rows are consecutive positions of one
+        sequence).
 
         Returns the layer reached: the number of layers when done. With `stop` and `state` (bf16
         [2, T, H], kept between calls) it returns early, at the top of the layer after the first one

@@ -425,91 +425,141 @@ void attend_bf16_dp(const Task<bf16>& task, std::vector<int64_t>& rows, std::vec
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// bfloat16 on AVX2 (no bf16 arithmetic): the cost is widening the cached rows to fp32, so each key and
-// value row is widened once for G query heads of the group, 16 dims at a time by interleaving zeros (one
+constexpr bool kWidenedAttention = true;
+// bfloat16 on AVX2 (no bf16 arithmetic): the cost of attention is widening the cached rows to fp32, so
+// each key and value row is widened once for several query vectors (the query heads of a kv head; in a
+// prefill chunk also consecutive rows of one sequence), 16 dims at a time by interleaving zeros (one
 // load, two in-lane unpacks). That puts dims [0-3, 8-11] of each 16 in one vector and [4-7, 12-15] in
 // the other: q is laid out in that order once, and p.v's sums are put back in dimension order at the
-// end. Heads [g0, g0 + G) of the task; hd = 16 * C; q is attend_any's fp32, pre-scaled.
-template <int C, int G>
-void attend_bf16_widened(const Task<bf16>& task, int64_t g0) {
-  const int64_t n = task.n();
-  constexpr int64_t hd = 16 * C;
+// end. Numerics as attend_vectors: fp32 q (pre-scaled) and sums, an exact softmax in fp32.
+struct WidenedQuery {
+  const float* q;  // [hd] fp32, pre-scaled
+  float* scores;   // [n] for the task's keys; this query's own are [lo, hi) (causal end, sliding window)
+  int64_t lo, hi;
+  bf16* out;  // [hd]
+};
+
+// Scores of P queries against every key of the task.
+template <int C, int P>
+void widened_scores(const Task<bf16>& task, const WidenedQuery* qs) {
+  constexpr bool kSplit = P <= 6;  // two sums per query where the registers allow: shorter FMA chains
   const __m256i zero = _mm256_setzero_si256();
-  alignas(32) float qw[G][2 * C][8];  // q in the widened order
-  for (int g = 0; g < G; ++g)
+  alignas(32) float qw[P][2 * C][8];
+  for (int p = 0; p < P; ++p)
     for (int c = 0; c < C; ++c)
       for (int j = 0; j < 4; ++j) {
-        const float* q = task.q + (g0 + g) * hd + 16 * c;
-        qw[g][2 * c][j] = q[j], qw[g][2 * c][4 + j] = q[8 + j];
-        qw[g][2 * c + 1][j] = q[4 + j], qw[g][2 * c + 1][4 + j] = q[12 + j];
+        const float* q = qs[p].q + 16 * c;
+        qw[p][2 * c][j] = q[j], qw[p][2 * c][4 + j] = q[8 + j];
+        qw[p][2 * c + 1][j] = q[4 + j], qw[p][2 * c + 1][4 + j] = q[12 + j];
       }
-  __m256 part[G][8];  // per-key partial sums, reduced 8 keys at a time
+  __m256 part[P][8];  // per-key sums, reduced 8 keys at a time
   task.for_each_key(task.k_head, [&](int64_t i, const bf16* k) {
-    __m256 lo[G], hi[G];
-    for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm256_setzero_ps();
+    __m256 lo[P], hi[P];
+    for (int p = 0; p < P; ++p) lo[p] = hi[p] = _mm256_setzero_ps();
     for (int c = 0; c < C; ++c) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + 16 * c));
       const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
       const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
-      for (int g = 0; g < G; ++g) {
-        lo[g] = _mm256_fmadd_ps(_mm256_load_ps(qw[g][2 * c]), w0, lo[g]);
-        hi[g] = _mm256_fmadd_ps(_mm256_load_ps(qw[g][2 * c + 1]), w1, hi[g]);
+      for (int p = 0; p < P; ++p) {
+        lo[p] = _mm256_fmadd_ps(_mm256_load_ps(qw[p][2 * c]), w0, lo[p]);
+        if constexpr (kSplit) hi[p] = _mm256_fmadd_ps(_mm256_load_ps(qw[p][2 * c + 1]), w1, hi[p]);
+        else lo[p] = _mm256_fmadd_ps(_mm256_load_ps(qw[p][2 * c + 1]), w1, lo[p]);
       }
     }
-    for (int g = 0; g < G; ++g) part[g][i & 7] = _mm256_add_ps(lo[g], hi[g]);
+    for (int p = 0; p < P; ++p) part[p][i & 7] = kSplit ? _mm256_add_ps(lo[p], hi[p]) : lo[p];
     if ((i & 7) == 7)
-      for (int g = 0; g < G; ++g) _mm256_storeu_ps(task.scores + (g0 + g) * n + i - 7, hsum8(part[g]));
+      for (int p = 0; p < P; ++p) _mm256_storeu_ps(qs[p].scores + i - 7, hsum8(part[p]));
   });
+  const int64_t n = task.n();
   if (const int64_t rem = n & 7)
-    for (int g = 0; g < G; ++g) {
-      for (int64_t j = rem; j < 8; ++j) part[g][j] = _mm256_setzero_ps();
+    for (int p = 0; p < P; ++p) {
+      for (int64_t j = rem; j < 8; ++j) part[p][j] = _mm256_setzero_ps();
       alignas(32) float tail[8];
-      _mm256_store_ps(tail, hsum8(part[g]));
-      std::memcpy(task.scores + (g0 + g) * n + n - rem, tail, rem * sizeof(float));
+      _mm256_store_ps(tail, hsum8(part[p]));
+      std::memcpy(qs[p].scores + n - rem, tail, rem * sizeof(float));
     }
-  softmax_rows(task.scores + g0 * n, G, n);
-  constexpr int W = G == 1 ? 4 : G == 4 ? 1 : 2;  // 16-dim chunks per pass over the values: 2 x G x W sums
+}
+
+// out = probabilities x values for Q queries (their scores already probabilities, 0 outside [lo, hi)).
+template <int C, int Q>
+void widened_values(const Task<bf16>& task, const WidenedQuery* qs) {
+  constexpr int W = Q == 1 ? 4 : Q == 4 ? 1 : 2;  // 16-dim chunks per pass over the values: 2 x Q x W sums
+  const __m256i zero = _mm256_setzero_si256();
   for (int c0 = 0; c0 < C; c0 += W) {
-    __m256 acc[G][2 * W];
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < 2 * W; ++c) acc[g][c] = _mm256_setzero_ps();
+    __m256 acc[Q][2 * W];
+    for (int q = 0; q < Q; ++q)
+      for (int c = 0; c < 2 * W; ++c) acc[q][c] = _mm256_setzero_ps();
     task.for_each_key(task.v_head, [&](int64_t i, const bf16* v) {
-      __m256 p[G];
-      for (int g = 0; g < G; ++g) p[g] = _mm256_broadcast_ss(task.scores + (g0 + g) * n + i);
+      __m256 p[Q];
+      for (int q = 0; q < Q; ++q) p[q] = _mm256_broadcast_ss(qs[q].scores + i);
       for (int c = 0; c < W; ++c) {
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * (c0 + c)));
         const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x));
         const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x));
-        for (int g = 0; g < G; ++g) {
-          acc[g][2 * c] = _mm256_fmadd_ps(p[g], w0, acc[g][2 * c]);
-          acc[g][2 * c + 1] = _mm256_fmadd_ps(p[g], w1, acc[g][2 * c + 1]);
+        for (int q = 0; q < Q; ++q) {
+          acc[q][2 * c] = _mm256_fmadd_ps(p[q], w0, acc[q][2 * c]);
+          acc[q][2 * c + 1] = _mm256_fmadd_ps(p[q], w1, acc[q][2 * c + 1]);
         }
       }
     });
-    for (int g = 0; g < G; ++g)
+    for (int q = 0; q < Q; ++q)
       for (int c = 0; c < W; ++c) {
-        bf16* dst = task.out + (g0 + g) * hd + 16 * (c0 + c);
-        store8(_mm256_permute2f128_ps(acc[g][2 * c], acc[g][2 * c + 1], 0x20), dst);
-        store8(_mm256_permute2f128_ps(acc[g][2 * c], acc[g][2 * c + 1], 0x31), dst + 8);
+        bf16* dst = qs[q].out + 16 * (c0 + c);
+        store8(_mm256_permute2f128_ps(acc[q][2 * c], acc[q][2 * c + 1], 0x20), dst);
+        store8(_mm256_permute2f128_ps(acc[q][2 * c], acc[q][2 * c + 1], 0x31), dst + 8);
       }
   }
 }
 
+// `count` queries against the task's keys (hd = 16 * C): up to 12 a pass over the keys, 4 over the values.
 template <int C>
-void attend_bf16_widened_heads(const Task<bf16>& task) {
-  for (int64_t g0 = 0; g0 < task.group;) {  // up to 4 heads a pass (the registers' limit)
-    switch (std::min<int64_t>(4, task.group - g0)) {
-      case 4: attend_bf16_widened<C, 4>(task, g0); g0 += 4; break;
-      case 3: attend_bf16_widened<C, 3>(task, g0); g0 += 3; break;
-      case 2: attend_bf16_widened<C, 2>(task, g0); g0 += 2; break;
-      default: attend_bf16_widened<C, 1>(task, g0); g0 += 1; break;
+void attend_widened(const Task<bf16>& task, const WidenedQuery* qs, int64_t count) {
+  for (int64_t p = 0; p < count;) {
+    const int64_t left = count - p;
+    if (left >= 12) widened_scores<C, 12>(task, qs + p), p += 12;
+    else if (left >= 8) widened_scores<C, 8>(task, qs + p), p += 8;
+    else if (left >= 6) widened_scores<C, 6>(task, qs + p), p += 6;
+    else if (left >= 4) widened_scores<C, 4>(task, qs + p), p += 4;
+    else if (left == 3) widened_scores<C, 3>(task, qs + p), p += 3;
+    else if (left == 2) widened_scores<C, 2>(task, qs + p), p += 2;
+    else widened_scores<C, 1>(task, qs + p), p += 1;
+  }
+  const int64_t n = task.n();
+  for (int64_t p = 0; p < count; ++p) {
+    float* s = qs[p].scores;
+    softmax_rows(s + qs[p].lo, 1, qs[p].hi - qs[p].lo);
+    std::fill(s, s + qs[p].lo, 0.f);
+    std::fill(s + qs[p].hi, s + n, 0.f);
+  }
+  for (int64_t p = 0; p < count;) {
+    switch (std::min<int64_t>(4, count - p)) {
+      case 4: widened_values<C, 4>(task, qs + p), p += 4; break;
+      case 3: widened_values<C, 3>(task, qs + p), p += 3; break;
+      case 2: widened_values<C, 2>(task, qs + p), p += 2; break;
+      default: widened_values<C, 1>(task, qs + p), p += 1; break;
     }
   }
 }
+
+// The head dims the widened path serves.
+inline bool widened_head_dim(int64_t hd) { return hd == 64 || hd == 128 || hd == 256; }
+inline bool attend_widened(const Task<bf16>& task, const WidenedQuery* qs, int64_t count, int64_t hd) {
+  switch (hd) {
+    case 64: attend_widened<4>(task, qs, count); return true;
+    case 128: attend_widened<8>(task, qs, count); return true;
+    case 256: attend_widened<16>(task, qs, count); return true;
+    default: return false;
+  }
+}
+#else
+constexpr bool kWidenedAttention = false;
+struct WidenedQuery {};
+inline bool widened_head_dim(int64_t) { return false; }
 #endif
 
 struct Scratch {
   std::vector<float> q, acc;
+  std::vector<WidenedQuery> queries;
   std::vector<int64_t> rows;
   std::vector<uint16_t> probs;
 };
@@ -524,13 +574,12 @@ void attend_any(const Task<T>& raw, Scratch& scratch) {
   for (int64_t j = 0; j < task.group * task.hd; ++j) scratch.q[j] = to_float(task.q_raw[j]) * task.scale;
   task.q = scratch.q.data();
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, bf16>) {
-    switch (task.hd) {
-      case 64: return attend_bf16_widened_heads<4>(task);
-      case 128: return attend_bf16_widened_heads<8>(task);
-      case 256: return attend_bf16_widened_heads<16>(task);
-      default: break;
-    }
+  if constexpr (std::is_same_v<T, bf16>) {  // the group's heads share each widened row
+    const int64_t n = task.n();
+    scratch.queries.resize(task.group);
+    for (int64_t g = 0; g < task.group; ++g)
+      scratch.queries[g] = {task.q + g * task.hd, task.scores + g * n, 0, n, task.out + g * task.hd};
+    if (attend_widened(task, scratch.queries.data(), task.group, task.hd)) return;
   }
 #endif
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))

@@ -600,6 +600,58 @@ struct TileAttention {
 constexpr bool kTileAttention = false;
 #endif
 
+// ---- prefill attention in row groups (AVX2) ----
+// The same sharing as TileAttention where there is no bf16 arithmetic: a task is a group of consecutive
+// query rows of one prefill chunk with every query head of one kv head, up to 12 query vectors, that
+// share each key and value row as it is widened to fp32 (attend_widened), where attending row by row
+// widens the whole prefix once per token and kv head. Each row keeps its own causal end (and window).
+struct RowGroups {
+  const bf16* qkv;  // [m, qkv_width]: q rows after rotary; k and v already in the cache
+  int64_t qkv_width;
+  const int64_t* positions;
+  const int64_t* block_tables;
+  int64_t table_stride;
+  const TileChunk* chunks;
+  const bf16* key_cache;
+  const bf16* value_cache;
+  int64_t q_heads, kv_heads, hd, block_size, head_stride, window;
+  float scale;
+  bf16* out;  // [m, q_heads * hd]
+
+  static int64_t rows_per_task(int64_t q_heads, int64_t kv_heads) {
+    return std::max<int64_t>(1, 12 / (q_heads / kv_heads));
+  }
+  int64_t first_key(int64_t position) const { return window > 0 ? std::max<int64_t>(0, position + 1 - window) : 0; }
+
+  void run(int64_t chunk, int64_t head, int64_t group_index, std::vector<float>& scores, Scratch& scratch) const {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)  // kWidenedAttention
+    const TileChunk& c = chunks[chunk];
+    const int64_t group = q_heads / kv_heads, per_task = rows_per_task(q_heads, kv_heads);
+    const int64_t i0 = c.row0 + group_index * per_task, rows = std::min(per_task, c.row0 + c.rows - i0);
+    const int64_t start = first_key(positions[i0]), len = positions[i0 + rows - 1] + 1, n = len - start;
+    const int64_t count = rows * group;
+    scores.resize(count * n);
+    scratch.q.resize(count * hd);
+    scratch.queries.resize(count);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t row = i0 + r, qh = head * group + g, j = r * group + g;
+        const bf16* q = qkv + row * qkv_width + qh * hd;
+        float* qf = scratch.q.data() + j * hd;
+        for (int64_t d = 0; d < hd; ++d) qf[d] = to_float(q[d]) * scale;
+        scratch.queries[j] = {qf, scores.data() + j * n, first_key(positions[row]) - start, positions[row] + 1 - start,
+                              out + row * q_heads * hd + qh * hd};
+      }
+    const Task<bf16> task{nullptr, nullptr, scale, group, hd, key_cache + head * head_stride,
+                          value_cache + head * head_stride, block_tables + i0 * table_stride, block_size, start, len,
+                          scores.data(), nullptr};
+    attend_widened(task, scratch.queries.data(), count, hd);
+#else
+    (void)chunk, (void)head, (void)group_index, (void)scores, (void)scratch;
+#endif
+  }
+};
+
 // C [m, 16 * nblocks] = A [m, k] (row stride k) x W^T, W packed (see the top), inside a parallel region,
 // on AMX tiles where this process has them, else on the vector units. epi(row0, block0, two, i0, i1,
 // c0, c1) gets rows [i0, i1) of each finished [rows, 16] fp32 block pair (c1 valid when `two`).
@@ -692,8 +744,9 @@ extern "C" int64_t kvserve_amx_available() { return amx_ready() ? 1 : 0; }
 // and FMA at least).
 extern "C" int64_t kvserve_fused_available() { return amx_ready() || kVectorGemm ? 1 : 0; }
 
-// Whether prefill chunks can attend on packed keys (TileAttention: AMX tiles, or VDPBF16PS without them).
-extern "C" int64_t kvserve_tile_attention() { return kTileAttention ? 1 : 0; }
+// Whether a prefill chunk's rows attend together (the caller passes the chunks then): on packed keys
+// (TileAttention: AMX tiles, or VDPBF16PS without them), or in row groups sharing widened rows (AVX2).
+extern "C" int64_t kvserve_tile_attention() { return kTileAttention || kWidenedAttention ? 1 : 0; }
 
 // 1: weights are packed in the tile layout above; 0: k-major ([N/16][K][16], the AVX2 GEMM's).
 extern "C" int64_t kvserve_pair_layout() { return kPairLayout ? 1 : 0; }
@@ -748,7 +801,7 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
                                                int64_t num_tile_chunks, int64_t first_layer, void* state,
                                                const int32_t* stop) {
   int64_t stopped_at = -1;
-  if (!kTileAttention) num_tile_chunks = 0;  // every row attends alone (the caller passes none then)
+  if (!kTileAttention && !kWidenedAttention) num_tile_chunks = 0;  // every row attends alone (none are passed)
   const ModelParams& p = *mp;
   const int64_t hd = p.head_dim, hidden = p.hidden, inter = p.intermediate;
   const int64_t q_width = p.q_heads * hd, qkv_width = (p.q_heads + 2 * p.kv_heads) * hd;
@@ -774,6 +827,15 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
       for (int64_t t = 0; t * 16 < chunks[c].rows; ++t) tile_tasks.push_back({c, kh, t});
     }
     std::fill(tiled.begin() + chunks[c].row0, tiled.begin() + chunks[c].row0 + chunks[c].rows, true);
+  }
+#else
+  if (kWidenedAttention && widened_head_dim(hd)) {  // else every row attends alone
+    const int64_t per_task = RowGroups::rows_per_task(p.q_heads, p.kv_heads);
+    for (int64_t c = 0; c < num_tile_chunks; ++c) {
+      for (int64_t kh = 0; kh < p.kv_heads; ++kh)
+        for (int64_t t = 0; t * per_task < chunks[c].rows; ++t) tile_tasks.push_back({c, kh, t});
+      std::fill(tiled.begin() + chunks[c].row0, tiled.begin() + chunks[c].row0 + chunks[c].rows, true);
+    }
   }
 #endif
   for (int64_t i = 0; i < m; ++i)
@@ -846,12 +908,18 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
         for (size_t task = 0; task < pack_tasks.size(); ++task)
           tiles.pack(pack_tasks[task][0], pack_tasks[task][1], pack_tasks[task][2]);
       }
+#else
+      const RowGroups groups{qkv.data(), qkv_width, positions, block_tables, table_stride, chunks, L.key_cache,
+                             L.value_cache, p.q_heads, p.kv_heads, hd, p.block_size,
+                             p.num_blocks * p.block_size * hd, L.window, L.scale, attn.data()};
 #endif
 #pragma omp for schedule(dynamic, 1)
       for (int64_t task = 0; task < num_attention_tasks; ++task) {
         if (task < num_tile_tasks) {
 #if defined(__AVX512BF16__)  // tile attention (kTileAttention)
           tiles.run(tile_tasks[task][0], tile_tasks[task][1], tile_tasks[task][2], ts, scores, probs);
+#else
+          groups.run(tile_tasks[task][0], tile_tasks[task][1], tile_tasks[task][2], scores, scratch);
 #endif
         } else {
           const int64_t k = task - num_tile_tasks;

@@ -12,8 +12,10 @@ prefill chunk of `tile_min_rows` tokens or more attends on tiles: its visible ke
 per layer and kv head, and 16 query tokens at a time share them in S = Q K^T and O = P V tile
 products. That is what makes prefix-cache hits cheap: 64 new tokens over a 576-token prefix read the
 prefix once per 16 tokens, not once per token. Without AMX the same packed keys and values are
-multiplied with AVX-512 BF16's pair dot products (the vector GEMM's micro kernels); on AVX2, or where
-head_dim % 32 != 0, every row attends alone, and a step whose row-by-row attention exceeds
+multiplied with AVX-512 BF16's pair dot products (the vector GEMM's micro kernels). On AVX2 a chunk's
+rows attend in groups (with every query head of a kv head, up to 12 query vectors) that share each
+key and value row as it is widened to fp32. Where head_dim % 32 != 0 every row attends alone, and a
+step whose row-by-row attention exceeds
 `max_attention_keys`, or whose batch is too big for the simple tile loops (`max_tokens`), keeps the
 per-op path: SDPA prefill and oneDNN projections.
 
@@ -97,7 +99,7 @@ class NativeDecoder:
         self.vocab_size = lm_head.shape[0]
         self.tile_attention = native.tile_attention and config.head_dim % 32 == 0
         if not native.amx:
-            # Rows attending alone (every row on AVX2) stay fused however many keys they read: on these
+            # Rows attending alone (decodes, short chunks) stay fused however many keys they read: on these
             # CPUs the per-op path is no faster at attention and its bf16 projections are slower.
             self.max_attention_keys = self.max_tokens ** 2
         self._rotaries = list({id(layer.self_attn.rotary): layer.self_attn.rotary for layer in model.layers}.values())
