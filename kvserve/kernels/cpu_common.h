@@ -164,6 +164,28 @@ struct Task {
   T* out;
 
   int64_t n() const { return len - start; }
+#if defined(__AVX2__)
+  // The cache is mostly in DRAM and its blocks are scattered, so the hardware's stride prefetch stops at
+  // each block's end. A cursor `ahead` keys in front of a pass over the keys: step() asks for that key's
+  // row (into L1) and its value row (into L2, for the p.v pass), then moves on by one key.
+  struct Lookahead {
+    const Task* task;
+    int64_t b, o;
+    void step() {
+      if (b * task->block_size + o < task->len) {
+        const int64_t row = (task->table[b] * task->block_size + o) * task->hd;
+        const char* k = reinterpret_cast<const char*>(task->k_head + row);
+        const char* v = reinterpret_cast<const char*>(task->v_head + row);
+        for (int64_t off = 0; off < static_cast<int64_t>(task->hd * sizeof(T)); off += 64) {
+          _mm_prefetch(k + off, _MM_HINT_T0);
+          _mm_prefetch(v + off, _MM_HINT_T1);
+        }
+      }
+      if (++o == task->block_size) o = 0, ++b;
+    }
+  };
+  Lookahead lookahead(int64_t ahead) const { return {this, (start + ahead) / block_size, (start + ahead) % block_size}; }
+#endif
   // f(t, row pointer) for every visible key of the given cache head, in order.
   template <typename F>
   void for_each_key(const T* head, F&& f) const {
@@ -453,7 +475,9 @@ void widened_scores(const Task<bf16>& task, const WidenedQuery* qs) {
         qw[p][2 * c + 1][j] = q[4 + j], qw[p][2 * c + 1][4 + j] = q[12 + j];
       }
   __m256 part[P][8];  // per-key sums, reduced 8 keys at a time
+  auto ahead = task.lookahead(32);
   task.for_each_key(task.k_head, [&](int64_t i, const bf16* k) {
+    ahead.step();
     __m256 lo[P], hi[P];
     for (int p = 0; p < P; ++p) lo[p] = hi[p] = _mm256_setzero_ps();
     for (int c = 0; c < C; ++c) {
