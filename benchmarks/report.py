@@ -243,6 +243,8 @@ class Report:
         c = self.s.meta.get("ceilings") or {}
         params = (self.s.meta.get("model_params") or {}).get("params") or 134_515_008
         ceil_bf16 = (c.get("matmul_bf16_flops") or 0) / (2 * params) or None
+        if cpu_kind(self.s) == "avx2":  # no bf16 arithmetic: torch's bf16 matmul is no ceiling of anything
+            ceil_bf16 = None
         ceil_fp32 = (c.get("matmul_fp32_flops") or 0) / (2 * params) or None
         rows = []
         for t in self.targets:

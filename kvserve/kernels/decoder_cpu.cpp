@@ -343,6 +343,25 @@ void gemm_vectors(const bf16* a, int64_t m, int64_t k, const bf16* w, int64_t nb
 constexpr bool kVectorGemm = false;
 #endif
 
+// What a step's prefill chunks attend with, shared by the ways their rows attend together (TileAttention,
+// RowGroups): a chunk's rows are consecutive positions of one sequence, and each row's visible keys run
+// from first_key(its position) to itself.
+struct PrefillChunks {
+  const bf16* qkv;  // [m, qkv_width]: q rows after rotary; k and v already in the cache
+  int64_t qkv_width;
+  const int64_t* positions;
+  const int64_t* block_tables;
+  int64_t table_stride;
+  const TileChunk* chunks;
+  const bf16* key_cache;
+  const bf16* value_cache;
+  int64_t q_heads, kv_heads, hd, block_size, head_stride, window;
+  float scale;
+  bf16* out;  // [m, q_heads * hd]
+
+  int64_t first_key(int64_t position) const { return window > 0 ? std::max<int64_t>(0, position + 1 - window) : 0; }
+};
+
 #if defined(__AVX512BF16__)  // AMX builds have it too
 constexpr bool kTileAttention = true;
 // ---- prefill attention on tiles ----
@@ -384,22 +403,10 @@ inline void transpose16x16(__m512i v[16]) {
 
 constexpr int64_t kPackKeys = 256;  // keys per packing task
 
-struct TileAttention {
-  const bf16* qkv;  // [m, qkv_width]: q rows after rotary; k and v already in the cache
-  int64_t qkv_width;
-  const int64_t* positions;
-  const int64_t* block_tables;
-  int64_t table_stride;
-  const TileChunk* chunks;
+struct TileAttention : PrefillChunks {
   const int64_t* packed_offsets;  // per chunk: start of its packed K/V in `packed` (sized for window 0)
   bf16* packed;
-  const bf16* key_cache;
-  const bf16* value_cache;
-  int64_t q_heads, kv_heads, hd, block_size, head_stride, window;
-  float scale;
-  bf16* out;  // [m, q_heads * hd]
 
-  int64_t first_key(int64_t position) const { return window > 0 ? std::max<int64_t>(0, position + 1 - window) : 0; }
   // The chunk's packed keys: [kb, kb + padded) with `end` real ones.
   int64_t base(const TileChunk& c) const { return first_key(positions[c.row0]) / 32 * 32; }
   static int64_t end(const int64_t* positions, const TileChunk& c) { return positions[c.row0 + c.rows - 1] + 1; }
@@ -605,23 +612,10 @@ constexpr bool kTileAttention = false;
 // query rows of one prefill chunk with every query head of one kv head, up to 12 query vectors, that
 // share each key and value row as it is widened to fp32 (attend_widened), where attending row by row
 // widens the whole prefix once per token and kv head. Each row keeps its own causal end (and window).
-struct RowGroups {
-  const bf16* qkv;  // [m, qkv_width]: q rows after rotary; k and v already in the cache
-  int64_t qkv_width;
-  const int64_t* positions;
-  const int64_t* block_tables;
-  int64_t table_stride;
-  const TileChunk* chunks;
-  const bf16* key_cache;
-  const bf16* value_cache;
-  int64_t q_heads, kv_heads, hd, block_size, head_stride, window;
-  float scale;
-  bf16* out;  // [m, q_heads * hd]
-
+struct RowGroups : PrefillChunks {
   static int64_t rows_per_task(int64_t q_heads, int64_t kv_heads) {
     return std::max<int64_t>(1, 12 / (q_heads / kv_heads));
   }
-  int64_t first_key(int64_t position) const { return window > 0 ? std::max<int64_t>(0, position + 1 - window) : 0; }
 
   void run(int64_t chunk, int64_t head, int64_t group_index, std::vector<float>& scores, Scratch& scratch) const {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)  // kWidenedAttention
@@ -898,20 +892,18 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
       const DecodeBatch<bf16> batch{qkv.data(), qkv_width, L.key_cache, L.value_cache, block_tables, table_stride,
                                     context_lens, attn.data(), m, p.q_heads, p.kv_heads, p.num_blocks,
                                     p.block_size, hd, L.window, L.scale};
+      const PrefillChunks prefill{qkv.data(), qkv_width, positions, block_tables, table_stride, chunks, L.key_cache,
+                                  L.value_cache, p.q_heads, p.kv_heads, hd, p.block_size,
+                                  p.num_blocks * p.block_size * hd, L.window, L.scale, attn.data()};
 #if defined(__AVX512BF16__)  // tile attention (kTileAttention)
-      const TileAttention tiles{qkv.data(), qkv_width, positions, block_tables, table_stride, chunks,
-                                packed_offsets.data(), packed.data(), L.key_cache, L.value_cache, p.q_heads,
-                                p.kv_heads, hd, p.block_size, p.num_blocks * p.block_size * hd, L.window, L.scale,
-                                attn.data()};
+      const TileAttention tiles{prefill, packed_offsets.data(), packed.data()};
       if (!pack_tasks.empty()) {
 #pragma omp for schedule(dynamic, 1)
         for (size_t task = 0; task < pack_tasks.size(); ++task)
           tiles.pack(pack_tasks[task][0], pack_tasks[task][1], pack_tasks[task][2]);
       }
 #else
-      const RowGroups groups{qkv.data(), qkv_width, positions, block_tables, table_stride, chunks, L.key_cache,
-                             L.value_cache, p.q_heads, p.kv_heads, hd, p.block_size,
-                             p.num_blocks * p.block_size * hd, L.window, L.scale, attn.data()};
+      const RowGroups groups{prefill};
 #endif
 #pragma omp for schedule(dynamic, 1)
       for (int64_t task = 0; task < num_attention_tasks; ++task) {
