@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
         level = os.environ.get(isa.ENV)
         command = (f"{isa.ENV}={level} " if level else "") + (
             f"python -m benchmarks.profile --model {args.model} --prompts {args.prompts} --input {args.input} "
-            f"--output {args.output} --max-seqs {args.max_seqs} --dtype {args.dtype}" + (" --per-op" if args.per_op else ""))
+            f"--output {args.output} --max-seqs {args.max_seqs} --dtype {args.dtype}"
+            + (" --per-op" if args.per_op else ""))
         Path(args.markdown).write_text(page(result, command))
 
 

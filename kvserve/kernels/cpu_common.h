@@ -184,7 +184,9 @@ struct Task {
       if (++o == task->block_size) o = 0, ++b;
     }
   };
-  Lookahead lookahead(int64_t ahead) const { return {this, (start + ahead) / block_size, (start + ahead) % block_size}; }
+  Lookahead lookahead(int64_t ahead) const {
+    return {this, (start + ahead) / block_size, (start + ahead) % block_size};
+  }
 #endif
   // f(t, row pointer) for every visible key of the given cache head, in order.
   template <typename F>
