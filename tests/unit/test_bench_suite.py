@@ -167,10 +167,14 @@ def test_benchmarks_md_keeps_a_section_per_cpu_kind(tmp_path):
     cpu.mkdir()
     (cpu / "avx2.md").write_text("## CPU: avx2 page\n")
     (cpu / "amx.md").write_text("## CPU: amx page\n")
+    (cpu / "avx2-profile.md").write_text("# Where a W1-shaped step's time goes\n")
+    (cpu / "avx512-profile.md").write_text("# a profile of a kind never rendered\n")
     (tmp_path / "fleet.md").write_text("# Fleet benchmarks\n")
     md = report.assemble(tmp_path)
     assert md.startswith("# Benchmarks")
     assert md.index("amx page") < md.index("avx2 page") < md.index("## Fleet benchmarks")
+    assert md.index("avx2 page") < md.index("### Where a W1-shaped step's time goes")  # in its kind, one level down
+    assert "never rendered" not in md
     assert report.CPU_KINDS["avx512"] not in md  # a kind never rendered has no section
 
 
