@@ -112,6 +112,20 @@ inline void store8(__m256 v, bf16* p) {  // the high halves of the rounded value
   const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
+// 16 bf16 values widened to fp32 by interleaving zeros below them (one load, two in-lane unpacks): w0
+// gets elements [0-3, 8-11], w1 [4-7, 12-15]. The AVX2 GEMM and attention multiply in that order and
+// put the sums back in element order once, with store_widened16.
+inline void widen16(const bf16* p, __m256& w0, __m256& w1) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), v));
+  w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), v));
+}
+// dst[0..16) = the sums of widen16's two halves, in element order (fp32, or rounded to bf16).
+template <typename T>
+inline void store_widened16(__m256 lo, __m256 hi, T* dst) {
+  store8(_mm256_permute2f128_ps(lo, hi, 0x20), dst);
+  store8(_mm256_permute2f128_ps(lo, hi, 0x31), dst + 8);
+}
 // exp over 8 lanes: exp2_16<6>'s polynomial; 2^n built in the exponent bits, so t is clamped to
 // [-126, 127] (exp(-87.3) is already below what the softmax and activations can tell from 0).
 inline __m256 exp8(__m256 x) {
@@ -452,10 +466,8 @@ void attend_bf16_dp(const Task<bf16>& task, std::vector<int64_t>& rows, std::vec
 constexpr bool kWidenedAttention = true;
 // bfloat16 on AVX2 (no bf16 arithmetic): the cost of attention is widening the cached rows to fp32, so
 // each key and value row is widened once for several query vectors (the query heads of a kv head; in a
-// prefill chunk also consecutive rows of one sequence), 16 dims at a time by interleaving zeros (one
-// load, two in-lane unpacks). That puts dims [0-3, 8-11] of each 16 in one vector and [4-7, 12-15] in
-// the other: q is laid out in that order once, and p.v's sums are put back in dimension order at the
-// end. Numerics as attend_vectors: fp32 q (pre-scaled) and sums, an exact softmax in fp32.
+// prefill chunk also consecutive rows of one sequence), 16 dims at a time (widen16): q is laid out in
+// widen16's order once, and p.v's sums are put back in dimension order at the end. Numerics as attend_vectors: fp32 q (pre-scaled) and sums, an exact softmax in fp32.
 struct WidenedQuery {
   const float* q;  // [hd] fp32, pre-scaled
   float* scores;   // [n] for the task's keys; this query's own are [lo, hi) (causal end, sliding window)
@@ -467,7 +479,6 @@ struct WidenedQuery {
 template <int C, int P>
 void widened_scores(const Task<bf16>& task, const WidenedQuery* qs) {
   constexpr bool kSplit = P <= 6;  // two sums per query where the registers allow: shorter FMA chains
-  const __m256i zero = _mm256_setzero_si256();
   alignas(32) float qw[P][2 * C][8];
   for (int p = 0; p < P; ++p)
     for (int c = 0; c < C; ++c)
@@ -483,9 +494,8 @@ void widened_scores(const Task<bf16>& task, const WidenedQuery* qs) {
     __m256 lo[P], hi[P];
     for (int p = 0; p < P; ++p) lo[p] = hi[p] = _mm256_setzero_ps();
     for (int c = 0; c < C; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + 16 * c));
-      const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
-      const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+      __m256 w0, w1;
+      widen16(k + 16 * c, w0, w1);
       for (int p = 0; p < P; ++p) {
         lo[p] = _mm256_fmadd_ps(_mm256_load_ps(qw[p][2 * c]), w0, lo[p]);
         if constexpr (kSplit) hi[p] = _mm256_fmadd_ps(_mm256_load_ps(qw[p][2 * c + 1]), w1, hi[p]);
@@ -510,7 +520,6 @@ void widened_scores(const Task<bf16>& task, const WidenedQuery* qs) {
 template <int C, int Q>
 void widened_values(const Task<bf16>& task, const WidenedQuery* qs) {
   constexpr int W = Q == 1 ? 4 : Q == 4 ? 1 : 2;  // 16-dim chunks per pass over the values: 2 x Q x W sums
-  const __m256i zero = _mm256_setzero_si256();
   for (int c0 = 0; c0 < C; c0 += W) {
     __m256 acc[Q][2 * W];
     for (int q = 0; q < Q; ++q)
@@ -519,9 +528,8 @@ void widened_values(const Task<bf16>& task, const WidenedQuery* qs) {
       __m256 p[Q];
       for (int q = 0; q < Q; ++q) p[q] = _mm256_broadcast_ss(qs[q].scores + i);
       for (int c = 0; c < W; ++c) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * (c0 + c)));
-        const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x));
-        const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x));
+        __m256 w0, w1;
+        widen16(v + 16 * (c0 + c), w0, w1);
         for (int q = 0; q < Q; ++q) {
           acc[q][2 * c] = _mm256_fmadd_ps(p[q], w0, acc[q][2 * c]);
           acc[q][2 * c + 1] = _mm256_fmadd_ps(p[q], w1, acc[q][2 * c + 1]);
@@ -529,11 +537,7 @@ void widened_values(const Task<bf16>& task, const WidenedQuery* qs) {
       }
     });
     for (int q = 0; q < Q; ++q)
-      for (int c = 0; c < W; ++c) {
-        bf16* dst = qs[q].out + 16 * (c0 + c);
-        store8(_mm256_permute2f128_ps(acc[q][2 * c], acc[q][2 * c + 1], 0x20), dst);
-        store8(_mm256_permute2f128_ps(acc[q][2 * c], acc[q][2 * c + 1], 0x31), dst + 8);
-      }
+      for (int c = 0; c < W; ++c) store_widened16(acc[q][2 * c], acc[q][2 * c + 1], qs[q].out + 16 * (c0 + c));
   }
 }
 

@@ -237,10 +237,10 @@ struct RowBlock {  // A's rows as they are (bf16 pairs broadcast as 32-bit)
 constexpr int kRows = 5;
 
 // One column block: c [R, 16] = A (fp32 rows, stride lda) times the block's packed weights, stored for
-// AVX2 k-major ([K][16] bf16 per block: see kPairLayout). Each k's 16 weights are widened to fp32 by
-// interleaving zeros below them, which puts columns 0-3 and 8-11 in one vector and 4-7 and 12-15 in the
-// other; each accumulator takes one FMA per k (no chain longer than the FMA latency), and the columns
-// are put back in order once, at the end.
+// AVX2 k-major ([K][16] bf16 per block: see kPairLayout). Each k's 16 weights are widened to fp32
+// (widen16: columns 0-3 and 8-11 in one vector, 4-7 and 12-15 in the other); each accumulator takes one
+// FMA per k (no chain longer than the FMA latency), and the columns are put back in order once, at the
+// end (store_widened16).
 // Fewer than 3 rows (a decode step of one sequence) would leave too few independent sums to cover the FMA
 // latency: S interleaved sets of accumulators take alternate k, added at the end.
 template <int R>
@@ -249,14 +249,12 @@ void micro_block(const float* a, int64_t lda, int64_t k, const bf16* b, float* c
   __m256 lo[S * R], hi[S * R];
 #pragma GCC unroll 8
   for (int i = 0; i < S * R; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
-  const __m256i zero = _mm256_setzero_si256();
   for (int64_t k0 = 0; k0 < k; k0 += S) {
 #pragma GCC unroll 4
     for (int s = 0; s < S; ++s) {
       const int64_t kk = k0 + s;
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + kk * 16));
-      const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
-      const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+      __m256 w0, w1;
+      widen16(b + kk * 16, w0, w1);
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
         const __m256 x = _mm256_broadcast_ss(a + i * lda + kk);
@@ -273,10 +271,7 @@ void micro_block(const float* a, int64_t lda, int64_t k, const bf16* b, float* c
       hi[i] = _mm256_add_ps(hi[i], hi[s * R + i]);
     }
 #pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) {
-    _mm256_storeu_ps(c + i * 16, _mm256_permute2f128_ps(lo[i], hi[i], 0x20));
-    _mm256_storeu_ps(c + i * 16 + 8, _mm256_permute2f128_ps(lo[i], hi[i], 0x31));
-  }
+  for (int i = 0; i < R; ++i) store_widened16(lo[i], hi[i], c + i * 16);
 }
 
 template <int R, bool Two>
