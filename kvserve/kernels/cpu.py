@@ -112,6 +112,17 @@ class NativeKernels:
         self._pack.argtypes, self._pack.restype = [_PTR, _I64, _I64, _PTR], None
         self._linear_f32 = self._lib.kvserve_linear_bf16_f32
         self._linear_f32.argtypes, self._linear_f32.restype = [_PTR, _I64, _I64, _PTR, _I64, _PTR], None
+        self._pack_quant = self._lib.kvserve_pack_quant
+        self._pack_quant.argtypes, self._pack_quant.restype = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR], None
+        self._quant_bytes = self._lib.kvserve_quant_bytes
+        self._quant_bytes.argtypes, self._quant_bytes.restype = [_I64, _I64, _I64], _I64
+        self._lib.kvserve_quant_direct_rows.restype = _I64
+        # Rows up to which a quantized GEMM multiplies the file's values as read; longer steps widen them to
+        # a bf16 panel first (the weights then rounded to bf16, as a dense bf16 model holds them).
+        self.quant_direct_rows = int(self._lib.kvserve_quant_direct_rows())
+        self._linear_quant = self._lib.kvserve_linear_quant
+        self._linear_quant.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64]
+        self._linear_quant.restype = None
         self._forward = self._lib.kvserve_forward_bf16
         self._forward.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR]
         self._forward.restype = _I64
@@ -233,6 +244,40 @@ class NativeKernels:
         self._linear_f32(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), n, out.data_ptr())
         return out
 
+    def pack_quant(self, values: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, bits: int) -> torch.Tensor:
+        """A quantized [N, K] weight, w = scale * q + minimum per (row, 32 columns), in the kernels' layout
+        (decoder_cpu.cpp, QWeight), flat uint8. values: int8 [N, K] (bits 8) or uint8 [N, K / 2] of two
+        0..15 values a byte, element 2j in the low nibble (bits 4); scales and minimums float16 [N, K / 32]."""
+        n = scales.shape[0]
+        k = scales.shape[1] * 32
+        want = (torch.int8, (n, k)) if bits == 8 else (torch.uint8, (n, k // 2)) if bits == 4 else None
+        if want is None or values.dtype != want[0] or tuple(values.shape) != want[1] or n % 16 \
+                or scales.dtype != torch.float16 or minimums.dtype != torch.float16 \
+                or tuple(minimums.shape) != tuple(scales.shape):
+            raise ValueError(f"pack_quant takes int8 [N, K] (bits 8) or uint8 [N, K/2] (bits 4) values with float16 "
+                             f"[N, K/32] scales and minimums, N % 16 == 0; got bits {bits}, {values.dtype} "
+                             f"{tuple(values.shape)}, scales {scales.dtype} {tuple(scales.shape)}")
+        values, scales, minimums = values.contiguous(), scales.contiguous(), minimums.contiguous()
+        packed = torch.empty(self._quant_bytes(n, k, bits), dtype=torch.uint8)
+        self._pack_quant(values.data_ptr(), scales.data_ptr(), minimums.data_ptr(), n, k, bits, packed.data_ptr())
+        return packed
+
+    def linear_quant(self, x: torch.Tensor, packed: torch.Tensor, bits: int, n: int,
+                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """x [T, K] bf16 times a weight [n, K] packed by pack_quant (bits 4, 8) or pack_weight (bits 0) ->
+        [T, n] in bf16, or in float32 holding the same bf16-rounded values (the LM head's logits)."""
+        if not self.fused:
+            raise RuntimeError("the packed GEMM needs AMX or AVX2")
+        x = x.contiguous()
+        k = x.shape[-1]
+        size = n * k * 2 if bits == 0 else self._quant_bytes(n, k, bits)
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or k % 32 or n % 16 or packed.numel() * packed.element_size() != size:
+            raise ValueError(f"linear_quant takes bf16 [T, K] and a packed [{n}, K] weight of {bits} bits")
+        out = torch.empty((x.shape[0], n), dtype=out_dtype)
+        self._linear_quant(x.data_ptr(), x.shape[0], k, packed.data_ptr(), bits, n, out.data_ptr(),
+                           int(out_dtype == torch.float32))
+        return out
+
     def forward(self, model_params: ctypes.Structure, layer_params: ctypes.Array, hidden: torch.Tensor,
                 positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                 context_lens: torch.Tensor, tile_chunks: torch.Tensor | None = None, first_layer: int = 0,
@@ -265,9 +310,11 @@ class NativeKernels:
 class LayerParams(ctypes.Structure):
     """decoder_cpu.cpp's LayerParams: one layer's packed weights, norms, cache and rotary tables, by address."""
 
-    _fields_ = [(name, _PTR) for name in ("attn_in_norm", "attn_out_norm", "mlp_in_norm", "mlp_out_norm", "q_norm",
-                                          "k_norm", "qkv", "o", "gate_up", "down", "key_cache", "value_cache",
-                                          "cos", "sin")] + [("window", _I64), ("scale", _F32)]
+    _fields_ = ([(name, _PTR) for name in ("attn_in_norm", "attn_out_norm", "mlp_in_norm", "mlp_out_norm", "q_norm",
+                                           "k_norm")]
+                + [field for name in ("qkv", "o", "gate_up", "down") for field in ((name, _PTR), (f"{name}_bits", _I64))]
+                + [(name, _PTR) for name in ("key_cache", "value_cache", "cos", "sin")]
+                + [("window", _I64), ("scale", _F32)])
 
 
 class ModelParams(ctypes.Structure):

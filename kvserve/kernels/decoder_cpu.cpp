@@ -654,6 +654,325 @@ void gemm(const bf16* a, int64_t m, int64_t k, const bf16* w, int64_t nblocks, T
 #endif
 }
 
+// ---- quantized weights: W8A16 and W4A16 ----
+// A quantized weight keeps, per (16-column block, 32-deep chunk), the chunk's values q in the element order
+// of this build's bf16 layout (kPairLayout: [16 k pairs][16 columns][2]; else k-major [32 k][16 columns]),
+// then the 16 columns' fp16 scales s and fp16 minimums m: w = s * q + m. Int8: one signed byte a value
+// (512 B); int4: 0..15, two a byte (256 B: element j in the low nibble of byte j, element j + 256 in its
+// high nibble). A chunk is one group of 32 k, so Q8_0, Q4_0, Q4_1 and Q4_K's sub-blocks map onto it
+// exactly. Decode-sized steps multiply the values as they are read (the weights' bytes bound them);
+// longer ones first widen a column pair's weights into a bf16 panel that stays in L2, then run the bf16
+// GEMM of this CPU on it.
+struct QWeight {
+  const void* data;
+  int64_t bits;  // 0: bf16 in pack_weight's layout; 4 or 8: the layout above
+};
+constexpr int64_t kQuantTail = 64;  // 16 fp16 scales, then 16 fp16 minimums
+inline int64_t quant_values_bytes(int64_t bits) { return bits == 8 ? 512 : 256; }
+inline int64_t quant_chunk_bytes(int64_t bits) { return quant_values_bytes(bits) + kQuantTail; }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Each row's sums over each 32-deep chunk of A (fp32), which the minimums multiply.
+struct QuantRows {
+  std::vector<float> sums;
+  void load(const bf16* a, int64_t m, int64_t k) {
+    const int64_t chunks = k / 32;
+    sums.resize(m * chunks);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t c = 0; c < chunks; ++c) {
+        float s = 0.0f;
+        for (int j = 0; j < 32; ++j) s += to_float(a[i * k + c * 32 + j]);
+        sums[i * chunks + c] = s;
+      }
+  }
+};
+
+#if defined(__AVX512BF16__)
+constexpr int kQuantRows = 8;  // rows a direct pass holds: 8 chunk sums and 8 totals of 16 columns
+constexpr int64_t kQuantDirectRows = 8;  // up to this many rows, multiply as read; above, widen to a panel
+
+// Tile row (16 columns x a k pair) of int8 values as bf16 (exact: |q| <= 128).
+inline __m512bh q8_row(const uint8_t* q) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+  return (__m512bh)_mm512_cvtne2ps_pbh(hi, lo);
+}
+// Tile rows p (low nibbles) and p + 8 (high) of int4 values as the bf16 of 128 + q: 0x4300 | q, no
+// conversion (the 128 is taken off with the chunk's sum of A).
+inline void q4_rows(const uint8_t* q, __m512bh& lo, __m512bh& hi) {
+  const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+  const __m512i bias = _mm512_set1_epi16(0x4300);
+  lo = (__m512bh)_mm512_ternarylogic_epi32(bytes, _mm512_set1_epi16(0x0F), bias, 0xEA);  // (a & b) | c
+  hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(bytes, 4), bias);
+}
+
+// c [R, 16] = R rows of A (bf16, stride lda) times one quantized column block.
+template <int R, int Bits>
+void quant_block(const bf16* a, int64_t lda, const float* sums, int64_t chunks, const uint8_t* b, float* c) {
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  const int64_t cb = quant_chunk_bytes(Bits);
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const uint8_t* t = b + ch * cb;
+    const uint32_t* ar = reinterpret_cast<const uint32_t*>(a + ch * 32);
+    __m512 s[R];
+    for (int i = 0; i < R; ++i) s[i] = _mm512_setzero_ps();
+    if constexpr (Bits == 8) {
+      for (int rr = 0; rr < 16; ++rr) {
+        const __m512bh w = q8_row(t + rr * 32);
+        for (int i = 0; i < R; ++i)
+          s[i] = _mm512_dpbf16_ps(s[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(ar[i * lda / 2 + rr])), w);
+      }
+    } else {
+      for (int p = 0; p < 8; ++p) {
+        __m512bh lo, hi;
+        q4_rows(t + p * 32, lo, hi);
+        for (int i = 0; i < R; ++i) {
+          s[i] = _mm512_dpbf16_ps(s[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(ar[i * lda / 2 + p])), lo);
+          s[i] = _mm512_dpbf16_ps(s[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(ar[i * lda / 2 + p + 8])), hi);
+        }
+      }
+    }
+    const uint8_t* tail = t + quant_values_bytes(Bits);
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail)));
+    const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 32)));
+    for (int i = 0; i < R; ++i) {
+      const __m512 sx = _mm512_set1_ps(sums[i * chunks + ch]);
+      const __m512 dot = Bits == 4 ? _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), sx, s[i]) : s[i];
+      acc[i] = _mm512_fmadd_ps(scale, dot, _mm512_fmadd_ps(minimum, sx, acc[i]));
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(c + i * 16, acc[i]);
+}
+
+// One column block's weights as bf16 in the tile layout: w = s * q + m in fp32, rounded to nearest even.
+template <int Bits>
+void widen_block(const uint8_t* b, int64_t chunks, bf16* out) {
+  const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
+  const int64_t cb = quant_chunk_bytes(Bits);
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const uint8_t* t = b + ch * cb;
+    const uint8_t* tail = t + quant_values_bytes(Bits);
+    const __m512 s16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail)));
+    const __m512 m16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 32)));
+    const __m512 s_lo = _mm512_permutexvar_ps(pairs_lo, s16), s_hi = _mm512_permutexvar_ps(pairs_hi, s16);
+    const __m512 m_lo = _mm512_permutexvar_ps(pairs_lo, m16), m_hi = _mm512_permutexvar_ps(pairs_hi, m16);
+    bf16* o = out + ch * 512;
+    auto emit = [&](__m512i q_lo, __m512i q_hi, bf16* dst) {  // one tile row: 32 values as int32 halves
+      const __m512 w_lo = _mm512_fmadd_ps(s_lo, _mm512_cvtepi32_ps(q_lo), m_lo);
+      const __m512 w_hi = _mm512_fmadd_ps(s_hi, _mm512_cvtepi32_ps(q_hi), m_hi);
+      _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+    };
+    if constexpr (Bits == 8) {
+      for (int rr = 0; rr < 16; ++rr) {
+        const __m128i* q = reinterpret_cast<const __m128i*>(t + rr * 32);
+        emit(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)), _mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)), o + rr * 32);
+      }
+    } else {
+      const __m512i nibble = _mm512_set1_epi32(0x0F);
+      for (int p = 0; p < 8; ++p) {
+        const __m128i* q = reinterpret_cast<const __m128i*>(t + p * 32);
+        const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(q)), b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(q + 1));
+        emit(_mm512_and_si512(b0, nibble), _mm512_and_si512(b1, nibble), o + p * 32);
+        emit(_mm512_srli_epi32(b0, 4), _mm512_srli_epi32(b1, 4), o + (p + 8) * 32);
+      }
+    }
+  }
+}
+#else
+constexpr int kQuantRows = 2;  // 2 sets of 2 x 8-lane totals a row, the chunk's scales and minimums
+constexpr int64_t kQuantDirectRows = 4;
+
+// k-major: row kk of a chunk (16 columns) of int8 values, or the low (k = kk) and high (k = kk + 16) nibbles
+// of row kk of int4 values, as fp32 columns 0-7 and 8-15.
+template <int Bits>
+inline void quant_rows8(const uint8_t* t, int kk, __m256i& a0, __m256i& a1, __m256i& b0, __m256i& b1) {
+  if constexpr (Bits == 8) {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kk * 16));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + (kk + 16) * 16));
+    a0 = _mm256_cvtepi8_epi32(lo), a1 = _mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8));
+    b0 = _mm256_cvtepi8_epi32(hi), b1 = _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8));
+  } else {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kk * 16));
+    const __m256i v0 = _mm256_cvtepu8_epi32(bytes), v1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+    const __m256i nibble = _mm256_set1_epi32(0x0F);
+    a0 = _mm256_and_si256(v0, nibble), a1 = _mm256_and_si256(v1, nibble);
+    b0 = _mm256_srli_epi32(v0, 4), b1 = _mm256_srli_epi32(v1, 4);
+  }
+}
+
+// c [R, 16] = R rows of A (bf16, stride lda) times one quantized column block: each value widened to
+// fp32 as w = s * q + m in registers; k and k + 16 go to two sets of sums (no chain past FMA latency).
+template <int R, int Bits>
+void quant_block(const bf16* a, int64_t lda, const float*, int64_t chunks, const uint8_t* b, float* c) {
+  __m256 acc[2][R][2];
+  for (int s = 0; s < 2; ++s)
+    for (int i = 0; i < R; ++i) acc[s][i][0] = acc[s][i][1] = _mm256_setzero_ps();
+  const int64_t cb = quant_chunk_bytes(Bits);
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const uint8_t* t = b + ch * cb;
+    const uint8_t* tail = t + quant_values_bytes(Bits);
+    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail)));
+    const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 16)));
+    const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 32)));
+    const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 48)));
+    for (int kk = 0; kk < 16; ++kk) {
+      __m256i q[2][2];
+      quant_rows8<Bits>(t, kk, q[0][0], q[0][1], q[1][0], q[1][1]);
+      for (int s = 0; s < 2; ++s) {
+        const __m256 w0 = _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(q[s][0]), m0);
+        const __m256 w1 = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(q[s][1]), m1);
+        for (int i = 0; i < R; ++i) {
+          const __m256 x = _mm256_set1_ps(to_float(a[i * lda + ch * 32 + kk + 16 * s]));
+          acc[s][i][0] = _mm256_fmadd_ps(x, w0, acc[s][i][0]);
+          acc[s][i][1] = _mm256_fmadd_ps(x, w1, acc[s][i][1]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm256_storeu_ps(c + i * 16, _mm256_add_ps(acc[0][i][0], acc[1][i][0]));
+    _mm256_storeu_ps(c + i * 16 + 8, _mm256_add_ps(acc[0][i][1], acc[1][i][1]));
+  }
+}
+
+// One column block's weights as bf16, k-major: w = s * q + m in fp32, rounded to nearest even.
+template <int Bits>
+void widen_block(const uint8_t* b, int64_t chunks, bf16* out) {
+  const int64_t cb = quant_chunk_bytes(Bits);
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const uint8_t* t = b + ch * cb;
+    const uint8_t* tail = t + quant_values_bytes(Bits);
+    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail)));
+    const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 16)));
+    const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 32)));
+    const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 48)));
+    bf16* o = out + ch * 512;
+    for (int kk = 0; kk < 16; ++kk) {
+      __m256i q[2][2];
+      quant_rows8<Bits>(t, kk, q[0][0], q[0][1], q[1][0], q[1][1]);
+      for (int s = 0; s < 2; ++s) {
+        store8(_mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(q[s][0]), m0), o + (kk + 16 * s) * 16);
+        store8(_mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(q[s][1]), m1), o + (kk + 16 * s) * 16 + 8);
+      }
+    }
+  }
+}
+#endif
+
+template <int R, int Bits>
+void quant_rows(int rows, const bf16* a, int64_t lda, const float* sums, int64_t chunks, const uint8_t* b, float* c) {
+  if constexpr (R > 1) {
+    if (rows < R) return quant_rows<R - 1, Bits>(rows, a, lda, sums, chunks, b, c);
+  }
+  quant_block<R, Bits>(a, lda, sums, chunks, b, c);
+}
+
+// C [m, 32] for one column pair of bf16 weights (b0, then b1 when `two`), every row: AMX tiles where this
+// process has them, else the vector micro kernels.
+template <typename Epilogue>
+void gemm_pair(const bf16* a, int64_t m, int64_t k, const bf16* b0, bool two, int64_t nb0, TileState& ts,
+               Epilogue& epi) {
+  const int64_t chunks = k / 32, tile = 16 * 32;
+  const bf16* b1 = b0 + chunks * tile;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx_ready()) {
+    alignas(64) float c[2][32 * 16];
+    for (int64_t r = 0; r < m; r += 32) {
+      const int rows0 = static_cast<int>(std::min<int64_t>(16, m - r));
+      const int rows1 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, m - r - 16)));
+      ts.ensure(rows0, rows1);
+      _tile_zero(0);
+      _tile_zero(1);
+      if (rows1) {
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      const bf16* a0 = a + r * k;
+      const bf16* a1 = a0 + 16 * k;
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        _tile_loadd(4, a0 + ch * 32, k * 2);
+        _tile_loadd(6, b0 + ch * tile, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (rows1) {
+          _tile_loadd(5, a1 + ch * 32, k * 2);
+          _tile_dpbf16ps(2, 5, 6);
+        }
+        if (two) {
+          _tile_loadd(7, b1 + ch * tile, 64);
+          _tile_dpbf16ps(1, 4, 7);
+          if (rows1) _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, c[0], 64);
+      if (rows1) _tile_stored(2, c[0] + 16 * 16, 64);
+      if (two) {
+        _tile_stored(1, c[1], 64);
+        if (rows1) _tile_stored(3, c[1] + 16 * 16, 64);
+      }
+      epi(r, nb0, two, 0, rows0 + rows1, c[0], c[1]);
+    }
+    return;
+  }
+#endif
+  alignas(64) float c[2][kRows * 16];
+  RowBlock block;
+  const int64_t row_blocks = (m + kRows - 1) / kRows;
+  for (int64_t rb = 0; rb < row_blocks; ++rb) {
+    const int64_t r = rb * m / row_blocks;
+    const int rows = static_cast<int>((rb + 1) * m / row_blocks - r);
+    block.load(a + r * k, rows, k);
+    micro_rows<kRows>(rows, block.rows, k, chunks, b0, b1, two, c[0], c[1]);
+    epi(r, nb0, two, 0, rows, c[0], c[1]);
+  }
+}
+
+template <int Bits, typename Epilogue>
+void gemm_quant_bits(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int64_t nblocks, TileState& ts,
+                     Epilogue& epi) {
+  const int64_t chunks = k / 32, block_bytes = chunks * quant_chunk_bytes(Bits);
+  const int64_t pairs = (nblocks + 1) / 2;
+  if (m <= kQuantDirectRows) {
+    QuantRows rows;
+    rows.load(a, m, k);
+    alignas(64) float c[2][kQuantDirectRows * 16];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t pair = 0; pair < pairs; ++pair) {
+      const int64_t nb0 = 2 * pair;
+      const bool two = nb0 + 1 < nblocks;
+      for (int half = 0; half < (two ? 2 : 1); ++half)
+        for (int64_t r = 0; r < m; r += kQuantRows)
+          quant_rows<kQuantRows, Bits>(static_cast<int>(std::min<int64_t>(kQuantRows, m - r)), a + r * k, k,
+                                       rows.sums.data() + r * chunks, chunks, w + (nb0 + half) * block_bytes,
+                                       c[half] + r * 16);
+      epi(0, nb0, two, 0, static_cast<int>(m), c[0], c[1]);
+    }
+    return;
+  }
+  static thread_local std::vector<bf16> panel;
+  panel.resize(2 * chunks * 512);
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    const int64_t nb0 = 2 * pair;
+    const bool two = nb0 + 1 < nblocks;
+    widen_block<Bits>(w + nb0 * block_bytes, chunks, panel.data());
+    if (two) widen_block<Bits>(w + (nb0 + 1) * block_bytes, chunks, panel.data() + chunks * 512);
+    gemm_pair(a, m, k, panel.data(), two, nb0, ts, epi);
+  }
+}
+#endif
+
+// gemm() on a weight of any kind (see QWeight).
+template <typename Epilogue>
+void gemm(const bf16* a, int64_t m, int64_t k, const QWeight& w, int64_t nblocks, TileState& ts, Epilogue&& epi) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (w.bits == 8) return gemm_quant_bits<8>(a, m, k, static_cast<const uint8_t*>(w.data), nblocks, ts, epi);
+  if (w.bits == 4) return gemm_quant_bits<4>(a, m, k, static_cast<const uint8_t*>(w.data), nblocks, ts, epi);
+#endif
+  gemm(a, m, k, static_cast<const bf16*>(w.data), nblocks, ts, epi);
+}
+
 // Epilogue: out [m, n] = the sums, rounded to bf16 (Out: bf16, or float widened back from bf16).
 template <typename Out>
 struct StoreTiles {
@@ -688,10 +1007,10 @@ struct LayerParams {
   const bf16* mlp_out_norm;
   const bf16* q_norm;
   const bf16* k_norm;
-  const bf16* qkv;  // packed [(Hq + 2 Hkv) D, hidden]
-  const bf16* o;  // packed [hidden, Hq D]
-  const bf16* gate_up;  // packed [2 I, hidden], gate and up blocks alternating
-  const bf16* down;  // packed [hidden, I]
+  QWeight qkv;  // packed [(Hq + 2 Hkv) D, hidden]
+  QWeight o;  // packed [hidden, Hq D]
+  QWeight gate_up;  // packed [2 I, hidden], gate and up blocks alternating
+  QWeight down;  // packed [hidden, I]
   bf16* key_cache;
   bf16* value_cache;
   const float* cos;
@@ -770,6 +1089,68 @@ extern "C" void kvserve_linear_bf16_f32(const void* x, int64_t m, int64_t k, con
   {
     TileState ts;
     gemm(static_cast<const bf16*>(x), m, k, static_cast<const bf16*>(packed), n / 16, ts, StoreTiles<float>{out, n});
+  }
+}
+
+// A weight [n, k] (n % 16 == 0, k % 32 == 0) as values q, fp16 scales and fp16 minimums per (row, 32
+// columns), w = s * q + m, -> this build's quantized layout (QWeight). Int8: q int8 [n, k]. Int4: q 0..15,
+// two a byte, [n, k / 2] (element 2j in the low nibble of byte j).
+extern "C" void kvserve_pack_quant(const void* values, const void* scales, const void* minimums, int64_t n, int64_t k,
+                                   int64_t bits, void* packed) {
+  const uint8_t* q = static_cast<const uint8_t*>(values);
+  const uint16_t* s = static_cast<const uint16_t*>(scales);
+  const uint16_t* mn = static_cast<const uint16_t*>(minimums);
+  uint8_t* out = static_cast<uint8_t*>(packed);
+  const int64_t chunks = k / 32, cb = quant_chunk_bytes(bits), vb = quant_values_bytes(bits);
+  auto value = [&](int64_t row, int64_t col) -> uint8_t {
+    if (bits == 8) return q[row * k + col];
+    const uint8_t byte = q[row * (k / 2) + col / 2];
+    return col % 2 ? byte >> 4 : byte & 0x0F;
+  };
+#pragma omp parallel for schedule(static)
+  for (int64_t nb = 0; nb < n / 16; ++nb)
+    for (int64_t c = 0; c < chunks; ++c) {
+      uint8_t* t = out + (nb * chunks + c) * cb;
+      std::memset(t, 0, vb);
+      for (int e = 0; e < 512; ++e) {  // e: the element's place in the bf16 layout's order
+        const int col = kPairLayout ? (e / 2) % 16 : e % 16;
+        const int kk = kPairLayout ? (e / 32) * 2 + e % 2 : e / 16;
+        const uint8_t v = value(nb * 16 + col, c * 32 + kk);
+        if (bits == 8) t[e] = v;
+        else t[e % 256] |= static_cast<uint8_t>(e < 256 ? v : v << 4);
+      }
+      uint16_t* tail = reinterpret_cast<uint16_t*>(t + vb);
+      for (int col = 0; col < 16; ++col) {
+        tail[col] = s[(nb * 16 + col) * chunks + c];
+        tail[16 + col] = mn[(nb * 16 + col) * chunks + c];
+      }
+    }
+}
+
+// Rows up to which a quantized GEMM multiplies the values as read (above: a bf16 panel first).
+extern "C" int64_t kvserve_quant_direct_rows() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return kQuantDirectRows;
+#else
+  return 0;
+#endif
+}
+
+// Bytes of a quantized [n, k] weight in this build's layout.
+extern "C" int64_t kvserve_quant_bytes(int64_t n, int64_t k, int64_t bits) {
+  return n / 16 * (k / 32) * quant_chunk_bytes(bits);
+}
+
+// out [m, n] fp32 = x [m, k] bf16 times a weight packed by kvserve_pack_quant (bits 4 or 8) or
+// kvserve_pack_weight_bf16 (bits 0), each value rounded to bf16 (Out float), or out bf16 (Out bf16).
+extern "C" void kvserve_linear_quant(const void* x, int64_t m, int64_t k, const void* packed, int64_t bits, int64_t n,
+                                     void* out, int64_t out_f32) {
+#pragma omp parallel
+  {
+    TileState ts;
+    const QWeight w{packed, bits};
+    if (out_f32) gemm(static_cast<const bf16*>(x), m, k, w, n / 16, ts, StoreTiles<float>{static_cast<float*>(out), n});
+    else gemm(static_cast<const bf16*>(x), m, k, w, n / 16, ts, StoreTiles<bf16>{static_cast<bf16*>(out), n});
   }
 }
 

@@ -84,6 +84,7 @@ class NativeDecoder:
             }
             self._packed.append(packed)
             fields = {name: tensor.data_ptr() for name, tensor in packed.items()}
+            fields.update({f"{name}_bits": 0 for name in packed})
             for role in ("attn_in", "attn_out", "mlp_in", "mlp_out"):
                 fields[f"{role}_norm"] = roles[role].weight.data_ptr() if role in roles else None
             for name in ("q_norm", "k_norm"):
