@@ -110,8 +110,6 @@ class NativeKernels:
                                       if bits >> bit & 1)
         self._pack = self._lib.kvserve_pack_weight_bf16
         self._pack.argtypes, self._pack.restype = [_PTR, _I64, _I64, _PTR], None
-        self._linear_f32 = self._lib.kvserve_linear_bf16_f32
-        self._linear_f32.argtypes, self._linear_f32.restype = [_PTR, _I64, _I64, _PTR, _I64, _PTR], None
         self._pack_quant = self._lib.kvserve_pack_quant
         self._pack_quant.argtypes, self._pack_quant.restype = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR], None
         self._quant_bytes = self._lib.kvserve_quant_bytes
@@ -235,14 +233,7 @@ class NativeKernels:
     def linear_f32(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
         """x [T, K] bf16 times a weight [n, K] packed by pack_weight -> [T, n] float32, each value rounded to
         bf16 as `F.linear(x, w).float()` rounds it (the LM head: logits for the sampler, no bf16 copy)."""
-        if not self.fused:
-            raise RuntimeError("the packed GEMM needs AMX or AVX2")
-        x = x.contiguous()
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or packed.numel() != n * x.shape[1]:
-            raise ValueError(f"linear_f32 takes bf16 [T, K] and a packed [{n}, K] weight")
-        out = torch.empty((x.shape[0], n), dtype=torch.float32)
-        self._linear_f32(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), n, out.data_ptr())
-        return out
+        return self.linear_quant(x, packed, 0, n, torch.float32)
 
     def pack_quant(self, values: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, bits: int) -> torch.Tensor:
         """A quantized [N, K] weight, w = scale * q + minimum per (row, 32 columns), in the kernels' layout

@@ -688,6 +688,7 @@ struct QuantRows {
 };
 
 #if defined(__AVX512BF16__)
+constexpr bool kQuantSums = true;  // quant_block takes the minimums (and int4's offset) off A's chunk sums
 constexpr int kQuantRows = 8;  // rows a direct pass holds: 8 chunk sums and 8 totals of 16 columns
 constexpr int64_t kQuantDirectRows = 8;  // up to this many rows, multiply as read; above, widen to a panel
 
@@ -781,54 +782,61 @@ void widen_block(const uint8_t* b, int64_t chunks, bf16* out) {
   }
 }
 #else
+constexpr bool kQuantSums = false;  // the values are widened with their minimums in registers
 constexpr int kQuantRows = 2;  // 2 sets of 2 x 8-lane totals a row, the chunk's scales and minimums
 constexpr int64_t kQuantDirectRows = 4;
 
-// k-major: row kk of a chunk (16 columns) of int8 values, or the low (k = kk) and high (k = kk + 16) nibbles
-// of row kk of int4 values, as fp32 columns 0-7 and 8-15.
+// One k-major chunk of a quantized column block, widened to fp32 a k at a time: row(kk) gives w = s * q + m
+// for k = kk and kk + 16 (columns 0-7 and 8-15 each). Int8 rows kk and kk + 16 are 16 bytes each; an int4
+// row's 16 bytes hold k = kk in the low nibbles and kk + 16 in the high ones.
 template <int Bits>
-inline void quant_rows8(const uint8_t* t, int kk, __m256i& a0, __m256i& a1, __m256i& b0, __m256i& b1) {
-  if constexpr (Bits == 8) {
-    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kk * 16));
-    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + (kk + 16) * 16));
-    a0 = _mm256_cvtepi8_epi32(lo), a1 = _mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8));
-    b0 = _mm256_cvtepi8_epi32(hi), b1 = _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8));
-  } else {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kk * 16));
-    const __m256i v0 = _mm256_cvtepu8_epi32(bytes), v1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
-    const __m256i nibble = _mm256_set1_epi32(0x0F);
-    a0 = _mm256_and_si256(v0, nibble), a1 = _mm256_and_si256(v1, nibble);
-    b0 = _mm256_srli_epi32(v0, 4), b1 = _mm256_srli_epi32(v1, 4);
+struct WidenedChunk {
+  const uint8_t* t;
+  __m256 s0, s1, m0, m1;  // scales and minimums of columns 0-7 and 8-15
+  explicit WidenedChunk(const uint8_t* chunk) : t(chunk) {
+    const __m128i* tail = reinterpret_cast<const __m128i*>(chunk + quant_values_bytes(Bits));
+    s0 = _mm256_cvtph_ps(_mm_loadu_si128(tail)), s1 = _mm256_cvtph_ps(_mm_loadu_si128(tail + 1));
+    m0 = _mm256_cvtph_ps(_mm_loadu_si128(tail + 2)), m1 = _mm256_cvtph_ps(_mm_loadu_si128(tail + 3));
   }
-}
+  void row(int kk, __m256 w[2][2]) const {  // w[0]: k = kk, w[1]: k = kk + 16
+    __m256i q[2][2];
+    if constexpr (Bits == 8) {
+      for (int s = 0; s < 2; ++s) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + (kk + 16 * s) * 16));
+        q[s][0] = _mm256_cvtepi8_epi32(bytes), q[s][1] = _mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8));
+      }
+    } else {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kk * 16));
+      const __m256i v0 = _mm256_cvtepu8_epi32(bytes), v1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+      const __m256i nibble = _mm256_set1_epi32(0x0F);
+      q[0][0] = _mm256_and_si256(v0, nibble), q[0][1] = _mm256_and_si256(v1, nibble);
+      q[1][0] = _mm256_srli_epi32(v0, 4), q[1][1] = _mm256_srli_epi32(v1, 4);
+    }
+    for (int s = 0; s < 2; ++s) {
+      w[s][0] = _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(q[s][0]), m0);
+      w[s][1] = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(q[s][1]), m1);
+    }
+  }
+};
 
-// c [R, 16] = R rows of A (bf16, stride lda) times one quantized column block: each value widened to
-// fp32 as w = s * q + m in registers; k and k + 16 go to two sets of sums (no chain past FMA latency).
+// c [R, 16] = R rows of A (bf16, stride lda) times one quantized column block, each value widened in
+// registers (WidenedChunk); k and k + 16 go to two sets of sums (no chain past FMA latency).
 template <int R, int Bits>
 void quant_block(const bf16* a, int64_t lda, const float*, int64_t chunks, const uint8_t* b, float* c) {
   __m256 acc[2][R][2];
   for (int s = 0; s < 2; ++s)
     for (int i = 0; i < R; ++i) acc[s][i][0] = acc[s][i][1] = _mm256_setzero_ps();
-  const int64_t cb = quant_chunk_bytes(Bits);
   for (int64_t ch = 0; ch < chunks; ++ch) {
-    const uint8_t* t = b + ch * cb;
-    const uint8_t* tail = t + quant_values_bytes(Bits);
-    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail)));
-    const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 16)));
-    const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 32)));
-    const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 48)));
+    const WidenedChunk<Bits> chunk(b + ch * quant_chunk_bytes(Bits));
     for (int kk = 0; kk < 16; ++kk) {
-      __m256i q[2][2];
-      quant_rows8<Bits>(t, kk, q[0][0], q[0][1], q[1][0], q[1][1]);
-      for (int s = 0; s < 2; ++s) {
-        const __m256 w0 = _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(q[s][0]), m0);
-        const __m256 w1 = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(q[s][1]), m1);
+      __m256 w[2][2];
+      chunk.row(kk, w);
+      for (int s = 0; s < 2; ++s)
         for (int i = 0; i < R; ++i) {
           const __m256 x = _mm256_set1_ps(to_float(a[i * lda + ch * 32 + kk + 16 * s]));
-          acc[s][i][0] = _mm256_fmadd_ps(x, w0, acc[s][i][0]);
-          acc[s][i][1] = _mm256_fmadd_ps(x, w1, acc[s][i][1]);
+          acc[s][i][0] = _mm256_fmadd_ps(x, w[s][0], acc[s][i][0]);
+          acc[s][i][1] = _mm256_fmadd_ps(x, w[s][1], acc[s][i][1]);
         }
-      }
     }
   }
   for (int i = 0; i < R; ++i) {
@@ -840,21 +848,15 @@ void quant_block(const bf16* a, int64_t lda, const float*, int64_t chunks, const
 // One column block's weights as bf16, k-major: w = s * q + m in fp32, rounded to nearest even.
 template <int Bits>
 void widen_block(const uint8_t* b, int64_t chunks, bf16* out) {
-  const int64_t cb = quant_chunk_bytes(Bits);
   for (int64_t ch = 0; ch < chunks; ++ch) {
-    const uint8_t* t = b + ch * cb;
-    const uint8_t* tail = t + quant_values_bytes(Bits);
-    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail)));
-    const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 16)));
-    const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 32)));
-    const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 48)));
+    const WidenedChunk<Bits> chunk(b + ch * quant_chunk_bytes(Bits));
     bf16* o = out + ch * 512;
     for (int kk = 0; kk < 16; ++kk) {
-      __m256i q[2][2];
-      quant_rows8<Bits>(t, kk, q[0][0], q[0][1], q[1][0], q[1][1]);
+      __m256 w[2][2];
+      chunk.row(kk, w);
       for (int s = 0; s < 2; ++s) {
-        store8(_mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(q[s][0]), m0), o + (kk + 16 * s) * 16);
-        store8(_mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(q[s][1]), m1), o + (kk + 16 * s) * 16 + 8);
+        store8(w[s][0], o + (kk + 16 * s) * 16);
+        store8(w[s][1], o + (kk + 16 * s) * 16 + 8);
       }
     }
   }
@@ -935,7 +937,7 @@ void gemm_quant_bits(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int6
   const int64_t pairs = (nblocks + 1) / 2;
   if (m <= kQuantDirectRows) {
     QuantRows rows;
-    rows.load(a, m, k);
+    if (kQuantSums) rows.load(a, m, k);
     alignas(64) float c[2][kQuantDirectRows * 16];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t pair = 0; pair < pairs; ++pair) {
@@ -944,7 +946,7 @@ void gemm_quant_bits(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int6
       for (int half = 0; half < (two ? 2 : 1); ++half)
         for (int64_t r = 0; r < m; r += kQuantRows)
           quant_rows<kQuantRows, Bits>(static_cast<int>(std::min<int64_t>(kQuantRows, m - r)), a + r * k, k,
-                                       rows.sums.data() + r * chunks, chunks, w + (nb0 + half) * block_bytes,
+                                       kQuantSums ? rows.sums.data() + r * chunks : nullptr, chunks, w + (nb0 + half) * block_bytes,
                                        c[half] + r * 16);
       epi(0, nb0, two, 0, static_cast<int>(m), c[0], c[1]);
     }
@@ -1081,17 +1083,6 @@ extern "C" void kvserve_pack_weight_bf16(const void* weight, int64_t n, int64_t 
     }
 }
 
-// out [m, n] fp32 = x [m, k] bf16 times W^T (packed by kvserve_pack_weight_bf16), rounded to bf16 as
-// torch's bf16 linear rounds it: the LM head, whose logits the sampler reads in fp32.
-extern "C" void kvserve_linear_bf16_f32(const void* x, int64_t m, int64_t k, const void* packed, int64_t n,
-                                        float* out) {
-#pragma omp parallel
-  {
-    TileState ts;
-    gemm(static_cast<const bf16*>(x), m, k, static_cast<const bf16*>(packed), n / 16, ts, StoreTiles<float>{out, n});
-  }
-}
-
 // A weight [n, k] (n % 16 == 0, k % 32 == 0) as values q, fp16 scales and fp16 minimums per (row, 32
 // columns), w = s * q + m, -> this build's quantized layout (QWeight). Int8: q int8 [n, k]. Int4: q 0..15,
 // two a byte, [n, k / 2] (element 2j in the low nibble of byte j).
@@ -1141,8 +1132,9 @@ extern "C" int64_t kvserve_quant_bytes(int64_t n, int64_t k, int64_t bits) {
   return n / 16 * (k / 32) * quant_chunk_bytes(bits);
 }
 
-// out [m, n] fp32 = x [m, k] bf16 times a weight packed by kvserve_pack_quant (bits 4 or 8) or
-// kvserve_pack_weight_bf16 (bits 0), each value rounded to bf16 (Out float), or out bf16 (Out bf16).
+// out [m, n] = x [m, k] bf16 times W^T, W packed by kvserve_pack_quant (bits 4 or 8) or
+// kvserve_pack_weight_bf16 (bits 0): bf16, or (out_f32) fp32 holding each value rounded to bf16 as torch's
+// bf16 linear rounds it (the LM head, whose logits the sampler reads in fp32).
 extern "C" void kvserve_linear_quant(const void* x, int64_t m, int64_t k, const void* packed, int64_t bits, int64_t n,
                                      void* out, int64_t out_f32) {
 #pragma omp parallel
