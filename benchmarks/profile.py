@@ -66,12 +66,12 @@ class _TimedDecoder:
 
 
 def run(model: str, prompts: int, input_len: int, output_len: int, max_seqs: int, dtype: str = "bfloat16",
-        native_decoder: bool = True) -> dict:
+        native_decoder: bool = True, weights: str = "auto") -> dict:
     from kvserve import LLM
     from kvserve.engine.sampling import SamplingParams
 
     llm = LLM(model, dtype=dtype, kv_cache_memory="1GiB", max_num_seqs=max_seqs, enable_prefix_caching=False,
-              native_decoder=native_decoder)
+              native_decoder=native_decoder, weights=weights)
     engine = llm.engine
     rng = random.Random(0)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
@@ -116,7 +116,7 @@ def run(model: str, prompts: int, input_len: int, output_len: int, max_seqs: int
     from benchmarks.ceilings import machine_info
 
     return {"model": model, "machine": machine_info(), "shape": [prompts, input_len, output_len, max_seqs],
-            "dtype": str(model_obj.embed_tokens.weight.dtype).removeprefix("torch."),
+            "dtype": str(model_obj.embed_tokens.weight.dtype).removeprefix("torch."), "weights": engine.weights,
             "steps": steps, "wall_s": wall, "output_tok_s": prompts * output_len / wall,
             "threads": torch.get_num_threads(), "fused_decoder": decoder is not None,
             "rows": [{"part": name, "ms_per_step": ms, "share": ms / (wall / steps * 1e3)} for name, ms in rows]}
@@ -139,7 +139,7 @@ def page(result: dict, command: str) -> str:
 
 def markdown(result: dict) -> str:
     lines = [f"{result['steps']} steps, {result['wall_s']:.2f} s, {result['output_tok_s']:.0f} output tok/s, "
-             f"{result.get('dtype', 'bfloat16')}, {result['threads']} threads, "
+             f"{result.get('dtype', 'bfloat16')}, weights {result.get('weights', 'bfloat16')}, {result['threads']} threads, "
              f"fused decoder {'on' if result['fused_decoder'] else 'off'}", "",
              "| part | ms / step | share |", "|---|---|---|"]
     for row in result["rows"]:
@@ -156,10 +156,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-seqs", type=int, default=32)
     parser.add_argument("--dtype", default="bfloat16", help="auto, bfloat16 or float32")
     parser.add_argument("--per-op", action="store_true", help="without the fused decoder (its per-op path)")
+    parser.add_argument("--weights", default="auto", help="auto, bf16, int8 or int4 (EngineConfig.weights)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--markdown", default=None, help="write the page here (docs/bench/cpu/<kind>-profile.md)")
     args = parser.parse_args(argv)
-    result = run(args.model, args.prompts, args.input, args.output, args.max_seqs, args.dtype, not args.per_op)
+    result = run(args.model, args.prompts, args.input, args.output, args.max_seqs, args.dtype, not args.per_op,
+                 args.weights)
     print(markdown(result))
     if args.json:
         with open(args.json, "w") as f:
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         level = os.environ.get(isa.ENV)
         command = (f"{isa.ENV}={level} " if level else "") + (
             f"python -m benchmarks.profile --model {args.model} --prompts {args.prompts} --input {args.input} "
-            f"--output {args.output} --max-seqs {args.max_seqs} --dtype {args.dtype}"
+            f"--output {args.output} --max-seqs {args.max_seqs} --dtype {args.dtype} --weights {args.weights}"
             + (" --per-op" if args.per_op else ""))
         Path(args.markdown).write_text(page(result, command))
 

@@ -24,11 +24,11 @@ def _rss_mib() -> float:
     return float("nan")
 
 
-def measure(model: str, dtype: str, tokens: int, runs: int, int4_decode: bool) -> dict:
+def measure(model: str, dtype: str, tokens: int, runs: int, weights: str) -> dict:
     from kvserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model, dtype=dtype, kv_cache_memory="256MiB", swap_space=0, int4_decode=int4_decode)
+    llm = LLM(model, dtype=dtype, kv_cache_memory="256MiB", swap_space=0, weights=weights)
     load_s = time.perf_counter() - t0
     rss = _rss_mib()
     engine = llm.engine
@@ -47,7 +47,7 @@ def measure(model: str, dtype: str, tokens: int, runs: int, int4_decode: bool) -
             rates.append(tokens / (last - first))
     import torch
 
-    return {"model": model, "dtype": dtype, "int4_decode": int4_decode, "load_s": round(load_s, 2),
+    return {"model": model, "dtype": dtype, "weights": engine.weights, "load_s": round(load_s, 2),
             "rss_mib": round(rss), "decode_tok_s": round(statistics.median(rates), 1),
             "decode_ms_per_token": round(1000 / statistics.median(rates), 2), "threads": torch.get_num_threads()}
 
@@ -58,25 +58,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--no-int4-decode", action="store_true")
+    ap.add_argument("--weights", default="auto", help="auto, bf16, int8 or int4 (EngineConfig.weights)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         model, dtype = args.child.split(":")
-        print(json.dumps(measure(model, dtype, args.tokens, args.runs, not args.no_int4_decode)))
+        print(json.dumps(measure(model, dtype, args.tokens, args.runs, args.weights)))
         return
     rows = []
     for model in args.models.split(","):
         for dtype in args.dtypes.split(","):
             cmd = [sys.executable, "-m", "benchmarks.single", "--child", f"{model}:{dtype}",
-                   "--tokens", str(args.tokens), "--runs", str(args.runs)] + (
-                ["--no-int4-decode"] if args.no_int4_decode else [])
+                   "--tokens", str(args.tokens), "--runs", str(args.runs), "--weights", args.weights]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
-    print("| model | dtype | load s | RSS MiB | decode tok/s | ms/token |")
-    print("|---|---|---|---|---|---|")
+    print("| model | dtype | weights | load s | RSS MiB | decode tok/s | ms/token |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['dtype']} | {r['load_s']} | {r['rss_mib']} | {r['decode_tok_s']} | "
+        print(f"| {r['model']} | {r['dtype']} | {r['weights']} | {r['load_s']} | {r['rss_mib']} | {r['decode_tok_s']} | "
               f"{r['decode_ms_per_token']} |")
     print(json.dumps(rows))
 

@@ -127,6 +127,7 @@ class Priority(IntEnum):
 
 TIER_NAMES = tuple(p.label for p in Priority)
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half")
+WEIGHT_MODES = ("auto", "bf16", "int8", "int4")  # EngineConfig.weights (models/quant.weight_bits)
 
 
 # The interactive tier's promise: an admitted request's first token within this at p99, under any load
@@ -205,7 +206,9 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     seed: int = 0
-    int4_decode: bool = True  # CPU + bf16, no native decoder: small decode batches read the GGUF's Q4 weights
+    # "auto" | "bf16" | "int8" | "int4": the form the matrices are computed from (models/quant.py; auto keeps a
+    # GGUF's class: 4-bit types at 4 bits, other quantized types at 8, float files dense)
+    weights: str = "auto"
     onednn_weights: bool = True  # CPU + bfloat16: projections use weights pre-reordered into oneDNN's blocked layout
     native_decoder: bool = True  # CPU + bfloat16 + AMX or AVX2: steps run as one native call (models/native_decoder.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -217,7 +220,8 @@ class EngineConfig:
             dtype=(lambda v: v in ("auto",) + DTYPES or not isinstance(v, str), f"one of auto, {', '.join(DTYPES)}"),
             device=(lambda v: v in ("auto", "cpu") or (isinstance(v, str) and v.startswith("cuda")),
                     "auto, cpu, cuda or cuda:N"),
-            seed=NONNEG_INT, int4_decode=BOOL, onednn_weights=BOOL, native_decoder=BOOL))
+            seed=NONNEG_INT, onednn_weights=BOOL, native_decoder=BOOL,
+            weights=(lambda v: v in WEIGHT_MODES, f"one of {', '.join(WEIGHT_MODES)}")))
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)

@@ -39,14 +39,15 @@ def shared_weights():
     real_load, real_build = llm_engine.load_checkpoint, llm_engine.build_model
     checkpoints, models = {}, {}
 
-    def load_checkpoint(path):
-        key = str(path)
+    def load_checkpoint(path, *args):
+        key = (str(path), *map(str, args))
         if key not in checkpoints:
-            checkpoints[key] = real_load(path)
+            checkpoints[key] = real_load(path, *args)
         return checkpoints[key]
 
     def build_model(checkpoint, dtype, device, **kwargs):
-        key = (str(checkpoint.path), dtype, str(device), tuple(sorted(kwargs.items())))
+        kwargs["consume"] = False  # the checkpoint is shared: it keeps its tensors
+        key = (str(checkpoint.path), checkpoint.weights, dtype, str(device), tuple(sorted(kwargs.items())))
         if key not in models:
             models[key] = real_build(checkpoint, dtype, device, **kwargs)
         return models[key]

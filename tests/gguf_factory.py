@@ -54,8 +54,9 @@ def _copy_tokenizer_fields(writer, source_gguf: str) -> int:
     return len(tokens)
 
 
-def write_tiny_gguf(path: str | Path, spec: TinySpec, tokenizer_gguf: str) -> dict[str, np.ndarray]:
-    """Write the file; returns the float32 HF-convention weights it was made from (before quantization)."""
+def write_tiny_gguf(path: str | Path, spec: TinySpec, tokenizer_gguf: str, keep_float: bool = True) -> dict[str, np.ndarray]:
+    """Write the file; returns the float32 HF-convention weights it was made from (before quantization),
+    unless keep_float is False (a model of a real one's size: its float32 copy would not fit in memory)."""
     import gguf
     from gguf import GGMLQuantizationType as T, quants
 
@@ -84,8 +85,15 @@ def write_tiny_gguf(path: str | Path, spec: TinySpec, tokenizer_gguf: str) -> di
         scale = scale if scale is not None else 1.0 / np.sqrt(shape[-1])
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-    hf: dict[str, np.ndarray] = {"model.embed_tokens.weight": rand(vocab, spec.hidden, scale=0.5)}
+    class Kept(dict):  # the float32 weights, or a dict that forgets them once written
+        def __setitem__(self, key, value):
+            if keep_float:
+                super().__setitem__(key, value)
+
+    hf: dict[str, np.ndarray] = Kept()
     qtype = T[spec.quant]
+    embeddings = rand(vocab, spec.hidden, scale=0.5)
+    hf["model.embed_tokens.weight"] = embeddings
 
     def add(name: str, w: np.ndarray, quantize: bool) -> None:
         if quantize and qtype not in (T.F32,):
@@ -94,7 +102,8 @@ def write_tiny_gguf(path: str | Path, spec: TinySpec, tokenizer_gguf: str) -> di
         else:
             writer.add_tensor(name, w)
 
-    add("token_embd.weight", hf["model.embed_tokens.weight"], quantize=spec.quant != "F32")
+    add("token_embd.weight", embeddings, quantize=spec.quant != "F32")
+    del embeddings
     norm_offset = 1.0 if spec.arch == "gemma3" else 0.0
 
     def norm(name_hf: str, name_gguf: str) -> None:

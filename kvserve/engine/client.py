@@ -61,6 +61,9 @@ class EngineClient(Protocol):
     @property
     def max_model_len(self) -> int | None: ...  # the context in tokens, prompt and output together
 
+    @property
+    def weights(self) -> str | None: ...  # what the model computes from (LLMEngine.weights); None until loaded
+
     def start(self) -> "EngineClient": ...
 
     def drain(self) -> None: ...  # stop admitting; running requests go on

@@ -26,7 +26,9 @@ from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.scheduler_output import SchedulerOutput
 from kvserve.models.catalog import resolve_model
-from kvserve.models.loader import build_model, checkpoint_info, load_checkpoint, resolve_device, resolve_dtype
+from kvserve.models.backend import quantized_weights_run
+from kvserve.models.loader import (build_model, checkpoint_header, checkpoint_info, describe_forms, load_checkpoint,
+                                   resolve_device, resolve_dtype, weights_label)
 from kvserve.models.native_decoder import NativeDecoder
 from kvserve.models.model_info import ModelInfo
 from kvserve.models.tokenizer import Tokenizer
@@ -66,15 +68,19 @@ class LLMEngine:
         if runner is None:
             resolved_id, path = resolve_model(config.model)
             self.device = resolve_device(config.device)
-            checkpoint = load_checkpoint(path)
-            fused = config.native_decoder and self.device.type == "cpu" and NativeDecoder.would_serve(checkpoint)
+            model_config, tensor_names = checkpoint_header(path)
+            fused = config.native_decoder and self.device.type == "cpu" \
+                and NativeDecoder.would_serve(model_config, tensor_names)
             self.dtype = resolve_dtype(config.dtype, self.device, fused=fused)
+            checkpoint = load_checkpoint(path, config.weights, self.dtype)
+            self.weights = weights_label(checkpoint, quantized_weights_run(self.device, self.dtype), self.dtype)
             info = checkpoint_info(checkpoint, name=model_id or resolved_id)
         else:
             if info is None or not cache_cfg.num_gpu_blocks_override:
                 raise ValueError("an injected runner needs the model's info and config.cache.num_gpu_blocks_override")
             resolved_id, self.device = config.model, torch.device("cpu")
             self.dtype = resolve_dtype(config.dtype, self.device)
+            self.weights = "injected runner"
         self.model_id = model_id or resolved_id
         self.info = info
         self.model_config, self.tokenizer = info.config, info.tokenizer
@@ -95,10 +101,13 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, self.kv, clock=clock)
         if runner is None:
             torch.manual_seed(config.seed)
+            forms = checkpoint.forms
             model = build_model(checkpoint, self.dtype, self.device, max_positions=self.max_model_len,
-                                int4_decode=config.int4_decode,
-                                onednn_weights=config.onednn_weights, native_decoder=config.native_decoder)
+                                onednn_weights=config.onednn_weights, native_decoder=config.native_decoder,
+                                consume=True)
             del checkpoint
+            log.info("%s weights: %s, %.2f GB held (%s)", model_id or resolved_id, self.weights,
+                     model.weight_bytes() / 1e9, describe_forms(forms))
             from kvserve.engine.runner import ModelRunner
 
             runner = ModelRunner(model, self.model_config, num_blocks, num_host_blocks, cache_cfg.block_size,

@@ -190,6 +190,7 @@ class FleetClient:
         self.version: str | None = None
         self.max_replicas = 1  # the pool's autoscaling maximum
         self._max_model_len: int | None = None
+        self._weights: str | None = None
         self.policy = RoutingPolicy(affinity_blocks=fleet.affinity_blocks, block_size=config.cache.block_size,
                                     load_bound=fleet.load_bound)
         self.streams: dict[str, FleetStream] = {}
@@ -234,6 +235,7 @@ class FleetClient:
         self.handle, self.pool, self.version = handle, entry["app"], entry["version"]
         self.max_replicas = entry.get("max_replicas", 1)
         self._max_model_len = desc["max_model_len"]
+        self._weights = desc.get("weights")
         if self.status in (EngineStatus.WARMING, EngineStatus.FAILED):
             self.status, self.error = EngineStatus.READY, None
         log.info("model %s now served by pool %s (version %s)", self.model_id, self.pool, self.version)
@@ -264,6 +266,10 @@ class FleetClient:
     @property
     def max_model_len(self) -> int | None:
         return self._max_model_len
+
+    @property
+    def weights(self) -> str | None:
+        return self._weights
 
     @property
     def num_inflight(self) -> int:

@@ -123,7 +123,7 @@ class EngineReplica:
     def describe(self) -> dict:
         """What a gateway needs of the model before it tokenizes for it."""
         return {"replica": self.replica_id, "version": self.spec.version, "source": self.spec.source,
-                "max_model_len": self.client.max_model_len,
+                "max_model_len": self.client.max_model_len, "weights": self.client.weights,
                 "block_size": self.client.config.cache.block_size}
 
     def inject_fault(self, kind: str) -> str:

@@ -118,6 +118,8 @@ class NativeKernels:
         # Rows up to which a quantized GEMM multiplies the file's values as read; longer steps widen them to
         # a bf16 panel first (the weights then rounded to bf16, as a dense bf16 model holds them).
         self.quant_direct_rows = int(self._lib.kvserve_quant_direct_rows())
+        self._quant_rows = self._lib.kvserve_quant_rows
+        self._quant_rows.argtypes, self._quant_rows.restype = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR], None
         self._linear_quant = self._lib.kvserve_linear_quant
         self._linear_quant.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64]
         self._linear_quant.restype = None
@@ -230,11 +232,6 @@ class NativeKernels:
         self._pack(weight.data_ptr(), n, k, packed.data_ptr())
         return packed
 
-    def linear_f32(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-        """x [T, K] bf16 times a weight [n, K] packed by pack_weight -> [T, n] float32, each value rounded to
-        bf16 as `F.linear(x, w).float()` rounds it (the LM head: logits for the sampler, no bf16 copy)."""
-        return self.linear_quant(x, packed, 0, n, torch.float32)
-
     def pack_quant(self, values: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, bits: int) -> torch.Tensor:
         """A quantized [N, K] weight, w = scale * q + minimum per (row, 32 columns), in the kernels' layout
         (decoder_cpu.cpp, QWeight), flat uint8. values: int8 [N, K] (bits 8) or uint8 [N, K / 2] of two
@@ -252,6 +249,17 @@ class NativeKernels:
         packed = torch.empty(self._quant_bytes(n, k, bits), dtype=torch.uint8)
         self._pack_quant(values.data_ptr(), scales.data_ptr(), minimums.data_ptr(), n, k, bits, packed.data_ptr())
         return packed
+
+    def quant_rows(self, packed: torch.Tensor, bits: int, n: int, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (any shape, int) of an [n, K] weight packed by pack_quant -> ids.shape + [K] bf16, each
+        w = scale * q + minimum rounded to bf16 (as the dense weight holds it)."""
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
+            raise IndexError(f"row ids out of range [0, {n})")
+        k = packed.numel() * packed.element_size() // self._quant_bytes(n, 32, bits) * 32
+        out = torch.empty((flat.numel(), k), dtype=torch.bfloat16)
+        self._quant_rows(packed.data_ptr(), bits, n, k, flat.data_ptr(), flat.numel(), out.data_ptr())
+        return out.view(*ids.shape, k)
 
     def linear_quant(self, x: torch.Tensor, packed: torch.Tensor, bits: int, n: int,
                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -303,7 +311,9 @@ class LayerParams(ctypes.Structure):
 
     _fields_ = ([(name, _PTR) for name in ("attn_in_norm", "attn_out_norm", "mlp_in_norm", "mlp_out_norm", "q_norm",
                                            "k_norm")]
-                + [field for name in ("qkv", "o", "gate_up", "down") for field in ((name, _PTR), (f"{name}_bits", _I64))]
+                + [field for name in ("qkv", "o", "gate_up", "down")
+                   for field in ((name, _PTR), (f"{name}_bits", _I64), (f"{name}_tail", _PTR),
+                                 (f"{name}_tail_bits", _I64), (f"{name}_tail_from", _I64))]
                 + [(name, _PTR) for name in ("key_cache", "value_cache", "cos", "sin")]
                 + [("window", _I64), ("scale", _F32)])
 

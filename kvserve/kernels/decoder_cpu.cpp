@@ -18,6 +18,7 @@
 #include "cpu_common.h"
 
 #include <array>
+#include <limits>
 
 #include <omp.h>
 #include <sys/syscall.h>
@@ -243,8 +244,13 @@ constexpr int kRows = 5;
 // end (store_widened16).
 // Fewer than 3 rows (a decode step of one sequence) would leave too few independent sums to cover the FMA
 // latency: S interleaved sets of accumulators take alternate k, added at the end.
-template <int R>
-void micro_block(const float* a, int64_t lda, int64_t k, const bf16* b, float* c) {
+// B as packed (bf16, widened here) or as a panel already widened to fp32 in widen16's order (quantized
+// weights: gemm_quant_bits).
+inline void load_b16(const bf16* p, __m256& w0, __m256& w1) { widen16(p, w0, w1); }
+inline void load_b16(const float* p, __m256& w0, __m256& w1) { w0 = _mm256_loadu_ps(p), w1 = _mm256_loadu_ps(p + 8); }
+
+template <int R, typename B>
+void micro_block(const float* a, int64_t lda, int64_t k, const B* b, float* c) {
   constexpr int S = R == 1 ? 4 : R == 2 ? 2 : 1;  // k % 32 == 0
   __m256 lo[S * R], hi[S * R];
 #pragma GCC unroll 8
@@ -254,7 +260,7 @@ void micro_block(const float* a, int64_t lda, int64_t k, const bf16* b, float* c
     for (int s = 0; s < S; ++s) {
       const int64_t kk = k0 + s;
       __m256 w0, w1;
-      widen16(b + kk * 16, w0, w1);
+      load_b16(b + kk * 16, w0, w1);
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
         const __m256 x = _mm256_broadcast_ss(a + i * lda + kk);
@@ -274,8 +280,8 @@ void micro_block(const float* a, int64_t lda, int64_t k, const bf16* b, float* c
   for (int i = 0; i < R; ++i) store_widened16(lo[i], hi[i], c + i * 16);
 }
 
-template <int R, bool Two>
-void micro(const float* a, int64_t lda, int64_t chunks, const bf16* b0, const bf16* b1, float* c0, float* c1,
+template <int R, bool Two, typename B>
+void micro(const float* a, int64_t lda, int64_t chunks, const B* b0, const B* b1, float* c0, float* c1,
            int64_t) {  // k-major blocks: chunks are consecutive
   micro_block<R>(a, lda, chunks * 32, b0, c0);
   if (Two) micro_block<R>(a, lda, chunks * 32, b1, c1);
@@ -292,8 +298,8 @@ struct RowBlock {  // A's rows widened to fp32 (per thread, once per task and ro
 };
 #endif
 
-template <int R, typename A>
-void micro_rows(int rows, A a, int64_t lda, int64_t chunks, const bf16* b0, const bf16* b1, bool two, float* c0,
+template <int R, typename A, typename B>
+void micro_rows(int rows, A a, int64_t lda, int64_t chunks, const B* b0, const B* b1, bool two, float* c0,
                 float* c1, int64_t stride = 512) {  // stride: elements from one 32-deep chunk of B to the next
   if constexpr (R > 1) {
     if (rows < R) return micro_rows<R - 1>(rows, a, lda, chunks, b0, b1, two, c0, c1, stride);
@@ -654,24 +660,54 @@ void gemm(const bf16* a, int64_t m, int64_t k, const bf16* w, int64_t nblocks, T
 #endif
 }
 
-// ---- quantized weights: W8A16 and W4A16 ----
-// A quantized weight keeps, per (16-column block, 32-deep chunk), the chunk's values q in the element order
-// of this build's bf16 layout (kPairLayout: [16 k pairs][16 columns][2]; else k-major [32 k][16 columns]),
-// then the 16 columns' fp16 scales s and fp16 minimums m: w = s * q + m. Int8: one signed byte a value
-// (512 B); int4: 0..15, two a byte (256 B: element j in the low nibble of byte j, element j + 256 in its
-// high nibble). A chunk is one group of 32 k, so Q8_0, Q4_0, Q4_1 and Q4_K's sub-blocks map onto it
-// exactly. Decode-sized steps multiply the values as they are read (the weights' bytes bound them);
-// longer ones first widen a column pair's weights into a bf16 panel that stays in L2, then run the bf16
-// GEMM of this CPU on it.
+// ---- quantized weights ----
+// A quantized weight keeps, per (16-column block, 32-deep chunk), the chunk's values q, then the 16 columns'
+// fp16 scales s and fp16 minimums m: w = s * q + m. Int8: one signed byte a value (512 B); int4: 0..15, two
+// a byte (256 B). A chunk is one group of 32 k, so Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the sub-blocks of
+// Q4_K and Q5_K map onto it exactly. The order of the values is the build's (kvserve_pack_quant):
+// - AVX-512 BF16 and AMX builds: the element order of the bf16 tile layout ([16 k pairs][16 columns][2];
+//   int4: element j in the low nibble of byte j, element j + 256 in its high nibble). Decode-sized steps
+//   multiply the values as read with VDPBF16PS (W8A16, W4A16); longer ones first widen a column pair's
+//   weights into a bf16 panel that stays in L2, then run the bf16 GEMM of this CPU on it.
+// - AVX2 builds: quads of k for integer pair products ([2 halves of 8 columns][quads][8 columns][4 k];
+//   int4: 4 quad rows a half, k = 4p + t in the low nibble and 16 + 4p + t in the high one), each half's
+//   scales and minimums in kSumOrder. Every step multiplies integers (see QuantActs).
 struct QWeight {
   const void* data;
   int64_t bits;  // 0: bf16 in pack_weight's layout; 4 or 8: the layout above
+  const void* tail;  // null, or the column blocks from `tail_from` on, in another kind (QKV: V in 8 bits)
+  int64_t tail_bits;
+  int64_t tail_from;
 };
 constexpr int64_t kQuantTail = 64;  // 16 fp16 scales, then 16 fp16 minimums
 inline int64_t quant_values_bytes(int64_t bits) { return bits == 8 ? 512 : 256; }
 inline int64_t quant_chunk_bytes(int64_t bits) { return quant_values_bytes(bits) + kQuantTail; }
+// Where a chunk's value for (column, k) sits: byte, and the high nibble (int4); and where column c's scale
+// and minimum sit among the tail's 16.
+struct QuantPlace {
+  int64_t byte;
+  bool high;
+};
+// The AVX2 integer sums of a half come out in this column order (VPHADDD of two 4-column pair sums).
+constexpr int kSumOrder[8] = {0, 1, 4, 5, 2, 3, 6, 7};
+inline QuantPlace quant_place(int col, int kk, int64_t bits) {
+  if (kPairLayout) {
+    const int64_t e = (kk / 2 * 16 + col) * 2 + kk % 2;
+    return bits == 8 ? QuantPlace{e, false} : QuantPlace{e % 256, e >= 256};
+  }
+  const int half = col / 8, c = col % 8, t = kk % 4;
+  if (bits == 8) return {half * 256 + (kk / 4) * 32 + c * 4 + t, false};
+  return {half * 128 + (kk % 16 / 4) * 32 + c * 4 + t, kk >= 16};
+}
+inline int quant_tail_slot(int col) {
+  if (kPairLayout) return col;
+  const int half = col / 8;
+  int slot = 0;
+  while (kSumOrder[slot] != col % 8) ++slot;
+  return half * 8 + slot;
+}
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512BF16__)
 // Each row's sums over each 32-deep chunk of A (fp32), which the minimums multiply.
 struct QuantRows {
   std::vector<float> sums;
@@ -687,8 +723,6 @@ struct QuantRows {
   }
 };
 
-#if defined(__AVX512BF16__)
-constexpr bool kQuantSums = true;  // quant_block takes the minimums (and int4's offset) off A's chunk sums
 constexpr int kQuantRows = 8;  // rows a direct pass holds: 8 chunk sums and 8 totals of 16 columns
 constexpr int64_t kQuantDirectRows = 8;  // up to this many rows, multiply as read; above, widen to a panel
 
@@ -781,87 +815,6 @@ void widen_block(const uint8_t* b, int64_t chunks, bf16* out) {
     }
   }
 }
-#else
-constexpr bool kQuantSums = false;  // the values are widened with their minimums in registers
-constexpr int kQuantRows = 2;  // 2 sets of 2 x 8-lane totals a row, the chunk's scales and minimums
-constexpr int64_t kQuantDirectRows = 4;
-
-// One k-major chunk of a quantized column block, widened to fp32 a k at a time: row(kk) gives w = s * q + m
-// for k = kk and kk + 16 (columns 0-7 and 8-15 each). Int8 rows kk and kk + 16 are 16 bytes each; an int4
-// row's 16 bytes hold k = kk in the low nibbles and kk + 16 in the high ones.
-template <int Bits>
-struct WidenedChunk {
-  const uint8_t* t;
-  __m256 s0, s1, m0, m1;  // scales and minimums of columns 0-7 and 8-15
-  explicit WidenedChunk(const uint8_t* chunk) : t(chunk) {
-    const __m128i* tail = reinterpret_cast<const __m128i*>(chunk + quant_values_bytes(Bits));
-    s0 = _mm256_cvtph_ps(_mm_loadu_si128(tail)), s1 = _mm256_cvtph_ps(_mm_loadu_si128(tail + 1));
-    m0 = _mm256_cvtph_ps(_mm_loadu_si128(tail + 2)), m1 = _mm256_cvtph_ps(_mm_loadu_si128(tail + 3));
-  }
-  void row(int kk, __m256 w[2][2]) const {  // w[0]: k = kk, w[1]: k = kk + 16
-    __m256i q[2][2];
-    if constexpr (Bits == 8) {
-      for (int s = 0; s < 2; ++s) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + (kk + 16 * s) * 16));
-        q[s][0] = _mm256_cvtepi8_epi32(bytes), q[s][1] = _mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8));
-      }
-    } else {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kk * 16));
-      const __m256i v0 = _mm256_cvtepu8_epi32(bytes), v1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
-      const __m256i nibble = _mm256_set1_epi32(0x0F);
-      q[0][0] = _mm256_and_si256(v0, nibble), q[0][1] = _mm256_and_si256(v1, nibble);
-      q[1][0] = _mm256_srli_epi32(v0, 4), q[1][1] = _mm256_srli_epi32(v1, 4);
-    }
-    for (int s = 0; s < 2; ++s) {
-      w[s][0] = _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(q[s][0]), m0);
-      w[s][1] = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(q[s][1]), m1);
-    }
-  }
-};
-
-// c [R, 16] = R rows of A (bf16, stride lda) times one quantized column block, each value widened in
-// registers (WidenedChunk); k and k + 16 go to two sets of sums (no chain past FMA latency).
-template <int R, int Bits>
-void quant_block(const bf16* a, int64_t lda, const float*, int64_t chunks, const uint8_t* b, float* c) {
-  __m256 acc[2][R][2];
-  for (int s = 0; s < 2; ++s)
-    for (int i = 0; i < R; ++i) acc[s][i][0] = acc[s][i][1] = _mm256_setzero_ps();
-  for (int64_t ch = 0; ch < chunks; ++ch) {
-    const WidenedChunk<Bits> chunk(b + ch * quant_chunk_bytes(Bits));
-    for (int kk = 0; kk < 16; ++kk) {
-      __m256 w[2][2];
-      chunk.row(kk, w);
-      for (int s = 0; s < 2; ++s)
-        for (int i = 0; i < R; ++i) {
-          const __m256 x = _mm256_set1_ps(to_float(a[i * lda + ch * 32 + kk + 16 * s]));
-          acc[s][i][0] = _mm256_fmadd_ps(x, w[s][0], acc[s][i][0]);
-          acc[s][i][1] = _mm256_fmadd_ps(x, w[s][1], acc[s][i][1]);
-        }
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    _mm256_storeu_ps(c + i * 16, _mm256_add_ps(acc[0][i][0], acc[1][i][0]));
-    _mm256_storeu_ps(c + i * 16 + 8, _mm256_add_ps(acc[0][i][1], acc[1][i][1]));
-  }
-}
-
-// One column block's weights as bf16, k-major: w = s * q + m in fp32, rounded to nearest even.
-template <int Bits>
-void widen_block(const uint8_t* b, int64_t chunks, bf16* out) {
-  for (int64_t ch = 0; ch < chunks; ++ch) {
-    const WidenedChunk<Bits> chunk(b + ch * quant_chunk_bytes(Bits));
-    bf16* o = out + ch * 512;
-    for (int kk = 0; kk < 16; ++kk) {
-      __m256 w[2][2];
-      chunk.row(kk, w);
-      for (int s = 0; s < 2; ++s) {
-        store8(w[s][0], o + (kk + 16 * s) * 16);
-        store8(w[s][1], o + (kk + 16 * s) * 16 + 8);
-      }
-    }
-  }
-}
-#endif
 
 template <int R, int Bits>
 void quant_rows(int rows, const bf16* a, int64_t lda, const float* sums, int64_t chunks, const uint8_t* b, float* c) {
@@ -937,7 +890,7 @@ void gemm_quant_bits(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int6
   const int64_t pairs = (nblocks + 1) / 2;
   if (m <= kQuantDirectRows) {
     QuantRows rows;
-    if (kQuantSums) rows.load(a, m, k);
+    rows.load(a, m, k);  // quant_block takes the minimums (and int4's offset) off A's chunk sums
     alignas(64) float c[2][kQuantDirectRows * 16];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t pair = 0; pair < pairs; ++pair) {
@@ -946,7 +899,7 @@ void gemm_quant_bits(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int6
       for (int half = 0; half < (two ? 2 : 1); ++half)
         for (int64_t r = 0; r < m; r += kQuantRows)
           quant_rows<kQuantRows, Bits>(static_cast<int>(std::min<int64_t>(kQuantRows, m - r)), a + r * k, k,
-                                       kQuantSums ? rows.sums.data() + r * chunks : nullptr, chunks, w + (nb0 + half) * block_bytes,
+                                       rows.sums.data() + r * chunks, chunks, w + (nb0 + half) * block_bytes,
                                        c[half] + r * 16);
       epi(0, nb0, two, 0, static_cast<int>(m), c[0], c[1]);
     }
@@ -963,16 +916,288 @@ void gemm_quant_bits(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int6
     gemm_pair(a, m, k, panel.data(), two, nb0, ts, epi);
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kQuantRows = 2;  // rows a pass holds: 4 integer sums of 4 columns' pairs each
+
+// A's rows as 16-bit integers per 32-deep chunk: x = scale * q with a power of two scale, |q| <= 2^15, so
+// every value within 2^7 of the chunk's largest (bf16 has 8 significant bits) is exact and the others are
+// off by at most 2^-16 of the largest. Then VPMADDWD multiplies int16 pairs exactly, and fp32 takes the
+// chunk's integer sum times the two scales: decode steps multiply the file's own values at the
+// activations' precision, as the bf16 path does, and run on the integer ports at twice the fp32 FMA rate.
+struct QuantActs {
+  const int16_t* q;  // [m][k]
+  const float* scale;  // [m][chunks]: x = scale * q (NaN where the chunk has a non-finite value)
+  const float* sum;  // [m][chunks]: the chunk's sum of x (fp32), which the minimums multiply
+};
+
+inline void quantize_chunk(const bf16* x, int16_t* q, float* scale, float* sum) {
+  __m256 v[4];
+  for (int j = 0; j < 4; ++j) v[j] = load8(x + 8 * j);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+                            _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+  __m256 total = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
+  alignas(32) float lanes[2][8];
+  _mm256_store_ps(lanes[0], mx);
+  _mm256_store_ps(lanes[1], total);
+  float amax = 0.0f, s = 0.0f;
+  for (int j = 0; j < 8; ++j) {
+    amax = std::max(amax, lanes[0][j]);
+    s += lanes[1][j];
+  }
+  *sum = s;
+  int e = 0;
+  std::frexp(amax, &e);  // amax < 2^e
+  if (!std::isfinite(s) || amax == 0.0f || e < -100) {  // a NaN or inf in the chunk makes its sum one
+    *scale = std::isfinite(s) ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+    std::memset(q, 0, 32 * sizeof(int16_t));
+    return;
+  }
+  *scale = std::ldexp(1.0f, e - 15);
+  const __m256 inv = _mm256_set1_ps(std::ldexp(1.0f, 15 - e));  // exact: a power of two
+  __m256i qi[4];
+  for (int j = 0; j < 4; ++j) qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // nearest even, |.| <= 2^15
+  // VPACKSSDW saturates 2^15 to 2^15 - 1 and packs per 128-bit lane; the permutes put the lanes in order.
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xD8));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16),
+                      _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xD8));
+}
+
+// A [m, k] quantized once per GEMM into a buffer all threads read (inside the parallel region: the single
+// thread's buffer is shared, the rows split between the threads, and a barrier closes it).
+inline QuantActs quantize_rows(const bf16* a, int64_t m, int64_t k) {
+  static thread_local std::vector<int16_t> values;
+  static thread_local std::vector<float> factors;
+  const int64_t chunks = k / 32;
+  QuantActs acts{};
+#pragma omp single copyprivate(acts)
+  {
+    values.resize(m * k);
+    factors.resize(2 * m * chunks);
+    acts = QuantActs{values.data(), factors.data(), factors.data() + m * chunks};
+  }
+#pragma omp for schedule(static)
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t c = 0; c < chunks; ++c)
+      quantize_chunk(a + i * k + c * 32, const_cast<int16_t*>(acts.q) + i * k + c * 32,
+                     const_cast<float*>(acts.scale) + i * chunks + c, const_cast<float*>(acts.sum) + i * chunks + c);
+  return acts;
+}
+
+inline __m256i broadcast_quad(const int16_t* q) {  // 4 int16 (one quad of k) in every 64-bit lane
+  int64_t v;
+  std::memcpy(&v, q, 8);
+  return _mm256_set1_epi64x(v);
+}
+
+// c [R, 16] = R rows of A (quantized, from row `row`) times one quantized column block, read once, in order.
+// Per chunk and half of 8 columns: the values widened to int16 (4 columns x 4 k a register), VPMADDWD
+// against the row's quad of k broadcast, 32-bit sums of k pairs; then VPHADDD finishes each column's
+// integer sum (in kSumOrder, as the tail's scales and minimums are stored) and fp32 takes
+// scale_w * scale_x * sum + minimum * sum(x).
+template <int R, int Bits>
+void int_block(const QuantActs& acts, int64_t row, int64_t k, int64_t chunks, const uint8_t* b, float* c) {
+  const int64_t cb = quant_chunk_bytes(Bits), vb = quant_values_bytes(Bits);
+  alignas(32) float acc[R][16] = {};  // in kSumOrder per half
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const uint8_t* t = b + ch * cb;
+    _mm_prefetch(reinterpret_cast<const char*>(t + 4 * cb), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(t + 4 * cb + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(t + 4 * cb + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(t + 4 * cb + 192), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(t + 4 * cb + 256), _MM_HINT_T0);
+    if constexpr (Bits == 8) {
+      for (int e = 320; e < 576; e += 64) _mm_prefetch(reinterpret_cast<const char*>(t + 4 * cb + e), _MM_HINT_T0);
+    }
+    const int16_t* x = acts.q + row * k + ch * 32;
+    __m256i s[R][2][2];  // [row][half][columns 0-3, 4-7 of the half]: pair sums
+    for (int i = 0; i < R; ++i) s[i][0][0] = s[i][0][1] = s[i][1][0] = s[i][1][1] = _mm256_setzero_si256();
+    if constexpr (Bits == 4) {
+      const __m256i nibble = _mm256_set1_epi16(0x0F);
+      for (int p = 0; p < 4; ++p) {
+        __m256i xl[R], xh[R];
+        for (int i = 0; i < R; ++i) xl[i] = broadcast_quad(x + i * k + 4 * p), xh[i] = broadcast_quad(x + i * k + 16 + 4 * p);
+        for (int half = 0; half < 2; ++half) {
+          const uint8_t* v = t + half * 128 + 32 * p;
+          const __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));
+          const __m256i w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 16)));
+          const __m256i lo0 = _mm256_and_si256(w0, nibble), hi0 = _mm256_srli_epi16(w0, 4);
+          const __m256i lo1 = _mm256_and_si256(w1, nibble), hi1 = _mm256_srli_epi16(w1, 4);
+          for (int i = 0; i < R; ++i) {
+            s[i][half][0] = _mm256_add_epi32(s[i][half][0], _mm256_add_epi32(_mm256_madd_epi16(lo0, xl[i]),
+                                                                             _mm256_madd_epi16(hi0, xh[i])));
+            s[i][half][1] = _mm256_add_epi32(s[i][half][1], _mm256_add_epi32(_mm256_madd_epi16(lo1, xl[i]),
+                                                                             _mm256_madd_epi16(hi1, xh[i])));
+          }
+        }
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) {
+        __m256i xq[R];
+        for (int i = 0; i < R; ++i) xq[i] = broadcast_quad(x + i * k + 4 * j);
+        for (int half = 0; half < 2; ++half) {
+          const uint8_t* v = t + half * 256 + 32 * j;
+          const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));
+          const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 16)));
+          for (int i = 0; i < R; ++i) {
+            s[i][half][0] = _mm256_add_epi32(s[i][half][0], _mm256_madd_epi16(w0, xq[i]));
+            s[i][half][1] = _mm256_add_epi32(s[i][half][1], _mm256_madd_epi16(w1, xq[i]));
+          }
+        }
+      }
+    }
+    const __m128i* tail = reinterpret_cast<const __m128i*>(t + vb);
+    for (int half = 0; half < 2; ++half) {
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(tail + half));
+      const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128(tail + 2 + half));
+      for (int i = 0; i < R; ++i) {
+        const int64_t f = (row + i) * chunks + ch;
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_hadd_epi32(s[i][half][0], s[i][half][1]));
+        float* a = acc[i] + half * 8;
+        _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(acts.scale[f])), dot,
+                                           _mm256_fmadd_ps(minimum, _mm256_set1_ps(acts.sum[f]), _mm256_load_ps(a))));
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int half = 0; half < 2; ++half)  // kSumOrder back to column order (64-bit lanes 0, 2, 1, 3)
+      _mm256_storeu_ps(c + i * 16 + half * 8,
+                       _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_load_ps(acc[i] + half * 8)), 0xD8)));
+}
+
+template <int R, int Bits>
+void int_rows(int rows, const QuantActs& acts, int64_t row, int64_t k, int64_t chunks, const uint8_t* b, float* c) {
+  if constexpr (R > 1) {
+    if (rows < R) return int_rows<R - 1, Bits>(rows, acts, row, k, chunks, b, c);
+  }
+  int_block<R, Bits>(acts, row, k, chunks, b, c);
+}
+
+// One column block's weights widened to fp32 (w = s * q + m: the file's weights, not rounded to bf16) in the
+// order the AVX2 micro kernel multiplies (widen16's: per k, columns 0-3 and 8-11, then 4-7 and 12-15).
+// A chunk's 32 bytes of one half and quad row are 8 columns x 4 k; shuffled k-major, each k's 8 bytes
+// widen to 8 lanes.
+template <int Bits>
+void widen_block(const uint8_t* b, int64_t chunks, float* out) {
+  const __m256i k_major = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                           0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m256i dword_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i nibble = _mm256_set1_epi32(0x0F);
+  const int64_t cb = quant_chunk_bytes(Bits), vb = quant_values_bytes(Bits);
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const uint8_t* t = b + ch * cb;
+    const __m128i* tail = reinterpret_cast<const __m128i*>(t + vb);
+    float* o = out + ch * 512;
+    for (int half = 0; half < 2; ++half) {
+      const auto in_order = [](__m256 v) {  // kSumOrder -> column order
+        return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(v), 0xD8));
+      };
+      const __m256 scale = in_order(_mm256_cvtph_ps(_mm_loadu_si128(tail + half)));
+      const __m256 minimum = in_order(_mm256_cvtph_ps(_mm_loadu_si128(tail + 2 + half)));
+      auto emit = [&](__m256i q, int kk) {  // 8 columns of k = kk
+        const __m256 w = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(q), minimum);
+        _mm_storeu_ps(o + kk * 16 + half * 4, _mm256_castps256_ps128(w));
+        _mm_storeu_ps(o + kk * 16 + 8 + half * 4, _mm256_extractf128_ps(w, 1));
+      };
+      for (int row = 0; row < (Bits == 8 ? 8 : 4); ++row) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + half * (vb / 2) + 32 * row));
+        const __m256i v = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(raw, k_major), dword_order);
+        const __m128i lanes[2] = {_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)};
+        for (int kt = 0; kt < 4; ++kt) {
+          const __m128i bytes = kt % 2 ? _mm_srli_si128(lanes[kt / 2], 8) : lanes[kt / 2];
+          if constexpr (Bits == 8) {
+            emit(_mm256_cvtepi8_epi32(bytes), 4 * row + kt);
+          } else {
+            const __m256i q = _mm256_cvtepu8_epi32(bytes);
+            emit(_mm256_and_si256(q, nibble), 4 * row + kt);
+            emit(_mm256_srli_epi32(q, 4), 16 + 4 * row + kt);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Steps of up to this many rows multiply integers (the weights' bytes bound them); longer ones are bound
+// by arithmetic, where VPMADDWD is no faster than fp32 FMAs: they widen a column pair to an fp32 panel in
+// L2 and run the vector GEMM on it.
+constexpr int64_t kIntRows = 16;
+
+template <int Bits, typename Epilogue>
+void gemm_quant_panel(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int64_t nblocks, Epilogue& epi) {
+  const int64_t chunks = k / 32, block_bytes = chunks * quant_chunk_bytes(Bits);
+  const int64_t pairs = (nblocks + 1) / 2;
+  static thread_local std::vector<float> panel;
+  panel.resize(2 * chunks * 512);
+  alignas(64) float c[2][kRows * 16];
+  RowBlock block;
+  const int64_t row_blocks = (m + kRows - 1) / kRows;
+  const bool whole = m * k <= (256 << 10);  // A widened once per thread (at most 1 MiB), not once per pair
+  if (whole) block.load(a, m, k);
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    const int64_t nb0 = 2 * pair;
+    const bool two = nb0 + 1 < nblocks;
+    widen_block<Bits>(w + nb0 * block_bytes, chunks, panel.data());
+    if (two) widen_block<Bits>(w + (nb0 + 1) * block_bytes, chunks, panel.data() + chunks * 512);
+    for (int64_t rb = 0; rb < row_blocks; ++rb) {
+      const int64_t r = rb * m / row_blocks;
+      const int rows = static_cast<int>((rb + 1) * m / row_blocks - r);
+      if (!whole) block.load(a + r * k, rows, k);
+      const float* rows_a = whole ? block.rows + r * k : block.rows;
+      micro_rows<kRows>(rows, rows_a, k, chunks, panel.data(), panel.data() + chunks * 512, two, c[0], c[1]);
+      epi(r, nb0, two, 0, rows, c[0], c[1]);
+    }
+  }
+}
+
+template <int Bits, typename Epilogue>
+void gemm_quant_bits(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int64_t nblocks, TileState&,
+                     Epilogue& epi) {
+  if (m > kIntRows) return gemm_quant_panel<Bits>(a, m, k, w, nblocks, epi);
+  const int64_t chunks = k / 32, block_bytes = chunks * quant_chunk_bytes(Bits);
+  const int64_t pairs = (nblocks + 1) / 2;
+  const QuantActs acts = quantize_rows(a, m, k);
+  // As gemm_vectors: a task's column pairs (at most 256 KiB of weights) stay in L2 while every row block
+  // passes over them; rows split evenly into blocks of at most kQuantRows.
+  const int64_t group = m <= 32 ? 1 : std::max<int64_t>(1, std::min<int64_t>(pairs / 8, (256 << 10) / (2 * block_bytes)));
+  const int64_t row_blocks = (m + kQuantRows - 1) / kQuantRows;
+  alignas(64) float c[2][kQuantRows * 16];
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t task = 0; task < (pairs + group - 1) / group; ++task)
+    for (int64_t rb = 0; rb < row_blocks; ++rb) {
+      const int64_t r = rb * m / row_blocks;
+      const int rows = static_cast<int>((rb + 1) * m / row_blocks - r);
+      for (int64_t pair = task * group; pair < std::min(pairs, (task + 1) * group); ++pair) {
+        const int64_t nb0 = 2 * pair;
+        const bool two = nb0 + 1 < nblocks;
+        for (int half = 0; half < (two ? 2 : 1); ++half)
+          int_rows<kQuantRows, Bits>(rows, acts, r, k, chunks, w + (nb0 + half) * block_bytes, c[half]);
+        epi(r, nb0, two, 0, rows, c[0], c[1]);
+      }
+    }
+}
 #endif
 
-// gemm() on a weight of any kind (see QWeight).
+// gemm() on a weight of any kind (see QWeight): its tail, if any, with its own kind, after the rest.
+template <typename Epilogue>
+void gemm_one(const bf16* a, int64_t m, int64_t k, const void* w, int64_t bits, int64_t nblocks, TileState& ts,
+              Epilogue& epi) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (bits == 8) return gemm_quant_bits<8>(a, m, k, static_cast<const uint8_t*>(w), nblocks, ts, epi);
+  if (bits == 4) return gemm_quant_bits<4>(a, m, k, static_cast<const uint8_t*>(w), nblocks, ts, epi);
+#endif
+  gemm(a, m, k, static_cast<const bf16*>(w), nblocks, ts, epi);
+}
+
 template <typename Epilogue>
 void gemm(const bf16* a, int64_t m, int64_t k, const QWeight& w, int64_t nblocks, TileState& ts, Epilogue&& epi) {
-#if defined(__AVX2__) && defined(__FMA__)
-  if (w.bits == 8) return gemm_quant_bits<8>(a, m, k, static_cast<const uint8_t*>(w.data), nblocks, ts, epi);
-  if (w.bits == 4) return gemm_quant_bits<4>(a, m, k, static_cast<const uint8_t*>(w.data), nblocks, ts, epi);
-#endif
-  gemm(a, m, k, static_cast<const bf16*>(w.data), nblocks, ts, epi);
+  if (w.tail == nullptr) return gemm_one(a, m, k, w.data, w.bits, nblocks, ts, epi);
+  gemm_one(a, m, k, w.data, w.bits, w.tail_from, ts, epi);
+  auto shifted = [&](int64_t r, int64_t nb0, bool two, int i0, int i1, const float* c0, const float* c1) {
+    epi(r, nb0 + w.tail_from, two, i0, i1, c0, c1);
+  };
+  gemm_one(a, m, k, w.tail, w.tail_bits, nblocks - w.tail_from, ts, shifted);
 }
 
 // Epilogue: out [m, n] = the sums, rounded to bf16 (Out: bf16, or float widened back from bf16).
@@ -1103,25 +1328,67 @@ extern "C" void kvserve_pack_quant(const void* values, const void* scales, const
     for (int64_t c = 0; c < chunks; ++c) {
       uint8_t* t = out + (nb * chunks + c) * cb;
       std::memset(t, 0, vb);
-      for (int e = 0; e < 512; ++e) {  // e: the element's place in the bf16 layout's order
-        const int col = kPairLayout ? (e / 2) % 16 : e % 16;
-        const int kk = kPairLayout ? (e / 32) * 2 + e % 2 : e / 16;
-        const uint8_t v = value(nb * 16 + col, c * 32 + kk);
-        if (bits == 8) t[e] = v;
-        else t[e % 256] |= static_cast<uint8_t>(e < 256 ? v : v << 4);
-      }
+      for (int col = 0; col < 16; ++col)
+        for (int kk = 0; kk < 32; ++kk) {
+          const uint8_t v = value(nb * 16 + col, c * 32 + kk);
+          const QuantPlace place = quant_place(col, kk, bits);
+          t[place.byte] |= static_cast<uint8_t>(place.high ? v << 4 : v);
+        }
       uint16_t* tail = reinterpret_cast<uint16_t*>(t + vb);
       for (int col = 0; col < 16; ++col) {
-        tail[col] = s[(nb * 16 + col) * chunks + c];
-        tail[16 + col] = mn[(nb * 16 + col) * chunks + c];
+        tail[quant_tail_slot(col)] = s[(nb * 16 + col) * chunks + c];
+        tail[16 + quant_tail_slot(col)] = mn[(nb * 16 + col) * chunks + c];
       }
     }
 }
 
+// fp16 bits -> float, exactly (subnormals included), without F16C.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+  uint32_t u;
+  if (exponent == 0) {
+    const float f = std::ldexp(static_cast<float>(mantissa), -24);
+    return sign ? -f : f;
+  }
+  u = sign | (exponent == 31 ? 0x7F800000u : (exponent + 112) << 23) | (mantissa << 13);
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Rows ids [count] of a quantized [n, k] weight packed by kvserve_pack_quant -> out [count, k] bf16: w =
+// s * q + m rounded to nearest even, as the dense copy holds them (the embedding lookup of a tied,
+// quantized LM head: one copy serves both).
+extern "C" void kvserve_quant_rows(const void* packed, int64_t bits, int64_t n, int64_t k, const int64_t* ids,
+                                   int64_t count, void* out) {
+  const uint8_t* p = static_cast<const uint8_t*>(packed);
+  bf16* o = static_cast<bf16*>(out);
+  const int64_t chunks = k / 32, cb = quant_chunk_bytes(bits), vb = quant_values_bytes(bits);
+#pragma omp parallel for schedule(static) if (count * k > (1 << 16))
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t id = std::min(std::max<int64_t>(ids[i], 0), n - 1);  // the caller checks the range
+    const int col = static_cast<int>(id % 16);
+    const int slot = quant_tail_slot(col);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const uint8_t* t = p + ((id / 16) * chunks + c) * cb;
+      const uint16_t* tail = reinterpret_cast<const uint16_t*>(t + vb);
+      const float s = half_to_float(tail[slot]), m = half_to_float(tail[16 + slot]);
+      for (int kk = 0; kk < 32; ++kk) {
+        const QuantPlace place = quant_place(col, kk, bits);
+        const uint8_t byte = t[place.byte];
+        const int q = bits == 8 ? static_cast<int8_t>(byte) : place.high ? byte >> 4 : byte & 0x0F;
+        store(s * static_cast<float>(q) + m, o + i * k + c * 32 + kk);
+      }
+    }
+  }
+}
+
 // Rows up to which a quantized GEMM multiplies the values as read (above: a bf16 panel first).
 extern "C" int64_t kvserve_quant_direct_rows() {
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512BF16__)
   return kQuantDirectRows;
+#elif defined(__AVX2__) && defined(__FMA__)
+  return kIntRows;
 #else
   return 0;
 #endif

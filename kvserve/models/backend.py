@@ -36,23 +36,33 @@ def choose(device: torch.device, dtype: torch.dtype) -> Backend:
     return Backend("cpu-native", native) if native is not None else Backend("cpu-torch")
 
 
-def prepare(model, device: torch.device, dtype: torch.dtype, int4: dict, *, int4_decode: bool = True,
-            onednn_weights: bool = True, native_decoder: bool = True) -> Backend:
-    """Choose the path and put the weights in its form, in the order that matters: the fused decoder packs
-    the dense projections first (it serves small decodes too, so the 4-bit packs are skipped); then the
-    file's 4-bit matrices for small decode batches; then oneDNN's reorder, which frees the dense copies.
-    Every layer of `model` then asks the returned backend."""
-    from kvserve.models.int4 import packed_kernel_available
+def prepare(model, device: torch.device, dtype: torch.dtype, *, onednn_weights: bool = True,
+            native_decoder: bool = True) -> Backend:
+    """Choose the path and put the weights in its form, in the order that matters: quantized matrices into
+    the packed GEMM's layout where its kernels run (CPU, bfloat16, AMX or AVX2), else dense again; then
+    the fused decoder packs the dense projections (and the LM head); then oneDNN's reorder, which frees
+    the dense copies. Every layer of `model` then asks the returned backend."""
     from kvserve.models.layers import onednn_prepack_available
 
     backend = choose(device, dtype)
     cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
-    if native_decoder and cpu_bf16 and backend.native is not None and backend.native.fused \
-            and model.attach_native_decoder(backend.native):
+    packed_gemm = cpu_bf16 and backend.native is not None and backend.native.fused
+    if packed_gemm:
+        model.pack_quantized(backend.native)
+    else:
+        model.dequantize_weights(dtype, device)
+    if native_decoder and packed_gemm and model.attach_native_decoder(backend.native):
+        model.pack_dense_lm_head(backend.native)
         backend = replace(backend, name="cpu-fused")
-    elif int4_decode and int4 and cpu_bf16 and packed_kernel_available():
-        model.attach_int4(int4, dtype)
     if onednn_weights and cpu_bf16 and onednn_prepack_available():
         model.prepack_onednn()
     model.use_backend(backend)
     return backend
+
+
+def quantized_weights_run(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model on `device` in `dtype` computes with quantized weights (else prepare dequantizes them)."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return False
+    native = cpu_kernels.load()
+    return native is not None and native.fused

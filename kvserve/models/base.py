@@ -6,7 +6,9 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.models.attention import AttentionMetadata
-from kvserve.models.layers import Embedding, FusedLinear, Linear, RMSNorm, frozen, onednn_linear, prepack_onednn
+from kvserve.models.layers import (Embedding, FusedLinear, Linear, QuantizableWeight, RMSNorm, frozen, onednn_linear,
+                                   packed_linear, prepack_onednn)
+from kvserve.models.quant import PackedPart, QuantizedMatrix
 
 # HF checkpoint names of the projections that we fuse into one matmul.
 _FUSED = {
@@ -31,6 +33,8 @@ class CausalLM(nn.Module):
         self.lm_head_weight = None if config.tie_word_embeddings else frozen(
             torch.empty(config.vocab_size, config.hidden_size))
         self.lm_head_onednn = None  # the LM head in oneDNN's blocked layout (prepack_onednn)
+        self.lm_head_quant: QuantizedMatrix | None = None  # an untied, quantized LM head until it is packed
+        self.lm_head_packed: PackedPart | None = None  # the LM head in the packed GEMM's layout (fp32 logits out)
         self.native_decoder = None  # runs a whole step in one native call where it applies (attach_native_decoder)
 
     def make_rotary(self) -> nn.Module:
@@ -64,10 +68,10 @@ class CausalLM(nn.Module):
         return self.norm.add_forward(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.native_decoder is not None:
-            logits = self.native_decoder.compute_logits(hidden)
-            if logits is not None:
-                return logits
+        """Float32 logits [T, vocab]: the packed LM head (quantized, or bf16 for the fused decoder) writes them
+        directly, each rounded to bf16 as `F.linear(hidden, lm_head).float()` rounds it."""
+        if self.lm_head_packed is not None and hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu":
+            return packed_linear([self.lm_head_packed], hidden, torch.float32)
         if self.lm_head_onednn is not None:
             return onednn_linear(hidden, self.lm_head_onednn, None).float()
         return torch.nn.functional.linear(hidden, self.lm_head).float()
@@ -88,35 +92,68 @@ class CausalLM(nn.Module):
                 module.backend = backend
 
     def prepack_onednn(self) -> None:
-        """Reorder every projection (and the LM head) into oneDNN's layout; the dense copies are freed,
-        except the LM head's when it is tied to the embedding table, which lookups still read."""
+        """Reorder every dense projection (and a dense LM head the fused decoder does not serve) into oneDNN's
+        layout; the dense copies are freed, except the LM head's when it is tied to the embedding table,
+        which lookups still read."""
         for module in self.modules():
-            if isinstance(module, (FusedLinear, Linear)):
+            if isinstance(module, (FusedLinear, Linear)) and module.packed is None:
                 module.onednn = prepack_onednn(module.weight.data)
                 module.weight.data = module.weight.data.new_empty(0)
-        if self.native_decoder is None or self.native_decoder.lm_head is None:  # else packed for the tile GEMM
+        if self.lm_head_packed is None:
             self.lm_head_onednn = prepack_onednn(self.lm_head.data)
         if self.lm_head_weight is not None:
             self.lm_head_weight.data = self.lm_head_weight.data.new_empty(0)
 
     # ---- weights -------------------------------------------------------------------------
-    def attach_int4(self, int4: dict, dtype: torch.dtype) -> int:
-        """Pack the checkpoint's 4-bit matrices for small-batch decode; returns how many modules got one."""
-        from kvserve.models.int4 import Int4Weight, PackedInt4
+    def quantized_modules(self) -> list[QuantizableWeight]:
+        return [m for m in self.modules() if isinstance(m, QuantizableWeight) and m.quant is not None]
 
-        count = 0
-        for i, layer in enumerate(self.layers):
-            prefix = f"model.layers.{i}."
-            for module_name, module in layer.named_modules():
-                if not isinstance(module, (FusedLinear, Linear)) or module.bias is not None:
-                    continue
-                parts = _FUSED.get(module_name, (module_name,))
-                found = [int4.get(f"{prefix}{p}.weight") for p in parts]
-                if all(f is not None for f in found):
-                    module.packed = PackedInt4(Int4Weight.cat(found), dtype)
-                    count += 1
-        return count
+    def pack_quantized(self, native) -> None:
+        """Every quantized matrix into the packed GEMM's layout, one at a time (each unpacked copy is freed
+        as its packed one is made, so loading holds one copy of the weights); a tied LM head shares the
+        embedding's."""
+        for module in self.quantized_modules():
+            module.pack_(native)
+        if self.lm_head_quant is not None:
+            q = self.lm_head_quant
+            self.lm_head_packed = PackedPart(native.pack_quant(q.values, q.scales, q.minimums, q.bits), q.bits,
+                                             q.shape[0])
+            self.lm_head_quant = None
+        elif self.lm_head_weight is None and self.embed_tokens.packed is not None:
+            (self.lm_head_packed,) = self.embed_tokens.packed
 
+    def pack_dense_lm_head(self, native) -> None:
+        """A dense bf16 LM head on the packed GEMM too (the fused decoder's: fp32 logits, no bf16 copy; bit for
+        bit what oneDNN gives), where its vocabulary is a multiple of 16."""
+        head = self.lm_head.data
+        if self.lm_head_packed is None and head.numel() and head.shape[0] % 16 == 0:
+            self.lm_head_packed = PackedPart(native.pack_weight(head), 0, head.shape[0])
+
+    def dequantize_weights(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Every quantized matrix dense again, in `dtype` (where the kernels that read them do not run)."""
+        for module in self.quantized_modules():
+            module.dequantize_(dtype, device)
+        if self.lm_head_quant is not None:
+            self.lm_head_weight.data = self.lm_head_quant.dequantize().to(device=device, dtype=dtype)
+            self.lm_head_quant = None
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights as held (packed, dense, oneDNN's copies of them, the LM head's)."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        seen = set()
+        for module in self.modules():
+            for part in getattr(module, "packed", None) or []:
+                if id(part.data) not in seen:
+                    seen.add(id(part.data))
+                    total += part.data.numel() * part.data.element_size()
+            onednn = getattr(module, "onednn", None)
+            if onednn is not None:
+                total += onednn.numel() * onednn.element_size()
+        for extra in (self.lm_head_onednn, self.lm_head_packed.data if self.lm_head_packed is not None else None):
+            if extra is not None and id(extra) not in seen:
+                seen.add(id(extra))
+                total += extra.numel() * extra.element_size()
+        return total
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load HF-named tensors (q/k/v and gate/up are fused here). Missing or unknown names raise."""
@@ -138,7 +175,11 @@ class CausalLM(nn.Module):
         if "lm_head.weight" in pending:
             w = pending.pop("lm_head.weight")
             if self.lm_head_weight is not None:
-                self.lm_head_weight.data = w.to(self.lm_head_weight.dtype)
+                if isinstance(w, QuantizedMatrix):
+                    self.lm_head_quant = w
+                    self.lm_head_weight.data = self.lm_head_weight.data.new_empty(0)
+                else:
+                    self.lm_head_weight.data = w.to(self.lm_head_weight.dtype)
                 loaded.add("lm_head_weight")
         for name, tensor in list(pending.items()):
             ours = name.removeprefix("model.")
@@ -150,7 +191,10 @@ class CausalLM(nn.Module):
             param = params[ours]
             if param.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
-            param.data = tensor.to(param.dtype)
+            if isinstance(tensor, QuantizedMatrix):
+                self.get_submodule(ours.rsplit(".", 1)[0]).set_quant([tensor])
+            else:
+                param.data = tensor.to(param.dtype)
             loaded.add(ours)
             pending.pop(name)
         missing = [n for n in params if n not in loaded]

@@ -33,7 +33,7 @@ def hf_model_from_checkpoint(ck: Checkpoint, dtype: torch.dtype = torch.float32,
         raise ValueError(f"no transformers class for architecture {c.architecture!r}")
     if attn is not None:
         model.config._attn_implementation = attn
-    result = model.load_state_dict(ck.tensors, strict=False)
+    result = model.load_state_dict(ck.dense_tensors(), strict=False)
     if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
         raise RuntimeError(f"weights do not match transformers' model: {result}")
     if c.tie_word_embeddings:

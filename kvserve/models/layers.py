@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.kernels import cpu as cpu_kernels
 from kvserve.models.backend import TORCH, Backend
-from kvserve.models.int4 import MAX_PACKED_ROWS
+from kvserve.models.quant import PackedPart, QuantizedMatrix
 
 
 def frozen(t: torch.Tensor) -> nn.Parameter:
@@ -132,19 +133,84 @@ class Rotary(nn.Module):
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-class FusedLinear(nn.Module):
+def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """[gate; up] rows -> 16-row blocks alternating gate, up (the fused kernel's gated epilogue reads pairs)."""
+    two_i = t.shape[0]
+    return t.reshape(2, two_i // 32, 16, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+class QuantizableWeight(nn.Module):
+    """A module whose `weight` [out, in] may be held quantized instead of dense: `quant` (row segments, from
+    loading until the backend is chosen), then `packed` in the CPU kernels' layout, or dense again where
+    the kernels do not run (models/backend.prepare). A quantized module's dense weight is empty."""
+
+    weight: nn.Parameter
+    gate_up = False  # rows are [gate; up]: packed with the halves' 16-row blocks interleaved
+
+    def init_quant(self) -> None:
+        self.quant: list[QuantizedMatrix] | None = None
+        self.packed: list[PackedPart] | None = None
+        self.interleaved = False  # packed rows are gate/up blocks alternating (gate_up)
+
+    def set_quant(self, parts: list[QuantizedMatrix]) -> None:
+        """Hold these quantized row segments (adjacent ones of equal bits merged; gate/up as one)."""
+        runs: list[list[QuantizedMatrix]] = []
+        for part in parts:
+            if runs and runs[-1][0].bits == part.bits:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        # The fused kernel takes a weight in at most two kinds, and the gated epilogue pairs gate and up.
+        merged = [QuantizedMatrix.cat(run) for run in runs] if len(runs) <= 2 and not self.gate_up \
+            else [QuantizedMatrix.cat(parts)]
+        rows = sum(q.shape[0] for q in merged)
+        if (rows, merged[0].shape[1]) != tuple(self.weight.shape) and self.weight.numel():
+            raise ValueError(f"quantized weight {rows}x{merged[0].shape[1]} != {tuple(self.weight.shape)}")
+        self.quant = merged
+        self.weight.data = self.weight.data.new_empty(0)
+
+    def dequantize_(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Dense again (the kernels that read quantized weights do not run on this path)."""
+        if self.quant is not None:
+            self.weight.data = torch.cat([q.dequantize() for q in self.quant]).to(device=device, dtype=dtype)
+            self.quant = None
+
+    def pack_(self, native: "cpu_kernels.NativeKernels") -> None:
+        """Into the packed GEMM's layout (gate/up interleaved); the unpacked copy is freed."""
+        if self.quant is None:
+            return
+        parts = self.quant
+        if self.gate_up:
+            parts = [parts[0].map_rows(interleave_gate_up)]
+            self.interleaved = True
+        self.packed = [PackedPart(native.pack_quant(q.values, q.scales, q.minimums, q.bits), q.bits, q.shape[0])
+                       for q in parts]
+        self.quant = None
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.rows for p in self.packed) if self.packed else self.weight.shape[0]
+
+
+class FusedLinear(QuantizableWeight):
     """One matmul for several projections that read the same input (QKV, gate+up)."""
 
-    def __init__(self, in_features: int, out_features: list[int], bias: bool = False):
+    def __init__(self, in_features: int, out_features: list[int], bias: bool = False, gate_up: bool = False):
         super().__init__()
         self.splits = list(out_features)
         self.weight = frozen(torch.empty(sum(out_features), in_features))
         self.bias = frozen(torch.zeros(sum(out_features))) if bias else None
-        self.packed = None  # PackedInt4 for small-batch decode (models/int4.py)
+        self.gate_up = gate_up
+        self.init_quant()
         self.onednn = None  # the weight in oneDNN's blocked layout (prepack_onednn)
 
-    def load(self, parts: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> None:
-        self.weight.data = torch.cat(parts, dim=0).to(self.weight.dtype).contiguous()
+    def load(self, parts: list["torch.Tensor | QuantizedMatrix"], biases: list[torch.Tensor] | None = None) -> None:
+        """The projections' weights, fused: quantized when every part is, else dense."""
+        if all(isinstance(p, QuantizedMatrix) for p in parts):
+            self.set_quant(parts)
+        else:
+            dense = [p.dequantize() if isinstance(p, QuantizedMatrix) else p for p in parts]
+            self.weight.data = torch.cat(dense, dim=0).to(self.weight.dtype).contiguous()
         if biases is not None and self.bias is not None:
             self.bias.data = torch.cat(biases, dim=0).to(self.bias.dtype)
 
@@ -152,23 +218,32 @@ class FusedLinear(nn.Module):
         return linear(self, x).split(self.splits, dim=-1)
 
 
-class Linear(nn.Module):
+class Linear(QuantizableWeight):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight = frozen(torch.empty(out_features, in_features))
         self.bias = frozen(torch.zeros(out_features)) if bias else None
-        self.packed = None  # PackedInt4 for small-batch decode (models/int4.py)
+        self.init_quant()
         self.onednn = None  # the weight in oneDNN's blocked layout (prepack_onednn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(self, x)
 
 
+def packed_linear(parts: list[PackedPart], x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [..., K] bf16 times a weight in the packed GEMM's layout (its segments side by side)."""
+    native = cpu_kernels.load()
+    rows = x.reshape(-1, x.shape[-1])
+    outs = [native.linear_quant(rows, p.data, p.bits, p.rows, out_dtype) for p in parts]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 def linear(module: "Linear | FusedLinear", x: torch.Tensor) -> torch.Tensor:
-    """Dense matmul, or the packed 4-bit kernel for a few rows (weight-read-bound decode)."""
-    packed = module.packed
-    if packed is not None and x.shape[0] <= MAX_PACKED_ROWS and x.dtype == packed.dtype:
-        return packed.matmul(x)
+    """The packed quantized GEMM, oneDNN's prepacked one, or torch's; the bias (never quantized) after."""
+    if module.packed is not None:
+        out = packed_linear(module.packed, x)
+        return out if module.bias is None else out + module.bias
     if module.onednn is not None:
         return onednn_linear(x, module.onednn, module.bias)
     return F.linear(x, module.weight, module.bias)
@@ -267,15 +342,18 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, activation: str):
         super().__init__()
-        self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate])
+        self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], gate_up=True)
         self.down_proj = Linear(intermediate, hidden)
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         native = self.backend.native
+        gate_up = linear(self.gate_up_proj, x)
+        if self.gate_up_proj.interleaved:  # packed for the fused kernel: back to [gate; up]
+            gate_up = gate_up.view(x.shape[0], -1, 2, 16).transpose(1, 2).reshape(x.shape[0], -1)
         if native is not None:
-            return self.down_proj(native.gated_act(linear(self.gate_up_proj, x), self.activation))
-        gate, up = self.gate_up_proj(x)
+            return self.down_proj(native.gated_act(gate_up, self.activation))
+        gate, up = gate_up.chunk(2, dim=-1)
         if self.activation == "silu":
             gate = F.silu(gate)
         else:
@@ -283,12 +361,17 @@ class GatedMLP(nn.Module):
         return self.down_proj(gate * up)
 
 
-class Embedding(nn.Module):
-    """Token embedding table (left uninitialised until weights load: no wasted init of a large vocab)."""
+class Embedding(QuantizableWeight):
+    """Token embedding table (left uninitialised until weights load: no wasted init of a large vocab).
+    Quantized, its rows are read from the packed layout, which a tied LM head multiplies too (one copy)."""
 
     def __init__(self, vocab_size: int, hidden: int):
         super().__init__()
         self.weight = frozen(torch.empty(vocab_size, hidden))
+        self.init_quant()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            (part,) = self.packed
+            return cpu_kernels.load().quant_rows(part.data, part.bits, part.rows, ids)
         return F.embedding(ids, self.weight)

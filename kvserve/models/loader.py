@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -20,18 +20,27 @@ from kvserve.models import backend
 from kvserve.models.gguf_file import GGUFFile, GGUFTensor
 from kvserve.models.model_info import (ModelInfo, ModelLoadError, config_from_gguf, model_format, read_hf_config,
                                        tokenizer_for)
-from kvserve.models.int4 import Q4_0, Q4_1, Int4Weight, unpack_gguf_q4
-
+from kvserve.models import quant
+from kvserve.models.quant import QuantizedMatrix
 
 
 @dataclass
 class Checkpoint:
+    """HF-named tensors: matrices kept quantized (QuantizedMatrix) as `weights` says, the rest dense
+    (float32, or the `dtype` asked for: an 8B model's dense matrices never exist in float32 at once)."""
+
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]  # HF names, float32 unless the file stored another float dtype
+    tensors: dict[str, "torch.Tensor | QuantizedMatrix"]
     path: Path
     format: str  # "gguf" | "hf"
     metadata: dict | None = None  # GGUF key/values (the tokenizer is built from them without a second read)
-    int4: dict[str, Int4Weight] = field(default_factory=dict)  # the file's own Q4_0/Q4_1 matrices, unpacked
+    weights: str = "auto"  # the setting it was loaded with (models/quant.WEIGHT_MODES)
+    # How each matrix is held: (GGUF type name or dtype, "int8" / "int4" / "dense", exact) -> count.
+    forms: dict[tuple[str, str, bool], int] = field(default_factory=dict)
+
+    def dense_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor dense (quantized matrices as the float32 weights they hold): a reference's input."""
+        return {name: t.dequantize() if isinstance(t, QuantizedMatrix) else t for name, t in self.tensors.items()}
 
 
 # ---- dtype and device ------------------------------------------------------------------------
@@ -106,52 +115,67 @@ def _dequantize(file: GGUFFile, tensor: GGUFTensor) -> np.ndarray:
     return data.reshape(tuple(reversed(tensor.shape)))  # GGUF lists ne0 (innermost) first
 
 
-def load_gguf(path: str | os.PathLike) -> Checkpoint:
+def _type_name(qtype: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"type {qtype}"
+
+
+def load_gguf(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Every matrix at the bits `weights` gives its type (models/quant.weight_bits), the others dense:
+    2-D ones in `dtype`, norms in float32."""
     path = Path(path)
     file = GGUFFile(path)
     meta = file.metadata
     config = config_from_gguf(meta)
     arch = config.architecture
-    tensors: dict[str, torch.Tensor] = {}
-    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        arrays = list(pool.map(lambda t: _dequantize(file, t), file.tensors))
-    int4: dict[str, Int4Weight] = {}
-    for t, array in zip(file.tensors, arrays):
+    forms: dict[tuple[str, str, bool], int] = {}
+
+    def convert(t: GGUFTensor) -> tuple[str, "torch.Tensor | QuantizedMatrix"]:
         name = hf_name_for_gguf(t.name, arch)
-        w = torch.from_numpy(np.asarray(array, dtype=np.float32))
-        packed = None
-        if t.type in (Q4_0, Q4_1) and len(t.shape) == 2 and name.startswith("model.layers."):
-            packed = unpack_gguf_q4(file.data(t), t.type)
+        bits = quant.weight_bits(t.type, weights) if len(t.shape) == 2 else 0
+        if bits and t.type not in quant.FLOAT_TYPES:
+            value = quant.from_gguf(file.data(t), t.type, bits)
+        else:
+            w = torch.from_numpy(np.asarray(_dequantize(file, t), dtype=np.float32))
+            if arch == "gemma3" and name.endswith("norm.weight"):
+                w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm scale; HF stores w
+            value = quant.quantize(w, bits) if bits else w.to(dtype) if w.dim() == 2 else w
         heads = None
         if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
             heads = config.num_heads
         elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
             heads = config.num_kv_heads
-        elif arch == "gemma3" and name.endswith("norm.weight"):
-            w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm scale; HF stores w
         if heads is not None:
-            w = unpermute_rope_rows(w, heads)
-            if packed is not None:
-                packed = packed.permute_rows(lambda x, h=heads: unpermute_rope_rows(x, h))
-        tensors[name] = w
-        if packed is not None:
-            int4[name] = packed
-    if config.vocab_size == 0:
-        from dataclasses import replace
+            value = value.map_rows(lambda x: unpermute_rope_rows(x, heads)) if isinstance(value, QuantizedMatrix) \
+                else unpermute_rope_rows(value, heads)
+        if len(t.shape) == 2:
+            form = f"int{bits}" if bits else "dense"
+            key = (_type_name(t.type), form, not bits or quant.is_exact(t.type, bits))
+            forms[key] = forms.get(key, 0) + 1
+        return name, value
 
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+            tensors = dict(pool.map(convert, file.tensors))
+    finally:
+        file.close()
+    if config.vocab_size == 0:
         config = replace(config, vocab_size=tensors["model.embed_tokens.weight"].shape[0])
     if "lm_head.weight" in tensors:
-        from dataclasses import replace
-
         config = replace(config, tie_word_embeddings=False)
-    del arrays
-    file.close()
-    return Checkpoint(config=config, tensors=tensors, path=path, format="gguf", metadata=meta, int4=int4)
+    return Checkpoint(config=config, tensors=tensors, path=path, format="gguf", metadata=meta, weights=weights,
+                      forms=forms)
 
 
 # ---- Hugging Face safetensors directory -------------------------------------------------------
 
-def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
+def load_hf_dir(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype | None = None) -> Checkpoint:
+    """The checkpoint's tensors as stored (or in `dtype`); weights int8 / int4 quantize every matrix here
+    (auto and bf16 keep them dense: a safetensors checkpoint holds 16- or 32-bit floats)."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -170,12 +194,64 @@ def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
             tensors[name] = t
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    return Checkpoint(config=config, tensors=tensors, path=path, format="hf")
+    bits = quant.weight_bits(quant.F32, weights)
+    forms: dict[tuple[str, str, bool], int] = {}
+    for name, t in tensors.items():
+        if t.dim() == 2:
+            key = (str(t.dtype).removeprefix("torch."), f"int{bits}" if bits else "dense", not bits)
+            forms[key] = forms.get(key, 0) + 1
+            tensors[name] = quant.quantize(t, bits) if bits else t if dtype is None else t.to(dtype)
+    return Checkpoint(config=config, tensors=tensors, path=path, format="hf", weights=weights, forms=forms)
 
 
-def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+def checkpoint_header(path: str | os.PathLike) -> tuple[ModelConfig, set[str]]:
+    """A checkpoint's config and tensor names (HF names), read without its weights: what the engine decides
+    the dtype from before it loads them in that dtype."""
     path = Path(path)
-    return load_hf_dir(path) if model_format(path) == "hf" else load_gguf(path)
+    if model_format(path) == "hf":
+        from safetensors import safe_open
+
+        names: set[str] = set()
+        for f in sorted(path.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as handle:
+                names.update(handle.keys())
+        return read_hf_config(path), names
+    file = GGUFFile(path)
+    try:
+        config = config_from_gguf(file.metadata)
+        names = {hf_name_for_gguf(t.name, config.architecture) for t in file.tensors}
+    finally:
+        file.close()
+    return config, names
+
+
+def load_checkpoint(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """The checkpoint at `path` with its matrices in the forms `weights` gives them (models/quant.py), dense
+    2-D tensors in `dtype`."""
+    path = Path(path)
+    if model_format(path) == "hf":
+        return load_hf_dir(path, weights, None if dtype == torch.float32 else dtype)
+    return load_gguf(path, weights, dtype)
+
+
+def weights_label(checkpoint: Checkpoint, quantized: bool, dtype: torch.dtype) -> str:
+    """What the model computes from, for /v1/models and the load log: the quantized forms in use
+    ("int4+int8"), or the dtype where every matrix is dense (also where the kernels that read quantized
+    weights do not run, which dequantize them)."""
+    forms = sorted({form for _, form, _ in checkpoint.forms if form != "dense"}, key=lambda f: int(f[3:]))
+    dense = str(dtype).removeprefix("torch.")
+    if not quantized or not forms:
+        return dense
+    return "+".join(forms) + (f"+{dense}" if any(form == "dense" for _, form, _ in checkpoint.forms) else "")
+
+
+def describe_forms(forms: dict[tuple[str, str, bool], int]) -> str:
+    """'112 Q4_K as int4, 33 Q6_K requantized to int8, ...' (the load log)."""
+    parts = []
+    for (kind, form, exact), count in sorted(forms.items(), key=lambda item: -item[1]):
+        how = "dense" if form == "dense" else f"as {form}" if exact else f"requantized to {form}"
+        parts.append(f"{count} {kind} {how}")
+    return ", ".join(parts)
 
 
 def checkpoint_info(checkpoint: Checkpoint, name: str = "") -> ModelInfo:
@@ -196,28 +272,26 @@ def model_class(config: ModelConfig):
 
 
 def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
-                max_positions: int | None = None, int4_decode: bool = True, onednn_weights: bool = True,
-                native_decoder: bool = True):
+                max_positions: int | None = None, onednn_weights: bool = True, native_decoder: bool = True,
+                consume: bool = False):
     """Instantiate the model on `device` in `dtype`, load the checkpoint's weights into it and prepare it
     for its hardware path (models/backend.py; the flags below switch parts of that path off).
 
-    int4_decode: on the CPU in bfloat16, also keep the file's Q4_0/Q4_1 matrices packed for
-    small-batch decode (see models/int4.py), unless the native decoder attached (it serves those).
-    onednn_weights: on the CPU in bfloat16, reorder the projection weights once into oneDNN's blocked
+    onednn_weights: on the CPU in bfloat16, reorder the dense projection weights once into oneDNN's blocked
     layout (see layers.prepack_onednn), instead of on every matmul.
     native_decoder: on the CPU in bfloat16 with AMX or AVX2, run steps through the fused native
     decoder (see models/native_decoder.py).
+    consume: the checkpoint gives up its tensors to the model (an engine's load: each quantized matrix is
+    then freed as soon as it is packed, so the weights are never held twice).
     """
-    from dataclasses import replace
-
     config = checkpoint.config
     if max_positions is not None:  # rotary tables only as long as the engine will ever use
         config = replace(config, max_position_embeddings=min(config.max_position_embeddings, max_positions))
     model = model_class(config)(config)
     model.load_weights(checkpoint.tensors)
+    if consume:
+        checkpoint.tensors = {}
     model = model.to(device=device, dtype=dtype)
-    backend.prepare(model, device, dtype, checkpoint.int4, int4_decode=int4_decode, onednn_weights=onednn_weights,
-                    native_decoder=native_decoder)
+    backend.prepare(model, device, dtype, onednn_weights=onednn_weights, native_decoder=native_decoder)
     model.eval()
     return model
-

@@ -31,6 +31,8 @@ import torch
 
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.models.attention import AttentionMetadata
+from kvserve.models.layers import interleave_gate_up
+from kvserve.models.quant import PackedPart
 
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 # The kernel's phases, in the order of its optional per-phase clocks (enable_profile).
@@ -39,10 +41,22 @@ PHASES = ("attention-in RMSNorm (+ residual add)", "QKV GEMM", "QK-norm, rotary,
           "down GEMM (+ post-norm)", "final RMSNorm")
 
 
-def _interleave_gate_up(weight: torch.Tensor) -> torch.Tensor:
-    """[gate; up] rows -> 16-row blocks alternating gate, up (the kernel's gated epilogue reads pairs)."""
-    two_i, k = weight.shape
-    return weight.view(2, two_i // 32, 16, k).transpose(0, 1).reshape(two_i, k)
+def _weight_fields(name: str, module, native: cpu_kernels.NativeKernels, keep: list) -> dict:
+    """A projection's QWeight fields (kernels/decoder_cpu.cpp): its quantized segments as packed at load
+    (gate/up interleaved already), or its dense bf16 weight packed here (gate/up interleaved here)."""
+    parts = module.packed
+    if parts is None:
+        dense = module.weight.data
+        parts = [PackedPart(native.pack_weight(interleave_gate_up(dense) if module.gate_up else dense), 0,
+                            dense.shape[0])]
+        keep.append(parts)
+    head, *tail = parts
+    fields = {name: head.data.data_ptr(), f"{name}_bits": head.bits}
+    if tail:
+        (rest,) = tail
+        fields.update({f"{name}_tail": rest.data.data_ptr(), f"{name}_tail_bits": rest.bits,
+                       f"{name}_tail_from": head.rows // 16})
+    return fields
 
 
 class NativeDecoder:
@@ -70,21 +84,16 @@ class NativeDecoder:
             kv_heads=config.num_kv_heads, head_dim=config.head_dim, intermediate=config.intermediate_size,
             act=_ACTIVATIONS[first.mlp.activation], eps=norm.eps, norm_unit_offset=int(norm.unit_offset),
             final_norm=model.norm.weight.data_ptr())
-        self._packed = []  # keeps the packed tensors alive; the table holds their addresses
+        self._packed = []  # keeps the dense weights' packed copies alive; the table holds their addresses
         self._layers = cpu_kernels.LayerParams * len(model.layers)
         self._static = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             roles = layer.norm_roles()
-            packed = {
-                "qkv": native.pack_weight(attn.qkv_proj.weight.data),
-                "o": native.pack_weight(attn.o_proj.weight.data),
-                "gate_up": native.pack_weight(_interleave_gate_up(mlp.gate_up_proj.weight.data)),
-                "down": native.pack_weight(mlp.down_proj.weight.data),
-            }
-            self._packed.append(packed)
-            fields = {name: tensor.data_ptr() for name, tensor in packed.items()}
-            fields.update({f"{name}_bits": 0 for name in packed})
+            fields = {}
+            for name, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                                 ("down", mlp.down_proj)):
+                fields.update(_weight_fields(name, module, native, self._packed))
             for role in ("attn_in", "attn_out", "mlp_in", "mlp_out"):
                 fields[f"{role}_norm"] = roles[role].weight.data_ptr() if role in roles else None
             for name in ("q_norm", "k_norm"):
@@ -93,11 +102,6 @@ class NativeDecoder:
             fields.update(cos=attn.rotary.cos.data_ptr(), sin=attn.rotary.sin.data_ptr(),
                           window=attn.sliding_window or 0, scale=attn.scale)
             self._static.append(fields)
-        # The LM head on the same tile GEMM, with fp32 logits out (no bf16 logits, then a float() copy):
-        # faster than oneDNN's and bit for bit the same (see BENCHMARKS.md, Profile, and the design it decided).
-        lm_head = model.lm_head.data
-        self.lm_head = native.pack_weight(lm_head) if lm_head.shape[0] % 16 == 0 else None
-        self.vocab_size = lm_head.shape[0]
         self.tile_attention = native.tile_attention and config.head_dim % 32 == 0
         if not native.amx:
             # Rows attending alone (decodes, short chunks) stay fused however many keys they read: on these
@@ -106,13 +110,6 @@ class NativeDecoder:
         self._rotaries = list({id(layer.self_attn.rotary): layer.self_attn.rotary for layer in model.layers}.values())
         self._table_key = None
         self._table = None
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Float32 logits [T, vocab] of bf16 hidden rows, as `F.linear(hidden, lm_head).float()`; None
-        where the packed head does not serve (a vocabulary not a multiple of 16)."""
-        if self.lm_head is None or hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu":
-            return None
-        return self.native.linear_f32(hidden, self.lm_head, self.vocab_size)
 
     def enable_profile(self) -> torch.Tensor:
         """Seconds spent in each of PHASES, accumulated by the kernel from now on (benchmarks/profile.py)."""
@@ -135,14 +132,13 @@ class NativeDecoder:
         return not (c.hidden_size % 32 or q_width % 32 or c.intermediate_size % 32 or qkv_width % 16)
 
     @classmethod
-    def would_serve(cls, checkpoint) -> bool:
-        """Whether a checkpoint built in bfloat16 on this CPU would run fused, told before it is built (the
-        engine's dtype choice, models/loader.resolve_dtype): the kernels run here, the shapes fit, and no
-        projection has a bias."""
+    def would_serve(cls, config, tensor_names) -> bool:
+        """Whether a checkpoint (its config and tensor names: loader.checkpoint_header) built in bfloat16 on
+        this CPU would run fused, told before it is loaded (the engine's dtype choice,
+        models/loader.resolve_dtype): the kernels run here, the shapes fit, and no projection has a bias."""
         native = cpu_kernels.load()
-        return (native is not None and native.fused and checkpoint.config.architecture in ("llama", "gemma3")
-                and cls.shapes_fit(checkpoint.config)
-                and not any(name.endswith(".bias") for name in checkpoint.tensors))
+        return (native is not None and native.fused and config.architecture in ("llama", "gemma3")
+                and cls.shapes_fit(config) and not any(name.endswith(".bias") for name in tensor_names))
 
     @classmethod
     def supports(cls, model) -> bool:
@@ -157,8 +153,11 @@ class NativeDecoder:
             if not hasattr(layer, "norm_roles"):
                 return False
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.qkv_proj.bias is not None or attn.o_proj.bias is not None \
-                    or mlp.activation not in _ACTIVATIONS or attn.qkv_proj.weight.numel() == 0:
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if attn.qkv_proj.bias is not None or attn.o_proj.bias is not None or mlp.activation not in _ACTIVATIONS \
+                    or any(p.packed is None and p.weight.numel() == 0 for p in projections) \
+                    or any(p.packed is not None and (len(p.packed) > 2 or p.gate_up and not p.interleaved)
+                           for p in projections):
                 return False  # biases are not fused; dense weights must still be here to pack
             if attn.rotary.cos.dtype != torch.float32:
                 return False

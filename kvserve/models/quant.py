@@ -1,9 +1,12 @@
 """Weights kept quantized: 8-bit and 4-bit values with an fp16 scale and minimum per 32 inputs of a row.
 
-A decode step on a CPU is bound by reading the weights, so the fused decoder's GEMMs can read these
-instead of bfloat16 (kernels/decoder_cpu.cpp, QWeight): w = scale * q + minimum, q int8 or 0..15. The
-group is 32 inputs, as GGUF's Q8_0, Q4_0 and Q4_1 blocks, so those map onto it with exactly the weights
-the file holds (`from_gguf`); any other matrix is quantized here (`quantize`), which loses accuracy.
+A decode step on a CPU is bound by reading the weights, so the fused decoder's GEMMs read these instead of
+bfloat16 (kernels/decoder_cpu.cpp, QWeight): w = scale * q + minimum, q int8 or 0..15. The group is 32
+inputs, as GGUF's blocks and the K-quants' sub-blocks, so most of a file's matrices map onto it with the
+weights the file holds (`from_gguf`): Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 exactly, Q4_K and Q5_K up to the fp16
+rounding of each sub-block's scale and minimum (products of the super-block's fp16 factor and a 6-bit
+integer). Any other matrix (Q6_K, Q2_K, Q3_K, the IQ types, float files) is quantized here (`quantize`),
+which loses accuracy: the setting `weights` (`WEIGHT_MODES`) says which matrices are kept in which form.
 """
 from __future__ import annotations
 
@@ -12,9 +15,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvserve.config import WEIGHT_MODES
+
 GROUP = 32
-Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGMLQuantizationType values mapped exactly
 BITS = (4, 8)
+# GGMLQuantizationType values.
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 30
+FLOAT_TYPES = (F32, F16, BF16)
+# What each GGUF type keeps exactly (4 or 8 bits); the others are quantized again at the bits of `auto`.
+EXACT_BITS = {Q4_0: 4, Q4_1: 4, Q4_K: 4, Q8_0: 8, Q5_0: 8, Q5_1: 8, Q5_K: 8}
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,10 @@ class QuantizedMatrix:
     def shape(self) -> tuple[int, int]:
         return self.scales.shape[0], self.scales.shape[1] * GROUP
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.values, self.scales, self.minimums))
+
     def q(self) -> torch.Tensor:
         """The values as int32 [N, K]."""
         if self.bits == 8:
@@ -53,6 +66,36 @@ class QuantizedMatrix:
         q = self.q().view(n, k // GROUP, GROUP).float()
         w = self.scales.float()[..., None] * q + self.minimums.float()[..., None]
         return w.reshape(n, k)
+
+    def map_rows(self, fn) -> "QuantizedMatrix":
+        """The same matrix with its rows rearranged by fn (a function of a tensor whose first dim is rows)."""
+        return QuantizedMatrix(self.bits, fn(self.values), fn(self.scales), fn(self.minimums))
+
+    def promote(self, bits: int) -> "QuantizedMatrix":
+        """At `bits` >= its own: int4 values are int8 values of the same scale and minimum (exact)."""
+        if bits == self.bits:
+            return self
+        if bits != 8:
+            raise ValueError(f"a {self.bits}-bit matrix cannot be promoted to {bits} bits")
+        return QuantizedMatrix(8, self.q().to(torch.int8), self.scales, self.minimums)
+
+    @staticmethod
+    def cat(parts: list["QuantizedMatrix"]) -> "QuantizedMatrix":
+        """Rows of several matrices (fused projections) at the widest of their bits."""
+        bits = max(p.bits for p in parts)
+        parts = [p.promote(bits) for p in parts]
+        return QuantizedMatrix(bits, torch.cat([p.values for p in parts]), torch.cat([p.scales for p in parts]),
+                               torch.cat([p.minimums for p in parts]))
+
+
+@dataclass(frozen=True)
+class PackedPart:
+    """Rows of a weight in the packed GEMM's layout (kernels/cpu.py: pack_quant at bits 4 or 8; bits 0:
+    pack_weight's bf16)."""
+
+    data: torch.Tensor
+    bits: int
+    rows: int
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -84,29 +127,105 @@ def quantize(w: torch.Tensor, bits: int) -> QuantizedMatrix:
     raise ValueError(f"bits must be 4 or 8, got {bits}")
 
 
-def exact_gguf_bits(qtype: int) -> int | None:
-    """The bits a GGUF matrix of this type keeps exactly (None: it has to be quantized again)."""
-    return {Q4_0: 4, Q4_1: 4, Q8_0: 8}.get(qtype)
+def weight_bits(qtype: int, mode: str) -> int:
+    """The bits a matrix stored as GGUF type `qtype` is kept at under the setting `mode` (0: dense).
+    auto keeps the file's class: float types dense, 4-bit types at 4 bits, every other type at 8 (5- and
+    6-bit types among them: 8 bits hold Q5's values exactly and Q6_K's closer than 4 could)."""
+    if mode not in WEIGHT_MODES:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {mode!r}")
+    if mode == "bf16":
+        return 0
+    if mode == "int8":
+        return 8
+    if mode == "int4":
+        return 4
+    if qtype in FLOAT_TYPES:
+        return 0
+    return EXACT_BITS.get(qtype, 8)
 
 
-def from_gguf(raw: np.ndarray, qtype: int) -> QuantizedMatrix:
-    """raw: uint8 [N, bytes per row] of Q8_0 (34 B / 32 weights: fp16 d, int8 q; w = d q), Q4_0 (18 B:
-    d, 16 B of nibbles; w = d (q - 8)) or Q4_1 (20 B: d, m, nibbles; w = d q + m) blocks; the nibbles of
-    a block hold elements 0-15 low and 16-31 high."""
+def is_exact(qtype: int, bits: int) -> bool:
+    """Whether `from_gguf` keeps this type at these bits with the file's own weights (else: quantized again)."""
+    exact = EXACT_BITS.get(qtype)
+    return exact is not None and exact <= bits
+
+
+def from_gguf(raw: np.ndarray, qtype: int, bits: int | None = None) -> QuantizedMatrix:
+    """A GGUF matrix (raw: uint8 [N, bytes per row] of its blocks) at `bits` (default: the bits its type
+    keeps exactly). Where the type holds at those bits (`is_exact`) its values, scales and minimums are
+    taken as they are; otherwise the matrix is dequantized (gguf's own numpy code) and quantized again."""
+    bits = EXACT_BITS.get(qtype, 8) if bits is None else bits
+    if not is_exact(qtype, bits):
+        from gguf import GGMLQuantizationType, quants
+
+        n = raw.shape[0]
+        w = quants.dequantize(raw, GGMLQuantizationType(qtype)).reshape(n, -1)
+        return quantize(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)), bits)
+    q, scale, minimum = _blocks(raw, qtype)
     n = raw.shape[0]
-    if qtype == Q8_0:
-        blocks = raw.reshape(n, -1, 34)
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-        q = blocks[..., 2:].copy().view(np.int8).reshape(n, -1)
-        return QuantizedMatrix(8, torch.from_numpy(q), torch.from_numpy(d), torch.zeros(d.shape, dtype=torch.float16))
-    if qtype not in (Q4_0, Q4_1):
-        raise ValueError(f"GGUF type {qtype} has no exact mapping")
-    blocks = raw.reshape(n, -1, 18 if qtype == Q4_0 else 20)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-    if qtype == Q4_1:
-        m, qs = blocks[..., 2:4].copy().view(np.float16)[..., 0], blocks[..., 4:]
-    else:
-        m, qs = (d.astype(np.float32) * -8).astype(np.float16), blocks[..., 2:]  # exact: a power of two
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, -1)
-    return QuantizedMatrix(4, pack_nibbles(torch.from_numpy(q.astype(np.uint8))), torch.from_numpy(d),
-                           torch.from_numpy(m))
+    q = q.reshape(n, -1)
+    values = torch.from_numpy(q.astype(np.int8)) if bits == 8 else pack_nibbles(torch.from_numpy(q))
+    return QuantizedMatrix(bits, values, torch.from_numpy(scale.reshape(n, -1)),
+                           torch.from_numpy(minimum.reshape(n, -1)))
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The fp16 at bytes [start, start + 2) of each block."""
+    return blocks[..., start:start + 2].copy().view(np.float16)[..., 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] values: low nibbles first, then high (GGUF's 32-value blocks)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """[..., 4] bytes of a little-endian uint32 -> [..., 32] bits, bit j for value j."""
+    return np.unpackbits(qh, axis=-1, bitorder="little")
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: 12 bytes -> the 8 sub-blocks' 6-bit scales and minimums (ggml's get_scale_min_k4)."""
+    sc = np.concatenate([scales[..., 0:4] & 63, (scales[..., 8:12] & 0x0F) | ((scales[..., 0:4] >> 6) << 4)], -1)
+    m = np.concatenate([scales[..., 4:8] & 63, (scales[..., 8:12] >> 4) | ((scales[..., 4:8] >> 6) << 4)], -1)
+    return sc, m
+
+
+def _blocks(raw: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A matrix of one of EXACT_BITS' types -> (values uint8/int [N, groups, 32], fp16 scales and minimums
+    [N, groups]): w = scale * q + minimum, q in 0..15 for the 4-bit types."""
+    n = raw.shape[0]
+    if qtype == Q8_0:  # 34 B: d, 32 int8
+        b = raw.reshape(n, -1, 34)
+        d = _f16(b, 0)
+        return b[..., 2:].view(np.int8), d, np.zeros_like(d)
+    if qtype in (Q4_0, Q4_1):  # 18 B: d, 16 B of nibbles (w = d (q - 8)); 20 B: d, m, nibbles (w = d q + m)
+        b = raw.reshape(n, -1, 18 if qtype == Q4_0 else 20)
+        d = _f16(b, 0)
+        if qtype == Q4_1:
+            return _nibbles(b[..., 4:]), d, _f16(b, 2)
+        return _nibbles(b[..., 2:]), d, (d.astype(np.float32) * -8).astype(np.float16)  # exact: a power of two
+    if qtype in (Q5_0, Q5_1):  # 22 B: d, qh, nibbles (w = d (q - 16)); 24 B: d, m, qh, nibbles (w = d q + m)
+        b = raw.reshape(n, -1, 22 if qtype == Q5_0 else 24)
+        d = _f16(b, 0)
+        at = 2 if qtype == Q5_0 else 4
+        q = _nibbles(b[..., at + 4:]) | (_high_bits(b[..., at:at + 4]) << 4)
+        if qtype == Q5_1:
+            return q, d, _f16(b, 2)
+        return q.astype(np.int8) - 16, d, np.zeros_like(d)
+    if qtype in (Q4_K, Q5_K):
+        # 256 values: d, dmin, 12 B of 6-bit scales and minimums; Q5_K then 32 B of high bits; then 128 B of
+        # nibbles, 32 B per 64 values (low nibbles the first 32). w = d sc q - dmin m per 32.
+        size = 144 if qtype == Q4_K else 176
+        b = raw.reshape(n, -1, size)
+        d, dmin = _f16(b, 0).astype(np.float32), _f16(b, 2).astype(np.float32)
+        sc, m = _k_scales(b[..., 4:16])
+        qs = b[..., size - 128:].reshape(n, -1, 4, 32)
+        q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, -1, 8, 32)
+        if qtype == Q5_K:
+            qh = b[..., 16:48][:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]
+            q = q | ((qh & 1) << 4)
+        scale = (d[..., None] * sc).astype(np.float16)
+        minimum = (-(dmin[..., None] * m)).astype(np.float16)
+        return q.reshape(n, -1, 32), scale.reshape(n, -1), minimum.reshape(n, -1)
+    raise ValueError(f"GGUF type {qtype} has no exact mapping")

@@ -129,6 +129,11 @@ class ModelHandle:
         known = self.client.max_model_len
         return known if known is not None else self.engine_config.scheduler.max_model_len
 
+    @property
+    def weights(self) -> str:
+        """The weights' form as loaded (LLMEngine.weights), or the setting until they are."""
+        return self.client.weights or self.engine_config.weights
+
     def queue_bound(self, tier: str) -> int:
         return getattr(self.engine_config.scheduler, tier).max_waiting
 

@@ -434,6 +434,9 @@ class ModelCard(BaseModel):
     inflight: int = 0
     queue_depth: int = 0
     max_model_len: int | None = None
+    # What the engine computes from: the quantized forms in use ("int4+int8"), or the dtype where every
+    # matrix is dense ("bfloat16"); the setting (auto, bf16, int8, int4) until the weights are loaded.
+    weights: str | None = None
 
 
 class ModelList(BaseModel):

@@ -22,9 +22,13 @@ needs_tiles = pytest.mark.skipif(native is None or not native.tile_attention,
                                  reason="prefill attention on packed keys needs AMX or AVX-512 BF16")
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
+@pytest.fixture(scope="module", params=[("llama", "auto"), ("gemma3", "auto"), ("llama", "bf16"), ("gemma3", "bf16")],
+                ids=lambda p: "-".join(p))
 def checkpoint(request, tiny_llama_gguf, tiny_gemma_gguf):
-    return load_checkpoint(tiny_llama_gguf if request.param == "llama" else tiny_gemma_gguf)
+    """The tiny models' Q8_0 matrices kept as int8 (weights auto: the fused decoder's quantized GEMMs) and
+    dense (bf16: its bf16 GEMMs)."""
+    arch, weights = request.param
+    return load_checkpoint(tiny_llama_gguf if arch == "llama" else tiny_gemma_gguf, weights)
 
 
 class CountingDecoder(NativeDecoder):
@@ -172,7 +176,7 @@ def test_the_packed_gemm_lm_head_gives_torchs_bf16_logits(rows):
     torch.manual_seed(rows)
     w = (torch.randn(96, 64) * 0.3).bfloat16()
     x = torch.randn(rows, 64).bfloat16()
-    got = native.linear_f32(x, native.pack_weight(w), 96)
+    got = native.linear_quant(x, native.pack_weight(w), 0, 96, torch.float32)
     want = torch.nn.functional.linear(x, w).float()
     assert got.dtype == torch.float32 and torch.equal(got, got.bfloat16().float())  # rounded to bf16
     if native.amx:
@@ -184,17 +188,19 @@ def test_the_packed_gemm_lm_head_gives_torchs_bf16_logits(rows):
 @needs_fused
 def test_the_model_takes_its_logits_from_the_packed_head(checkpoint):
     h = PagedHarness(checkpoint, dtype=torch.bfloat16)
-    decoder = h.model.native_decoder
-    assert decoder.lm_head is not None and h.model.lm_head_onednn is None  # one packed copy, not two
+    head = h.model.lm_head_packed
+    assert head is not None and h.model.lm_head_onednn is None  # one packed copy, not two
+    if checkpoint.weights == "auto":  # tied and quantized: the embedding's own packed table
+        assert head.bits == 8 and head is h.model.embed_tokens.packed[0]
     hidden = torch.randn(3, checkpoint.config.hidden_size).bfloat16()
     calls = []
-    real = native.linear_f32
-    native.linear_f32 = lambda *a: calls.append(1) or real(*a)
+    real = native.linear_quant
+    native.linear_quant = lambda *a: calls.append(a[2]) or real(*a)
     try:
         logits = h.model.compute_logits(hidden)
     finally:
-        native.linear_f32 = real
-    assert calls and logits.shape == (3, checkpoint.config.vocab_size) and logits.dtype == torch.float32
+        native.linear_quant = real
+    assert calls == [head.bits] and logits.shape == (3, checkpoint.config.vocab_size) and logits.dtype == torch.float32
 
 
 def test_falls_back_to_the_per_op_path_without_the_kernel_or_bf16(checkpoint, monkeypatch):
@@ -220,17 +226,51 @@ def test_pack_weight_checks_the_tile_shape():
 
 
 @needs_fused
-def test_a_4_bit_checkpoint_keeps_no_4_bit_copy_when_the_fused_decoder_attaches(tmp_path, smollm2_gguf_path):
+@pytest.mark.parametrize("quant,bits", [("Q4_1", 4), ("Q5_0", 8)])
+def test_a_quantized_checkpoint_is_held_once_in_its_own_bits(tmp_path, smollm2_gguf_path, quant, bits):
+    """weights auto keeps a 4-bit file's matrices at 4 bits and a 5-bit one's at 8, packed for the fused
+    decoder's GEMMs, which the per-op path reads too: no dense, oneDNN or second packed copy."""
     from kvserve.models.loader import build_model
     from tests.gguf_factory import TinySpec, write_tiny_gguf
 
-    path = tmp_path / "tiny-q41.gguf"
-    write_tiny_gguf(path, TinySpec(arch="llama", quant="Q4_1", layers=2), str(smollm2_gguf_path))
+    path = tmp_path / f"tiny-{quant}.gguf"
+    write_tiny_gguf(path, TinySpec(arch="llama", quant=quant, layers=2), str(smollm2_gguf_path))
     ck = load_checkpoint(path)
-    assert ck.int4
-    model = build_model(ck, torch.bfloat16, torch.device("cpu"), 512, int4_decode=True)
-    assert model.native_decoder is not None
-    assert all(getattr(m, "packed", None) is None for m in model.modules())
+    model = build_model(ck, torch.bfloat16, torch.device("cpu"), 512)
+    assert model.native_decoder is not None and not model.native_decoder._packed
+    projections = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    assert all(m.packed is not None and [p.bits for p in m.packed] == [bits] for m in projections)
+    assert all(m.weight.numel() == 0 and m.onednn is None and m.quant is None for m in projections)
+    assert model.lm_head_packed is model.embed_tokens.packed[0] and model.lm_head_onednn is None
+
+
+@needs_fused
+def test_mixed_bits_in_one_projection_keep_each_part(tmp_path, checkpoint):
+    """Q4_K_M stores some V projections at 6 bits (kept at 8) beside 4-bit Q and K: the fused QKV weight keeps
+    its two kinds (the kernel's tail) instead of widening Q and K, and both paths give the same logits."""
+    if checkpoint.weights != "auto" or checkpoint.config.architecture != "llama":
+        pytest.skip("one quantized model is enough")
+    from dataclasses import replace
+
+    from kvserve.models import quant
+
+    tensors = dict(checkpoint.tensors)
+    for i in range(checkpoint.config.num_layers):
+        for name in ("q_proj", "k_proj"):
+            key = f"model.layers.{i}.self_attn.{name}.weight"
+            tensors[key] = quant.quantize(tensors[key].dequantize(), 4)
+    mixed = replace(checkpoint, tensors=tensors)
+    h = PagedHarness(mixed, dtype=torch.bfloat16)
+    qkv = h.model.layers[0].self_attn.qkv_proj
+    assert [p.bits for p in qkv.packed] == [4, 8]
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 20000) for _ in range(n)] for n in (23, 9, 31)]
+    per_op = PagedHarness(mixed, dtype=torch.bfloat16)
+    per_op.model.native_decoder = None
+    reference = PagedHarness(mixed, dtype=torch.float32)
+    a, b, r = (torch.cat(x.mixed_batch(prompts)).float() for x in (h, per_op, reference))
+    assert rel_err(a, b) <= 2e-2 and rel_err(a, r) <= 1.5 * rel_err(b, r) + 1e-3
 
 
 @needs_fused
@@ -258,7 +298,7 @@ def wide_head_checkpoint(request, tmp_path_factory, smollm2_gguf_path):
             TinySpec(arch="gemma3", layers=6, heads=4, kv_heads=1, head_dim=64, sliding_window=40))
     path = tmp_path_factory.mktemp("wide-head") / f"{request.param}.gguf"
     write_tiny_gguf(path, spec, str(smollm2_gguf_path))
-    return load_checkpoint(path)
+    return load_checkpoint(path, weights="bf16")  # the attention paths are the point: dense projections
 
 
 def _tile_run(ck, dtype, fused: bool, tile_min_rows: int = NativeDecoder.tile_min_rows) -> torch.Tensor:
@@ -315,9 +355,7 @@ def test_auto_dtype_is_bf16_where_the_fused_decoder_will_serve(checkpoint, monke
     assert resolve_dtype("auto", cpu, fused=True) == torch.bfloat16
     assert resolve_dtype("auto", cpu, fused=False) == torch.float32
     assert resolve_dtype("float32", cpu, fused=True) == torch.float32  # an explicit choice wins
-    assert NativeDecoder.would_serve(checkpoint) == (native is not None and native.fused)
-    config = checkpoint.config
-    odd = replace(checkpoint, config=replace(config, intermediate_size=config.intermediate_size + 8))
-    assert not NativeDecoder.would_serve(odd)  # K % 32 does not hold
-    biased = replace(checkpoint, tensors={**checkpoint.tensors, "model.layers.0.self_attn.q_proj.bias": torch.zeros(1)})
-    assert not NativeDecoder.would_serve(biased)
+    config, names = checkpoint.config, set(checkpoint.tensors)
+    assert NativeDecoder.would_serve(config, names) == (native is not None and native.fused)
+    assert not NativeDecoder.would_serve(replace(config, intermediate_size=config.intermediate_size + 8), names)
+    assert not NativeDecoder.would_serve(config, names | {"model.layers.0.self_attn.q_proj.bias"})

@@ -24,26 +24,40 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.double() @ w.double().T
 
 
-def _assert_close(out: torch.Tensor, ref: torch.Tensor, k: int) -> None:
-    """Within the output's bf16 rounding (half an ulp: 2^-9 relative) plus fp32 accumulation over k."""
-    bound = ref.abs() * 2.0 ** -8 + 1e-5 * k ** 0.5 * ref.abs().max()
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, k: int, extra: torch.Tensor | float = 0.0) -> None:
+    """Within the output's bf16 rounding (half an ulp: 2^-9 relative) plus fp32 accumulation over k, plus
+    `extra` (what the path rounds on the way: see _path_error)."""
+    bound = ref.abs() * 2.0 ** -8 + 1e-5 * k ** 0.5 * ref.abs().max() + extra
     worst = ((out.double() - ref).abs() - bound).max().item()
     assert worst <= 0, f"off by {worst:.3g} beyond the bound (scale {ref.abs().max().item():.3g})"
 
 
-# Short steps take the direct path (up to quant_direct_rows: 8 with AVX-512 BF16, 4 on AVX2), longer the panel; N of 16 leaves a pair with one block.
+def _path_error(native, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What a step of x's rows rounds besides the output, by path and build. AVX-512 BF16 and AMX builds:
+    short steps multiply the exact weights by the bf16 rows; longer ones the weights rounded to bf16 (a
+    panel), off by at most 2^-9 |x| |w|. AVX2 builds: short steps round each 32-deep chunk of a row to
+    16-bit integers with a power-of-two scale (off by at most 2^-14 of the chunk's largest |x| per value);
+    longer ones multiply the exact weights in fp32."""
+    xd, wd = x.double(), w.double().abs()
+    direct = x.shape[0] <= native.quant_direct_rows
+    if native.pair_layout:
+        return 0.0 if direct else 2.0 ** -9 * (xd.abs() @ wd.T)
+    if not direct:
+        return 0.0
+    chunk_max = xd.abs().view(x.shape[0], -1, 32).amax(-1).repeat_interleave(32, dim=1)
+    return 2.0 ** -14 * (chunk_max @ wd.T)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("m,n,k", [(1, 64, 96), (2, 16, 576), (3, 48, 576), (5, 32, 64), (8, 32, 1536),
-                                   (9, 64, 576), (33, 80, 128), (70, 16, 256)])
+                                   (9, 64, 576), (16, 48, 256), (17, 32, 96), (33, 80, 128), (70, 16, 256)])
 def test_quantized_linear_matches_its_weights(native, bits, m, n, k):
     torch.manual_seed(m * 1000 + n + k + bits)
     qm = quant.quantize(torch.randn(n, k), bits)
     packed = native.pack_quant(qm.values, qm.scales, qm.minimums, bits)
     x = torch.randn(m, k).bfloat16()
     w = qm.dequantize()
-    if m > native.quant_direct_rows:  # the panel holds the weights rounded to bf16
-        w = w.bfloat16().float()
-    _assert_close(native.linear_quant(x, packed, bits, n, torch.float32), _reference(x, w), k)
+    _assert_close(native.linear_quant(x, packed, bits, n, torch.float32), _reference(x, w), k, _path_error(native, x, w))
     as_bf16 = native.linear_quant(x, packed, bits, n)
     assert as_bf16.dtype == torch.bfloat16
     assert torch.equal(as_bf16.float(), native.linear_quant(x, packed, bits, n, torch.float32))
@@ -56,7 +70,8 @@ def test_int4_with_large_offsets_keeps_its_precision(native):
     qm = quant.quantize(torch.randn(32, 512) * 0.01 + 0.05, 4)
     x = (torch.rand(4, 512) + 1.0).bfloat16()
     packed = native.pack_quant(qm.values, qm.scales, qm.minimums, 4)
-    _assert_close(native.linear_quant(x, packed, 4, 32, torch.float32), _reference(x, qm.dequantize()), 512)
+    w = qm.dequantize()
+    _assert_close(native.linear_quant(x, packed, 4, 32, torch.float32), _reference(x, w), 512, _path_error(native, x, w))
 
 
 def test_pack_quant_refuses_inconsistent_shapes(native):
@@ -68,21 +83,91 @@ def test_pack_quant_refuses_inconsistent_shapes(native):
 
 
 def test_gguf_blocks_map_exactly(native):
-    """Q8_0, Q4_0 and Q4_1 matrices written by gguf's own quantizer come out as the weights gguf itself
-    dequantizes, bit for bit, and the kernel computes with them."""
+    """Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 matrices written by gguf's own quantizer come out as the weights gguf
+    itself dequantizes, bit for bit, at their own bits and promoted to 8, and the kernel computes with them."""
     from gguf import GGMLQuantizationType, quants
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((32, 128)).astype(np.float32)
-    for qtype in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+    for qtype in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+                  GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1):
         raw = quants.quantize(w, qtype)
-        qm = quant.from_gguf(raw, int(qtype))
         expected = torch.from_numpy(quants.dequantize(raw, qtype).reshape(w.shape))
-        assert qm.bits == quant.exact_gguf_bits(int(qtype))
-        assert torch.equal(qm.dequantize(), expected), qtype.name
+        for bits in sorted({quant.EXACT_BITS[int(qtype)], 8}):
+            qm = quant.from_gguf(raw, int(qtype), bits)
+            assert qm.bits == bits and quant.is_exact(int(qtype), bits)
+            assert torch.equal(qm.dequantize(), expected), (qtype.name, bits)
         x = torch.randn(2, 128).bfloat16()
         packed = native.pack_quant(qm.values, qm.scales, qm.minimums, qm.bits)
-        _assert_close(native.linear_quant(x, packed, qm.bits, 32, torch.float32), _reference(x, expected), 128)
+        _assert_close(native.linear_quant(x, packed, qm.bits, 32, torch.float32), _reference(x, expected), 128,
+                      _path_error(native, x, expected))
+
+
+def _random_blocks(qtype, rows: int, cols: int, rng) -> np.ndarray:
+    """Valid blocks of a K-quant type from random bytes, with small finite fp16 super-block factors."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    factor = lambda: rng.uniform(1e-3, 1e-2, raw.shape[:-1]).astype(np.float16).view(np.uint8).reshape(*raw.shape[:-1], 2)
+    if qtype == T.Q6_K:
+        raw[..., -2:] = factor()
+    else:
+        raw[..., 0:2], raw[..., 2:4] = factor(), factor()
+    return raw.reshape(rows, -1)
+
+
+def test_k_quants_map_to_their_sub_blocks():
+    """Q4_K and Q5_K keep their values; each sub-block's scale and minimum (an fp16 factor times a 6-bit
+    integer) is rounded to fp16 once, so the weights are gguf's own to 2^-11 of the largest. Q6_K, whose
+    16-value sub-blocks do not fit a 32-value group, is quantized again at 8 bits: within half its step."""
+    from gguf import GGMLQuantizationType as T, quants
+
+    rng = np.random.default_rng(1)
+    for qtype, bits in ((T.Q4_K, 4), (T.Q4_K, 8), (T.Q5_K, 8)):
+        raw = _random_blocks(qtype, 16, 512, rng)
+        expected = torch.from_numpy(quants.dequantize(raw, qtype).reshape(16, 512))
+        qm = quant.from_gguf(raw, int(qtype), bits)
+        assert qm.bits == bits and quant.is_exact(int(qtype), bits)
+        assert (qm.dequantize() - expected).abs().max() <= 2.0 ** -11 * expected.abs().max()
+        assert torch.equal(qm.q().view(16, -1, 32).amax(-1) <= (15 if qtype == T.Q4_K else 31),
+                           torch.ones(16, 16, dtype=torch.bool))
+    raw = _random_blocks(T.Q6_K, 16, 512, rng)
+    expected = torch.from_numpy(quants.dequantize(raw, T.Q6_K).reshape(16, 512))
+    qm = quant.from_gguf(raw, int(T.Q6_K))
+    assert qm.bits == 8 and not quant.is_exact(int(T.Q6_K), 8)
+    step = qm.scales.float().repeat_interleave(32, dim=1)
+    assert ((qm.dequantize() - expected).abs() <= step / 2 + 1e-7).all()
+
+
+def test_auto_keeps_each_type_at_its_class():
+    assert [quant.weight_bits(t, "auto") for t in (quant.F32, quant.F16, quant.BF16)] == [0, 0, 0]
+    assert [quant.weight_bits(t, "auto") for t in (quant.Q4_0, quant.Q4_1, quant.Q4_K)] == [4, 4, 4]
+    assert [quant.weight_bits(t, "auto") for t in (quant.Q8_0, quant.Q5_0, quant.Q5_K, 14)] == [8, 8, 8, 8]  # 14: Q6_K
+    assert quant.weight_bits(quant.Q4_K, "int8") == 8 and quant.weight_bits(quant.Q8_0, "int4") == 4
+    assert quant.weight_bits(quant.Q4_K, "bf16") == 0
+
+
+def test_promoting_4_bits_to_8_is_exact():
+    qm = quant.quantize(torch.randn(16, 64), 4)
+    wide = qm.promote(8)
+    assert wide.bits == 8 and torch.equal(wide.dequantize(), qm.dequantize())
+    both = quant.QuantizedMatrix.cat([qm, quant.quantize(torch.randn(16, 64), 8)])
+    assert both.bits == 8 and both.shape == (32, 64) and torch.equal(both.dequantize()[:16], qm.dequantize())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_rows_read_from_the_packed_layout(native, bits):
+    """An embedding lookup from a packed, quantized table gives the dense table's rows (w = s q + m, rounded
+    to bf16), so a tied LM head and the embedding share one copy."""
+    qm = quant.quantize(torch.randn(48, 96), bits)
+    packed = native.pack_quant(qm.values, qm.scales, qm.minimums, bits)
+    ids = torch.tensor([[0, 47, 5], [17, 17, 32]])
+    rows = native.quant_rows(packed, bits, 48, ids)
+    assert rows.shape == (2, 3, 96) and rows.dtype == torch.bfloat16
+    assert torch.equal(rows, qm.dequantize().bfloat16()[ids])
+    with pytest.raises(IndexError):
+        native.quant_rows(packed, bits, 48, torch.tensor([48]))
 
 
 def test_quantize_rounds_to_the_nearest_level():

