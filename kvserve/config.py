@@ -91,7 +91,7 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     swap_space: int = 1 << 30  # bytes of host memory for swapped-out blocks
     enable_prefix_caching: bool = True
-    cache_dtype: str = "auto"  # "auto" = model dtype
+    cache_dtype: str = "auto"  # "auto" = the model's dtype, the only one the caches are held in
 
     def __post_init__(self):
         _validate(self, dict(block_size=POSITIVE_INT, kv_cache_memory=OPTIONAL_POSITIVE_INT,

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from kvserve.config import EngineConfig, TierLimits, engine_config_from_kwargs
+from kvserve.config import ConfigError, EngineConfig, TierLimits, engine_config_from_kwargs
 from kvserve.engine.errors import InvalidRequest
 from kvserve.engine.interjection import Interjection
 from kvserve.engine.kv_cache import KVCacheManager
@@ -81,6 +81,9 @@ class LLMEngine:
             resolved_id, self.device = config.model, torch.device("cpu")
             self.dtype = resolve_dtype(config.dtype, self.device)
             self.weights = "injected runner"
+        if config.cache.cache_dtype != "auto" and resolve_dtype(config.cache.cache_dtype, self.device) != self.dtype:
+            raise ConfigError(f"cache_dtype = {config.cache.cache_dtype!r} is not supported: the KV cache is held in "
+                              f"the model's dtype ({str(self.dtype).removeprefix('torch.')}); use auto")
         self.model_id = model_id or resolved_id
         self.info = info
         self.model_config, self.tokenizer = info.config, info.tokenizer
