@@ -1131,22 +1131,26 @@ void gemm_quant_panel(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int
   panel.resize(2 * chunks * 512);
   alignas(64) float c[2][kRows * 16];
   RowBlock block;
-  const int64_t row_blocks = (m + kRows - 1) / kRows;
-  const bool whole = m * k <= (256 << 10);  // A widened once per thread (at most 1 MiB), not once per pair
-  if (whole) block.load(a, m, k);
+  // Rows in passes of at most 2 MiB of fp32 A, each widened once per thread and pass (not once per pair and
+  // row block); a pass widens every column pair's panel again, which is cheap beside its rows' products.
+  const int64_t pass_rows = std::max<int64_t>(kRows, (512 << 10) / k);
+  for (int64_t p0 = 0; p0 < m; p0 += pass_rows) {
+    const int64_t pm = std::min(pass_rows, m - p0);
+    block.load(a + p0 * k, pm, k);
+    const int64_t row_blocks = (pm + kRows - 1) / kRows;
 #pragma omp for schedule(dynamic, 1)
-  for (int64_t pair = 0; pair < pairs; ++pair) {
-    const int64_t nb0 = 2 * pair;
-    const bool two = nb0 + 1 < nblocks;
-    widen_block<Bits>(w + nb0 * block_bytes, chunks, panel.data());
-    if (two) widen_block<Bits>(w + (nb0 + 1) * block_bytes, chunks, panel.data() + chunks * 512);
-    for (int64_t rb = 0; rb < row_blocks; ++rb) {
-      const int64_t r = rb * m / row_blocks;
-      const int rows = static_cast<int>((rb + 1) * m / row_blocks - r);
-      if (!whole) block.load(a + r * k, rows, k);
-      const float* rows_a = whole ? block.rows + r * k : block.rows;
-      micro_rows<kRows>(rows, rows_a, k, chunks, panel.data(), panel.data() + chunks * 512, two, c[0], c[1]);
-      epi(r, nb0, two, 0, rows, c[0], c[1]);
+    for (int64_t pair = 0; pair < pairs; ++pair) {
+      const int64_t nb0 = 2 * pair;
+      const bool two = nb0 + 1 < nblocks;
+      widen_block<Bits>(w + nb0 * block_bytes, chunks, panel.data());
+      if (two) widen_block<Bits>(w + (nb0 + 1) * block_bytes, chunks, panel.data() + chunks * 512);
+      for (int64_t rb = 0; rb < row_blocks; ++rb) {
+        const int64_t r = rb * pm / row_blocks;
+        const int rows = static_cast<int>((rb + 1) * pm / row_blocks - r);
+        micro_rows<kRows>(rows, block.rows + r * k, k, chunks, panel.data(), panel.data() + chunks * 512, two, c[0],
+                          c[1]);
+        epi(p0 + r, nb0, two, 0, rows, c[0], c[1]);
+      }
     }
   }
 }

@@ -6,6 +6,7 @@ same model code, and parity with transformers can be checked on identical weight
 """
 from __future__ import annotations
 
+import ctypes
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -271,6 +272,16 @@ def model_class(config: ModelConfig):
     raise ModelLoadError(f"no model code for architecture {config.architecture!r}")
 
 
+def return_freed_memory() -> None:
+    """Hand the allocator's freed pages back to the system. Loading converts every matrix through
+    temporaries of up to tens of MB in several threads; glibc keeps such freed chunks in its arenas, so an
+    8B model's load would otherwise leave the process's RSS about twice the weights it holds."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
 def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
                 max_positions: int | None = None, onednn_weights: bool = True, native_decoder: bool = True,
                 consume: bool = False):
@@ -294,4 +305,6 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
     model = model.to(device=device, dtype=dtype)
     backend.prepare(model, device, dtype, onednn_weights=onednn_weights, native_decoder=native_decoder)
     model.eval()
+    if consume:
+        return_freed_memory()
     return model

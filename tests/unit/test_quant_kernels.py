@@ -50,7 +50,8 @@ def _path_error(native, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("m,n,k", [(1, 64, 96), (2, 16, 576), (3, 48, 576), (5, 32, 64), (8, 32, 1536),
-                                   (9, 64, 576), (16, 48, 256), (17, 32, 96), (33, 80, 128), (70, 16, 256)])
+                                   (9, 64, 576), (16, 48, 256), (17, 32, 96), (33, 80, 128), (70, 16, 256),
+                                   (300, 32, 2048)])  # AVX2 panels take rows in passes of 256 at this k
 def test_quantized_linear_matches_its_weights(native, bits, m, n, k):
     torch.manual_seed(m * 1000 + n + k + bits)
     qm = quant.quantize(torch.randn(n, k), bits)
