@@ -16,17 +16,17 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks.targets import OVERLOAD_TTFT_S, REPO
+from benchmarks.targets import OVERLOAD_TTFT_S, REPO, VLLM_NO_GGUF
 
 # The CPU kinds the project meets (kernels/isa.py), in the order of their sections in BENCHMARKS.md.
 CPU_KINDS = {"amx": "CPU: Intel Xeon with AMX (and AVX-512 bf16)",
              "avx512": "CPU: AVX-512 with bf16, no AMX (AMD EPYC Zen 4)",
              "avx2": "CPU: AVX2 only (no AVX-512, no native bf16)"}
-TARGET_ORDER = ["kvserve", "vllm", "vllm-fp32", "llamacpp-bf16", "llamacpp-f16", "llamacpp-q4_1", "hf-static",
-                "fake"]
+TARGET_ORDER = ["kvserve", "vllm", "vllm-fp32", "llamacpp-bf16", "llamacpp-f16", "llamacpp-q4_1", "llamacpp-gguf",
+                "hf-static", "fake"]
 TARGET_LABEL = {"kvserve": "kvserve", "vllm": "vLLM CPU", "vllm-fp32": "vLLM CPU fp32",
                 "llamacpp-bf16": "llama.cpp BF16", "llamacpp-f16": "llama.cpp F16", "llamacpp-q4_1": "llama.cpp Q4_1",
-                "hf-static": "HF static batching"}
+                "llamacpp-gguf": "llama.cpp", "hf-static": "HF static batching"}
 
 
 # ---- loading -------------------------------------------------------------------------------------------------------
@@ -47,12 +47,30 @@ class Session:
                 continue
         return out
 
-    def targets(self) -> list[str]:
+    def _names(self) -> list[str]:
         names = set(self.meta.get("targets", {}))
-        for p in self.root.iterdir():
-            if p.is_dir() and (any(q.is_dir() for q in p.iterdir()) or (p / "baseline.json").exists()):
+        for p in self.root.iterdir():  # a target's directory holds job directories of runs (not so plots/)
+            if p.is_dir() and (any(q.is_dir() and any(q.glob("run*.json")) for q in p.iterdir())
+                               or (p / "baseline.json").exists()):
                 names.add(p.name)
-        return [n for n in TARGET_ORDER if n in names] + sorted(n for n in names if n not in TARGET_ORDER)
+        order = {n: i for i, n in enumerate(TARGET_ORDER)}
+        return sorted(names, key=lambda n: (order.get(n.partition("@")[0], len(order)), n))
+
+    def targets(self) -> list[str]:
+        """SmolLM2's targets; a shape model's are `<target>@<model>` (model_targets)."""
+        return [n for n in self._names() if "@" not in n]
+
+    def models(self) -> list[str]:
+        """The shape models of the session (the suite's --models other than SmolLM2)."""
+        names = set(self.meta.get("models", {})) | {n.partition("@")[2] for n in self._names() if "@" in n}
+        return sorted(names)
+
+    def model_targets(self, model: str) -> list[str]:
+        return [n for n in self._names() if n.partition("@")[2] == model]
+
+    def shapes_only(self) -> bool:
+        """A session of shape models alone: it has no SmolLM2 page to render (the last one is kept)."""
+        return bool(self.models()) and not self.targets() and not self.meta.get("jobs")
 
     def jobs(self, target: str) -> list[str]:
         d = self.root / target
@@ -142,7 +160,8 @@ class Report:
         return next((j.get("shape") or {} for j in self.s.meta.get("jobs", []) if j.get("name") == job), {})
 
     def label(self, t: str) -> str:
-        return TARGET_LABEL.get(t, t)
+        base, _, model = t.partition("@")
+        return TARGET_LABEL.get(base, base) + (f", {model}" if model else "")
 
     def missing(self, job: str) -> list[str]:
         return [self.label(t) for t in self.targets if not self.s.runs(t, job)]
@@ -443,11 +462,15 @@ class Report:
                "missing peer is skipped unless `BENCH_PEERS_SETUP=1`). Per engine, the servers and the first "
                "run's client command of each workload (`--seed` goes up by one per run; `$SESSION` is the "
                "results directory; the kvserve token is passed in `KVSERVE_API_KEY`):")
-        for t in self.s.targets():
+        self.target_commands(self.s.targets(), "####")
+
+    def target_commands(self, targets: list[str], heading: str) -> None:
+        """Per target: its server commands, the first run's client command of each job, kvserve's config."""
+        for t in targets:
             info = (self.s.meta.get("targets") or {}).get(t, {})
             if not info.get("servers") and not info.get("commands"):
                 continue
-            self.w(f"\n#### {self.label(t)}\n")
+            self.w(f"\n{heading} {self.label(t)}\n")
             self.w("```bash")
             for v, s in (info.get("servers") or {}).items():
                 self.w(f"# server ({v})")
@@ -479,6 +502,114 @@ class Report:
         self.client_check()
         self.hf_static()
         self.commands()
+        return "\n".join(self.out) + "\n"
+
+
+class LargerModels(Report):
+    """The kind's "Larger models" page: random-weight GGUFs with Llama-3.2-1B's and Llama-3.1-8B's shapes, served
+    as the same file by kvserve and llama.cpp; speed set against the floor that streaming the weights sets."""
+
+    COLUMNS = ["W1 out tok/s", "W1 TTFT p50", "W2 TTFT p50", "W2 TPOT p50", "RSS GB", "GB read / token",
+               "floor ms", "floor / TPOT"]
+
+    def figures(self, t: str) -> list[tuple[list[float], int, bool]]:
+        """(values over runs, digits, as percent) per column."""
+        info = (self.s.meta.get("targets") or {}).get(t, {})
+        w1, w2 = self.s.runs(t, "W1"), self.s.runs(t, "W2")
+        bw = (self.s.meta.get("ceilings") or {}).get("copy_bytes_per_s")
+        per_token = info.get("bytes_per_token")
+        floor_ms = per_token / bw * 1e3 if per_token and bw else None
+        tpot = values(w2, "median_tpot_ms")
+        return [(values(w1, "output_throughput"), 1, False), (values(w1, "median_ttft_ms"), 0, False),
+                (values(w2, "median_ttft_ms"), 0, False), (tpot, 1, False),
+                ([info["rss_bytes"] / 1e9] if info.get("rss_bytes") else [], 2, False),
+                ([per_token / 1e9] if per_token else [], 2, False),
+                ([floor_ms] if floor_ms else [], 1, False),
+                ([floor_ms / x for x in tpot if x] if floor_ms else [], 0, True)]
+
+    def model_rows(self, model: str) -> list[list[str]]:
+        rows, figs = [], {}
+        for t in self.s.model_targets(model):
+            if not self.s.jobs(t):  # nothing ran: under "Not run"
+                continue
+            figs[t] = self.figures(t)
+            info = (self.s.meta.get("targets") or {}).get(t, {})
+            engine = t.partition("@")[0]
+            rows.append([model, TARGET_LABEL.get(engine, engine), info.get("weights_form", "-")]
+                        + [fmt(v, d, pct=p) for v, d, p in figs[t]])
+        ours, theirs = figs.get(f"kvserve@{model}"), figs.get(f"llamacpp-gguf@{model}")
+        if ours and theirs:
+            ratios = [ratio(med(a[0]), med(b[0])) for a, b in zip(ours, theirs)]
+            rows.append([model, "kvserve / llama.cpp", ""] + ratios[:-1] + ["-"])  # no ratio of two shares
+        return rows
+
+    def sizes(self) -> str:
+        """W1's and W2's sizes per shape (the suite's SIZES), from the jobs the session ran."""
+        said: dict[str, str] = {}
+        for model, rec in (self.s.meta.get("models") or {}).items():
+            jobs = {j["name"]: j.get("shape") or {} for j in rec.get("jobs", [])}
+            parts = []
+            if "W1" in jobs:
+                parts.append(f"W1 {jobs['W1']['num_prompts']} requests, at most {jobs['W1']['max_concurrency']} "
+                             "in flight")
+            if "W2" in jobs:
+                parts.append(f"W2 {jobs['W2']['num_prompts']} requests, one at a time")
+            if parts:
+                io_ = next(iter(jobs.values()))
+                said[model.partition(".")[0]] = (f"{'; '.join(parts)}; {io_['input']} prompt / {io_['output']} "
+                                                 "output tokens each (`ignore_eos`)")
+        return ". ".join(f"{shape}: {text}" for shape, text in said.items())
+
+    def why_not(self, t: str) -> str:
+        info = (self.s.meta.get("targets") or {}).get(t, {})
+        errors = [s["error"].splitlines()[0] for s in (info.get("servers") or {}).values() if s.get("error")]
+        return info.get("reason") or (errors[0] if errors else info.get("status", "no results"))
+
+    def render(self) -> str:
+        m = self.s.meta
+        mach = ((m.get("ceilings") or {}).get("machine")) or {}
+        bw = (m.get("ceilings") or {}).get("copy_bytes_per_s")
+        g = m.get("git") or {}
+        self.w("### Larger models: Llama-3.2-1B and Llama-3.1-8B shapes, random weights\n")
+        if m.get("quick"):
+            self.w("**A `--quick` session: tiny sizes to smoke-test the pipeline. The numbers mean nothing.**\n")
+        self.w(f"From the suite session `{self.s.root.name}` (started {m.get('started', '?')}, commit "
+               f"`{(g.get('commit') or '?')[:12]}`{' with uncommitted changes' if g.get('dirty') else ''}) on "
+               f"{mach.get('cpu_model', '?')}, {mach.get('nproc', '?')} cores. GGUF files with the real models' "
+               "shapes, random weights and SmolLM2's vocabulary (`python -m benchmarks.shapes`: written at Q8_0, "
+               "quantized to Q4_K_M by llama.cpp's `llama-quantize`); they serve at the real models' speed (the same "
+               "bytes and FLOPs per token), their text is noise. kvserve (engine defaults, so `weights = auto`, "
+               "unless its config below says otherwise) and llama.cpp's `llama-server` (`-np 32 -c 16384 "
+               "--no-cache-prompt`) serve the same file, one after the other, with the same client as the SmolLM2 "
+               "tables. Medians over the runs, [min-max] when there are several; latencies in ms.\n")
+        rows = [row for model in self.s.models() for row in self.model_rows(model)]
+        self.w(table(["model", "engine", "weights"] + self.COLUMNS, rows))
+        if self.sizes():
+            self.w(f"\n{self.sizes()}.")
+        self.w("\nFloor: the bytes a decode step reads per token over this session's copy bandwidth "
+               + (f"({bw / 1e9:.1f} GB/s" if bw else "(not measured") + ", `benchmarks.ceilings`: a tensor copy, bytes "
+               "read + written), the time a step would take if it did nothing but stream the weights once. kvserve "
+               "reads the weights it holds (its load log: `weights: <forms>, N GB held`); llama.cpp the GGUF's tensors "
+               "(gguf's reader; token_embd left out where the file has an output.weight, as only the prompt's rows of "
+               "it are read). floor / TPOT: the share of W2's time per output token (one sequence: one step per "
+               "token) that streaming the weights accounts for. RSS: the server process's VmRSS after load and "
+               "warm-up, its KV pool included (kvserve's `kv_cache_memory`, 2 GiB by default; llama.cpp's 16384 F16 "
+               "cells) and, for llama.cpp, the pages of the file it maps. Ratios: kvserve's figure over llama.cpp's "
+               "(tok/s: higher is better; the rest: lower).")
+        targets = [t for model in self.s.models() for t in self.s.model_targets(model)]
+        not_run = [f"{self.label(t)}: {self.why_not(t)}" for t in targets if not self.s.jobs(t)]
+        if not any(t.startswith("vllm") for t in targets):
+            not_run.append(f"vLLM CPU: {VLLM_NO_GGUF}")
+        self.w("\nNot run:\n\n" + "\n".join(f"- {line}" for line in not_run))
+        self.w("\n#### Commands\n")
+        self.w("```bash")
+        made_by: dict[str, list[str]] = {}  # one command may have run several models
+        for model, rec in (m.get("models") or {}).items():
+            made_by.setdefault(rec.get("command", "?"), []).append(f"{model}: {rec.get('file', '?')}")
+        for command, files in made_by.items():
+            self.w(f"# {'; '.join(files)}\n{command}")
+        self.w("```")
+        self.target_commands(targets, "#####")
         return "\n".join(self.out) + "\n"
 
 
@@ -607,11 +738,18 @@ def assemble(plots_dir: Path) -> str:
     md = INTRO
     for kind in CPU_KINDS:
         page = plots_dir / "cpu" / f"{kind}.md"
+        models = plots_dir / "cpu" / f"{kind}-models.md"  # the Larger models page (LargerModels)
         if page.exists():
             md = md.rstrip("\n") + "\n\n" + page.read_text().strip() + "\n"
+        elif models.exists():  # only shapes have been run on this kind
+            md = md.rstrip("\n") + f"\n\n## {CPU_KINDS[kind]}\n"
+        else:
+            continue
+        if models.exists():  # written at its level
+            md = md.rstrip("\n") + "\n\n" + models.read_text().strip() + "\n"
         for extra in ("quality", "profile"):  # benchmarks.quality and .profile --markdown on a machine of this kind
             path = plots_dir / "cpu" / f"{kind}-{extra}.md"
-            if page.exists() and path.exists():
+            if path.exists():
                 text = "\n".join("##" + line if line.startswith("# ") else line
                                  for line in path.read_text().splitlines())
                 md = md.rstrip("\n") + "\n\n" + text.strip() + "\n"
@@ -626,10 +764,15 @@ def render(a: argparse.Namespace) -> int:
     session = Session(root)
     kind = cpu_kind(session)
     kind_dir = Path(a.plots) / "cpu" / kind
-    made = plots(session, kind_dir)
-    page = Report(session, kind_dir, Path(a.markdown)).render()
     (Path(a.plots) / "cpu").mkdir(parents=True, exist_ok=True)
-    (Path(a.plots) / "cpu" / f"{kind}.md").write_text(page)
+    made = []
+    if not session.shapes_only():
+        made = plots(session, kind_dir)
+        page = Report(session, kind_dir, Path(a.markdown)).render()
+        (Path(a.plots) / "cpu" / f"{kind}.md").write_text(page)
+    if session.models():
+        page = LargerModels(session, kind_dir, Path(a.markdown)).render()
+        (Path(a.plots) / "cpu" / f"{kind}-models.md").write_text(page)
     for extra in ("profile", "quality"):  # the session's own pages (Suite.kind_pages) replace the kind's
         if (root / f"{extra}.md").exists():
             (Path(a.plots) / "cpu" / f"{kind}-{extra}.md").write_text((root / f"{extra}.md").read_text())

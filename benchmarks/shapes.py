@@ -41,6 +41,38 @@ SHAPES = {
 QUANTS = ("Q4_K_M", "Q8_0")
 
 
+@dataclass(frozen=True)
+class ShapeModel:
+    """One shape at one quantization, as the benchmark suite serves it (`--models llama-1b.Q4_K_M`): kvserve
+    and llama.cpp load this same file."""
+
+    shape: str  # a key of SHAPES
+    quant: str  # one of QUANTS
+
+    @classmethod
+    def parse(cls, name: str) -> "ShapeModel":
+        shape, _, quant = name.partition(".")
+        if shape not in SHAPES or quant not in QUANTS:
+            raise ValueError(f"unknown model {name!r}; shapes: " + ", ".join(model_names()))
+        return cls(shape, quant)
+
+    @property
+    def name(self) -> str:
+        return f"{self.shape}.{self.quant}"
+
+    @property
+    def model_id(self) -> str:  # what the servers are asked for
+        return f"{self.shape}-{self.quant.lower()}"
+
+    @property
+    def path(self) -> Path:
+        return model_path(self.shape, self.quant)
+
+
+def model_names() -> list[str]:
+    return [f"{shape}.{quant}" for shape in SHAPES for quant in QUANTS]
+
+
 def shapes_dir() -> Path:
     return peers_dir() / "models" / "shapes"
 

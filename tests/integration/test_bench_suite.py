@@ -82,3 +82,30 @@ def test_suite_quick_against_kvserve(tmp_path, smollm2_gguf_path):
         # the random prompts re-tokenize on the server to exactly the length we meant
         assert res["server_prompt_tokens"] == res["input_lens"] == [32] * n
     assert "| kvserve |" in (root / "BENCHMARKS.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_shape_model_runs_w1_and_w2_into_its_own_results(tmp_path, monkeypatch):
+    """--models with a shape: its targets' results go to <target>@<model>/, W1 and W2 only, with the server's RSS;
+    vLLM is recorded as not run and why; the report has its Larger models section and no SmolLM2 tables."""
+    from benchmarks.targets import VLLM_NO_GGUF
+
+    shapes = tmp_path / "peers" / "models" / "shapes"
+    shapes.mkdir(parents=True)
+    (shapes / "llama-1b.Q4_K_M.gguf").write_bytes(b"")  # the fake server loads nothing
+    monkeypatch.setenv("PEERS_DIR", str(tmp_path / "peers"))
+    root = run_suite(tmp_path, "--targets", "fake,vllm", "--models", "llama-1b.Q4_K_M,llama-1b.Q8_0",
+                     "--workloads", "W1,W2,W3")
+    meta = json.loads((root / "meta.json").read_text())
+    fake = meta["targets"]["fake@llama-1b.Q4_K_M"]
+    assert fake["status"] == "done" and fake["rss_bytes"] > 1 << 20
+    assert meta["targets"]["vllm@llama-1b.Q4_K_M"]["reason"] == meta["targets"]["vllm@llama-1b.Q8_0"]["reason"] \
+        == VLLM_NO_GGUF
+    assert "missing" in meta["targets"]["fake@llama-1b.Q8_0"]["reason"]  # no file, no BENCH_PEERS_SETUP
+    assert sorted(p.name for p in (root / "fake@llama-1b.Q4_K_M").iterdir() if p.is_dir()) == ["W1", "W2"]
+    for job, n in (("W1", 8), ("W2", 2)):
+        res = json.loads((root / "fake@llama-1b.Q4_K_M" / job / "run0.json").read_text())
+        assert res["completed"] == n and res["failed"] == 0 and res["model_id"] == "llama-1b-q4_k_m"
+    assert [j["name"] for j in meta["models"]["llama-1b.Q4_K_M"]["jobs"]] == ["W1", "W2"] and "jobs" not in meta
+    md = (root / "BENCHMARKS.md").read_text()
+    assert "### Larger models" in md and "| llama-1b.Q4_K_M | fake |" in md and "### W1 throughput" not in md

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import targets as T
-from benchmarks.suite import build_jobs, parse_args
+from benchmarks.shapes import ShapeModel
+from benchmarks.suite import ALL_WORKLOADS, build_jobs, parse_args
 
 
 def _opt(args: list[str], name: str) -> str:
@@ -56,10 +57,94 @@ def test_parse_args_defaults(monkeypatch):
     assert a.targets == ["kvserve"] and a.runs == 3 and a.workloads == ["W1", "W2", "W3", "W4", "W5", "SWEEP"]
     monkeypatch.setenv("BENCH_PEERS", "1")
     a = parse_args(["--quick", "--workloads", "w1,W3"])
-    assert a.targets == ["kvserve", "vllm", "vllm-fp32", "llamacpp-bf16", "llamacpp-f16", "llamacpp-q4_1", "hf-static"]
-    assert a.runs == 1 and a.workloads == ["W1", "W3"]
+    assert a.targets == ["kvserve", "vllm", "vllm-fp32", "llamacpp-bf16", "llamacpp-f16", "llamacpp-q4_1", "hf-static",
+                         "llamacpp-gguf"]
+    assert a.runs == 1 and a.workloads == ["W1", "W3"] and a.models == ["smollm2-135m"]
     with pytest.raises(SystemExit):
         parse_args(["--workloads", "W9"])
+
+
+def test_models_option():
+    a = parse_args(["--models", "smollm2-135m, llama-1b.Q4_K_M,llama-8b.Q8_0"])
+    assert a.models == ["smollm2-135m", "llama-1b.Q4_K_M", "llama-8b.Q8_0"]
+    for bad in ("llama-3b.Q4_K_M", "llama-1b.Q5_K", "llama-1b"):
+        with pytest.raises(SystemExit):
+            parse_args(["--models", bad])
+    m = ShapeModel.parse("llama-8b.Q4_K_M")
+    assert (m.shape, m.quant, m.model_id, m.name) == ("llama-8b", "Q4_K_M", "llama-8b-q4_k_m", "llama-8b.Q4_K_M")
+
+
+def test_shape_jobs_are_w1_and_w2_at_their_sizes():
+    """A shape runs W1 and W2 only (256 in / 128 out), at the sizes of SIZES; no `vllm bench serve` check."""
+    for shape, (n1, c1, n2) in (("llama-1b", (32, 32, 4)), ("llama-8b", (16, 8, 2))):
+        jobs = {j.name: j for j in build_jobs(list(ALL_WORKLOADS), runs=3, quick=False, model=shape)}
+        assert list(jobs) == ["W1", "W2"] and jobs["W1"].runs == jobs["W2"].runs == 3
+        w1, w2 = jobs["W1"].args, jobs["W2"].args
+        assert (_opt(w1, "--num-prompts"), _opt(w1, "--max-concurrency")) == (str(n1), str(c1))
+        assert (_opt(w2, "--num-prompts"), _opt(w2, "--max-concurrency")) == (str(n2), "1")
+        assert _opt(w1, "--random-input-len") == "256" and _opt(w2, "--random-output-len") == "128"
+        assert not any(j.vllm_client_check for j in jobs.values())
+    quick = {j.name: j for j in build_jobs(["W1", "W2"], runs=1, quick=True, model="llama-8b")}
+    assert _opt(quick["W1"].args, "--num-prompts") == "8" and _opt(quick["W2"].args, "--random-input-len") == "32"
+    assert build_jobs(["W3", "W5"], runs=1, quick=False, model="llama-1b") == []  # W5's W1 is SmolLM2's calibration
+
+
+def test_targets_on_a_shape_serve_its_file(tmp_path, monkeypatch):
+    """kvserve and llama-server load the same GGUF under the same id; vLLM says why not; SmolLM2's llama.cpp
+    precisions and hf-static have no shape counterpart (nor llamacpp-gguf a SmolLM2 one)."""
+    from kvserve.config import ServerConfig
+
+    monkeypatch.setenv("PEERS_DIR", str(tmp_path))
+    model = ShapeModel.parse("llama-1b.Q4_K_M")
+    path = tmp_path / "models" / "shapes" / "llama-1b.Q4_K_M.gguf"
+    assert model.path == path
+    made = T.all_targets(["kvserve"] + T.PEER_TARGETS, model=model)
+    assert [t.name for t in made] == ["kvserve@llama-1b.Q4_K_M", "vllm@llama-1b.Q4_K_M", "vllm-fp32@llama-1b.Q4_K_M",
+                                      "llamacpp-gguf@llama-1b.Q4_K_M"]
+    assert "llamacpp-gguf" not in [t.name for t in T.all_targets(["kvserve"] + T.PEER_TARGETS)]
+    kv, vllm, _, llama = made
+    spec = kv.server_spec("default", 8000, tmp_path)
+    cfg = ServerConfig.from_toml(spec.argv[spec.argv.index("--config") + 1])
+    assert [(m.id, m.source) for m in cfg.models] == [("llama-1b-q4_k_m", str(path))]
+    limits = cfg.models[0].engine_config().scheduler.interactive  # the peers refuse nothing; nor does kvserve
+    assert limits.max_ttft_s == limits.max_queue_wait_s == limits.queue_timeout_s == float("inf")
+    assert vllm.available() == (False, T.VLLM_NO_GGUF) and vllm.setup_command() is None
+    llama._bin = "/opt/llama/bin"
+    a = llama.server_spec(llama.variant("plain"), 8200, tmp_path).argv
+    assert _opt(a, "-m") == str(path) and _opt(a, "--alias") == "llama-1b-q4_k_m" == llama.model_id
+    assert (_opt(a, "-np"), _opt(a, "-c")) == ("32", "16384") and "--no-cache-prompt" in a and "--no-repack" not in a
+    assert "the GGUF file's types" in llama.describe()["dtype"]
+
+
+def test_bytes_a_decode_step_reads(tmp_path):
+    """kvserve: the GB its load log says it holds; llama.cpp: the GGUF's tensors, without token_embd where the
+    file has an output.weight (only the prompt's rows of it are read)."""
+    import gguf
+    import numpy as np
+
+    log = tmp_path / "server.log"
+    log.write_text("2026 INFO kvserve.engine.llm_engine: llama-1b-q4_k_m weights: int4+int8, 0.79 GB held "
+                   "(112 Q4_K as int4, 33 Q6_K requantized to int8)\n")
+    assert T.KvserveTarget().weights_read(log) == {
+        "weights_form": "int4+int8", "bytes_per_token": 0.79e9,
+        "weights_detail": "112 Q4_K as int4, 33 Q6_K requantized to int8"}
+    log.write_text("no load line yet\n")
+    assert T.KvserveTarget().weights_read(log) == {}
+
+    def write(path, names):
+        w = gguf.GGUFWriter(str(path), "llama")
+        for name in names:
+            w.add_tensor(name, np.zeros((4, 32), dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+
+    tied = write(tmp_path / "tied.gguf", ["token_embd.weight", "blk.0.ffn_up.weight"])
+    untied = write(tmp_path / "untied.gguf", ["token_embd.weight", "blk.0.ffn_up.weight", "output.weight"])
+    assert T.gguf_bytes_per_token(tied) == 2 * 4 * 32 * 4
+    assert T.gguf_bytes_per_token(untied) == 2 * 4 * 32 * 4
 
 
 def test_vllm_server_command(tmp_path, monkeypatch):
@@ -223,3 +308,77 @@ def test_isa_cap_masks_torch_cpu_probes_above_the_level():
     avx512, bf16, amx, avx2 = json.loads(out.stdout.strip().splitlines()[-1])
     assert (avx512, bf16, amx) == (False, False, False)
     assert avx2 == ("avx2" in Path("/proc/cpuinfo").read_text())
+
+
+def _write_session(root: Path, meta: dict, runs: dict[tuple[str, str], list[dict]]) -> Path:
+    root.mkdir(parents=True)
+    (root / "meta.json").write_text(json.dumps(meta))
+    for (target, job), results in runs.items():
+        (root / target / job).mkdir(parents=True)
+        for k, r in enumerate(results):
+            (root / target / job / f"run{k}.json").write_text(json.dumps(r))
+    return root
+
+
+def test_larger_models_page(tmp_path):
+    """A session of shapes alone renders its kind's "Larger models" page (medians, ratios, the weight-bandwidth
+    floor, what did not run and why) and leaves the kind's SmolLM2 page alone; a SmolLM2-only session (as every
+    earlier one) renders that page as before and keeps the models page."""
+    from benchmarks import report
+
+    machine = {"ceilings": {"copy_bytes_per_s": 20e9, "machine": {"cpu_model": "EPYC", "nproc": 2, "avx2": True}}}
+    m = "llama-1b.Q4_K_M"
+    jobs = [{"name": "W1", "shape": {"input": 256, "output": 128, "num_prompts": 32, "max_concurrency": 32}},
+            {"name": "W2", "shape": {"input": 256, "output": 128, "num_prompts": 4, "max_concurrency": 1}}]
+    meta = {**machine, "session": "shapes", "models": {m: {"model": "Llama-3.2-1B", "file": "/x/llama-1b.Q4_K_M.gguf",
+                                                           "command": "python -m benchmarks.suite --models " + m,
+                                                           "jobs": jobs}},
+            "targets": {f"kvserve@{m}": {"status": "done", "rss_bytes": 3.1e9, "bytes_per_token": 0.8e9,
+                                         "weights_form": "int4+int8",
+                                         "servers": {"default": {"command": "kvserve serve --config k.toml"}}},
+                        f"llamacpp-gguf@{m}": {"status": "done", "rss_bytes": 1.5e9, "bytes_per_token": 0.6e9,
+                                               "weights_form": "Q4_K_M file"},
+                        f"vllm@{m}": {"status": "skipped", "reason": T.VLLM_NO_GGUF}}}
+    runs = {(f"kvserve@{m}", "W1"): [{"output_throughput": 60.0, "median_ttft_ms": 9000.0}],
+            (f"kvserve@{m}", "W2"): [{"median_ttft_ms": 900.0, "median_tpot_ms": 80.0},
+                                     {"median_ttft_ms": 1100.0, "median_tpot_ms": 100.0}],
+            (f"llamacpp-gguf@{m}", "W1"): [{"output_throughput": 40.0, "median_ttft_ms": 12000.0}],
+            (f"llamacpp-gguf@{m}", "W2"): [{"median_ttft_ms": 1000.0, "median_tpot_ms": 60.0}]}
+    root = _write_session(tmp_path / "shapes", meta, runs)
+    plots, md = tmp_path / "docs", tmp_path / "BENCHMARKS.md"
+    (plots / "cpu").mkdir(parents=True)
+    (plots / "cpu" / "avx2.md").write_text("## CPU: AVX2 only (no AVX-512, no native bf16)\n\nthe SmolLM2 page\n")
+    assert report.main(["--session", str(root), "--markdown", str(md), "--plots", str(plots)]) == 0
+    page = (plots / "cpu" / "avx2-models.md").read_text()
+    assert "the SmolLM2 page" in (plots / "cpu" / "avx2.md").read_text()  # not rewritten by a shapes-only session
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line
+            for line in page.splitlines() if line.startswith("| ")}
+    kv, ratios = rows[(m, "kvserve")], rows[(m, "kvserve / llama.cpp")]
+    # W1 tok/s, W1 TTFT, W2 TTFT (median of 900 and 1100), W2 TPOT, RSS, GB/token, floor 0.8 GB / 20 GB/s = 40 ms
+    assert "| int4+int8 | 60.0 | 9000 | 1000 [900-1100] | 90.0 [80.0-100.0] | 3.10 | 0.80 | 40.0 | 45% [40-50] |" in kv
+    assert "| 1.50x | 0.75x | 1.00x | 1.50x | 2.07x | 1.33x | 1.33x | - |" in ratios
+    assert "| 30.0 | 50% |" in rows[(m, "llama.cpp")]  # 0.6 GB / 20 GB/s over a 60 ms TPOT
+    assert "llama-1b: W1 32 requests, at most 32 in flight; W2 4 requests, one at a time; 256 prompt" in page
+    assert f"- vLLM CPU, {m}: {T.VLLM_NO_GGUF}" in page and "20.0 GB/s" in page
+    assert "python -m benchmarks.suite --models llama-1b.Q4_K_M" in page and "kvserve serve --config k.toml" in page
+    text = md.read_text()
+    assert text.index("the SmolLM2 page") < text.index("### Larger models") < text.index("| kvserve / llama.cpp")
+
+    old = _write_session(tmp_path / "old", {**machine, "jobs": [{"name": "W2", "shape": {}}],
+                                            "targets": {"kvserve": {"status": "done"}}},
+                         {("kvserve", "W2"): [{"median_ttft_ms": 50.0, "median_tpot_ms": 5.0}]})
+    assert report.main(["--session", str(old), "--markdown", str(md), "--plots", str(plots)]) == 0
+    assert "the SmolLM2 page" not in (plots / "cpu" / "avx2.md").read_text()
+    assert (plots / "cpu" / "avx2-models.md").read_text() == page
+    text = md.read_text()
+    assert "### Larger models" not in (plots / "cpu" / "avx2.md").read_text()
+    assert text.index("### W1 throughput") < text.index("### Larger models")
+
+
+def test_a_kind_with_only_shapes_still_gets_its_heading(tmp_path):
+    from benchmarks import report
+
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "avx512-models.md").write_text("### Larger models: x\n")
+    md = report.assemble(tmp_path)
+    assert md.index(f"## {report.CPU_KINDS['avx512']}") < md.index("### Larger models: x")
