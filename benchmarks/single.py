@@ -24,18 +24,15 @@ def _rss_mib() -> float:
     return float("nan")
 
 
-def measure(model: str, dtype: str, tokens: int, runs: int, weights: str) -> dict:
-    from kvserve import LLM, SamplingParams
+def decode_rates(engine, tokens: int, runs: int) -> list[float]:
+    """Tokens/s of one greedy sequence, `tokens` tokens after the first (prefill excluded), for each of
+    `runs` runs after a warm-up run."""
+    from kvserve import SamplingParams
 
-    t0 = time.perf_counter()
-    llm = LLM(model, dtype=dtype, kv_cache_memory="256MiB", swap_space=0, weights=weights)
-    load_s = time.perf_counter() - t0
-    rss = _rss_mib()
-    engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
     rates = []
     for i in range(runs + 1):  # the first run warms up
-        engine.add_request("The history of the city begins", params, request_id=f"r{i}")
+        engine.add_request("The history of the city begins", params)
         first = last = None
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -45,6 +42,18 @@ def measure(model: str, dtype: str, tokens: int, runs: int, weights: str) -> dic
                 last = now
         if i:
             rates.append(tokens / (last - first))
+    return rates
+
+
+def measure(model: str, dtype: str, tokens: int, runs: int, weights: str) -> dict:
+    from kvserve import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(model, dtype=dtype, kv_cache_memory="256MiB", swap_space=0, weights=weights)
+    load_s = time.perf_counter() - t0
+    rss = _rss_mib()
+    engine = llm.engine
+    rates = decode_rates(engine, tokens, runs)
     import torch
 
     return {"model": model, "dtype": dtype, "weights": engine.weights, "load_s": round(load_s, 2),

@@ -9,7 +9,8 @@ from dataclasses import asdict
 
 from kvserve.config import Priority
 from kvserve.planning.search import SLO, Load, Plan, PlanResult, Redundancy, plan
-from kvserve.planning.specs import (UnknownSpec, accelerator_spec, known_accelerators, known_models, model_spec)
+from kvserve.planning.specs import (UnknownSpec, WeightQuality, accelerator_spec, known_accelerators, known_models,
+                                    known_weight_quality, model_spec)
 from kvserve.planning.traces import LengthDist, Workload, bursty, poisson, recorded, shape
 
 _SLO_RE = re.compile(r"^(ttft|tpot):p(\d+(?:\.\d+)?)=(\d+(?:\.\d+)?)(ms|s)?$", re.IGNORECASE)
@@ -43,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-share", type=float, default=0.0, help="share of the requests in the batch tier (0-1)")
     p.add_argument("--slo", type=parse_slo, action="append", default=None,
                    help="interactive SLO, repeatable: ttft:p50=200ms, tpot:p50=50ms (default those two)")
-    p.add_argument("--dtypes", default="bf16,fp8", help="weight and KV dtypes to consider (default bf16,fp8)")
+    p.add_argument("--dtypes", default="bf16,fp8",
+                   help="weight and KV dtypes to consider (default bf16,fp8); int8 and int4 are for weights only")
     p.add_argument("--regions", type=int, default=1, help="regions; >1 sizes each to survive one region's loss")
     p.add_argument("--availability", type=float, default=None, help="availability target in percent, e.g. 99.9")
     p.add_argument("--replica-availability", type=float, default=99.0,
@@ -151,6 +153,25 @@ def describe(p: Plan) -> list[str]:
     return lines
 
 
+DENSE_WEIGHTS = ("bf16", "fp16", "fp32")
+
+
+def quality_assumptions(weight_dtypes, table: dict[str, WeightQuality]) -> list[str]:
+    """What the plans assume of each quantized weight format they use: its measured quality where
+    data/quantization.toml has it, else that nothing here measured it."""
+    out = []
+    for d in sorted(set(weight_dtypes) - set(DENSE_WEIGHTS)):
+        q = table.get(d)
+        out.append(q.assumption() if q else f"{d} weights: quality not measured here (data/quantization.toml has "
+                                            f"{', '.join(sorted(table)) or 'nothing'}); assumed acceptable")
+    return out
+
+
+def _assumptions(r: PlanResult) -> list[str]:
+    return quality_assumptions({p.candidate.deployment.weight_dtype for p in [r.best, *r.per_accelerator]},
+                               known_weight_quality())
+
+
 def render(r: PlanResult, model: str, load: Load, slos: list[SLO]) -> str:
     batch = f", {load.batch_share:.0%} batch tier" if load.batch_share else ""
     out = [f"kvserve plan: {model}, {load.requests_per_min:,.0f} requests/min ({load.requests_per_min / 60:,.1f}/s), "
@@ -169,6 +190,9 @@ def render(r: PlanResult, model: str, load: Load, slos: list[SLO]) -> str:
             out.append(f"  {d.accelerator.name}: {p.replicas} replica(s) x{d.tp} ({d.weight_dtype} weights, "
                        f"{d.kv_dtype} KV, max_num_seqs {p.candidate.max_num_seqs}), {p.devices} device(s), "
                        f"${p.cost_per_hour:,.2f}/hour; binds: {p.candidate.binds}{checked}{verdict}")
+    assumptions = _assumptions(r)
+    if assumptions:
+        out += ["", "Assumed (quality):"] + [f"  {a}" for a in assumptions]
     out += ["", f"searched {r.searched} configurations in {r.seconds:.1f} s"]
     return "\n".join(out)
 
@@ -190,8 +214,8 @@ def plan_json(r: PlanResult, model: str, load: Load, slos: list[SLO]) -> dict:
     return {"model": model, "load": {"requests_per_min": load.requests_per_min, "input": load.prompt.mean,
                                      "output": load.output.mean, "batch_share": load.batch_share},
             "slos": [asdict(s) for s in slos], "plan": _plan_dict(r.best),
-            "per_accelerator": [_plan_dict(p) for p in r.per_accelerator], "searched": r.searched,
-            "seconds": r.seconds}
+            "per_accelerator": [_plan_dict(p) for p in r.per_accelerator], "assumptions": _assumptions(r),
+            "searched": r.searched, "seconds": r.seconds}
 
 
 def cmd_calibrate(a) -> int:

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvserve.planning.memory import dtype_bytes, kv_bytes_per_token, parameter_count
+from kvserve.planning.memory import WEIGHT_ONLY, dtype_bytes, kv_bytes_per_token, parameter_count
 from kvserve.planning.specs import AcceleratorSpec, ModelSpec
 
 
@@ -112,6 +112,8 @@ class Deployment:
         dtype_bytes(self.weight_dtype), dtype_bytes(self.kv_dtype)
         if self.tp < 1:
             raise ValueError("tp must be >= 1")
+        if self.kv_dtype in WEIGHT_ONLY:
+            raise ValueError(f"{self.kv_dtype} is a weight format, not a KV cache dtype")
 
     @property
     def label(self) -> str:

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from kvserve.config import Priority, SchedulerConfig, TierLimits
-from kvserve.planning.memory import MemoryPlan, memory_plan
+from kvserve.planning.memory import WEIGHT_ONLY, MemoryPlan, memory_plan
 from kvserve.planning.roofline import GPU_EFFICIENCY, Deployment, Efficiency, StepModel, Work
 from kvserve.planning.simulator import SimResult, Simulator, percentile
 from kvserve.planning.specs import AcceleratorSpec, ModelSpec
@@ -228,7 +228,9 @@ def _at_least(k: int, n: int, p: float) -> float:
 
 
 def candidates(model: ModelSpec, accelerators: list[AcceleratorSpec], dtypes=DTYPES) -> list[Deployment]:
+    """Every deployment of `dtypes` for weights and KV (int8 / int4 for weights only; KV bf16 if no other)."""
     out = []
+    kv_dtypes = [d for d in dtypes if d not in WEIGHT_ONLY] or ["bf16"]
     for acc in accelerators:
         if acc.calibrated is not None:  # a measured machine runs as it was measured
             out.append(Deployment(model, acc, 1, acc.calibrated["weight_dtype"], acc.calibrated["kv_dtype"]))
@@ -237,7 +239,7 @@ def candidates(model: ModelSpec, accelerators: list[AcceleratorSpec], dtypes=DTY
             if tp > acc.max_per_node or model.num_heads % tp:
                 continue
             for wd in dtypes:
-                for kd in dtypes:
+                for kd in kv_dtypes:
                     out.append(Deployment(model, acc, tp, wd, kd))
     return out
 

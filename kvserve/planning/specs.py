@@ -4,7 +4,8 @@ The shipped tables (`data/models.toml`, `data/accelerators.toml`) hold published
 URL it came from; a model may also be given by the path of a Hugging Face `config.json` (or its
 directory) or a GGUF file, and this machine's CPU by a calibration file (`kvserve plan calibrate`).
 Accelerator figures are datasheet peaks; how much of a peak a real engine reaches is the roofline's
-business (planning/roofline.py), not the spec's.
+business (planning/roofline.py), not the spec's. `data/quantization.toml` holds the quality of quantized
+weights as measured here on small models, which a plan proposing such weights states as its assumption.
 """
 from __future__ import annotations
 
@@ -102,6 +103,23 @@ class AcceleratorSpec:
         return self.fp8_flops if fp8 and self.fp8_flops else self.bf16_flops
 
 
+@dataclass(frozen=True)
+class WeightQuality:
+    """How far one weight format moved small models from float32 where it was measured (data/quantization.toml,
+    written by benchmarks/quality.py --tradeoff): what a plan that proposes the format assumes of its quality."""
+
+    dtype: str
+    measured: tuple[tuple[str, float, float], ...]  # (model, mean KLD in nats, top-1 agreement)
+    machine: str
+    date: str
+    page: str
+
+    def assumption(self) -> str:
+        figures = "; ".join(f"{m}: KLD {kld:.4f}, top-1 {top1:.1%}" for m, kld, top1 in self.measured)
+        return (f"{self.dtype} weights: {figures} against float32, measured on {self.machine} ({self.date}, "
+                f"{self.page}); assumed to carry over to this model and accelerator")
+
+
 _MODEL_KEYS = {f.name for f in fields(ModelSpec)}
 
 
@@ -134,6 +152,21 @@ def known_models() -> dict[str, ModelSpec]:
 def known_accelerators() -> dict[str, AcceleratorSpec]:
     with open(DATA / "accelerators.toml", "rb") as f:
         return {a.name: a for a in map(_accelerator_from_row, tomllib.load(f)["accelerator"])}
+
+
+def weight_quality_from_toml(doc: dict) -> dict[str, WeightQuality]:
+    """data/quantization.toml's rows grouped by weight format."""
+    by: dict[str, list] = {}
+    for r in doc.get("weights", []):
+        by.setdefault(r["dtype"], []).append((r["model"], float(r["kld"]), float(r["top1"])))
+    return {d: WeightQuality(d, tuple(rows), doc["machine"], doc["date"], doc.get("page", ""))
+            for d, rows in by.items()}
+
+
+@cache
+def known_weight_quality() -> dict[str, WeightQuality]:
+    with open(DATA / "quantization.toml", "rb") as f:
+        return weight_quality_from_toml(tomllib.load(f))
 
 
 def _lookup(name: str, table: dict, what: str, hint: str):

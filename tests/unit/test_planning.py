@@ -119,6 +119,22 @@ def test_tensor_parallel_and_fp8_terms():
     assert fp8.memory_s < 0.6 * one.memory_s  # half the weight bytes
 
 
+def test_int8_and_int4_are_weight_formats_read_at_their_bytes():
+    l8, h100 = model_spec("llama-3.1-8b"), accelerator_spec("h100-sxm")
+    # a value and, per 32 of them, an fp16 scale and minimum (models/quant.py's format)
+    assert memory.dtype_bytes("int8") == 1 + 4 / 32 and memory.dtype_bytes("int4") == 0.5 + 4 / 32
+    bf16 = StepModel(Deployment(l8, h100, 1, "bf16", "bf16")).cost([Work(1, 1000)])
+    int4 = StepModel(Deployment(l8, h100, 1, "int4", "bf16")).cost([Work(1, 1000)])
+    assert int4.memory_s < 0.4 * bf16.memory_s
+    with pytest.raises(ValueError, match="not a KV cache dtype"):
+        Deployment(l8, h100, 1, "bf16", "int4")
+    from kvserve.planning.search import candidates
+
+    kinds = {(d.weight_dtype, d.kv_dtype) for d in candidates(l8, [h100], ("bf16", "int8", "int4"))}
+    assert kinds == {("bf16", "bf16"), ("int8", "bf16"), ("int4", "bf16")}
+    assert {d.kv_dtype for d in candidates(l8, [h100], ("int4",))} == {"bf16"}  # KV bf16 when none is given
+
+
 # ---- the simulator ------------------------------------------------------------------------------------
 
 class LinearStep:
@@ -224,6 +240,41 @@ def test_batch_work_fills_headroom_and_is_priced_per_tier():
              Load(6000, LengthDist(500), LengthDist(200), batch_share=0.5), [SLO("ttft", 50, 0.5)], simulate=False)
     p = r.best
     assert set(p.cost_per_million) == {"interactive", "batch"} and p.interactive_replicas >= 1
+
+
+def test_the_measured_quality_of_int8_and_int4_weights_is_shipped_with_its_provenance():
+    from kvserve.planning.specs import known_weight_quality
+
+    table = known_weight_quality()
+    assert {"int8", "int4"} <= set(table)
+    for q in table.values():
+        assert {m for m, _, _ in q.measured} == {"smollm2-135m", "gemma3-270m"}
+        assert all(0 <= kld < 10 and 0 < top1 <= 1 for _, kld, top1 in q.measured)
+        assert q.machine and q.date and q.page.endswith(".md")
+    # 4 bits lose more than 8 on every model measured
+    eight = dict((m, kld) for m, kld, _ in table["int8"].measured)
+    assert all(kld > eight[m] for m, kld, _ in table["int4"].measured)
+
+
+def test_a_plan_with_quantized_weights_states_the_quality_it_assumes():
+    from kvserve.planning.cli import plan_json, quality_assumptions, render
+    from kvserve.planning.specs import WeightQuality
+
+    table = {"int4": WeightQuality("int4", (("smollm2-135m", 0.0812, 0.853), ("gemma3-270m", 0.1, 0.8)),
+                                   "AMD EPYC (CPU level native)", "2026-12-02", "docs/bench/quality-tradeoff.md")}
+    text = quality_assumptions(["bf16", "int4", "fp8", "int4"], table)
+    assert text[0].startswith("fp8 weights: quality not measured here") and len(text) == 2
+    assert text[1] == ("int4 weights: smollm2-135m: KLD 0.0812, top-1 85.3%; gemma3-270m: KLD 0.1000, top-1 "
+                       "80.0% against float32, measured on AMD EPYC (CPU level native) (2026-12-02, "
+                       "docs/bench/quality-tradeoff.md); assumed to carry over to this model and accelerator")
+    assert quality_assumptions(["bf16"], table) == []
+    # the planner reads the shipped table: a plan that can only use int4 weights says what it assumes
+    load, slos = Load(600, LengthDist(500), LengthDist(100)), [SLO("ttft", 50, 1.0)]
+    r = plan(model_spec("llama-3.1-8b"), [accelerator_spec("l4")], load, slos, dtypes=("int4",), simulate=False)
+    assert r.best.candidate.deployment.weight_dtype == "int4"
+    out = render(r, "llama-3.1-8b", load, slos)
+    assert "Assumed (quality):\n  int4 weights: smollm2-135m: KLD" in out and "assumed to carry over" in out
+    assert plan_json(r, "llama-3.1-8b", load, slos)["assumptions"][0].startswith("int4 weights:")
 
 
 # ---- calibration fit ----------------------------------------------------------------------------------
