@@ -1,6 +1,7 @@
 """Load time, resident memory and single-sequence decode speed of each model and dtype.
 
     python -m benchmarks.single [--models smollm2-135m,gemma3-270m] [--dtypes float32,bfloat16] [--tokens 64]
+                                [--weights auto,bf16] [--json out.json]
 
 Each (model, dtype) runs in a fresh process so the resident-memory figure is that model's alone.
 Decode speed is the offline engine's: one greedy sequence, `--tokens` tokens after the first,
@@ -67,7 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--weights", default="auto", help="auto, bf16, int8 or int4 (EngineConfig.weights)")
+    ap.add_argument("--weights", default="auto",
+                    help="comma-separated EngineConfig.weights settings: auto, bf16, int8, int4 (default auto)")
+    ap.add_argument("--json", default=None, help="write the rows here too")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -77,16 +80,20 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for model in args.models.split(","):
         for dtype in args.dtypes.split(","):
-            cmd = [sys.executable, "-m", "benchmarks.single", "--child", f"{model}:{dtype}",
-                   "--tokens", str(args.tokens), "--runs", str(args.runs), "--weights", args.weights]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            rows.append(json.loads(out.strip().splitlines()[-1]))
+            for weights in args.weights.split(","):
+                cmd = [sys.executable, "-m", "benchmarks.single", "--child", f"{model}:{dtype}",
+                       "--tokens", str(args.tokens), "--runs", str(args.runs), "--weights", weights]
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+                rows.append(json.loads(out.strip().splitlines()[-1]))
     print("| model | dtype | weights | load s | RSS MiB | decode tok/s | ms/token |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['dtype']} | {r['weights']} | {r['load_s']} | {r['rss_mib']} | {r['decode_tok_s']} | "
               f"{r['decode_ms_per_token']} |")
     print(json.dumps(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

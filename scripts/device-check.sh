@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The CUDA path in a few minutes, on a machine with an NVIDIA GPU (the device tool lends one to some
-# tasks): the engine tests on CUDA, greedy parity with transformers, and offline throughput (W1's
-# shape: 64 prompts of 256 tokens, 128 out, at concurrency 32) with time to first token (W2-like).
-#   bash scripts/cuda_check.sh [OUT_DIR]
+# tasks), in under 8 minutes: the engine tests on CUDA, greedy parity with transformers, offline throughput
+# (W1's shape: 64 prompts of 256 tokens, 128 out, at concurrency 32) and single-stream decode (W2's TPOT)
+# for each `weights` setting. On CUDA every setting computes from dense bf16 (the loader dequantizes: no
+# torch quantized GEMM is wired in); the figures say what each setting costs there.
+#   bash scripts/device-check.sh [OUT_DIR]
 # It needs a CUDA build of torch 2.13.0 in $PY (default .venv/bin/python): the CPU wheel that
 # `make install` pins sees no GPU. Results (the pytest log, offline.json, nvidia-smi) go to OUT_DIR.
 set -uo pipefail
@@ -27,5 +29,9 @@ status=$(( status | ${PIPESTATUS[0]} ))
 
 timeout 300 "$PY" -m benchmarks.offline --dtype bfloat16 --runs 1 --no-hf --out "$OUT/offline.json" \
   2>&1 | tee "$OUT/offline.log" | tail -20
+status=$(( status | ${PIPESTATUS[0]} ))
+
+timeout 120 "$PY" -m benchmarks.single --models smollm2-135m,gemma3-270m --dtypes bfloat16 --weights auto,bf16 \
+  --tokens 64 --json "$OUT/single.json" 2>&1 | tee "$OUT/single.log" | tail -10
 status=$(( status | ${PIPESTATUS[0]} ))
 exit $status
