@@ -723,7 +723,7 @@ struct QuantRows {
   }
 };
 
-constexpr int kQuantRows = 8;  // rows a direct pass holds: 8 chunk sums and 8 totals of 16 columns
+constexpr int kQuantRows = 4;  // rows a direct pass holds: kQuantChains partial sums and a total each
 constexpr int64_t kQuantDirectRows = 8;  // up to this many rows, multiply as read; above, widen to a panel
 
 // Tile row (16 columns x a k pair) of int8 values as bf16 (exact: |q| <= 128).
@@ -741,7 +741,10 @@ inline void q4_rows(const uint8_t* q, __m512bh& lo, __m512bh& hi) {
   hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(bytes, 4), bias);
 }
 
-// c [R, 16] = R rows of A (bf16, stride lda) times one quantized column block.
+// c [R, 16] = R rows of A (bf16, stride lda) times one quantized column block. Each row sums a chunk in
+// kQuantChains interleaved accumulators (VDPBF16PS's latency is several of its issue slots: one chain a row
+// waited on it), the same for every R, so a row's result does not depend on how many rows ride with it.
+constexpr int kQuantChains = 4;  // the sum below adds four
 template <int R, int Bits>
 void quant_block(const bf16* a, int64_t lda, const float* sums, int64_t chunks, const uint8_t* b, float* c) {
   __m512 acc[R];
@@ -750,24 +753,35 @@ void quant_block(const bf16* a, int64_t lda, const float* sums, int64_t chunks, 
   for (int64_t ch = 0; ch < chunks; ++ch) {
     const uint8_t* t = b + ch * cb;
     const uint32_t* ar = reinterpret_cast<const uint32_t*>(a + ch * 32);
-    __m512 s[R];
-    for (int i = 0; i < R; ++i) s[i] = _mm512_setzero_ps();
+    __m512 part[kQuantChains][R];
+    for (int j = 0; j < kQuantChains; ++j)
+      for (int i = 0; i < R; ++i) part[j][i] = _mm512_setzero_ps();
+    auto dot = [&](int chain, int pair, __m512bh w) {
+      for (int i = 0; i < R; ++i)
+        part[chain][i] = _mm512_dpbf16_ps(part[chain][i],
+                                          (__m512bh)_mm512_set1_epi32(static_cast<int>(ar[i * lda / 2 + pair])), w);
+    };
     if constexpr (Bits == 8) {
-      for (int rr = 0; rr < 16; ++rr) {
-        const __m512bh w = q8_row(t + rr * 32);
-        for (int i = 0; i < R; ++i)
-          s[i] = _mm512_dpbf16_ps(s[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(ar[i * lda / 2 + rr])), w);
+      for (int rr = 0; rr < 16; rr += 4) {  // the chain of each product is known when compiled
+        dot(0, rr, q8_row(t + rr * 32));
+        dot(1, rr + 1, q8_row(t + (rr + 1) * 32));
+        dot(2, rr + 2, q8_row(t + (rr + 2) * 32));
+        dot(3, rr + 3, q8_row(t + (rr + 3) * 32));
       }
     } else {
-      for (int p = 0; p < 8; ++p) {
+      for (int p = 0; p < 8; p += 2) {
         __m512bh lo, hi;
         q4_rows(t + p * 32, lo, hi);
-        for (int i = 0; i < R; ++i) {
-          s[i] = _mm512_dpbf16_ps(s[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(ar[i * lda / 2 + p])), lo);
-          s[i] = _mm512_dpbf16_ps(s[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(ar[i * lda / 2 + p + 8])), hi);
-        }
+        dot(0, p, lo);
+        dot(1, p + 8, hi);
+        q4_rows(t + (p + 1) * 32, lo, hi);
+        dot(2, p + 1, lo);
+        dot(3, p + 9, hi);
       }
     }
+    __m512 s[R];
+    for (int i = 0; i < R; ++i)
+      s[i] = _mm512_add_ps(_mm512_add_ps(part[0][i], part[1][i]), _mm512_add_ps(part[2][i], part[3][i]));
     const uint8_t* tail = t + quant_values_bytes(Bits);
     const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail)));
     const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 32)));
