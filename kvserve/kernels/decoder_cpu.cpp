@@ -707,6 +707,18 @@ inline int quant_tail_slot(int col) {
   return half * 8 + slot;
 }
 
+// One column block's weights widened into a panel for the GEMM of this build (bf16 tiles, or AVX2's fp32).
+template <int Bits>
+void widen_block(const uint8_t* b, int64_t chunks, bf16* out);
+template <int Bits>
+void widen_block(const uint8_t* b, int64_t chunks, float* out);
+// Column pair nb0's blocks (the second only when `two`) into `panel`, one after the other.
+template <int Bits, typename T>
+void widen_pair(const uint8_t* w, int64_t nb0, bool two, int64_t block_bytes, int64_t chunks, T* panel) {
+  widen_block<Bits>(w + nb0 * block_bytes, chunks, panel);
+  if (two) widen_block<Bits>(w + (nb0 + 1) * block_bytes, chunks, panel + chunks * 512);
+}
+
 #if defined(__AVX512BF16__)
 // Each row's sums over each 32-deep chunk of A (fp32), which the minimums multiply.
 struct QuantRows {
@@ -925,8 +937,7 @@ void gemm_quant_bits(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int6
   for (int64_t pair = 0; pair < pairs; ++pair) {
     const int64_t nb0 = 2 * pair;
     const bool two = nb0 + 1 < nblocks;
-    widen_block<Bits>(w + nb0 * block_bytes, chunks, panel.data());
-    if (two) widen_block<Bits>(w + (nb0 + 1) * block_bytes, chunks, panel.data() + chunks * 512);
+    widen_pair<Bits>(w, nb0, two, block_bytes, chunks, panel.data());
     gemm_pair(a, m, k, panel.data(), two, nb0, ts, epi);
   }
 }
@@ -1156,8 +1167,7 @@ void gemm_quant_panel(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int
     for (int64_t pair = 0; pair < pairs; ++pair) {
       const int64_t nb0 = 2 * pair;
       const bool two = nb0 + 1 < nblocks;
-      widen_block<Bits>(w + nb0 * block_bytes, chunks, panel.data());
-      if (two) widen_block<Bits>(w + (nb0 + 1) * block_bytes, chunks, panel.data() + chunks * 512);
+      widen_pair<Bits>(w, nb0, two, block_bytes, chunks, panel.data());
       for (int64_t rb = 0; rb < row_blocks; ++rb) {
         const int64_t r = rb * pm / row_blocks;
         const int rows = static_cast<int>((rb + 1) * pm / row_blocks - r);
