@@ -710,12 +710,14 @@ def main(argv=None) -> int:
     return render(add_report_arguments(ap).parse_args(argv))
 
 
-PLATFORM_PAGES = ("fleet", "metering", "batch", "planning")  # written by benchmarks.fleet / .metering / .batch / .planning
+# Pages of their own benchmarks, after the CPU kinds: the quantization trade-off (benchmarks.quality --tradeoff),
+# then the platform's (benchmarks.fleet / .metering / .batch / .planning).
+PLATFORM_PAGES = ("quality-tradeoff", "fleet", "metering", "batch", "planning")
 
 
 def with_platform_pages(md: str, plots: Path) -> str:
-    """The platform benchmarks' own pages (docs/bench/<name>.md, from their last runs), one heading level
-    down, after the suite's tables."""
+    """The pages of PLATFORM_PAGES (docs/bench/<name>.md, from their last runs), one heading level down,
+    after the suite's tables."""
     for name in PLATFORM_PAGES:
         page = plots / f"{name}.md"
         if page.exists():
