@@ -712,13 +712,13 @@ def main(argv=None) -> int:
 
 # Pages of their own benchmarks, after the CPU kinds: the quantization trade-off (benchmarks.quality --tradeoff),
 # then the platform's (benchmarks.fleet / .metering / .batch / .planning).
-PLATFORM_PAGES = ("quality-tradeoff", "fleet", "metering", "batch", "planning")
+BENCHMARK_PAGES = ("quality-tradeoff", "fleet", "metering", "batch", "planning")
 
 
-def with_platform_pages(md: str, plots: Path) -> str:
-    """The pages of PLATFORM_PAGES (docs/bench/<name>.md, from their last runs), one heading level down,
+def with_benchmark_pages(md: str, plots: Path) -> str:
+    """The pages of BENCHMARK_PAGES (docs/bench/<name>.md, from their last runs), one heading level down,
     after the suite's tables."""
-    for name in PLATFORM_PAGES:
+    for name in BENCHMARK_PAGES:
         page = plots / f"{name}.md"
         if page.exists():
             text = "\n".join("#" + line if line.startswith("#") else line for line in page.read_text().splitlines())
@@ -755,7 +755,7 @@ def assemble(plots_dir: Path) -> str:
                 text = "\n".join("##" + line if line.startswith("# ") else line
                                  for line in path.read_text().splitlines())
                 md = md.rstrip("\n") + "\n\n" + text.strip() + "\n"
-    return with_platform_pages(md, plots_dir)
+    return with_benchmark_pages(md, plots_dir)
 
 
 def render(a: argparse.Namespace) -> int:
