@@ -175,10 +175,12 @@ class Choice:
         return f"weights {self.weights}, KV {self.kv}"
 
 
-# The engine arguments that select each KV dtype. The engine keeps KV in bf16 only today; an int8 KV
-# row is an entry here and Choice("auto", "int8") etc. in CHOICES.
-KV_ARGS = {"bf16": {}}
-CHOICES = tuple(Choice(w) for w in (DENSE, "auto", "int8", "int4"))  # DENSE first: the others compare with it
+# The engine arguments that select each KV dtype (CacheConfig.kv_cache_dtype).
+KV_ARGS = {"bf16": {}, "int8": {"kv_cache_dtype": "int8"}}
+TARGET_KV_INT8 = 0.002  # the issue's: KLD of 8-bit KV against the same weights with bf16 KV
+# DENSE first: the others compare with it; an 8-bit KV row right after its weights' bf16-KV row.
+CHOICES = (Choice(DENSE), Choice(DENSE, "int8"), Choice("auto"), Choice("auto", "int8"), Choice("int8"),
+           Choice("int4"))
 
 
 def questions(path: Path = QUESTIONS) -> list[tuple[str, str]]:
@@ -268,7 +270,7 @@ def tradeoff_model(model: str, shape, w1_runs: int, tpot_runs: int, task: list[t
     llm = _llm(model, "bfloat16", shape, native_decoder=False, weights=DENSE)
     op_by_op = _teacher_forced(llm, ids)[:-1]  # the dense path's weights in another accumulation order
     del llm
-    rows, dense, accumulation = [], None, None
+    rows, dense, accumulation, bf16_kv = [], None, None, None
     for choice in CHOICES:
         llm = _llm(model, "bfloat16", shape, native_decoder=True, **choice.engine_args())
         row = {"weights": choice.weights, "kv": choice.kv, "loaded": llm.engine.weights}
@@ -287,6 +289,10 @@ def tradeoff_model(model: str, shape, w1_runs: int, tpot_runs: int, task: list[t
         elif dense is not None:
             row.update(kld_vs_dense=float(kl_divergence(dense, logits[:-1]).mean()),
                        top1_vs_dense=top1_agreement(dense, logits[:-1]))
+        if choice.kv != "bf16" and bf16_kv is not None and bf16_kv[0] == choice.weights:
+            row.update(kld_vs_kv=float(kl_divergence(bf16_kv[1], logits[:-1]).mean()),
+                       top1_vs_kv=top1_agreement(bf16_kv[1], logits[:-1]))
+        bf16_kv = (choice.weights, logits[:-1]) if choice.kv == "bf16" else None
         del logits
         log(f"{model} {choice}: {llm.engine.weights}, KLD {row['kld']:.5f}, top-1 {row['top1']:.1%}, "
             f"task {row['task_same']}/{len(task)}")
@@ -302,9 +308,15 @@ def checks(rows: list[dict], accumulation: dict | None) -> dict:
     """The issue's targets. 8-bit weights (the int8 row): within TARGET_8BIT of float32. 4-bit weights kept
     from a 4-bit file (auto) "identical to the dequantized path (bf16) up to accumulation order": KLD(bf16 ||
     auto) no larger than KLD(bf16 fused || bf16 op by op), the same dense weights computed in another order;
-    and, beside it, whether auto is at least as close to float32 as the dequantized path."""
-    by = {r["weights"]: r for r in rows if "kld" in r}
+    and, beside it, whether auto is at least as close to float32 as the dequantized path. 8-bit KV: KLD of each
+    int8-KV row against the same weights with bf16 KV within TARGET_KV_INT8."""
+    by = {r["weights"]: r for r in rows if "kld" in r and r["kv"] == "bf16"}
     out = {}
+    for r in rows:
+        if "kld_vs_kv" in r:
+            out[f"kv_{r['kv']}_{r['weights']}"] = {
+                "weights": r["weights"], "kv": r["kv"], "kld": r["kld_vs_kv"], "top1": r["top1_vs_kv"],
+                "kld_max": TARGET_KV_INT8, "passed": r["kld_vs_kv"] <= TARGET_KV_INT8}
     if "int8" in by:
         r = by["int8"]
         out["int8"] = {"kld": r["kld"], "top1": r["top1"], "kld_max": TARGET_8BIT["kld"],
@@ -366,10 +378,12 @@ def tradeoff_markdown(data: dict, command: str) -> str:
              "- $ / M output tokens = W1's engine seconds (the time metering charges its requests: each step's "
              "time split over its sequences by tokens, prefills included) x the model's `replica_cost_per_hour` "
              "(kvserve/default_models.toml) / 3600 / W1's output tokens x 10^6 (metering.prices.request_cost).",
-             "- KV is bf16 in every row (the engine has no other KV dtype yet).", "",
+             "- KV: bf16, or int8 (`kv_cache_dtype = \"int8\"`: int8 rows with an fp32 scale per token and kv "
+             "head, kvserve/models/kv_quant.py); each int8-KV row's target compares it with the row above it "
+             "(the same weights, bf16 KV).", "",
              f"| model | weights | KV | computed from | perplexity | KLD vs float32 | top-1 vs float32 "
              f"| task = float32 (of {n}) | task correct (of {n}) | KLD vs bf16 | top-1 vs bf16 | TPOT c=1 (ms) "
-             "| W1 out tok/s | $ / M output tokens | 8-bit target |",
+             "| W1 out tok/s | $ / M output tokens | target |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for md in data["models"]:
         ref, c8 = md["reference"], md["checks"].get("int8")
@@ -382,14 +396,16 @@ def tradeoff_markdown(data: dict, command: str) -> str:
                 continue
             vs = (f"{r['kld_vs_dense']:.5f} | {r['top1_vs_dense']:.1%}" if "kld_vs_dense" in r
                   else "(this row) | (this row)")
-            target = _mark(c8["passed"]) if r["weights"] == "int8" and c8 else "-"
+            kv = md["checks"].get(f"kv_{r['kv']}_{r['weights']}")
+            target = (_mark(c8["passed"]) if r["weights"] == "int8" and r["kv"] == "bf16" and c8
+                      else _mark(kv["passed"]) + " (KV)" if kv else "-")
             lines.append(f"{head} {r['perplexity']:.3f} | {r['kld']:.5f} | {r['top1']:.1%} | {r['task_same']} | "
                          f"{r['task_correct']} | {vs} | {r['tpot_ms']:.1f} | {r['w1_out_tok_s']:.1f} | "
                          f"{r['cost_per_million_output']:.3f} | {target} |")
     lines += ["", "Targets:", ""]
     for md in data["models"]:
         c = md["checks"]
-        dense = next((r for r in md["rows"] if r["weights"] == DENSE and "kld" in r), None)
+        dense = next((r for r in md["rows"] if r["weights"] == DENSE and r["kv"] == "bf16" and "kld" in r), None)
         if "int8" in c:
             x = c["int8"]
             lines.append(f"- {md['model']}, 8-bit weights (`weights = int8`): KLD {x['kld']:.5f} (target <= "
@@ -406,6 +422,10 @@ def tradeoff_markdown(data: dict, command: str) -> str:
                          f"{x['accumulation_kld']:.5f}, top-1 {x['accumulation_top1']:.1%}. Identical up to "
                          f"accumulation order (KLD between them no larger): {_mark(x['passed'])}; `auto` is "
                          f"{closer} float32 than `bf16` (both KLD and top-1).")
+        for x in (v for k, v in c.items() if k.startswith("kv_")):
+            lines.append(f"- {md['model']}, 8-bit KV (`kv_cache_dtype = int8`) with `weights = {x['weights']}`: KLD "
+                         f"{x['kld']:.5f} against the same weights with bf16 KV (target <= {x['kld_max']}), top-1 "
+                         f"agreement {x['top1']:.1%}: {_mark(x['passed'])}.")
     return "\n".join(lines) + "\n"
 
 
@@ -424,7 +444,7 @@ def planner_data(data: dict, page: str) -> str:
              f'page = "{page}"', ""]
     for dtype in ("int8", "int4"):
         for md in data["models"]:
-            r = next((r for r in md["rows"] if r["weights"] == dtype and "kld" in r), None)
+            r = next((r for r in md["rows"] if r["weights"] == dtype and r["kv"] == "bf16" and "kld" in r), None)
             if r is not None:
                 lines += ["[[weights]]", f'dtype = "{dtype}"', f'model = "{md["model"]}"',
                           f"kld = {r['kld']:.6f}", f"top1 = {r['top1']:.4f}",

@@ -91,13 +91,14 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     swap_space: int = 1 << 30  # bytes of host memory for swapped-out blocks
     enable_prefix_caching: bool = True
-    cache_dtype: str = "auto"  # "auto" = the model's dtype, the only one the caches are held in
+    # "auto": the model's dtype; "int8": int8 rows with a scale each (models/kv_quant.py), about half the bytes
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         _validate(self, dict(block_size=POSITIVE_INT, kv_cache_memory=OPTIONAL_POSITIVE_INT,
                              num_gpu_blocks_override=OPTIONAL_POSITIVE_INT, swap_space=NONNEG_INT,
                              enable_prefix_caching=BOOL,
-                             cache_dtype=(lambda v: v in ("auto",) + DTYPES, f"one of auto, {', '.join(DTYPES)}")))
+                             kv_cache_dtype=(lambda v: v in KV_CACHE_DTYPES, f"one of {', '.join(KV_CACHE_DTYPES)}")))
 
 
 class Priority(IntEnum):
@@ -128,6 +129,7 @@ class Priority(IntEnum):
 TIER_NAMES = tuple(p.label for p in Priority)
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half")
 WEIGHT_MODES = ("auto", "bf16", "int8", "int4")  # EngineConfig.weights (models/quant.weight_bits)
+KV_CACHE_DTYPES = ("auto", "int8") + DTYPES  # CacheConfig.kv_cache_dtype: a float one must be the model's dtype
 
 
 # The interactive tier's promise: an admitted request's first token within this at p99, under any load

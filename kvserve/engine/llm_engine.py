@@ -25,6 +25,7 @@ from kvserve.engine.sampler import Sampler, SamplingMetadata, make_generator
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.scheduler_output import SchedulerOutput
+from kvserve.models import kv_quant
 from kvserve.models.catalog import resolve_model
 from kvserve.models.backend import quantized_weights_run
 from kvserve.models.loader import (build_model, checkpoint_header, checkpoint_info, describe_forms, load_checkpoint,
@@ -81,9 +82,11 @@ class LLMEngine:
             resolved_id, self.device = config.model, torch.device("cpu")
             self.dtype = resolve_dtype(config.dtype, self.device)
             self.weights = "injected runner"
-        if config.cache.cache_dtype != "auto" and resolve_dtype(config.cache.cache_dtype, self.device) != self.dtype:
-            raise ConfigError(f"cache_dtype = {config.cache.cache_dtype!r} is not supported: the KV cache is held in "
-                              f"the model's dtype ({str(self.dtype).removeprefix('torch.')}); use auto")
+        kv_dtype = config.cache.kv_cache_dtype
+        if kv_dtype not in kv_quant.MODES and resolve_dtype(kv_dtype, self.device) != self.dtype:
+            raise ConfigError(f"kv_cache_dtype = {kv_dtype!r} is not supported: a float KV cache is held in the "
+                              f"model's dtype ({str(self.dtype).removeprefix('torch.')}); use auto or int8")
+        self.kv_int8 = kv_dtype == "int8"
         self.model_id = model_id or resolved_id
         self.info = info
         self.model_config, self.tokenizer = info.config, info.tokenizer
@@ -92,8 +95,8 @@ class LLMEngine:
         self.config = config = replace(config, scheduler=sched_cfg)
         self.max_model_len = sched_cfg.max_model_len
 
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        self.kv_bytes_per_token = self.model_config.kv_bytes_per_token_per_element * elem
+        elem = kv_quant.bytes_per_element(self.model_config.head_dim, self.dtype, self.kv_int8)
+        self.kv_bytes_per_token = round(self.model_config.kv_bytes_per_token_per_element * elem)
         block_bytes = cache_cfg.block_size * self.kv_bytes_per_token
         if cache_cfg.num_gpu_blocks_override:
             num_blocks = cache_cfg.num_gpu_blocks_override
@@ -114,7 +117,7 @@ class LLMEngine:
             from kvserve.engine.runner import ModelRunner
 
             runner = ModelRunner(model, self.model_config, num_blocks, num_host_blocks, cache_cfg.block_size,
-                                 self.dtype, self.device)
+                                 self.dtype, self.device, kv_int8=self.kv_int8)
         self.runner = runner
         self.sampler = Sampler()
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
@@ -127,9 +130,11 @@ class LLMEngine:
         self.last_step: StepStats | None = None
         self.load_seconds = time.perf_counter() - t0
         backend = getattr(getattr(runner, "model", None), "backend", None)
-        log.info("loaded %s (%s, %s, path %s) in %.1fs: %d KV blocks of %d tokens, %d host blocks", self.model_id,
-                 self.dtype, self.device, backend.name if backend else "injected runner", self.load_seconds,
-                 num_blocks, cache_cfg.block_size, num_host_blocks)
+        log.info("loaded %s (%s, %s, path %s) in %.1fs: %d KV blocks of %d tokens (%s, %d bytes a token), "
+                 "%d host blocks", self.model_id, self.dtype, self.device,
+                 backend.name if backend else "injected runner", self.load_seconds, num_blocks, cache_cfg.block_size,
+                 "int8" if self.kv_int8 else str(self.dtype).removeprefix("torch."), self.kv_bytes_per_token,
+                 num_host_blocks)
 
     def _kv_memory_budget(self) -> int:
         if self.config.cache.kv_cache_memory:

@@ -28,19 +28,20 @@ class BatchItem:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_device_blocks: int, num_host_blocks: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device):
+                 block_size: int, dtype: torch.dtype, device: torch.device, kv_int8: bool = False):
         self.model = model
         self.config = config
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
-        shape = kv_cache_shape(num_device_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                          for _ in range(config.num_layers)]
-        host_shape = kv_cache_shape(num_host_blocks, block_size, config.num_kv_heads, config.head_dim)
+        cache_dtype = torch.uint8 if kv_int8 else dtype  # int8 rows with their scales (models/kv_quant.py)
+        shape = kv_cache_shape(num_device_blocks, block_size, config.num_kv_heads, config.head_dim, kv_int8)
+        self.kv_caches = [(torch.zeros(shape, dtype=cache_dtype, device=device),
+                           torch.zeros(shape, dtype=cache_dtype, device=device)) for _ in range(config.num_layers)]
+        host_shape = kv_cache_shape(num_host_blocks, block_size, config.num_kv_heads, config.head_dim, kv_int8)
         pin = device.type == "cuda"
-        self.host_caches = [(torch.zeros(host_shape, dtype=dtype, pin_memory=pin),
-                             torch.zeros(host_shape, dtype=dtype, pin_memory=pin))
+        self.host_caches = [(torch.zeros(host_shape, dtype=cache_dtype, pin_memory=pin),
+                             torch.zeros(host_shape, dtype=cache_dtype, pin_memory=pin))
                             for _ in range(config.num_layers)] if num_host_blocks else []
 
     # ---- block movement ------------------------------------------------------------------

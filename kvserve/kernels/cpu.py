@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from kvserve.kernels import isa
+from kvserve.models import kv_quant
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +124,28 @@ class NativeKernels:
         self._linear_quant = self._lib.kvserve_linear_quant
         self._linear_quant.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64]
         self._linear_quant.restype = None
+        for name in ("kvserve_quantize_kv_rows", "kvserve_dequantize_kv_rows"):
+            f = getattr(self._lib, name)
+            f.argtypes, f.restype = [_PTR, _I64, _I64, _PTR], None
         self._forward = self._lib.kvserve_forward_bf16
-        self._forward.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR]
+        self._forward.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR,
+                                  _PTR, _I64]
         self._forward.restype = _I64
+
+    def quantize_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """bf16 [..., D] -> the 8-bit cache rows (uint8) the fused decoder writes (kv_quant.quantize)."""
+        x = x.to(torch.bfloat16).contiguous()
+        out = torch.empty((*x.shape[:-1], kv_quant.row_width(x.shape[-1], True)), dtype=torch.uint8)
+        self._lib.kvserve_quantize_kv_rows(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], out.data_ptr())
+        return out
+
+    def dequantize_kv(self, rows: torch.Tensor) -> torch.Tensor:
+        """8-bit cache rows -> bf16 [..., D], as the fused decoder's attention reads them (kv_quant.dequantize)."""
+        rows = rows.contiguous()
+        d = kv_quant.head_dim_of(rows.shape[-1])
+        out = torch.empty((*rows.shape[:-1], d), dtype=torch.bfloat16)
+        self._lib.kvserve_dequantize_kv_rows(rows.data_ptr(), rows.numel() // rows.shape[-1], d, out.data_ptr())
+        return out
 
     def _bind(self, name: str, argtypes: list) -> dict:
         """kvserve_<name>_<f32|bf16> per torch dtype, typed."""
@@ -280,7 +300,8 @@ class NativeKernels:
     def forward(self, model_params: ctypes.Structure, layer_params: ctypes.Array, hidden: torch.Tensor,
                 positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                 context_lens: torch.Tensor, tile_chunks: torch.Tensor | None = None, first_layer: int = 0,
-                state: torch.Tensor | None = None, stop: ctypes.c_int32 | None = None) -> int:
+                state: torch.Tensor | None = None, stop: ctypes.c_int32 | None = None,
+                shadow_blocks: torch.Tensor | None = None) -> int:
         """hidden [T, H] bf16 embeddings -> the final-normed hidden states, in place (see decoder_cpu.cpp).
         Per token: positions, slots, context_lens [T] and block_tables [T, width], all int64. tile_chunks
         [C, 2] int64: (first row, rows) of the prefill chunks whose rows attend together (packed keys, or
@@ -289,7 +310,10 @@ class NativeKernels:
 
         Returns the layer reached: the number of layers when done. With `stop` and `state` (bf16
         [2, T, H], kept between calls) it returns early, at the top of the layer after the first one
-        that finds `stop` set (each layer reads it once); call again with first_layer = that layer."""
+        that finds `stop` set (each layer reads it once); call again with first_layer = that layer.
+
+        8-bit caches (model_params.kv_int8): shadow_blocks [B] int64 lists the cache blocks the step reads,
+        and block_tables index that list (each layer dequantizes those blocks once, then attends)."""
         if not self.fused:
             raise RuntimeError("the fused decoder needs AMX or AVX2")
         if not hidden.is_contiguous():
@@ -303,7 +327,9 @@ class NativeKernels:
                              block_tables.stride(0), context_lens.data_ptr(),
                              tile_chunks.data_ptr() if chunks else None, chunks, first_layer,
                              state.data_ptr() if state is not None else None,
-                             ctypes.addressof(stop) if stop is not None else None)  # ignored without state
+                             ctypes.addressof(stop) if stop is not None else None,  # ignored without state
+                             shadow_blocks.data_ptr() if shadow_blocks is not None else None,
+                             shadow_blocks.shape[0] if shadow_blocks is not None else 0)
 
 
 class LayerParams(ctypes.Structure):
@@ -323,7 +349,7 @@ class ModelParams(ctypes.Structure):
 
     _fields_ = [(name, _I64) for name in ("num_layers", "hidden", "q_heads", "kv_heads", "head_dim", "intermediate",
                                           "num_blocks", "block_size", "act")] + [
-        ("eps", _F32), ("norm_unit_offset", _I64), ("final_norm", _PTR), ("phase_seconds", _PTR)]
+        ("eps", _F32), ("norm_unit_offset", _I64), ("final_norm", _PTR), ("phase_seconds", _PTR), ("kv_int8", _I64)]
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

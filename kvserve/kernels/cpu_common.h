@@ -692,6 +692,48 @@ void write_kv(const T* key, const T* value, int64_t key_token_stride, int64_t va
 }
 
 
+// ---- the 8-bit KV cache (models/kv_quant.py): a row is dim int8 values, then each 32-group's fp32 scale ----
+// Spelled as kv_quant.quantize spells it: scale = max|x| / 127, q = round-half-even(x / scale).
+constexpr int64_t kKvGroup = 32;
+inline int64_t kv_row_bytes(int64_t dim) { return dim + 4 * ((dim + kKvGroup - 1) / kKvGroup); }
+template <typename T>
+inline void quantize_kv_row(const T* x, int64_t dim, uint8_t* dst) {
+  int8_t* q = reinterpret_cast<int8_t*>(dst);
+  for (int64_t g0 = 0; g0 < dim; g0 += kKvGroup) {
+    const int64_t g1 = std::min(dim, g0 + kKvGroup);
+    float amax = 0.0f;
+    for (int64_t j = g0; j < g1; ++j) amax = std::max(amax, std::fabs(to_float(x[j])));
+    const float scale = amax / 127.0f;
+    for (int64_t j = g0; j < g1; ++j) {
+      const float v = scale > 0.0f ? std::nearbyint(to_float(x[j]) / scale) : 0.0f;
+      q[j] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
+    }
+    std::memcpy(dst + dim + 4 * (g0 / kKvGroup), &scale, sizeof(float));
+  }
+}
+// A row back as bf16: q * scale in fp32, rounded to nearest even (kv_quant.dequantize).
+inline void dequantize_kv_row(const uint8_t* row, int64_t dim, bf16* out) {
+  const int8_t* q = reinterpret_cast<const int8_t*>(row);
+  for (int64_t g0 = 0; g0 < dim; g0 += kKvGroup) {
+    const int64_t g1 = std::min(dim, g0 + kKvGroup);
+    float scale;
+    std::memcpy(&scale, row + dim + 4 * (g0 / kKvGroup), sizeof(float));
+    int64_t j = g0;
+#if defined(__AVX512F__)
+    const __m512 s = _mm512_set1_ps(scale);
+    for (; j + 16 <= g1; j += 16)
+      store16(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j)))), s),
+              out + j);
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 s = _mm256_set1_ps(scale);
+    for (; j + 8 <= g1; j += 8)
+      store8(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j)))), s),
+             out + j);
+#endif
+    for (; j < g1; ++j) store(static_cast<float>(q[j]) * scale, out + j);
+  }
+}
+
 // ---- fused elementwise ops of a decoder layer (one pass each instead of 3-8 torch ops) ----
 
 inline float round_to(float x, const float*) { return x; }
@@ -808,9 +850,10 @@ struct QkvStep {
   const T* k_norm;
   float norm_eps;
   bool norm_unit_offset;
-  T* key_cache;
+  T* key_cache;  // an 8-bit cache's rows (kv_int8) are kv_row_bytes(dim) bytes, at this address as bytes
   T* value_cache;
   int64_t num_slots;
+  bool kv_int8 = false;
 
   void token(T* tok, int64_t position, int64_t slot) const {
     const float* c = cos_table + position * dim;
@@ -823,8 +866,16 @@ struct QkvStep {
     }
     if (slot < 0) return;
     for (int64_t h = 0; h < kv_heads; ++h) {
-      std::memcpy(key_cache + (h * num_slots + slot) * dim, tok + (q_heads + h) * dim, dim * sizeof(T));
-      std::memcpy(value_cache + (h * num_slots + slot) * dim, tok + (q_heads + kv_heads + h) * dim, dim * sizeof(T));
+      const T* k = tok + (q_heads + h) * dim;
+      const T* v = tok + (q_heads + kv_heads + h) * dim;
+      if (kv_int8) {
+        const int64_t at = (h * num_slots + slot) * kv_row_bytes(dim);
+        quantize_kv_row(k, dim, reinterpret_cast<uint8_t*>(key_cache) + at);
+        quantize_kv_row(v, dim, reinterpret_cast<uint8_t*>(value_cache) + at);
+      } else {
+        std::memcpy(key_cache + (h * num_slots + slot) * dim, k, dim * sizeof(T));
+        std::memcpy(value_cache + (h * num_slots + slot) * dim, v, dim * sizeof(T));
+      }
     }
   }
 };

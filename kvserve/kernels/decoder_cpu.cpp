@@ -1266,7 +1266,7 @@ struct LayerParams {
   QWeight o;  // packed [hidden, Hq D]
   QWeight gate_up;  // packed [2 I, hidden], gate and up blocks alternating
   QWeight down;  // packed [hidden, I]
-  bf16* key_cache;
+  bf16* key_cache;  // with ModelParams::kv_int8, uint8 rows of head_dim int8 values and their fp32 scale
   bf16* value_cache;
   const float* cos;
   const float* sin;
@@ -1280,6 +1280,7 @@ struct ModelParams {
   int64_t norm_unit_offset;
   const bf16* final_norm;
   double* phase_seconds;  // null, or 9 accumulators: seconds per phase (see mark() below; bench/profile.py)
+  int64_t kv_int8;  // the caches hold 8-bit rows (cpu_common.h, quantize_kv_row)
 };
 
 }  // namespace
@@ -1451,12 +1452,24 @@ extern "C" void kvserve_linear_quant(const void* x, int64_t m, int64_t k, const 
 // `state` [2, m, H] then holds the residual stream and the last branch, and a call with first_layer =
 // the returned layer goes on from there (hidden is written only at the end). Without a flag (or state)
 // it runs every layer. Returns num_layers when the stack is done.
+// bf16 rows [n, dim] -> 8-bit cache rows [n, kv_row_bytes(dim)] (quantize_kv_row), and back (dequantize_kv_row): the
+// fused decoder's spelling of models/kv_quant.py, which the tests hold against it.
+extern "C" void kvserve_quantize_kv_rows(const void* x, int64_t n, int64_t dim, void* out) {
+  for (int64_t i = 0; i < n; ++i)
+    quantize_kv_row(static_cast<const bf16*>(x) + i * dim, dim, static_cast<uint8_t*>(out) + i * kv_row_bytes(dim));
+}
+extern "C" void kvserve_dequantize_kv_rows(const void* rows, int64_t n, int64_t dim, void* out) {
+  for (int64_t i = 0; i < n; ++i)
+    dequantize_kv_row(static_cast<const uint8_t*>(rows) + i * kv_row_bytes(dim), dim, static_cast<bf16*>(out) + i * dim);
+}
+
 extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams* layers, void* hidden_ptr,
                                                int64_t m, const int64_t* positions, const int64_t* slot_mapping,
                                                const int64_t* block_tables, int64_t table_stride,
                                                const int64_t* context_lens, const int64_t* tile_chunks,
                                                int64_t num_tile_chunks, int64_t first_layer, void* state,
-                                               const int32_t* stop) {
+                                               const int32_t* stop, const int64_t* shadow_blocks,
+                                               int64_t num_shadow) {
   int64_t stopped_at = -1;
   if (!kTileAttention && !kWidenedAttention) num_tile_chunks = 0;  // every row attends alone (none are passed)
   const ModelParams& p = *mp;
@@ -1498,6 +1511,17 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
   for (int64_t i = 0; i < m; ++i)
     if (!tiled[i]) untiled.push_back(i);
   std::vector<bf16> packed(packed_offsets[num_tile_chunks]);
+  // An 8-bit cache: each layer's blocks this step reads (shadow_blocks; block_tables index this list) are
+  // dequantized into a bf16 copy once, after the step's own rows are written, and attention reads that.
+  const bool kv_int8 = p.kv_int8 != 0;
+  const int64_t shadow_head = kv_int8 ? num_shadow * p.block_size * hd : 0;
+  static thread_local std::vector<bf16> shadow_keys, shadow_values;
+  if (kv_int8 && static_cast<int64_t>(shadow_keys.size()) < p.kv_heads * shadow_head) {
+    shadow_keys.resize(p.kv_heads * shadow_head);
+    shadow_values.resize(p.kv_heads * shadow_head);
+  }
+  bf16* const shadow_k = shadow_keys.data();
+  bf16* const shadow_v = shadow_values.data();
   const int64_t num_tile_tasks = static_cast<int64_t>(tile_tasks.size());
   const int64_t num_attention_tasks = num_tile_tasks + static_cast<int64_t>(untiled.size()) * p.kv_heads;
 #pragma omp parallel
@@ -1548,16 +1572,34 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
       gemm(x.data(), m, hidden, L.qkv, qkv_width / 16, ts, StoreTiles<bf16>{qkv.data(), qkv_width});
       mark(1);
       const QkvStep<bf16> step{p.q_heads, p.kv_heads, hd, L.cos, L.sin, L.q_norm, L.k_norm, p.eps, unit,
-                               L.key_cache, L.value_cache, p.num_blocks * p.block_size};
+                               L.key_cache, L.value_cache, p.num_blocks * p.block_size, kv_int8};
 #pragma omp for schedule(dynamic, 4)
       for (int64_t i = 0; i < m; ++i) step.token(qkv.data() + i * qkv_width, positions[i], slot_mapping[i]);
+      bf16* keys = L.key_cache;
+      bf16* values = L.value_cache;
+      int64_t blocks = p.num_blocks;
+      if (kv_int8) {
+        const int64_t row = kv_row_bytes(hd), head_bytes = p.num_blocks * p.block_size * row;
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < p.kv_heads * num_shadow; ++task) {
+          const int64_t head = task / num_shadow, b = task % num_shadow;
+          const int64_t from = head * head_bytes + shadow_blocks[b] * p.block_size * row;
+          const int64_t to = head * shadow_head + b * p.block_size * hd;
+          for (int64_t t = 0; t < p.block_size; ++t) {
+            dequantize_kv_row(reinterpret_cast<const uint8_t*>(L.key_cache) + from + t * row, hd, shadow_k + to + t * hd);
+            dequantize_kv_row(reinterpret_cast<const uint8_t*>(L.value_cache) + from + t * row, hd,
+                              shadow_v + to + t * hd);
+          }
+        }
+        keys = shadow_k, values = shadow_v, blocks = num_shadow;
+      }
       mark(2);
-      const DecodeBatch<bf16> batch{qkv.data(), qkv_width, L.key_cache, L.value_cache, block_tables, table_stride,
-                                    context_lens, attn.data(), m, p.q_heads, p.kv_heads, p.num_blocks,
+      const DecodeBatch<bf16> batch{qkv.data(), qkv_width, keys, values, block_tables, table_stride,
+                                    context_lens, attn.data(), m, p.q_heads, p.kv_heads, blocks,
                                     p.block_size, hd, L.window, L.scale};
-      const PrefillChunks prefill{qkv.data(), qkv_width, positions, block_tables, table_stride, chunks, L.key_cache,
-                                  L.value_cache, p.q_heads, p.kv_heads, hd, p.block_size,
-                                  p.num_blocks * p.block_size * hd, L.window, L.scale, attn.data()};
+      const PrefillChunks prefill{qkv.data(), qkv_width, positions, block_tables, table_stride, chunks, keys,
+                                  values, p.q_heads, p.kv_heads, hd, p.block_size,
+                                  blocks * p.block_size * hd, L.window, L.scale, attn.data()};
 #if defined(__AVX512BF16__)  // tile attention (kTileAttention)
       const TileAttention tiles{prefill, packed_offsets.data(), packed.data()};
       if (!pack_tasks.empty()) {

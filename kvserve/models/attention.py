@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels import cpu as cpu_kernels
+from kvserve.models import kv_quant
 
 if TYPE_CHECKING:
     from kvserve.engine.interjection import Interjection
@@ -58,28 +59,34 @@ class AttentionMetadata:
     cache: dict = field(default_factory=dict, repr=False)
 
 
-def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    return (num_kv_heads, num_blocks, block_size, head_dim)
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                   quantized: bool = False) -> tuple[int, ...]:
+    """A layer's key (or value) cache: int8 rows with their scales when `quantized` (models/kv_quant.py)."""
+    return (num_kv_heads, num_blocks, block_size, kv_quant.row_width(head_dim, quantized))
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter new tokens' K/V ([T, Hkv, D]) into their cache slots (a 2-D row scatter, as _gather)."""
-    h, nb, bs, d = key_cache.shape
+    """Scatter new tokens' K/V ([T, Hkv, D]) into their cache slots (a 2-D row scatter, as _gather),
+    quantized first into an 8-bit cache."""
+    h, nb, bs, w = key_cache.shape
     rows = (torch.arange(h, device=key.device)[:, None] * (nb * bs) + slot_mapping[None, :]).reshape(-1)
-    key_cache.view(h * nb * bs, d).index_copy_(0, rows, key.transpose(0, 1).reshape(-1, d).to(key_cache.dtype))
-    value_cache.view(h * nb * bs, d).index_copy_(0, rows, value.transpose(0, 1).reshape(-1, d).to(value_cache.dtype))
+    for src, cache in ((key, key_cache), (value, value_cache)):
+        src = src.transpose(0, 1).reshape(-1, src.shape[-1])
+        src = kv_quant.quantize(src) if kv_quant.is_quantized(cache) else src.to(cache.dtype)
+        cache.view(h * nb * bs, w).index_copy_(0, rows, src)
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[H, N, bs, D] gathered at block_ids [k] -> [H, k * bs, D].
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[H, N, bs, D] gathered at block_ids [k] -> [H, k * bs, D] in `dtype` (an 8-bit cache's rows dequantized).
 
     Done as a row gather on the [H * N, bs * D] view (one contiguous block of one head per row):
     torch's 2-D row index_select runs at copy speed, about twice the 4-D gather along dim 1.
     """
-    h, n, bs, d = cache.shape
+    h, n, bs, w = cache.shape
     rows = (torch.arange(h, device=cache.device)[:, None] * n + block_ids[None, :]).reshape(-1)
-    return cache.view(h * n, bs * d).index_select(0, rows).view(h, -1, d)
+    out = cache.view(h * n, bs * w).index_select(0, rows).view(h, -1, w)
+    return kv_quant.dequantize(out, dtype) if kv_quant.is_quantized(cache) else out
 
 
 def _decode_mask(meta: AttentionMetadata, num_keys: int, key_offset: int, window: int | None,
@@ -113,7 +120,8 @@ def _decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_
                             meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
     """One gather over the block tables, then masked batched matmuls (any device)."""
     d = meta.num_decode_tokens
-    num_kv_heads, _, bs, head_dim = key_cache.shape
+    num_kv_heads, _, bs, _ = key_cache.shape
+    head_dim = query.shape[-1]
     group = query.shape[1] // num_kv_heads
     tables = meta.decode_block_tables
     first_block = 0
@@ -124,8 +132,8 @@ def _decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_
     num_keys = tables.shape[1] * bs
     flat = tables.reshape(-1)
     # Batch dims stay (Hkv, D) throughout: the gathered K/V are read in place, only q and the output move.
-    k = _gather(key_cache, flat).view(num_kv_heads, d, num_keys, head_dim)
-    v = _gather(value_cache, flat).view(num_kv_heads, d, num_keys, head_dim)
+    k = _gather(key_cache, flat, query.dtype).view(num_kv_heads, d, num_keys, head_dim)
+    v = _gather(value_cache, flat, query.dtype).view(num_kv_heads, d, num_keys, head_dim)
     q = query[:d].view(d, num_kv_heads, group, head_dim).transpose(0, 1)  # [Hkv, D, G, hd]
     scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)  # [Hkv, D, G, S]
     scores += _decode_mask(meta, num_keys, first_block * bs, window, query.device)
@@ -141,13 +149,14 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     # SDPA inputs are 4-D ([1, heads, tokens, D]): with 3-D inputs torch's CPU dispatcher skips its flash
     # kernel for the math path, many times slower on prompts of hundreds to thousands of tokens.
     q = query[s:s + n].transpose(0, 1)[None]
-    if chunk.start_pos == 0 and (window is None or n <= window):
-        # A fresh prompt sees only its own tokens: attend to this step's K/V, no gather needed.
+    if chunk.start_pos == 0 and (window is None or n <= window) and not kv_quant.is_quantized(key_cache):
+        # A fresh prompt sees only its own tokens: attend to this step's K/V, no gather needed. (An 8-bit
+        # cache's prompt attends to its rows as cached, as every later step and a recompute will.)
         k = key[s:s + n].transpose(0, 1)[None]
         v = value[s:s + n].transpose(0, 1)[None]
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)[0]
-    k = _gather(key_cache, chunk.block_table)[None, :, :chunk.context_len]
-    v = _gather(value_cache, chunk.block_table)[None, :, :chunk.context_len]
+    k = _gather(key_cache, chunk.block_table, query.dtype)[None, :, :chunk.context_len]
+    v = _gather(value_cache, chunk.block_table, query.dtype)[None, :, :chunk.context_len]
     qpos = torch.arange(chunk.start_pos, chunk.context_len, device=query.device)[:, None]
     kpos = torch.arange(chunk.context_len, device=query.device)[None, :]
     allowed = kpos <= qpos
@@ -167,6 +176,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attends through the block tables: with `native` (the model's backend: contiguous CPU caches), the
     writes and the decodes' attention run in the native kernels, else in torch.
     """
+    if kv_quant.is_quantized(key_cache):
+        native = None  # the native per-op kernels read caches in the model's dtype; the fused decoder reads these
     if not kv_written:
         if native is not None:
             native.write_kv(key_cache, value_cache, key, value, meta.slot_mapping)

@@ -30,6 +30,7 @@ import ctypes
 import torch
 
 from kvserve.kernels import cpu as cpu_kernels
+from kvserve.models import kv_quant
 from kvserve.models.attention import AttentionMetadata
 from kvserve.models.layers import interleave_gate_up
 from kvserve.models.quant import PackedPart
@@ -166,7 +167,7 @@ class NativeDecoder:
         return len(norms) == 1  # the kernel takes one eps and one weight convention
 
     def applies(self, h: torch.Tensor, meta: AttentionMetadata, kv_caches) -> bool:
-        """Whether the kernel serves this step (see the module docstring) on bf16 contiguous caches. It
+        """Whether the kernel serves this step (see the module docstring) on contiguous bf16 or 8-bit caches. It
         takes small decode batches too, where a checkpoint's 4-bit weights would otherwise serve them:
         a decode step of SmolLM2 runs faster fused than per op on the 4-bit weights (see BENCHMARKS.md,
         Profile, and the design it decided)."""
@@ -178,7 +179,8 @@ class NativeDecoder:
                          for c in alone) > self.max_attention_keys:
             return False
         key_cache = kv_caches[0][0]
-        return key_cache.dtype == torch.bfloat16 and key_cache.is_contiguous() and key_cache.device.type == "cpu"
+        return (key_cache.dtype in (torch.bfloat16, torch.uint8) and key_cache.is_contiguous()
+                and key_cache.device.type == "cpu")
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         for rotary in self._rotaries:  # the kernel indexes the cos/sin tables unchecked
@@ -191,18 +193,22 @@ class NativeDecoder:
         else:
             tables, lens = meta.decode_block_tables, meta.decode_context_lens
         h = h.contiguous()
-        args = (self.params, self._layer_table(kv_caches), h, positions, meta.slot_mapping, tables, lens, tile_chunks)
+        layer_table = self._layer_table(kv_caches)
+        shadow = None
+        if self.params.kv_int8:  # the blocks this step reads, once each; the tables index them
+            shadow, tables = torch.unique(tables, return_inverse=True)
+        args = (self.params, layer_table, h, positions, meta.slot_mapping, tables, lens, tile_chunks)
         interjection = meta.interjection
         if interjection is None:
-            self.native.forward(*args)
+            self.native.forward(*args, shadow_blocks=shadow)
             return h
         # Suspendable: the residual stream and the last branch live in `state` between the calls. Once
         # stopped, the rest runs without the flag: one interjection per step at most.
         state = torch.empty((2, *h.shape), dtype=h.dtype)
-        layer = self.native.forward(*args, state=state, stop=interjection.flag)
+        layer = self.native.forward(*args, state=state, stop=interjection.flag, shadow_blocks=shadow)
         if layer < self.params.num_layers:
             interjection.run()
-            self.native.forward(*args, first_layer=layer, state=state)
+            self.native.forward(*args, first_layer=layer, state=state, shadow_blocks=shadow)
         return h
 
     def _tiled(self, chunk) -> bool:
@@ -228,6 +234,7 @@ class NativeDecoder:
         key = tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches)
         if key != self._table_key:
             _, self.params.num_blocks, self.params.block_size, _ = kv_caches[0][0].shape
+            self.params.kv_int8 = int(kv_quant.is_quantized(kv_caches[0][0]))
             self._table = self._layers(*[
                 cpu_kernels.LayerParams(key_cache=k, value_cache=v, **fields)
                 for fields, (k, v) in zip(self._static, key)])

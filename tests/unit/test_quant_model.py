@@ -58,9 +58,11 @@ def test_an_engine_build_consumes_its_checkpoint(tiny_llama_gguf):
 def test_an_unknown_setting_is_refused(tiny_llama_gguf):
     with pytest.raises(ConfigError, match="weights"):
         LLM(str(tiny_llama_gguf), weights="int3")
-    with pytest.raises(ConfigError, match="cache_dtype"):  # the KV cache is in the model's dtype, nothing else
-        LLM(str(tiny_llama_gguf), dtype="float32", cache_dtype="bfloat16")
-    LLM(str(tiny_llama_gguf), dtype="float32", cache_dtype="float32", kv_cache_memory="16MiB", swap_space=0)
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):  # a float KV cache is in the model's dtype
+        LLM(str(tiny_llama_gguf), dtype="float32", kv_cache_dtype="bfloat16")
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        LLM(str(tiny_llama_gguf), kv_cache_dtype="int4")
+    LLM(str(tiny_llama_gguf), dtype="float32", kv_cache_dtype="float32", kv_cache_memory="16MiB", swap_space=0)
 
 
 @needs_packed_gemm
