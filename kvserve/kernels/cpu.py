@@ -129,7 +129,7 @@ class NativeKernels:
             f.argtypes, f.restype = [_PTR, _I64, _I64, _PTR], None
         self._forward = self._lib.kvserve_forward_bf16
         self._forward.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR,
-                                  _PTR, _I64]
+                                  _PTR, _I64, _PTR]
         self._forward.restype = _I64
 
     def quantize_kv(self, x: torch.Tensor) -> torch.Tensor:
@@ -301,7 +301,7 @@ class NativeKernels:
                 positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                 context_lens: torch.Tensor, tile_chunks: torch.Tensor | None = None, first_layer: int = 0,
                 state: torch.Tensor | None = None, stop: ctypes.c_int32 | None = None,
-                shadow_blocks: torch.Tensor | None = None) -> int:
+                shadow_blocks: torch.Tensor | None = None, shadow_tables: torch.Tensor | None = None) -> int:
         """hidden [T, H] bf16 embeddings -> the final-normed hidden states, in place (see decoder_cpu.cpp).
         Per token: positions, slots, context_lens [T] and block_tables [T, width], all int64. tile_chunks
         [C, 2] int64: (first row, rows) of the prefill chunks whose rows attend together (packed keys, or
@@ -312,8 +312,9 @@ class NativeKernels:
         [2, T, H], kept between calls) it returns early, at the top of the layer after the first one
         that finds `stop` set (each layer reads it once); call again with first_layer = that layer.
 
-        8-bit caches (model_params.kv_int8): shadow_blocks [B] int64 lists the cache blocks the step reads,
-        and block_tables index that list (each layer dequantizes those blocks once, then attends)."""
+        8-bit caches (model_params.kv_int8): rows attending alone dequantize their own keys and values; for
+        the tile chunks, shadow_blocks [B] int64 lists the cache blocks they read and their rows of
+        shadow_tables (block_tables' shape) index that list (each layer dequantizes those blocks once)."""
         if not self.fused:
             raise RuntimeError("the fused decoder needs AMX or AVX2")
         if not hidden.is_contiguous():
@@ -329,7 +330,8 @@ class NativeKernels:
                              state.data_ptr() if state is not None else None,
                              ctypes.addressof(stop) if stop is not None else None,  # ignored without state
                              shadow_blocks.data_ptr() if shadow_blocks is not None else None,
-                             shadow_blocks.shape[0] if shadow_blocks is not None else 0)
+                             shadow_blocks.shape[0] if shadow_blocks is not None else 0,
+                             shadow_tables.data_ptr() if shadow_tables is not None else None)
 
 
 class LayerParams(ctypes.Structure):

@@ -160,6 +160,48 @@ inline __m256 hsum8(const __m256* v) {
 }
 #endif
 
+// ---- the 8-bit KV cache (models/kv_quant.py): a row is dim int8 values, then each 32-group's fp32 scale ----
+// Spelled as kv_quant.quantize spells it: scale = max|x| / 127, q = round-half-even(x / scale).
+constexpr int64_t kKvGroup = 32;
+inline int64_t kv_row_bytes(int64_t dim) { return dim + 4 * ((dim + kKvGroup - 1) / kKvGroup); }
+template <typename T>
+inline void quantize_kv_row(const T* x, int64_t dim, uint8_t* dst) {
+  int8_t* q = reinterpret_cast<int8_t*>(dst);
+  for (int64_t g0 = 0; g0 < dim; g0 += kKvGroup) {
+    const int64_t g1 = std::min(dim, g0 + kKvGroup);
+    float amax = 0.0f;
+    for (int64_t j = g0; j < g1; ++j) amax = std::max(amax, std::fabs(to_float(x[j])));
+    const float scale = amax / 127.0f;
+    for (int64_t j = g0; j < g1; ++j) {
+      const float v = scale > 0.0f ? std::nearbyint(to_float(x[j]) / scale) : 0.0f;
+      q[j] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
+    }
+    std::memcpy(dst + dim + 4 * (g0 / kKvGroup), &scale, sizeof(float));
+  }
+}
+// A row back as bf16: q * scale in fp32, rounded to nearest even (kv_quant.dequantize).
+inline void dequantize_kv_row(const uint8_t* row, int64_t dim, bf16* out) {
+  const int8_t* q = reinterpret_cast<const int8_t*>(row);
+  for (int64_t g0 = 0; g0 < dim; g0 += kKvGroup) {
+    const int64_t g1 = std::min(dim, g0 + kKvGroup);
+    float scale;
+    std::memcpy(&scale, row + dim + 4 * (g0 / kKvGroup), sizeof(float));
+    int64_t j = g0;
+#if defined(__AVX512F__)
+    const __m512 s = _mm512_set1_ps(scale);
+    for (; j + 16 <= g1; j += 16)
+      store16(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j)))), s),
+              out + j);
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 s = _mm256_set1_ps(scale);
+    for (; j + 8 <= g1; j += 8)
+      store8(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j)))), s),
+             out + j);
+#endif
+    for (; j < g1; ++j) store(static_cast<float>(q[j]) * scale, out + j);
+  }
+}
+
 // One (sequence, kv head) task: the group's query rows against the visible keys [start, len) of one head,
 // through the block table; writes out [group, hd]. `q` is filled by attend_any (fp32, pre-scaled) for
 // the paths that want it; the AVX512-BF16 path reads q_raw as stored.
@@ -359,6 +401,126 @@ void attend_vectors(const Task<T>& task) {
     }
   }
 }
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// One head's 8-bit cache rows (quantize_kv_row) through a block table.
+struct Int8Rows {
+  const uint8_t* head;
+  const int64_t* table;
+  int64_t block_size, row_bytes;
+  // f(t - start, row) for every key t in [start, len), in order. The blocks are scattered, so the
+  // stride prefetcher stops at each block's end: entering a block asks for the next one's lines.
+  template <typename F>
+  void for_each(int64_t start, int64_t len, F&& f) const {
+    const int64_t block_bytes = block_size * row_bytes;
+    for (int64_t b = start / block_size; b * block_size < len; ++b) {
+      if ((b + 1) * block_size < len) {
+        const char* next = reinterpret_cast<const char*>(head + table[b + 1] * block_bytes);
+        for (int64_t off = 0; off < block_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+      }
+      const int64_t t0 = std::max(start, b * block_size), t1 = std::min(len, (b + 1) * block_size);
+      const uint8_t* row = head + (table[b] * block_size + (t0 - b * block_size)) * row_bytes;
+      for (int64_t t = t0; t < t1; ++t, row += row_bytes) f(t - start, row);
+    }
+  }
+};
+inline Lanes::V load_q8(const uint8_t* p) {  // Lanes::n int8 values as fp32
+#if defined(__AVX512F__)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#endif
+}
+
+// Attention straight from 8-bit rows for G query heads of one kv head, head_dim = Lanes::n * C (a
+// multiple of 32): each key row is widened once for all G heads; q.k sums a 32-group's int8 products
+// in fp32 and scales the sum by the group's scale; p.v folds the scale into the probability. The int8
+// values are read once, where a dequantized copy would be written and read again.
+// q: [G, hd] fp32, pre-scaled; scores: G * (len - start); out: [G, hd].
+template <int C, int G>
+void attend_int8(const float* q, const Int8Rows& keys, const Int8Rows& values, int64_t start, int64_t len,
+                 float* scores, bf16* out) {
+  using L = Lanes;
+  constexpr int N = L::n, per_group = static_cast<int>(kKvGroup) / N;
+  constexpr int64_t hd = N * C;
+  static_assert(C % per_group == 0, "head_dim must be a multiple of the scale groups");
+  const int64_t n = len - start;
+  {
+    alignas(64) float part[G][N][N];  // per head, per key of the current N: the lanes of its q.k
+    keys.for_each(start, len, [&](int64_t i, const uint8_t* row) {
+      float sc[C / per_group];
+      std::memcpy(sc, row + hd, sizeof(sc));
+      typename L::V a[G];
+      for (int g = 0; g < G; ++g) a[g] = L::zero();
+      for (int c = 0; c < C; c += per_group) {
+        typename L::V d[G];
+        for (int j = 0; j < per_group; ++j) {
+          const typename L::V k = load_q8(row + N * (c + j));
+          for (int g = 0; g < G; ++g)
+            d[g] = j == 0 ? L::mul(L::loadf(q + g * hd + N * c), k) : L::fmadd(L::loadf(q + g * hd + N * (c + j)), k, d[g]);
+        }
+        const typename L::V s = L::set1(sc[c / per_group]);
+        for (int g = 0; g < G; ++g) a[g] = L::fmadd(s, d[g], a[g]);
+      }
+      for (int g = 0; g < G; ++g) L::store(part[g][i % N], a[g]);
+      if (i % N == N - 1)
+        for (int g = 0; g < G; ++g) {
+          typename L::V v[N];
+          for (int j = 0; j < N; ++j) v[j] = L::loadf(part[g][j]);
+          L::store(scores + g * n + i - (N - 1), L::hsum(v));
+        }
+    });
+    if (const int64_t rem = n % N)
+      for (int g = 0; g < G; ++g) {
+        typename L::V v[N];
+        for (int j = 0; j < N; ++j) v[j] = j < rem ? L::loadf(part[g][j]) : L::zero();
+        alignas(64) float tail[N];
+        L::store(tail, L::hsum(v));
+        std::memcpy(scores + g * n + n - rem, tail, rem * sizeof(float));
+      }
+  }
+  softmax_rows(scores, G, n);
+  constexpr int W = C * G <= 16 ? C : std::max(per_group, 16 / G / per_group * per_group);  // G * W accumulators
+  alignas(64) float tmp[N * W];
+  for (int c0 = 0; c0 < C; c0 += W) {
+    typename L::V acc[G][W];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < W; ++c) acc[g][c] = L::zero();
+    values.for_each(start, len, [&](int64_t i, const uint8_t* row) {
+      float sc[W / per_group];
+      std::memcpy(sc, row + hd + 4 * (c0 / per_group), sizeof(sc));
+      for (int c = 0; c < W; ++c) {
+        const typename L::V v = load_q8(row + N * (c0 + c));
+        for (int g = 0; g < G; ++g) acc[g][c] = L::fmadd(L::set1(scores[g * n + i] * sc[c / per_group]), v, acc[g][c]);
+      }
+    });
+    for (int g = 0; g < G; ++g) {
+      for (int c = 0; c < W; ++c) L::store(tmp + N * c, acc[g][c]);
+      bf16* dst = out + g * hd + N * c0;
+      for (int j = 0; j < N * W; ++j) store(tmp[j], dst + j);
+    }
+  }
+}
+// Every head of a kv head's group in one pass where the registers allow, else one head a pass.
+template <int C>
+void attend_int8(const float* q, int64_t group, const Int8Rows& keys, const Int8Rows& values, int64_t start,
+                 int64_t len, float* scores, bf16* out) {
+  constexpr int64_t hd = Lanes::n * C;
+  const int64_t n = len - start;
+  switch (group) {
+    case 1: return attend_int8<C, 1>(q, keys, values, start, len, scores, out);
+    case 2: return attend_int8<C, 2>(q, keys, values, start, len, scores, out);
+    case 3: return attend_int8<C, 3>(q, keys, values, start, len, scores, out);
+    case 4: return attend_int8<C, 4>(q, keys, values, start, len, scores, out);
+    default:
+      for (int64_t g = 0; g < group; ++g)
+        attend_int8<C, 1>(q + g * hd, keys, values, start, len, scores + g * n, out + g * hd);
+  }
+}
+constexpr bool kInt8Attention = true;
+#else
+constexpr bool kInt8Attention = false;
 #endif
 
 #if defined(__AVX512BF16__)
@@ -592,6 +754,7 @@ struct Scratch {
   std::vector<WidenedQuery> queries;
   std::vector<int64_t> rows;
   std::vector<uint16_t> probs;
+  std::vector<bf16> keys, values;  // an 8-bit cache's rows of one task, dequantized (DecodeBatch)
 };
 
 inline void attend(const Task<bf16>& task, Scratch& scratch);
@@ -649,13 +812,60 @@ struct DecodeBatch {
   T* out;  // [seqs, q_heads, hd] contiguous
   int64_t num_seqs, num_q_heads, num_kv_heads, num_blocks, block_size, hd, window;
   float scale;
+  bool kv_int8 = false;  // the caches hold 8-bit rows (quantize_kv_row): each task dequantizes its own
 
   int64_t tasks() const { return num_seqs * num_kv_heads; }
+  // attend_int8 where head_dim allows (64, 128, 256); false where it does not.
+  bool int8_attention(int64_t s, int64_t h, int64_t group, int64_t start, int64_t len, std::vector<float>& scores,
+                      Scratch& scratch) const {
+    if constexpr (kInt8Attention) {
+      const int64_t row = kv_row_bytes(hd), head_bytes = num_blocks * block_size * row;
+      const int64_t* table = block_tables + s * table_stride;
+      const Int8Rows keys{reinterpret_cast<const uint8_t*>(key_cache) + h * head_bytes, table, block_size, row};
+      const Int8Rows values{reinterpret_cast<const uint8_t*>(value_cache) + h * head_bytes, table, block_size, row};
+      scratch.q.resize(group * hd);
+      const T* q = query + s * query_token_stride + h * group * hd;
+      for (int64_t j = 0; j < group * hd; ++j) scratch.q[j] = to_float(q[j]) * scale;
+      bf16* o = reinterpret_cast<bf16*>(out + (s * num_q_heads + h * group) * hd);
+      constexpr int N = Lanes::n;
+      switch (hd) {
+        case 64: attend_int8<64 / N>(scratch.q.data(), group, keys, values, start, len, scores.data(), o); return true;
+        case 128: attend_int8<128 / N>(scratch.q.data(), group, keys, values, start, len, scores.data(), o); return true;
+        case 256: attend_int8<256 / N>(scratch.q.data(), group, keys, values, start, len, scores.data(), o); return true;
+        default: return false;
+      }
+    }
+    return false;
+  }
   void run(int64_t task, std::vector<float>& scores, Scratch& scratch) const {
     const int64_t s = task / num_kv_heads, h = task % num_kv_heads, group = num_q_heads / num_kv_heads;
     const int64_t len = context_lens[s];
     const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
     scores.resize(group * (len - start));
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (kv_int8 && int8_attention(s, h, group, start, len, scores, scratch)) return;
+      if (kv_int8) {
+        // Any other head_dim: the visible rows into one contiguous block of the thread's scratch (it stays
+        // in cache for the q.k and p.v passes), then the bf16 kernels.
+        const int64_t n = len - start, row = kv_row_bytes(hd), head_bytes = num_blocks * block_size * row;
+        scratch.keys.resize(n * hd);
+        scratch.values.resize(n * hd);
+        const uint8_t* kc = reinterpret_cast<const uint8_t*>(key_cache) + h * head_bytes;
+        const uint8_t* vc = reinterpret_cast<const uint8_t*>(value_cache) + h * head_bytes;
+        const int64_t* table = block_tables + s * table_stride;
+        for (int64_t t = start; t < len; ++t) {
+          const int64_t at = (table[t / block_size] * block_size + t % block_size) * row;
+          dequantize_kv_row(kc + at, hd, scratch.keys.data() + (t - start) * hd);
+          dequantize_kv_row(vc + at, hd, scratch.values.data() + (t - start) * hd);
+        }
+        static const int64_t first_block = 0;
+        attend(Task<T>{nullptr, query + s * query_token_stride + h * group * hd, scale, group, hd,
+                       scratch.keys.data(), scratch.values.data(), &first_block, n, 0, n, scores.data(),
+                       out + (s * num_q_heads + h * group) * hd},
+               scratch);
+        return;
+      }
+    }
     const int64_t head_stride = num_blocks * block_size * hd;
     attend(Task<T>{nullptr, query + s * query_token_stride + h * group * hd, scale, group, hd,
                    key_cache + h * head_stride, value_cache + h * head_stride, block_tables + s * table_stride,
@@ -691,48 +901,6 @@ void write_kv(const T* key, const T* value, int64_t key_token_stride, int64_t va
   }
 }
 
-
-// ---- the 8-bit KV cache (models/kv_quant.py): a row is dim int8 values, then each 32-group's fp32 scale ----
-// Spelled as kv_quant.quantize spells it: scale = max|x| / 127, q = round-half-even(x / scale).
-constexpr int64_t kKvGroup = 32;
-inline int64_t kv_row_bytes(int64_t dim) { return dim + 4 * ((dim + kKvGroup - 1) / kKvGroup); }
-template <typename T>
-inline void quantize_kv_row(const T* x, int64_t dim, uint8_t* dst) {
-  int8_t* q = reinterpret_cast<int8_t*>(dst);
-  for (int64_t g0 = 0; g0 < dim; g0 += kKvGroup) {
-    const int64_t g1 = std::min(dim, g0 + kKvGroup);
-    float amax = 0.0f;
-    for (int64_t j = g0; j < g1; ++j) amax = std::max(amax, std::fabs(to_float(x[j])));
-    const float scale = amax / 127.0f;
-    for (int64_t j = g0; j < g1; ++j) {
-      const float v = scale > 0.0f ? std::nearbyint(to_float(x[j]) / scale) : 0.0f;
-      q[j] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
-    }
-    std::memcpy(dst + dim + 4 * (g0 / kKvGroup), &scale, sizeof(float));
-  }
-}
-// A row back as bf16: q * scale in fp32, rounded to nearest even (kv_quant.dequantize).
-inline void dequantize_kv_row(const uint8_t* row, int64_t dim, bf16* out) {
-  const int8_t* q = reinterpret_cast<const int8_t*>(row);
-  for (int64_t g0 = 0; g0 < dim; g0 += kKvGroup) {
-    const int64_t g1 = std::min(dim, g0 + kKvGroup);
-    float scale;
-    std::memcpy(&scale, row + dim + 4 * (g0 / kKvGroup), sizeof(float));
-    int64_t j = g0;
-#if defined(__AVX512F__)
-    const __m512 s = _mm512_set1_ps(scale);
-    for (; j + 16 <= g1; j += 16)
-      store16(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j)))), s),
-              out + j);
-#elif defined(__AVX2__) && defined(__FMA__)
-    const __m256 s = _mm256_set1_ps(scale);
-    for (; j + 8 <= g1; j += 8)
-      store8(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j)))), s),
-             out + j);
-#endif
-    for (; j < g1; ++j) store(static_cast<float>(q[j]) * scale, out + j);
-  }
-}
 
 // ---- fused elementwise ops of a decoder layer (one pass each instead of 3-8 torch ops) ----
 

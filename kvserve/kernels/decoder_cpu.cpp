@@ -1469,7 +1469,7 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
                                                const int64_t* context_lens, const int64_t* tile_chunks,
                                                int64_t num_tile_chunks, int64_t first_layer, void* state,
                                                const int32_t* stop, const int64_t* shadow_blocks,
-                                               int64_t num_shadow) {
+                                               int64_t num_shadow, const int64_t* shadow_tables) {
   int64_t stopped_at = -1;
   if (!kTileAttention && !kWidenedAttention) num_tile_chunks = 0;  // every row attends alone (none are passed)
   const ModelParams& p = *mp;
@@ -1511,8 +1511,9 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
   for (int64_t i = 0; i < m; ++i)
     if (!tiled[i]) untiled.push_back(i);
   std::vector<bf16> packed(packed_offsets[num_tile_chunks]);
-  // An 8-bit cache: each layer's blocks this step reads (shadow_blocks; block_tables index this list) are
-  // dequantized into a bf16 copy once, after the step's own rows are written, and attention reads that.
+  // An 8-bit cache: rows attending alone dequantize their own keys and values (DecodeBatch); the blocks
+  // the tiled chunks read (shadow_blocks, which their rows of shadow_tables index) are dequantized into a
+  // bf16 copy once a layer, after the step's own rows are written, and packed or grouped from there.
   const bool kv_int8 = p.kv_int8 != 0;
   const int64_t shadow_head = kv_int8 ? num_shadow * p.block_size * hd : 0;
   static thread_local std::vector<bf16> shadow_keys, shadow_values;
@@ -1577,8 +1578,9 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
       for (int64_t i = 0; i < m; ++i) step.token(qkv.data() + i * qkv_width, positions[i], slot_mapping[i]);
       bf16* keys = L.key_cache;
       bf16* values = L.value_cache;
+      const int64_t* chunk_tables = block_tables;
       int64_t blocks = p.num_blocks;
-      if (kv_int8) {
+      if (kv_int8 && num_shadow > 0) {
         const int64_t row = kv_row_bytes(hd), head_bytes = p.num_blocks * p.block_size * row;
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < p.kv_heads * num_shadow; ++task) {
@@ -1591,13 +1593,13 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
                               shadow_v + to + t * hd);
           }
         }
-        keys = shadow_k, values = shadow_v, blocks = num_shadow;
+        keys = shadow_k, values = shadow_v, chunk_tables = shadow_tables, blocks = num_shadow;
       }
       mark(2);
-      const DecodeBatch<bf16> batch{qkv.data(), qkv_width, keys, values, block_tables, table_stride,
-                                    context_lens, attn.data(), m, p.q_heads, p.kv_heads, blocks,
-                                    p.block_size, hd, L.window, L.scale};
-      const PrefillChunks prefill{qkv.data(), qkv_width, positions, block_tables, table_stride, chunks, keys,
+      const DecodeBatch<bf16> batch{qkv.data(), qkv_width, L.key_cache, L.value_cache, block_tables, table_stride,
+                                    context_lens, attn.data(), m, p.q_heads, p.kv_heads, p.num_blocks,
+                                    p.block_size, hd, L.window, L.scale, kv_int8};
+      const PrefillChunks prefill{qkv.data(), qkv_width, positions, chunk_tables, table_stride, chunks, keys,
                                   values, p.q_heads, p.kv_heads, hd, p.block_size,
                                   blocks * p.block_size * hd, L.window, L.scale, attn.data()};
 #if defined(__AVX512BF16__)  // tile attention (kTileAttention)

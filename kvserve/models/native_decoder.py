@@ -194,21 +194,24 @@ class NativeDecoder:
             tables, lens = meta.decode_block_tables, meta.decode_context_lens
         h = h.contiguous()
         layer_table = self._layer_table(kv_caches)
-        shadow = None
-        if self.params.kv_int8:  # the blocks this step reads, once each; the tables index them
-            shadow, tables = torch.unique(tables, return_inverse=True)
+        shadow = {}
+        if self.params.kv_int8 and tile_chunks is not None:
+            # The blocks the tile chunks read, once each (dequantized once a layer); their rows of the
+            # shadow tables index that list (other rows' entries are never read).
+            blocks = torch.unique(torch.cat([tables[s] for s, _ in tiled]))  # a chunk's rows share one table
+            shadow = {"shadow_blocks": blocks, "shadow_tables": torch.searchsorted(blocks, tables)}
         args = (self.params, layer_table, h, positions, meta.slot_mapping, tables, lens, tile_chunks)
         interjection = meta.interjection
         if interjection is None:
-            self.native.forward(*args, shadow_blocks=shadow)
+            self.native.forward(*args, **shadow)
             return h
         # Suspendable: the residual stream and the last branch live in `state` between the calls. Once
         # stopped, the rest runs without the flag: one interjection per step at most.
         state = torch.empty((2, *h.shape), dtype=h.dtype)
-        layer = self.native.forward(*args, state=state, stop=interjection.flag, shadow_blocks=shadow)
+        layer = self.native.forward(*args, state=state, stop=interjection.flag, **shadow)
         if layer < self.params.num_layers:
             interjection.run()
-            self.native.forward(*args, first_layer=layer, state=state, shadow_blocks=shadow)
+            self.native.forward(*args, first_layer=layer, state=state, **shadow)
         return h
 
     def _tiled(self, chunk) -> bool:
