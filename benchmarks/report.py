@@ -516,7 +516,7 @@ class LargerModels(Report):
         """(values over runs, digits, as percent) per column."""
         info = (self.s.meta.get("targets") or {}).get(t, {})
         w1, w2 = self.s.runs(t, "W1"), self.s.runs(t, "W2")
-        bw = (self.s.meta.get("ceilings") or {}).get("copy_bytes_per_s")
+        bw = self.bandwidth(t.partition("@")[2])
         per_token = info.get("bytes_per_token")
         floor_ms = per_token / bw * 1e3 if per_token and bw else None
         tpot = values(w2, "median_tpot_ms")
@@ -526,6 +526,12 @@ class LargerModels(Report):
                 ([per_token / 1e9] if per_token else [], 2, False),
                 ([floor_ms] if floor_ms else [], 1, False),
                 ([floor_ms / x for x in tpot if x] if floor_ms else [], 0, True)]
+
+    def bandwidth(self, model: str) -> float | None:
+        """The copy bandwidth measured by the suite invocation that ran this model (sessions before it was
+        recorded per model: the session's last)."""
+        rec = (self.s.meta.get("models") or {}).get(model) or {}
+        return rec.get("copy_bytes_per_s") or (self.s.meta.get("ceilings") or {}).get("copy_bytes_per_s")
 
     def model_rows(self, model: str) -> list[list[str]]:
         rows, figs = [], {}
@@ -568,7 +574,6 @@ class LargerModels(Report):
     def render(self) -> str:
         m = self.s.meta
         mach = ((m.get("ceilings") or {}).get("machine")) or {}
-        bw = (m.get("ceilings") or {}).get("copy_bytes_per_s")
         g = m.get("git") or {}
         self.w("### Larger models: Llama-3.2-1B and Llama-3.1-8B shapes, random weights\n")
         if m.get("quick"):
@@ -586,8 +591,13 @@ class LargerModels(Report):
         self.w(table(["model", "engine", "weights"] + self.COLUMNS, rows))
         if self.sizes():
             self.w(f"\n{self.sizes()}.")
-        self.w("\nFloor: the bytes a decode step reads per token over this session's copy bandwidth "
-               + (f"({bw / 1e9:.1f} GB/s" if bw else "(not measured") + ", `benchmarks.ceilings`: a tensor copy, bytes "
+        recorded = {model for model, rec in (m.get("models") or {}).items() if rec.get("copy_bytes_per_s")}
+        bws = {model: self.bandwidth(model) for model in self.s.models()}
+        said = "; ".join(f"{model} {b / 1e9:.1f} GB/s" + ("" if model in recorded else " (not recorded per model: "
+                                                          "the session's last measurement)")
+                         for model, b in bws.items() if b) or "not measured"
+        self.w("\nFloor: the bytes a decode step reads per token over the copy bandwidth measured by the suite "
+               f"invocation that ran the model ({said}, `benchmarks.ceilings`: a tensor copy, bytes "
                "read + written), the time a step would take if it did nothing but stream the weights once. kvserve "
                "reads the weights it holds (its load log: `weights: <forms>, N GB held`); llama.cpp the GGUF's tensors "
                "(gguf's reader; token_embd left out where the file has an output.weight, as only the prompt's rows of "
@@ -749,7 +759,8 @@ def assemble(plots_dir: Path) -> str:
             continue
         if models.exists():  # written at its level
             md = md.rstrip("\n") + "\n\n" + models.read_text().strip() + "\n"
-        for extra in ("quality", "profile"):  # benchmarks.quality and .profile --markdown on a machine of this kind
+        # benchmarks.quality, .profile and .single --markdown on a machine of this kind
+        for extra in ("quality", "profile", "single"):
             path = plots_dir / "cpu" / f"{kind}-{extra}.md"
             if path.exists():
                 text = "\n".join("##" + line if line.startswith("# ") else line

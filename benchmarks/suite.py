@@ -434,9 +434,10 @@ class Suite:
         ran.update({j.name: {"name": j.name, "workload": j.workload, "kind": j.kind, "runs": j.runs,
                              "seed_base": j.seed_base, "shape": j.shape} for j in jobs})
         record["jobs"] = list(ran.values())
-        if model:
+        if model:  # the copy bandwidth of this invocation: a later one into the session re-measures it
             record.update(model=SHAPES[model.shape].model, file=str(model.path),
-                          command=shell_join(["python", "-m", "benchmarks.suite", *sys.argv[1:]]))
+                          command=shell_join(["python", "-m", "benchmarks.suite", *sys.argv[1:]]),
+                          copy_bytes_per_s=(self.meta.get("ceilings") or {}).get("copy_bytes_per_s"))
         self.save_meta()
         targets = all_targets(self.args.targets, engine_args=dict(self.args.engine_arg), model=model)
         self.log(f"{model.name if model else SMOLLM2}: targets {', '.join(t.name for t in targets)}; "
