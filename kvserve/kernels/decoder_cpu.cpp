@@ -757,6 +757,9 @@ inline void q4_rows(const uint8_t* q, __m512bh& lo, __m512bh& hi) {
 // kQuantChains interleaved accumulators (VDPBF16PS's latency is several of its issue slots: one chain a row
 // waited on it), the same for every R, so a row's result does not depend on how many rows ride with it.
 constexpr int kQuantChains = 4;  // the sum below adds four
+// Chunks ahead that a pass asks for: a block's chunks are one short stream (20 KiB for k = 2048 at 4 bits),
+// which the hardware prefetcher has barely picked up before it ends (steps of a few rows gain; one row does not).
+constexpr int64_t kQuantPrefetchChunks = 8;
 template <int R, int Bits>
 void quant_block(const bf16* a, int64_t lda, const float* sums, int64_t chunks, const uint8_t* b, float* c) {
   __m512 acc[R];
@@ -764,6 +767,8 @@ void quant_block(const bf16* a, int64_t lda, const float* sums, int64_t chunks, 
   const int64_t cb = quant_chunk_bytes(Bits);
   for (int64_t ch = 0; ch < chunks; ++ch) {
     const uint8_t* t = b + ch * cb;
+    for (int64_t l = 0; l < cb; l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(t + kQuantPrefetchChunks * cb + l), _MM_HINT_T0);
     const uint32_t* ar = reinterpret_cast<const uint32_t*>(a + ch * 32);
     __m512 part[kQuantChains][R];
     for (int j = 0; j < kQuantChains; ++j)
