@@ -378,9 +378,9 @@ def tradeoff_markdown(data: dict, command: str) -> str:
              "- $ / M output tokens = W1's engine seconds (the time metering charges its requests: each step's "
              "time split over its sequences by tokens, prefills included) x the model's `replica_cost_per_hour` "
              "(kvserve/default_models.toml) / 3600 / W1's output tokens x 10^6 (metering.prices.request_cost).",
-             "- KV: bf16, or int8 (`kv_cache_dtype = \"int8\"`: int8 rows with an fp32 scale per token and kv "
-             "head, kvserve/models/kv_quant.py); each int8-KV row's target compares it with the row above it "
-             "(the same weights, bf16 KV).", "",
+             "- KV: bf16, or int8 (`kv_cache_dtype = \"int8\"`: each token's row of a kv head as int8 in groups "
+             "of 32 with an fp32 scale each, kvserve/models/kv_quant.py); each int8-KV row's target compares it "
+             "with the row above it (the same weights, bf16 KV).", "",
              f"| model | weights | KV | computed from | perplexity | KLD vs float32 | top-1 vs float32 "
              f"| task = float32 (of {n}) | task correct (of {n}) | KLD vs bf16 | top-1 vs bf16 | TPOT c=1 (ms) "
              "| W1 out tok/s | $ / M output tokens | target |",

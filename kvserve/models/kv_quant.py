@@ -5,8 +5,8 @@ the scales with the values.
 
 Symmetric, per group of 32: scale = max|x| / 127, q = round-half-even(x / scale). A group's largest value
 comes back exact and every other within half a step (max|x| / 254) of its own. Groups, not one scale a
-row: keys carry a few large channels, and one scale for a whole row (256 values in Gemma 3) left the
-others a handful of steps (see BENCHMARKS.md, the trade-off table). The rounding is spelled the same in
+row: keys carry a few large channels, and one scale for a whole row (256 values in Gemma 3) leaves the
+other values a handful of steps. The rounding is spelled the same in
 torch (here: the per-op path, CUDA) and in the fused CPU decoder (kernels/cpu_common.h,
 quantize_kv_row / dequantize_kv_row), so a row's bytes, and the bf16 values attention reads back, do not
 depend on which path wrote or reads it.
