@@ -19,6 +19,10 @@ step whose row-by-row attention exceeds
 `max_attention_keys`, or whose batch is too big for the simple tile loops (`max_tokens`), keeps the
 per-op path: SDPA prefill and oneDNN projections.
 
+An 8-bit KV cache (models/kv_quant.py) is written as each row is quantized; rows attending alone read
+its int8 rows as they are, and a tiled chunk's blocks are dequantized once a layer into a copy its
+tiles are packed from (`shadow_blocks`).
+
 It serves bfloat16 Llama and Gemma 3 layers on CPUs with AMX (and a kernel that grants it) or AVX2;
 `build` returns None for anything else, and the model keeps its per-op path, which stays the reference:
 tests compare the two.
