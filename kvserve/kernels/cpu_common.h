@@ -201,6 +201,32 @@ inline void dequantize_kv_row(const uint8_t* row, int64_t dim, bf16* out) {
     for (; j < g1; ++j) store(static_cast<float>(q[j]) * scale, out + j);
   }
 }
+// n consecutive rows (a block's, or a buffer's) -> [n, dim] bf16.
+inline void dequantize_kv_rows(const uint8_t* rows, int64_t n, int64_t dim, bf16* out) {
+  for (int64_t i = 0; i < n; ++i) dequantize_kv_row(rows + i * kv_row_bytes(dim), dim, out + i * dim);
+}
+
+// One head's 8-bit cache rows (quantize_kv_row) through a block table.
+struct Int8Rows {
+  const uint8_t* head;
+  const int64_t* table;
+  int64_t block_size, row_bytes;
+  // f(t - start, row) for every key t in [start, len), in order. The blocks are scattered, so the
+  // stride prefetcher stops at each block's end: entering a block asks for the next one's lines.
+  template <typename F>
+  void for_each(int64_t start, int64_t len, F&& f) const {
+    const int64_t block_bytes = block_size * row_bytes;
+    for (int64_t b = start / block_size; b * block_size < len; ++b) {
+      if ((b + 1) * block_size < len) {
+        const char* next = reinterpret_cast<const char*>(head + table[b + 1] * block_bytes);
+        for (int64_t off = 0; off < block_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+      }
+      const int64_t t0 = std::max(start, b * block_size), t1 = std::min(len, (b + 1) * block_size);
+      const uint8_t* row = head + (table[b] * block_size + (t0 - b * block_size)) * row_bytes;
+      for (int64_t t = t0; t < t1; ++t, row += row_bytes) f(t - start, row);
+    }
+  }
+};
 
 // One (sequence, kv head) task: the group's query rows against the visible keys [start, len) of one head,
 // through the block table; writes out [group, hd]. `q` is filled by attend_any (fp32, pre-scaled) for
@@ -404,27 +430,6 @@ void attend_vectors(const Task<T>& task) {
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-// One head's 8-bit cache rows (quantize_kv_row) through a block table.
-struct Int8Rows {
-  const uint8_t* head;
-  const int64_t* table;
-  int64_t block_size, row_bytes;
-  // f(t - start, row) for every key t in [start, len), in order. The blocks are scattered, so the
-  // stride prefetcher stops at each block's end: entering a block asks for the next one's lines.
-  template <typename F>
-  void for_each(int64_t start, int64_t len, F&& f) const {
-    const int64_t block_bytes = block_size * row_bytes;
-    for (int64_t b = start / block_size; b * block_size < len; ++b) {
-      if ((b + 1) * block_size < len) {
-        const char* next = reinterpret_cast<const char*>(head + table[b + 1] * block_bytes);
-        for (int64_t off = 0; off < block_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
-      }
-      const int64_t t0 = std::max(start, b * block_size), t1 = std::min(len, (b + 1) * block_size);
-      const uint8_t* row = head + (table[b] * block_size + (t0 - b * block_size)) * row_bytes;
-      for (int64_t t = t0; t < t1; ++t, row += row_bytes) f(t - start, row);
-    }
-  }
-};
 inline Lanes::V load_q8(const uint8_t* p) {  // Lanes::n int8 values as fp32
 #if defined(__AVX512F__)
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -815,27 +820,39 @@ struct DecodeBatch {
   bool kv_int8 = false;  // the caches hold 8-bit rows (quantize_kv_row): each task dequantizes its own
 
   int64_t tasks() const { return num_seqs * num_kv_heads; }
-  // attend_int8 where head_dim allows (64, 128, 256); false where it does not.
-  bool int8_attention(int64_t s, int64_t h, int64_t group, int64_t start, int64_t len, std::vector<float>& scores,
-                      Scratch& scratch) const {
+  // An 8-bit cache's task: attend_int8 where head_dim allows (64, 128, 256); for any other, the visible rows
+  // into one contiguous block of the thread's scratch (it stays in cache for the q.k and p.v passes), then
+  // the bf16 kernels.
+  void run_int8(int64_t s, int64_t h, int64_t group, int64_t start, int64_t len, std::vector<float>& scores,
+                Scratch& scratch) const {
+    const int64_t row = kv_row_bytes(hd), head_bytes = num_blocks * block_size * row;
+    const int64_t* table = block_tables + s * table_stride;
+    const Int8Rows keys{reinterpret_cast<const uint8_t*>(key_cache) + h * head_bytes, table, block_size, row};
+    const Int8Rows values{reinterpret_cast<const uint8_t*>(value_cache) + h * head_bytes, table, block_size, row};
+    const T* q = query + s * query_token_stride + h * group * hd;
+    bf16* o = reinterpret_cast<bf16*>(out + (s * num_q_heads + h * group) * hd);
     if constexpr (kInt8Attention) {
-      const int64_t row = kv_row_bytes(hd), head_bytes = num_blocks * block_size * row;
-      const int64_t* table = block_tables + s * table_stride;
-      const Int8Rows keys{reinterpret_cast<const uint8_t*>(key_cache) + h * head_bytes, table, block_size, row};
-      const Int8Rows values{reinterpret_cast<const uint8_t*>(value_cache) + h * head_bytes, table, block_size, row};
-      scratch.q.resize(group * hd);
-      const T* q = query + s * query_token_stride + h * group * hd;
-      for (int64_t j = 0; j < group * hd; ++j) scratch.q[j] = to_float(q[j]) * scale;
-      bf16* o = reinterpret_cast<bf16*>(out + (s * num_q_heads + h * group) * hd);
-      constexpr int N = Lanes::n;
-      switch (hd) {
-        case 64: attend_int8<64 / N>(scratch.q.data(), group, keys, values, start, len, scores.data(), o); return true;
-        case 128: attend_int8<128 / N>(scratch.q.data(), group, keys, values, start, len, scores.data(), o); return true;
-        case 256: attend_int8<256 / N>(scratch.q.data(), group, keys, values, start, len, scores.data(), o); return true;
-        default: return false;
+      if (hd == 64 || hd == 128 || hd == 256) {
+        scratch.q.resize(group * hd);
+        for (int64_t j = 0; j < group * hd; ++j) scratch.q[j] = to_float(q[j]) * scale;
+        constexpr int N = Lanes::n;
+        switch (hd) {
+          case 64: return attend_int8<64 / N>(scratch.q.data(), group, keys, values, start, len, scores.data(), o);
+          case 128: return attend_int8<128 / N>(scratch.q.data(), group, keys, values, start, len, scores.data(), o);
+          default: return attend_int8<256 / N>(scratch.q.data(), group, keys, values, start, len, scores.data(), o);
+        }
       }
     }
-    return false;
+    const int64_t n = len - start;
+    scratch.keys.resize(n * hd);
+    scratch.values.resize(n * hd);
+    keys.for_each(start, len, [&](int64_t i, const uint8_t* r) { dequantize_kv_row(r, hd, scratch.keys.data() + i * hd); });
+    values.for_each(start, len,
+                    [&](int64_t i, const uint8_t* r) { dequantize_kv_row(r, hd, scratch.values.data() + i * hd); });
+    static const int64_t first_block = 0;
+    attend(Task<bf16>{nullptr, q, scale, group, hd, scratch.keys.data(), scratch.values.data(), &first_block, n, 0, n,
+                      scores.data(), o},
+           scratch);
   }
   void run(int64_t task, std::vector<float>& scores, Scratch& scratch) const {
     const int64_t s = task / num_kv_heads, h = task % num_kv_heads, group = num_q_heads / num_kv_heads;
@@ -843,28 +860,7 @@ struct DecodeBatch {
     const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
     scores.resize(group * (len - start));
     if constexpr (std::is_same_v<T, bf16>) {
-      if (kv_int8 && int8_attention(s, h, group, start, len, scores, scratch)) return;
-      if (kv_int8) {
-        // Any other head_dim: the visible rows into one contiguous block of the thread's scratch (it stays
-        // in cache for the q.k and p.v passes), then the bf16 kernels.
-        const int64_t n = len - start, row = kv_row_bytes(hd), head_bytes = num_blocks * block_size * row;
-        scratch.keys.resize(n * hd);
-        scratch.values.resize(n * hd);
-        const uint8_t* kc = reinterpret_cast<const uint8_t*>(key_cache) + h * head_bytes;
-        const uint8_t* vc = reinterpret_cast<const uint8_t*>(value_cache) + h * head_bytes;
-        const int64_t* table = block_tables + s * table_stride;
-        for (int64_t t = start; t < len; ++t) {
-          const int64_t at = (table[t / block_size] * block_size + t % block_size) * row;
-          dequantize_kv_row(kc + at, hd, scratch.keys.data() + (t - start) * hd);
-          dequantize_kv_row(vc + at, hd, scratch.values.data() + (t - start) * hd);
-        }
-        static const int64_t first_block = 0;
-        attend(Task<T>{nullptr, query + s * query_token_stride + h * group * hd, scale, group, hd,
-                       scratch.keys.data(), scratch.values.data(), &first_block, n, 0, n, scores.data(),
-                       out + (s * num_q_heads + h * group) * hd},
-               scratch);
-        return;
-      }
+      if (kv_int8) return run_int8(s, h, group, start, len, scores, scratch);
     }
     const int64_t head_stride = num_blocks * block_size * hd;
     attend(Task<T>{nullptr, query + s * query_token_stride + h * group * hd, scale, group, hd,

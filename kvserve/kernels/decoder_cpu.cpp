@@ -1271,7 +1271,7 @@ struct LayerParams {
   QWeight o;  // packed [hidden, Hq D]
   QWeight gate_up;  // packed [2 I, hidden], gate and up blocks alternating
   QWeight down;  // packed [hidden, I]
-  bf16* key_cache;  // with ModelParams::kv_int8, uint8 rows of head_dim int8 values and their fp32 scale
+  bf16* key_cache;  // with ModelParams::kv_int8, uint8 rows: head_dim int8 values, an fp32 scale per 32 (kv_row_bytes)
   bf16* value_cache;
   const float* cos;
   const float* sin;
@@ -1447,6 +1447,16 @@ extern "C" void kvserve_linear_quant(const void* x, int64_t m, int64_t k, const 
   }
 }
 
+// bf16 rows [n, dim] -> 8-bit cache rows [n, kv_row_bytes(dim)] (quantize_kv_row), and back (dequantize_kv_rows):
+// the fused decoder's spelling of models/kv_quant.py, which the tests hold against it.
+extern "C" void kvserve_quantize_kv_rows(const void* x, int64_t n, int64_t dim, void* out) {
+  for (int64_t i = 0; i < n; ++i)
+    quantize_kv_row(static_cast<const bf16*>(x) + i * dim, dim, static_cast<uint8_t*>(out) + i * kv_row_bytes(dim));
+}
+extern "C" void kvserve_dequantize_kv_rows(const void* rows, int64_t n, int64_t dim, void* out) {
+  dequantize_kv_rows(static_cast<const uint8_t*>(rows), n, dim, static_cast<bf16*>(out));
+}
+
 // hidden [m, H]: in, the token embeddings; out, the final norm of the last residual stream. Per token:
 // positions, slot_mapping, context_lens (keys it attends to, itself included) [m] and its sequence's
 // block table, block_tables [m, table_stride]. tile_chunks [num_tile_chunks, 2]: (first row, rows) of the
@@ -1457,17 +1467,6 @@ extern "C" void kvserve_linear_quant(const void* x, int64_t m, int64_t k, const 
 // `state` [2, m, H] then holds the residual stream and the last branch, and a call with first_layer =
 // the returned layer goes on from there (hidden is written only at the end). Without a flag (or state)
 // it runs every layer. Returns num_layers when the stack is done.
-// bf16 rows [n, dim] -> 8-bit cache rows [n, kv_row_bytes(dim)] (quantize_kv_row), and back (dequantize_kv_row): the
-// fused decoder's spelling of models/kv_quant.py, which the tests hold against it.
-extern "C" void kvserve_quantize_kv_rows(const void* x, int64_t n, int64_t dim, void* out) {
-  for (int64_t i = 0; i < n; ++i)
-    quantize_kv_row(static_cast<const bf16*>(x) + i * dim, dim, static_cast<uint8_t*>(out) + i * kv_row_bytes(dim));
-}
-extern "C" void kvserve_dequantize_kv_rows(const void* rows, int64_t n, int64_t dim, void* out) {
-  for (int64_t i = 0; i < n; ++i)
-    dequantize_kv_row(static_cast<const uint8_t*>(rows) + i * kv_row_bytes(dim), dim, static_cast<bf16*>(out) + i * dim);
-}
-
 extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams* layers, void* hidden_ptr,
                                                int64_t m, const int64_t* positions, const int64_t* slot_mapping,
                                                const int64_t* block_tables, int64_t table_stride,
@@ -1592,11 +1591,8 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
           const int64_t head = task / num_shadow, b = task % num_shadow;
           const int64_t from = head * head_bytes + shadow_blocks[b] * p.block_size * row;
           const int64_t to = head * shadow_head + b * p.block_size * hd;
-          for (int64_t t = 0; t < p.block_size; ++t) {
-            dequantize_kv_row(reinterpret_cast<const uint8_t*>(L.key_cache) + from + t * row, hd, shadow_k + to + t * hd);
-            dequantize_kv_row(reinterpret_cast<const uint8_t*>(L.value_cache) + from + t * row, hd,
-                              shadow_v + to + t * hd);
-          }
+          dequantize_kv_rows(reinterpret_cast<const uint8_t*>(L.key_cache) + from, p.block_size, hd, shadow_k + to);
+          dequantize_kv_rows(reinterpret_cast<const uint8_t*>(L.value_cache) + from, p.block_size, hd, shadow_v + to);
         }
         keys = shadow_k, values = shadow_v, chunk_tables = shadow_tables, blocks = num_shadow;
       }

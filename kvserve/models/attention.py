@@ -173,11 +173,9 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """query [T, Hq, D], key/value [T, Hkv, D] (this step's new tokens) -> output [T, Hq, D].
 
     Writes the new K/V into the cache first (unless the caller's fused kernel did: `kv_written`), then
-    attends through the block tables: with `native` (the model's backend: contiguous CPU caches), the
-    writes and the decodes' attention run in the native kernels, else in torch.
+    attends through the block tables: with `native` (the model's backend: contiguous CPU caches in the
+    model's dtype), the writes and the decodes' attention run in the native kernels, else in torch.
     """
-    if kv_quant.is_quantized(key_cache):
-        native = None  # the native per-op kernels read caches in the model's dtype; the fused decoder reads these
     if not kv_written:
         if native is not None:
             native.write_kv(key_cache, value_cache, key, value, meta.slot_mapping)

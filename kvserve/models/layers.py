@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.kernels import cpu as cpu_kernels
+from kvserve.models import kv_quant
 from kvserve.models.backend import TORCH, Backend
 from kvserve.models.quant import PackedPart, QuantizedMatrix
 
@@ -315,7 +316,8 @@ class SelfAttention(nn.Module):
         qkv = linear(self.qkv_proj, x)
         key_cache, value_cache = kv_cache
         q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_proj.splits, dim=-1))
-        native = self.backend.native if key_cache.is_contiguous() else None
+        # The native per-op kernels read contiguous caches in the model's dtype (the fused decoder, 8-bit ones).
+        native = self.backend.native if key_cache.is_contiguous() and not kv_quant.is_quantized(key_cache) else None
         if native is not None and qkv.dtype == key_cache.dtype:
             # QK norm, rotary and the K/V cache writes in one pass over the new tokens.
             self.rotary.check_positions(positions, meta.cache)
