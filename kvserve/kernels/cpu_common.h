@@ -160,10 +160,32 @@ inline __m256 hsum8(const __m256* v) {
 }
 #endif
 
-// ---- the 8-bit KV cache (models/kv_quant.py): a row is dim int8 values, then each 32-group's fp32 scale ----
-// Spelled as kv_quant.quantize spells it: scale = max|x| / 127, q = round-half-even(x / scale).
-constexpr int64_t kKvGroup = 32;
-inline int64_t kv_row_bytes(int64_t dim) { return dim + 4 * ((dim + kKvGroup - 1) / kKvGroup); }
+// ---- the 8-bit KV cache (models/kv_quant.py): a row is dim int8 values, then each 16-group's fp16 scale ----
+// Spelled as kv_quant.quantize spells it: scale = fp16(min(max|x| / 127, 65504)), q = round-half-even(x / scale).
+constexpr int64_t kKvGroup = 16, kKvScaleBytes = 2;
+inline int64_t kv_row_bytes(int64_t dim) { return dim + kKvScaleBytes * ((dim + kKvGroup - 1) / kKvGroup); }
+// fp16 <-> fp32 for the scales (round to nearest even, as torch's .half()).
+inline uint16_t kv_scale_bits(float s) {
+#if defined(__F16C__)
+  return _cvtss_sh(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  const _Float16 h = static_cast<_Float16>(s);
+  uint16_t bits;
+  std::memcpy(&bits, &h, sizeof(bits));
+  return bits;
+#endif
+}
+inline float kv_scale(const uint8_t* p) {  // the scale stored at p
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  _Float16 h;
+  std::memcpy(&h, &bits, sizeof(h));
+  return static_cast<float>(h);
+#endif
+}
 template <typename T>
 inline void quantize_kv_row(const T* x, int64_t dim, uint8_t* dst) {
   int8_t* q = reinterpret_cast<int8_t*>(dst);
@@ -171,12 +193,14 @@ inline void quantize_kv_row(const T* x, int64_t dim, uint8_t* dst) {
     const int64_t g1 = std::min(dim, g0 + kKvGroup);
     float amax = 0.0f;
     for (int64_t j = g0; j < g1; ++j) amax = std::max(amax, std::fabs(to_float(x[j])));
-    const float scale = amax / 127.0f;
+    const uint16_t bits = kv_scale_bits(std::min(amax / 127.0f, 65504.0f));
+    uint8_t* at = dst + dim + kKvScaleBytes * (g0 / kKvGroup);
+    std::memcpy(at, &bits, sizeof(bits));
+    const float scale = kv_scale(at);
     for (int64_t j = g0; j < g1; ++j) {
       const float v = scale > 0.0f ? std::nearbyint(to_float(x[j]) / scale) : 0.0f;
       q[j] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
     }
-    std::memcpy(dst + dim + 4 * (g0 / kKvGroup), &scale, sizeof(float));
   }
 }
 // A row back as bf16: q * scale in fp32, rounded to nearest even (kv_quant.dequantize).
@@ -184,8 +208,7 @@ inline void dequantize_kv_row(const uint8_t* row, int64_t dim, bf16* out) {
   const int8_t* q = reinterpret_cast<const int8_t*>(row);
   for (int64_t g0 = 0; g0 < dim; g0 += kKvGroup) {
     const int64_t g1 = std::min(dim, g0 + kKvGroup);
-    float scale;
-    std::memcpy(&scale, row + dim + 4 * (g0 / kKvGroup), sizeof(float));
+    const float scale = kv_scale(row + dim + kKvScaleBytes * (g0 / kKvGroup));
     int64_t j = g0;
 #if defined(__AVX512F__)
     const __m512 s = _mm512_set1_ps(scale);
@@ -429,7 +452,7 @@ void attend_vectors(const Task<T>& task) {
 }
 #endif
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if (defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))) && defined(__F16C__)
 inline Lanes::V load_q8(const uint8_t* p) {  // Lanes::n int8 values as fp32
 #if defined(__AVX512F__)
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -438,8 +461,16 @@ inline Lanes::V load_q8(const uint8_t* p) {  // Lanes::n int8 values as fp32
 #endif
 }
 
+// K consecutive fp16 scales at p as fp32 (four at a time where K allows).
+template <int K>
+inline void load_kv_scales(const uint8_t* p, float* out) {
+  int i = 0;
+  for (; i + 4 <= K; i += 4) _mm_storeu_ps(out + i, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kKvScaleBytes * i))));
+  for (; i < K; ++i) out[i] = kv_scale(p + kKvScaleBytes * i);
+}
+
 // Attention straight from 8-bit rows for G query heads of one kv head, head_dim = Lanes::n * C (a
-// multiple of 32): each key row is widened once for all G heads; q.k sums a 32-group's int8 products
+// multiple of 16): each key row is widened once for all G heads; q.k sums a 16-group's int8 products
 // in fp32 and scales the sum by the group's scale; p.v folds the scale into the probability. The int8
 // values are read once, where a dequantized copy would be written and read again.
 // q: [G, hd] fp32, pre-scaled; scores: G * (len - start); out: [G, hd].
@@ -455,7 +486,7 @@ void attend_int8(const float* q, const Int8Rows& keys, const Int8Rows& values, i
     alignas(64) float part[G][N][N];  // per head, per key of the current N: the lanes of its q.k
     keys.for_each(start, len, [&](int64_t i, const uint8_t* row) {
       float sc[C / per_group];
-      std::memcpy(sc, row + hd, sizeof(sc));
+      load_kv_scales<C / per_group>(row + hd, sc);
       typename L::V a[G];
       for (int g = 0; g < G; ++g) a[g] = L::zero();
       for (int c = 0; c < C; c += per_group) {
@@ -494,7 +525,7 @@ void attend_int8(const float* q, const Int8Rows& keys, const Int8Rows& values, i
       for (int c = 0; c < W; ++c) acc[g][c] = L::zero();
     values.for_each(start, len, [&](int64_t i, const uint8_t* row) {
       float sc[W / per_group];
-      std::memcpy(sc, row + hd + 4 * (c0 / per_group), sizeof(sc));
+      load_kv_scales<W / per_group>(row + hd + kKvScaleBytes * (c0 / per_group), sc);
       for (int c = 0; c < W; ++c) {
         const typename L::V v = load_q8(row + N * (c0 + c));
         for (int g = 0; g < G; ++g) acc[g][c] = L::fmadd(L::set1(scores[g * n + i] * sc[c / per_group]), v, acc[g][c]);

@@ -1271,7 +1271,7 @@ struct LayerParams {
   QWeight o;  // packed [hidden, Hq D]
   QWeight gate_up;  // packed [2 I, hidden], gate and up blocks alternating
   QWeight down;  // packed [hidden, I]
-  bf16* key_cache;  // with ModelParams::kv_int8, uint8 rows: head_dim int8 values, an fp32 scale per 32 (kv_row_bytes)
+  bf16* key_cache;  // with ModelParams::kv_int8, uint8 rows: head_dim int8 values, an fp16 scale per 16 (kv_row_bytes)
   bf16* value_cache;
   const float* cos;
   const float* sin;

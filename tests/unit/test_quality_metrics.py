@@ -73,6 +73,17 @@ def test_the_targets():
     assert "auto_vs_dense" not in q.checks(rows, None)
 
 
+def test_the_8bit_kv_target_is_the_cache_alone():
+    """Held to float32 with an 8-bit cache against float32; the bf16 comparison is reported, not held."""
+    rows = [_row("bf16", 0.0033, 0.976), {**_row("bf16", 0.0090, 0.970), "kv": "int8", "kld_vs_kv": 0.0068,
+                                          "top1_vs_kv": 0.974}]
+    c = q.checks(rows, None, {"kld": 0.0016, "top1": 0.985})
+    assert c["kv_int8"]["passed"] and c["kv_int8"]["kld_max"] == 0.002
+    assert c["kv_int8_bf16"] == {"weights": "bf16", "kv": "int8", "kld": 0.0068, "top1": 0.974}
+    assert not q.checks(rows, None, {"kld": 0.0021, "top1": 0.985})["kv_int8"]["passed"]
+    assert "kv_int8" not in q.checks(rows, None)
+
+
 def test_the_page_and_the_planner_data(monkeypatch):
     from kvserve.planning.specs import weight_quality_from_toml
 
