@@ -21,6 +21,7 @@ const ms = (v) => (v == null ? "–" : v < 100 ? v.toFixed(1) : int(v));  // mil
 const pct = (fraction) => (fraction == null ? "–" : (100 * fraction).toFixed(1) + "%");
 const marginPct = (charged, cost) => (charged > 0 ? (charged - cost) / charged : null);
 const when = (ts) => new Date(ts * 1000).toISOString().slice(0, 16).replace("T", " ") + " UTC";
+const sum = (vals) => vals.reduce((s, v) => s + (v ?? 0), 0);
 const MEASURES = {
   charged: (r) => r.amount.value,
   cost: (r) => r.cost.value,
@@ -75,19 +76,49 @@ function sumBy(results, key) {
 }
 
 function groupTable(el, name, results) {
-  table(el, [name, "requests", "input tokens", "cached", "output tokens", "charged", "cost", "margin", "margin %",
-    "engine s"],
-    sumBy(results, name).map(([k, g]) => [k, int(g.requests), int(g.input), int(g.cached), int(g.output),
-      money(g.charged), money(g.cost), money(g.charged - g.cost), pct(marginPct(g.charged, g.cost)), g.engine.toFixed(2)]));
+  table(el, [name, "requests", "in tokens", "out tokens", "charged", "cost", "margin", "margin %"],
+    sumBy(results, name).map(([k, g]) => [k, int(g.requests), int(g.input), int(g.output), money(g.charged),
+      money(g.cost), money(g.charged - g.cost), pct(marginPct(g.charged, g.cost))]));
 }
 
 // ---- charts ----------------------------------------------------------------------------------------------
 
-function draw(name, el, opts, data) {
-  if (charts[name]) charts[name].destroy();
-  el.replaceChildren();
-  charts[name] = new uPlot({ width: el.clientWidth, tzDate: UTC, ...opts }, data, el);
+const resizers = {};  // name -> the ResizeObserver keeping that chart as wide as its container
+
+function drop(name) {
+  charts[name].destroy();
+  resizers[name].disconnect();
+  delete charts[name];
+  delete resizers[name];
 }
+
+function draw(name, el, opts, data) {
+  if (charts[name]) drop(name);
+  el.replaceChildren();
+  const u = new uPlot({ width: el.clientWidth, tzDate: UTC, ...opts, axes: [{ values: timeTicks }, ...opts.axes] },
+    data, el);
+  charts[name] = u;
+  // follow the container: the window's width, and the page's scrollbar appearing as the tables fill in
+  resizers[name] = new ResizeObserver(() => el.clientWidth && u.width !== el.clientWidth &&
+    u.setSize({ width: el.clientWidth, height: u.height }));
+  resizers[name].observe(el);
+}
+
+// Time ticks in UTC, 24-hour (seconds when ticks are seconds apart): the date under the first tick of each day,
+// days alone when ticks are days apart.
+function timeTicks(u, splits, axis, space, incr) {
+  let day = null;
+  return splits.map((t) => {
+    const iso = new Date(t * 1000).toISOString(), date = iso.slice(5, 10), hm = iso.slice(11, incr < 60 ? 19 : 16);
+    if (incr >= 86400) return date;
+    const label = date !== day ? hm + "\n" + date : hm;
+    day = date;
+    return label;
+  });
+}
+
+// A legend entry: the value under the cursor, or `idle` when the cursor is off the chart.
+const legend = (fmt, idle) => (u, v, s, idx) => (idx == null ? idle : fmt(v, idx));
 
 const moneyAxis = { values: (u, vals) => vals.map(money), size: 80 };
 
@@ -96,7 +127,7 @@ function bucketAxis(buckets) {
   const width = buckets[0].end_time - buckets[0].start_time;
   const x0 = buckets[0].start_time, x1 = buckets[buckets.length - 1].start_time + width;
   return { xs: buckets.map((b) => b.start_time + width / 2), scale: { time: true, range: () => [x0, x1] },
-    series: { value: (u, v) => (v == null ? "–" : when(v - width / 2)) } };
+    series: { label: "bucket", value: legend((v) => when(v - width / 2), "whole range") } };
 }
 
 // Bars of each group's value in each bucket, stacked: a group's bar reaches its running total (positives up,
@@ -113,34 +144,36 @@ function stackedChart(usage, group, measure) {
   draw("stacked", $("chart-stacked"), {
     height: 280,
     scales: { x: axis.scale },
-    axes: [{}, moneyAxis],
+    axes: [moneyAxis],
     series: [axis.series,
       ...order.map((i) => ({ label: keys[i], fill: COLORS[i % COLORS.length], stroke: COLORS[i % COLORS.length],
-        paths: bars, points: { show: false }, value: (u, v, s, idx) => (idx == null ? "–" : money(raw[i][idx])) }))],
+        paths: bars, points: { show: false }, value: legend((v, idx) => money(raw[i][idx]), money(sum(raw[i]))) }))],
   }, [xs, ...order.map((i) => stacked[i])]);
 }
 
 function totalsChart(usage) {
   const buckets = usage.data, axis = bucketAxis(buckets);
-  const sum = (b, f) => b.results.reduce((s, r) => s + f(r), 0);
-  const charged = buckets.map((b) => sum(b, MEASURES.charged)), cost = buckets.map((b) => sum(b, MEASURES.cost));
+  const total = (b, f) => b.results.reduce((s, r) => s + f(r), 0);
+  const charged = buckets.map((b) => total(b, MEASURES.charged)), cost = buckets.map((b) => total(b, MEASURES.cost));
   const margin = charged.map((c, i) => c - cost[i]);
   const share = charged.map((c, i) => { const m = marginPct(c, cost[i]); return m == null ? null : 100 * m; });
-  const line = (label, color, extra) => ({ label, stroke: color, width: 2, points: { show: true, size: 5 },
-    value: (u, v) => money(v), ...extra });
+  const line = (label, color, vals, extra) => ({ label, stroke: color, width: 2, points: { show: true, size: 5 },
+    value: legend(money, money(sum(vals))), ...extra });
+  const overall = marginPct(sum(charged), sum(cost));
   draw("totals", $("chart-totals"), {
     height: 240,
     scales: { x: axis.scale },
-    axes: [{}, moneyAxis, { scale: "%", side: 1, grid: { show: false }, values: (u, vals) => vals.map((v) => v + "%") }],
-    series: [axis.series, line("charged", COLORS[0]), line("cost", COLORS[1]),
-      line("margin", COLORS[2]),
-      line("margin %", COLORS[3], { scale: "%", dash: [6, 4], value: (u, v) => (v == null ? "–" : v.toFixed(1) + "%") })],
+    axes: [moneyAxis, { scale: "%", side: 1, grid: { show: false }, values: (u, vals) => vals.map((v) => v + "%") }],
+    series: [axis.series, line("charged", COLORS[0], charged), line("cost", COLORS[1], cost),
+      line("margin", COLORS[2], margin),
+      line("margin %", COLORS[3], share, { scale: "%", dash: [6, 4],
+        value: legend((v) => (v == null ? "–" : v.toFixed(1) + "%"), pct(overall)) })],
   }, [axis.xs, charged, cost, margin, share]);
 }
 
 function loadCharts(serving, interval) {
   const box = $("load-charts");
-  for (const name of Object.keys(charts)) if (name.startsWith("load:")) { charts[name].destroy(); delete charts[name]; }
+  for (const name of Object.keys(charts)) if (name.startsWith("load:")) drop(name);
   box.replaceChildren();
   for (const m of serving) {
     const cell = document.createElement("div");
@@ -150,21 +183,24 @@ function loadCharts(serving, interval) {
     el.className = "chart";
     cell.append(title, el);
     box.appendChild(cell);
-    const L = m.load, count = (v) => (v == null ? "–" : int(v));
+    const L = m.load, at = L.t.length - 1;
+    const latest = (col, fmt) => legend(fmt, at < 0 ? "–" : fmt(col[at]));
+    const count = (v) => int(v), share = (v) => (v == null ? "–" : v.toFixed(1) + "%");
     draw("load:" + m.model, el, {
       height: 180,
       scales: { x: { time: true }, "%": { range: [0, 100] }, n: { range: (u, lo, hi) => [0, Math.max(4, hi)] } },
-      axes: [{}, { scale: "%", values: (u, vals) => vals.map((v) => v + "%") }, { scale: "n", side: 1, grid: { show: false } }],
-      series: [{ value: (u, v) => (v == null ? "–" : when(v).slice(11)) },
-        { label: "KV use", scale: "%", stroke: COLORS[0], fill: COLORS[0] + "22", width: 2,
-          value: (u, v) => (v == null ? "–" : v.toFixed(1) + "%") },
-        { label: "waiting (interactive)", scale: "n", stroke: COLORS[1], width: 2, value: (u, v) => count(v) },
-        { label: "waiting (batch)", scale: "n", stroke: COLORS[3], width: 2, value: (u, v) => count(v) },
-        { label: "running", scale: "n", stroke: COLORS[2], width: 2, value: (u, v) => count(v) }],
+      axes: [{ scale: "%", values: (u, vals) => vals.map((v) => v + "%") }, { scale: "n", side: 1, grid: { show: false },
+        incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000] }],
+      series: [{ label: "at", value: legend((v) => new Date(v * 1000).toISOString().slice(11, 19), "latest") },
+        { label: "KV use", scale: "%", stroke: COLORS[0], fill: COLORS[0] + "22", width: 2, value: latest(L.kv_used_pct, share) },
+        { label: "waiting (interactive)", scale: "n", stroke: COLORS[1], width: 2, value: latest(L.waiting_interactive, count) },
+        { label: "waiting (batch)", scale: "n", stroke: COLORS[3], width: 2, value: latest(L.waiting_batch, count) },
+        { label: "running", scale: "n", stroke: COLORS[2], width: 2, value: latest(L.running, count) }],
     }, [L.t, L.kv_used_pct, L.waiting_interactive, L.waiting_batch, L.running]);
   }
-  const n = Math.max(0, ...serving.map((m) => m.load.t.length));
-  $("load-note").textContent = `(sampled every ${interval} s; the last ${Math.round((n * interval) / 60)} min)`;
+  const span = Math.max(0, ...serving.map((m) => (m.load.t.length ? m.load.t[m.load.t.length - 1] - m.load.t[0] : 0)));
+  $("load-note").textContent = `(sampled by the server every ${interval} s; the last ` +
+    (span < 120 ? `${Math.round(span)} s)` : `${Math.round(span / 60)} min)`);
 }
 
 function redrawStacked() {
@@ -208,10 +244,10 @@ async function load() {
   const window_s = d.serving.length ? d.serving[0].window_s : 60;
   $("serving-note").textContent = `(finished in the last ${window_s} s; milliseconds)`;
   table($("serving"), ["model", "requests", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "e2e p50", "e2e p99",
-    "queue p50", "running", "prefix hit rate", "engine util", "decode tok/s", "preemptions"],
+    "queue p50", "prefix hits", "engine util", "decode tok/s", "preempted"],
     d.serving.map((m) => [m.model, int(m.requests), ms(m.ttft_p50_ms), ms(m.ttft_p99_ms), ms(m.tpot_p50_ms),
-      ms(m.tpot_p99_ms), ms(m.e2e_p50_ms), ms(m.e2e_p99_ms), ms(m.queue_time_p50_ms), int(m.running),
-      pct(m.prefix_cache_hit_rate), pct(m.engine_util), m.tokens_per_s.toFixed(1), int(m.preemptions)]));
+      ms(m.tpot_p99_ms), ms(m.e2e_p50_ms), ms(m.e2e_p99_ms), ms(m.queue_time_p50_ms), pct(m.prefix_cache_hit_rate),
+      pct(m.engine_util), m.tokens_per_s.toFixed(1), int(m.preemptions)]));
   loadCharts(d.serving, d.load_sample_interval_s);
   // The model's break-even price (issue 30's planner) gets its column here once the API carries it.
   table($("prices"), ["model", "input", "cached input", "output", "batch tier pays", "replica per hour"],
@@ -244,7 +280,4 @@ $("login").addEventListener("submit", (e) => {
 $("refresh").addEventListener("click", () => load().catch(fail));
 $("group").addEventListener("change", redrawStacked);
 $("measure").addEventListener("change", redrawStacked);
-window.addEventListener("resize", () => {
-  for (const u of Object.values(charts)) u.setSize({ width: u.root.parentElement.clientWidth, height: u.height });
-});
 load().catch(fail);
