@@ -1,8 +1,11 @@
 """What the dashboard draws, as pure logic: the load ring the server samples into, the buckets sized to the
-ledger's span, a budget's burn rate and projected exhaustion, and the spend counters on /metrics."""
+ledger's span, a budget's burn rate and projected exhaustion, and the spend counters on /metrics; and its
+files shipped as package data."""
 from __future__ import annotations
 
+import tomllib
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +86,16 @@ def test_a_budgets_burn_rate_and_projected_exhaustion():
     assert burn(Budget("acme", "*", 10.0, "day", spent=9.0, reserved=1.0), now).exhausts_at == now  # used up
     forever = burn(Budget("acme", "*", 10.0, "none", spent=3.0), now)
     assert forever.rate_per_hour is None and forever.exhausts_at is None and forever.period_end is None
+
+
+def test_the_page_and_its_vendored_chart_library_are_package_data():
+    """An installed kvserve serves the dashboard from its package: every file under metering/dashboard must
+    match pyproject's package-data globs (setuptools' globs do not descend into subfolders)."""
+    root = Path(__file__).resolve().parents[2]
+    package = root / "kvserve"
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["kvserve"]
+    shipped = {p for g in globs for p in package.glob(g) if p.is_file()}
+    files = {p for p in (package / "metering" / "dashboard").rglob("*") if p.is_file()}
+    assert package / "metering" / "dashboard" / "vendor" / "uplot" / "uPlot.iife.min.js" in files
+    assert package / "metering" / "dashboard" / "vendor" / "uplot" / "LICENSE" in files
+    assert files <= shipped, sorted(str(p.relative_to(package)) for p in files - shipped)
