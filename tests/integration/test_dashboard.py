@@ -139,6 +139,10 @@ def test_the_dashboard_shows_what_the_apis_say(server, tmp_path):
             break
         time.sleep(0.5)
     assert [m["model"] for m in data["serving"]] == list(MODELS)
+    refused = httpx.get(base + "/v1/admin/dashboard", headers={"Authorization": f"Bearer {tokens['acme']}"}, timeout=10)
+    assert refused.status_code == 403  # a tenant's token does not see every tenant's money
+    uplot = httpx.get(base + "/dashboard/static/vendor/uplot/uPlot.iife.min.js", timeout=10)
+    assert uplot.status_code == 200 and "javascript" in uplot.headers["content-type"] and "uPlot" in uplot.text
     assert data["bucket_width"] == "1h"  # a day of history: hourly buckets, not days
     assert HISTORY_HOURS + 1 <= len(data["usage"]["data"]) <= HISTORY_HOURS + 2
     assert all(len(m["load"]["t"]) >= 4 for m in data["serving"]), data["serving"]
