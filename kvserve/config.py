@@ -457,6 +457,8 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 1024  # when a request sets no max_tokens (also capped by the remaining context)
     metrics_window_s: float = 60.0
+    load_sample_interval_s: float = 5.0  # how often the server samples KV use and queues for the dashboard
+    load_history_samples: int = 720  # samples kept per model (720 x 5 s: the last hour)
     auth_cache_ttl_s: float = 5.0  # a token revoked by another process (the CLI) is refused within this time
     load_high_fraction: float = 0.5  # x-kvserve-load "high" at this fraction of a tier's queue bound
     load_shedding_fraction: float = 0.9  # "shedding" at this fraction
@@ -475,6 +477,7 @@ class ServerConfig:
                             and all(_is_number(x) and x > 0 for x in v.values()),
                             "a table of interactive/batch -> milliseconds > 0"),
             max_body_bytes=POSITIVE_INT, default_max_tokens=POSITIVE_INT, metrics_window_s=POSITIVE_NUMBER,
+            load_sample_interval_s=POSITIVE_NUMBER, load_history_samples=POSITIVE_INT,
             auth_cache_ttl_s=NONNEG_NUMBER, load_high_fraction=FRACTION, load_shedding_fraction=FRACTION,
             log_level=(lambda v: v in ("critical", "error", "warning", "info", "debug", "trace"),
                        "critical, error, warning, info, debug or trace")))

@@ -11,7 +11,7 @@ from ray import serve
 
 from kvserve.config import ServerConfig
 from kvserve.fleet.client import FleetClient
-from kvserve.fleet.metrics import FleetCollector
+from kvserve.fleet.metrics import install as install_fleet_metrics
 from kvserve.fleet.record import PoolDirectory
 
 
@@ -32,7 +32,6 @@ class Gateway:
         # ready_models: a new gateway (a rolling update of the gateways) takes traffic only once it knows
         # every model's pool, instead of answering 503 model_warming meanwhile
         app = create_app(self.config, client_factory=client_factory, shared_store=True, ready_models=True)
-        state = app.state.kv
-        state.metrics.registry.register(FleetCollector(lambda: [h.client for h in state.models.values()]))
+        install_fleet_metrics(app.state.kv)
         return app
 

@@ -43,3 +43,8 @@ class FleetCollector:
             for outcome, n in st["migrations"].items():
                 migrations.add_metric([client.model_id, outcome], n)
         yield from (routed, reasons, inflight, hits, queries, migrations)
+
+
+def install(state) -> None:
+    """Add the fleet metrics to a gateway's /metrics (the app's ServerState), read from its models' clients."""
+    state.metrics.registry.register(FleetCollector(lambda: [h.client for h in state.models.values()]))

@@ -1,4 +1,4 @@
-"""Budget arithmetic, pure (no I/O): budget periods and whether a reservation fits.
+"""Budget arithmetic, pure (no I/O): budget periods, whether a reservation fits, and how fast a budget burns.
 
 A budget is an amount of dollars per tenant (optionally per model) per period: "day" and "month" reset
 at the start of each UTC day or month, "none" never does. Admission reserves a request's worst-case
@@ -52,3 +52,28 @@ class Budget:
 
     def fits(self, ask: float) -> bool:
         return self.spent + self.reserved + ask <= self.amount + 1e-12
+
+
+@dataclass(frozen=True)
+class Burn:
+    """How fast a budget is being spent in its current period, and when it would run out at that pace."""
+
+    rate_per_hour: float | None  # dollars settled per hour since the period began (None: a budget with no period)
+    exhausts_at: float | None  # Unix seconds when spent + held reaches the amount; None: not before the period ends
+    period_end: float | None
+
+
+def burn(budget: Budget, now: float) -> Burn:
+    """The period's burn rate (spent / time elapsed in the period) and the projected exhaustion at that rate.
+
+    A budget with no period ("none") has no elapsed time to divide by, so no rate. One already used up
+    (spent + held >= amount) is exhausted now."""
+    end = period_end(budget.period, now)
+    if budget.period == "none":
+        return Burn(None, now if budget.remaining <= 0 else None, None)
+    elapsed = max(now - period_start(budget.period, now), 1.0)
+    rate = budget.spent / elapsed
+    if budget.remaining <= 0:
+        return Burn(rate * 3600, now, end)
+    at = now + budget.remaining / rate if rate > 0 else None
+    return Burn(rate * 3600, at if at is not None and at < end else None, end)

@@ -39,6 +39,24 @@ def page(rows: list[dict[str, Any]], start: float, end: float, width: str, group
     return {"object": "page", "data": data, "has_more": more, "next_page": str(int(start + n * w)) if more else None}
 
 
+CHART_MIN_BUCKETS = 6  # a chart of a fresh server still reads as a stretch of time
+CHART_MAX_BUCKETS = 168  # a week of hours; a longer history is drawn in days (at most MAX_LIMIT's 31)
+
+
+def chart_buckets(first_usage: float | None, now: float) -> tuple[str, float, int]:
+    """(width, start, count) of the buckets a chart of the usage from `first_usage` to `now` draws: the
+    finest width whose aligned buckets cover that span within CHART_MAX_BUCKETS (minutes for the first
+    hours, hours for the first week, then days), so a young ledger is not a row of empty day bars."""
+    first = now if first_usage is None else min(first_usage, now)
+    for name in BUCKET_WIDTHS:
+        w = BUCKET_WIDTHS[name]
+        n = max(CHART_MIN_BUCKETS, int(now // w - first // w) + 1)
+        if n <= min(CHART_MAX_BUCKETS, MAX_LIMIT[name]):
+            return name, (now // w - n + 1) * w, n
+    n = MAX_LIMIT["1d"]
+    return "1d", (now // BUCKET_WIDTHS["1d"] - n + 1) * BUCKET_WIDTHS["1d"], n
+
+
 COLUMNS = ("start_time", "end_time", "tenant", "model", "tier", "num_model_requests", "input_tokens",
            "input_cached_tokens", "output_tokens", "amount_usd", "cost_usd", "engine_seconds")
 

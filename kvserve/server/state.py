@@ -39,6 +39,7 @@ class ServerState:
         self.batch_files: FileStore | None = None
         self.batch_jobs: BatchStore | None = None
         self.batch_runner: BatchRunner | None = None
+        self._sampler: asyncio.Task | None = None
 
     @property
     def models(self) -> dict[str, ModelHandle]:
@@ -93,6 +94,7 @@ class ServerState:
         self.batch_jobs = BatchStore(self.store.store.db)
         self.batch_runner = BatchRunner(self.service, self.store, self.batch_files, self.batch_jobs, b)
         self.batch_runner.start()
+        self._sampler = self.loop.create_task(self._sample_load())
         for handle in self.models.values():
             handle.client.start()  # loads in its own thread; the server listens meanwhile
             log.info("loading model %s (%s) in the background", handle.id, handle.spec.source)
@@ -105,6 +107,8 @@ class ServerState:
                 await asyncio.sleep(0.1)
 
     async def shutdown(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
         if self.batch_runner is not None:  # its lines in flight go back to pending, for the next start
             await self.batch_runner.stop()
         if not self.draining:
@@ -142,6 +146,15 @@ class ServerState:
             self.drain_done.set()
 
     # ---- background work ---------------------------------------------------------------------
+    async def _sample_load(self) -> None:
+        """KV use and queues every load_sample_interval_s, into the metrics' load history (the dashboard's)."""
+        while True:
+            try:
+                self.metrics.sample_load(time.time())
+            except Exception:  # a model's stats mid-swap: skip this sample, keep sampling
+                log.exception("load sample failed")
+            await asyncio.sleep(self.config.load_sample_interval_s)
+
     def spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)

@@ -151,7 +151,8 @@ class CompletionService:
     def __init__(self, config: ServerConfig, client_factory: ClientFactory = in_process_client):
         self.config = config
         self.metrics = ServerMetrics(config.metrics_window_s, live=lambda: [h.live_stats()
-                                                                          for h in self.models.values()])
+                                                                          for h in self.models.values()],
+                                     load_samples=config.load_history_samples)
         self.ledger = UsageLedger()
         self.metering = MeteringGate()
         self.models: dict[str, ModelHandle] = {

@@ -1,4 +1,5 @@
-"""Serving metrics: Prometheus exposition (vLLM's names under `kvserve:`) and a sliding window.
+"""Serving metrics: Prometheus exposition (vLLM's names under `kvserve:`), a sliding window, and a short
+history of each model's load sampled every few seconds (service/load_history.py, for the dashboard).
 
 Request and step samples are recorded from the engine threads (AsyncLLM's on_finish / on_step
 hooks): prometheus_client metrics are thread-safe and the window is guarded by a lock. Gauges that
@@ -16,6 +17,7 @@ from typing import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvserve.service.load_history import LoadHistory, LoadPoint
 from kvserve.service.router import percentile
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -144,6 +146,7 @@ class ServingWindow:
             "ttft_p99_ms": pct("ttft_s", 99),
             "tpot_p50_ms": pct("tpot_s", 50),
             "tpot_p99_ms": pct("tpot_s", 99),
+            "e2e_p50_ms": pct("e2e_s", 50),
             "e2e_p99_ms": pct("e2e_s", 99),
             "queue_time_p50_ms": pct("queue_s", 50),
             "queue_depth": dict(live.waiting) if live else {"interactive": 0, "batch": 0},
@@ -194,11 +197,14 @@ class _LiveCollector:
 
 
 class ServerMetrics:
-    """Prometheus metrics on the app's own registry, plus the sliding window."""
+    """Prometheus metrics on the app's own registry, plus the sliding window and the load history."""
 
-    def __init__(self, window_s: float = 60.0, live: Callable[[], Iterable[LiveModelStats]] | None = None):
+    def __init__(self, window_s: float = 60.0, live: Callable[[], Iterable[LiveModelStats]] | None = None,
+                 load_samples: int = 720):
         self.registry = CollectorRegistry(auto_describe=True)
         self.window = ServingWindow(window_s)
+        self.live = live
+        self.load = LoadHistory(load_samples)
         labels = ["model_name", "tier"]
         r = self.registry
         self.ttft = Histogram("kvserve:time_to_first_token_seconds", "Time to first token", labels,
@@ -218,6 +224,11 @@ class ServerMetrics:
         self.preemptions = Counter("kvserve:num_preemptions", "Sequences preempted", ["model_name"], registry=r)
         self.rejections = Counter("kvserve:admission_rejections", "Requests refused at admission",
                                   labels + ["reason"], registry=r)
+        billing = ["tenant", "model_name", "tier"]
+        self.spend = Counter("kvserve:spend_usd", "Dollars charged to tenants for finished requests (the usage rows' "
+                             "price)", billing, registry=r)
+        self.cost = Counter("kvserve:cost_usd", "Dollars of engine time spent on finished requests (the usage rows' "
+                            "cost)", billing, registry=r)
         if live is not None:
             r.register(_LiveCollector(live))
 
@@ -259,6 +270,16 @@ class ServerMetrics:
         self.window.add_step(StepSample(self.window.clock(), model, getattr(step, "duration", 0.0),
                                         getattr(step, "num_prefill_tokens", 0), getattr(step, "num_decode_tokens", 0),
                                         preempted))
+
+    def observe_usage(self, tenant: str, model: str, tier: str, price: float, cost: float) -> None:
+        """From on_finish (engine thread), with the request's usage row: its price and cost."""
+        self.spend.labels(tenant, model, tier).inc(price)
+        self.cost.labels(tenant, model, tier).inc(cost)
+
+    def sample_load(self, at: float) -> None:
+        """One load point per model, read from the engines now (the server calls this every few seconds)."""
+        for s in self.live() if self.live is not None else ():
+            self.load.add(s.model, LoadPoint(at, s.kv_usage, s.running, dict(s.waiting)))
 
     def reject(self, model: str, tier: str, reason: str) -> None:
         self.rejections.labels(model, tier, reason).inc()

@@ -85,7 +85,9 @@ class ModelHandle:
         if info is None:
             return
         self.metrics.observe_finished(self.id, info.tier, out)
-        self.ledger.record_threadsafe(self._usage_record(info, out))
+        record = self._usage_record(info, out)
+        self.metrics.observe_usage(info.tenant, self.id, info.tier, record.price, record.cost)
+        self.ledger.record_threadsafe(record)
 
     def _usage_record(self, info: RequestInfo, out: RequestOutput) -> UsageRecord:
         m = out.metrics

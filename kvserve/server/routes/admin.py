@@ -18,7 +18,7 @@ from kvserve.service import protocol as p
 router = APIRouter(prefix="/v1/admin")
 
 
-async def _admin(request: Request) -> ServerState:
+async def require_admin(request: Request) -> ServerState:
     state: ServerState = request.app.state.kv
     caller = await authenticate(request, state.store)
     if not caller.admin:
@@ -31,34 +31,34 @@ async def _tenant(state: ServerState, name: str) -> None:
         raise APIError(404, f"no tenant {name!r}", "invalid_request_error", "tenant_not_found", param="tenant")
 
 
-def _budget_json(b) -> dict:
+def budget_json(b) -> dict:
     return {"tenant": b.tenant, "model": None if b.model == ALL_MODELS else b.model, "amount": b.amount,
             "period": b.period, "spent": b.spent, "reserved": b.reserved, "remaining": b.remaining}
 
 
 @router.get("/budgets")
 async def list_budgets(request: Request, tenant: str | None = None):
-    state = await _admin(request)
+    state = await require_admin(request)
     rows = await asyncio.to_thread(state.store.store.budgets.list, tenant)
-    return JSONResponse({"object": "list", "data": [_budget_json(b) for b in rows]})
+    return JSONResponse({"object": "list", "data": [budget_json(b) for b in rows]})
 
 
 @router.put("/tenants/{name}/budget", openapi_extra=openapi.json_body(p.BudgetRequest))
 async def set_budget(request: Request, name: str):
     """Body: {"amount": dollars >= 0, "period": "day" | "month" | "none", "model": optional model id}."""
-    state = await _admin(request)
+    state = await require_admin(request)
     await _tenant(state, name)
     body = p.BudgetRequest.model_validate(await read_json_body(request, state.config.max_body_bytes))
     if body.model is not None and body.model not in state.models:
         raise APIError(400, f"model {body.model!r} is not served", param="model", code="model_not_found")
     b = await asyncio.to_thread(state.store.store.budgets.set_budget, name, float(body.amount), body.period,
                                 body.model or ALL_MODELS)
-    return JSONResponse(_budget_json(b))
+    return JSONResponse(budget_json(b))
 
 
 @router.delete("/tenants/{name}/budget")
 async def delete_budget(request: Request, name: str, model: str | None = None):
-    state = await _admin(request)
+    state = await require_admin(request)
     await _tenant(state, name)
     gone = await asyncio.to_thread(state.store.store.budgets.delete_budget, name, model or ALL_MODELS)
     return JSONResponse({"tenant": name, "model": model, "deleted": gone})
@@ -67,7 +67,7 @@ async def delete_budget(request: Request, name: str, model: str | None = None):
 @router.put("/tenants/{name}/limits", openapi_extra=openapi.json_body(p.LimitsRequest))
 async def set_limits(request: Request, name: str):
     """Body: {"rpm": requests per minute or null, "tpm": tokens per minute or null}; both null removes them."""
-    state = await _admin(request)
+    state = await require_admin(request)
     await _tenant(state, name)
     body = p.LimitsRequest.model_validate(await read_json_body(request, state.config.max_body_bytes))
     await asyncio.to_thread(state.store.store.rate_limits.set_limits, name, body.rpm, body.tpm)
