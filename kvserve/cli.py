@@ -236,6 +236,7 @@ def _store():
 
 
 def cmd_tenants(args: argparse.Namespace) -> int:
+    from kvserve.metering.money import format_money
     from kvserve.store import TenantError
 
     with _store() as store:
@@ -272,9 +273,9 @@ def cmd_tenants(args: argparse.Namespace) -> int:
             except ValueError as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 2
-            print(f"budget of {b.tenant!r} for {'all models' if b.model == '*' else b.model}: ${b.amount:g} per "
-                  f"{b.period if b.period != 'none' else 'lifetime (no reset)'}; spent ${b.spent:.6f}, "
-                  f"held ${b.reserved:.6f}, left ${b.remaining:.6f}")
+            print(f"budget of {b.tenant!r} for {'all models' if b.model == '*' else b.model}: "
+                  f"{format_money(b.amount)} per {b.period if b.period != 'none' else 'lifetime (no reset)'}; "
+                  f"spent {format_money(b.spent)}, held {format_money(b.reserved)}, left {format_money(b.remaining)}")
             return 0
         if args.tenants_cmd == "limits":
             if store.get_tenant(args.name) is None:
@@ -294,10 +295,10 @@ def cmd_tenants(args: argparse.Namespace) -> int:
             if not rows:
                 print("no budgets (set one: kvserve tenants budget TENANT AMOUNT --period month)")
                 return 0
-            print(f"{'TENANT':<20} {'MODEL':<16} {'PERIOD':<6} {'AMOUNT':>12} {'SPENT':>12} {'HELD':>12} {'LEFT':>12}")
+            print(f"{'TENANT':<20} {'MODEL':<16} {'PERIOD':<6} {'AMOUNT':>14} {'SPENT':>14} {'HELD':>14} {'LEFT':>14}")
             for b in rows:
-                print(f"{b.tenant:<20} {b.model:<16} {b.period:<6} {b.amount:>12.6f} {b.spent:>12.6f} "
-                      f"{b.reserved:>12.6f} {b.remaining:>12.6f}")
+                print(f"{b.tenant:<20} {b.model:<16} {b.period:<6} " + " ".join(
+                    f"{format_money(v):>14}" for v in (b.amount, b.spent, b.reserved, b.remaining)))
             return 0
         if args.tenants_cmd == "revoke":
             if store.revoke_tenant(args.name):
@@ -311,6 +312,7 @@ def cmd_tenants(args: argparse.Namespace) -> int:
 def cmd_usage(args: argparse.Namespace) -> int:
     """`kvserve usage`: the usage report (the same rows as GET /v1/usage) as a table, or CSV."""
     from kvserve.metering import reports
+    from kvserve.metering.money import format_money
 
     if args.bucket not in reports.BUCKET_WIDTHS:
         print(f"error: --bucket must be one of {', '.join(reports.BUCKET_WIDTHS)}", file=sys.stderr)
@@ -329,12 +331,12 @@ def cmd_usage(args: argparse.Namespace) -> int:
     if args.csv:
         sys.stdout.write(reports.to_csv(page))
         return 0
-    table = [("BUCKET (UTC)", "TENANT", "MODEL", "TIER", "REQUESTS", "INPUT", "CACHED", "OUTPUT", "CHARGED $",
-              "COST $", "ENGINE S")]
+    table = [("BUCKET (UTC)", "TENANT", "MODEL", "TIER", "REQUESTS", "INPUT", "CACHED", "OUTPUT", "CHARGED",
+              "COST", "ENGINE S")]
     fmt = "%Y-%m-%d %H:%M" if width < 86400 else "%Y-%m-%d"
     for r in reports.flat(page):
         table.append((time.strftime(fmt, time.gmtime(r[0])), r[2] or "-", r[3] or "-", r[4] or "-", str(r[5]),
-                      str(r[6]), str(r[7]), str(r[8]), f"{r[9]:.6f}", f"{r[10]:.6f}", f"{r[11]:.2f}"))
+                      str(r[6]), str(r[7]), str(r[8]), format_money(r[9]), format_money(r[10]), f"{r[11]:.2f}"))
     if len(table) == 1:
         print("no usage in this range")
         return 0

@@ -8,6 +8,7 @@ import sys
 from dataclasses import asdict
 
 from kvserve.config import Priority
+from kvserve.metering.money import format_money
 from kvserve.planning.search import SLO, Load, Plan, PlanResult, Redundancy, plan
 from kvserve.planning.specs import (UnknownSpec, WeightQuality, accelerator_spec, known_accelerators, known_models,
                                     known_weight_quality, model_spec)
@@ -125,12 +126,12 @@ def describe(p: Plan) -> list[str]:
     c, d = p.candidate, p.candidate.deployment
     mem = c.memory
     lines = [f"{p.replicas} replica(s) of {d.accelerator.name} x{d.tp} ({d.weight_dtype} weights, {d.kv_dtype} KV), "
-             f"max_num_seqs {c.max_num_seqs}: {p.devices} device(s), ${p.cost_per_hour:,.2f}/hour"]
+             f"max_num_seqs {c.max_num_seqs}: {p.devices} device(s), {format_money(p.cost_per_hour)}/hour"]
     if p.interactive_replicas or p.batch_replicas:
         lines.append(f"  {p.interactive_replicas} for interactive, {p.batch_replicas} for batch only, "
                      f"{p.replicas - p.interactive_replicas - p.batch_replicas} for redundancy")
     lines.append("  per million tokens (prompt + output): " + ", ".join(
-        f"{tier} ${v:.3f}" for tier, v in p.cost_per_million.items()))
+        f"{tier} {format_money(v)}" for tier, v in p.cost_per_million.items()))
     if d.accelerator.calibrated is None:
         lines.append(f"  per device: weights {_gb(mem.weight_bytes)}, reserve {_gb(mem.reserve_bytes)}, "
                      f"KV pool {_gb(mem.kv_bytes)} of {_gb(mem.device_bytes)}")
@@ -189,7 +190,7 @@ def render(r: PlanResult, model: str, load: Load, slos: list[SLO]) -> str:
             verdict = "" if p.meets_slo else " -- misses the SLOs"
             out.append(f"  {d.accelerator.name}: {p.replicas} replica(s) x{d.tp} ({d.weight_dtype} weights, "
                        f"{d.kv_dtype} KV, max_num_seqs {p.candidate.max_num_seqs}), {p.devices} device(s), "
-                       f"${p.cost_per_hour:,.2f}/hour; binds: {p.candidate.binds}{checked}{verdict}")
+                       f"{format_money(p.cost_per_hour)}/hour; binds: {p.candidate.binds}{checked}{verdict}")
     assumptions = _assumptions(r)
     if assumptions:
         out += ["", "Assumed (quality):"] + [f"  {a}" for a in assumptions]
@@ -291,5 +292,5 @@ def cmd_specs(a) -> int:
     for x in known_accelerators().values():
         fp8 = f"{x.fp8_flops / 1e12:.0f}" if x.fp8_flops else "-"
         print(f"  {x.name:10} {x.memory_bytes / 1e9:5.0f} GB {x.memory_bandwidth / 1e12:5.2f} TB/s "
-              f"bf16 {x.bf16_flops / 1e12:6.0f} fp8 {fp8:>5} TFLOP/s ${x.price_per_hour:.2f}/h  {x.source}")
+              f"bf16 {x.bf16_flops / 1e12:6.0f} fp8 {fp8:>5} TFLOP/s {format_money(x.price_per_hour)}/h  {x.source}")
     return 0

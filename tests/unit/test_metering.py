@@ -19,3 +19,14 @@ def test_prices_and_costs():
     assert request_cost(p, 2.0) == pytest.approx(0.02)  # 2 s at $36/h
     with pytest.raises(ConfigError, match="batch_discount"):
         ModelPrice(batch_discount=0)
+
+
+@pytest.mark.parametrize("amount, text", [
+    (0.0, "$0.00"), (1234.567, "$1,234.57"), (12.0, "$12.00"), (0.5, "$0.50"), (0.125, "$0.125"),
+    (0.0101, "$0.0101"), (0.000123456, "$0.000123"), (1e-7, "$0.0000001"), (0.0099999, "$0.01"),
+    (-0.0042, "-$0.0042"), (-3.5, "-$3.50")])
+def test_money_reads_as_itself(amount, text):
+    """Cents, or three significant digits where cents show fewer: a sub-cent amount is never "$0.000000"."""
+    from kvserve.metering.money import format_money
+
+    assert format_money(amount) == text
