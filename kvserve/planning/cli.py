@@ -51,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--availability", type=float, default=None, help="availability target in percent, e.g. 99.9")
     p.add_argument("--replica-availability", type=float, default=99.0,
                    help="assumed availability of one replica in percent (default 99)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="tokens a request may hold, prompt and output (default: the model's context length)")
     p.add_argument("--no-simulate", action="store_true", help="skip checking the plan with the simulator")
     p.add_argument("--sim-seconds", type=float, default=30.0, help="seconds of arrivals the check simulates")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -75,6 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--input", type=parse_length, default=LengthDist(256))
     s.add_argument("--output", type=parse_length, default=LengthDist(128))
     s.add_argument("--max-num-seqs", type=int, default=None)
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="tokens a request may hold, prompt and output (default: the model's context length)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_simulate)
     k = sub.add_parser("specs", help="the models and accelerators the planner knows, with their sources")
@@ -99,7 +103,7 @@ def cmd_plan(a) -> int:
                          a.replica_availability / 100)
         dtypes = tuple(x.strip() for x in a.dtypes.split(","))
         result = plan(model, accs, load, slos, red, dtypes=dtypes, simulate=not a.no_simulate,
-                      sim_seconds=a.sim_seconds)
+                      sim_seconds=a.sim_seconds, max_model_len=a.max_model_len)
     except (UnknownSpec, ValueError) as e:
         return _fail(e)
     if a.json:
@@ -111,7 +115,10 @@ def cmd_plan(a) -> int:
 
         path = write_report(a.report, result, model.name, load, slos, render(result, model.name, load, slos))
         print(f"\nreport: {path}")
-    return 0 if result.best.meets_slo else 1
+    refused = result.best.simulation.refusal() if result.best.simulation else None
+    if refused:
+        print(f"kvserve plan: {refused}", file=sys.stderr)
+    return 0 if result.best.meets_slo and not refused else 1
 
 
 def _ms(v: float | None) -> str:
@@ -260,24 +267,30 @@ def cmd_simulate(a) -> int:
         model = model_spec(a.model)
         acc = accelerator_spec(a.accelerator, model=(a.model, model.name))
         cal = acc.calibrated
-        d = Deployment(model, acc, a.tp, cal["weight_dtype"] if cal else a.dtype, cal["kv_dtype"] if cal else a.dtype)
+        d = Deployment(model, acc, a.tp, cal["weight_dtype"] if cal else a.dtype, cal["kv_dtype"] if cal else a.dtype,
+                       a.max_model_len)
         workload = simulation_workload(a)
     except (UnknownSpec, ValueError, OSError) as e:
         return _fail(e)
-    cfg = engine_scheduler(acc)
+    cfg = engine_scheduler(d)
     if a.max_num_seqs:
         cfg = replace(cfg, max_num_seqs=a.max_num_seqs)
     sim = replica_simulator(d, cfg)
-    result = sim.run(workload).summary()
+    outcome = sim.run(workload)
+    result = outcome.summary()
     if a.json:
         print(json.dumps(result, indent=1))
-        return 0
-    print(f"{workload.name} on {d.label} ({model.name}), simulated: {result['steps']} steps, "
-          f"{result['duration_s']:.1f} s, {result['output_tokens_per_s']:.1f} output tokens/s, "
-          f"{result['preemptions']} preemptions, KV peak {result['kv_peak']:.0%}")
-    for tier, t in result["tiers"].items():
-        print(f"  {tier}: {t['completed']}/{t['submitted']} done, {t['rejected']} refused; TTFT p50 "
-              f"{_ms(t['ttft_s']['p50'])} p99 {_ms(t['ttft_s']['p99'])}; TPOT p50 {_ms(t['tpot_s']['p50'])}")
+    else:
+        print(f"{workload.name} on {d.label} ({model.name}, {d.context_length:,}-token context), simulated: "
+              f"{result['steps']} steps, {result['duration_s']:.1f} s, {result['output_tokens_per_s']:.1f} output "
+              f"tokens/s, {result['preemptions']} preemptions, KV peak {result['kv_peak']:.0%}")
+        for tier, t in result["tiers"].items():
+            print(f"  {tier}: {t['completed']}/{t['submitted']} done, {t['rejected']} refused; TTFT p50 "
+                  f"{_ms(t['ttft_s']['p50'])} p99 {_ms(t['ttft_s']['p99'])}; TPOT p50 {_ms(t['tpot_s']['p50'])}")
+    refused = outcome.refusal()
+    if refused:
+        print(f"kvserve plan simulate: {refused}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -294,3 +307,4 @@ def cmd_specs(a) -> int:
         print(f"  {x.name:10} {x.memory_bytes / 1e9:5.0f} GB {x.memory_bandwidth / 1e12:5.2f} TB/s "
               f"bf16 {x.bf16_flops / 1e12:6.0f} fp8 {fp8:>5} TFLOP/s {format_money(x.price_per_hour)}/h  {x.source}")
     return 0
+
