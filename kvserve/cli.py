@@ -62,16 +62,14 @@ def cmd_serve_fleet(args: argparse.Namespace) -> int:
     from kvserve.fleet import deploy
     from kvserve.models.catalog import DEFAULT_CONFIG
     from kvserve.server.auth import ensure_dev_tenant
-    from kvserve.store import Store, default_db_path
+    from kvserve.store import Store, kvserve_home, store_location
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = ServerConfig.from_toml(args.config, host=args.host, port=args.port, stall_timeout_s=args.stall_timeout,
                                  shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)
-    db = Path(cfg.db_path) if cfg.db_path else Path(cfg.home) / "kvserve.db" if cfg.home else default_db_path()
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with Store(db) as store:
-        token, _ = ensure_dev_tenant(store, db.parent)
+    with Store(store_location(cfg.db_path, cfg.home)) as store:
+        token, _ = ensure_dev_tenant(store, kvserve_home(cfg.home))
     print(f"kvserve fleet: starting replica pools for {', '.join(m.id for m in cfg.models)} on Ray "
           f"({args.ray_address or 'a local instance'}); the gateway answers on http://{cfg.host}:{cfg.port} "
           f"once they are up", flush=True)
@@ -227,19 +225,33 @@ def cmd_chat(args: argparse.Namespace) -> int:
 # ---- tenants --------------------------------------------------------------------------------------
 
 
-def _store():
-    from kvserve.store import Store, default_db_path
+def add_store_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags that say where the store is, as `kvserve serve` reads them (store.store_location)."""
+    p.add_argument("--config", default=None, help="server TOML whose [server] db_path (an SQLite file or a "
+                                                  "postgresql:// URL) or home names the store; else $KVSERVE_DB, "
+                                                  "else $KVSERVE_HOME/kvserve.db")
+    p.add_argument("--home", default=None, help="data directory (as kvserve serve --home)")
 
-    path = default_db_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return Store(path)
+
+def server_config(args: argparse.Namespace):
+    """The server TOML a store-touching command was given (--config, --home), read as `kvserve serve` reads it."""
+    from kvserve.config import ServerConfig
+
+    return ServerConfig.from_toml(args.config, home=args.home)
+
+
+def _store(args: argparse.Namespace):
+    from kvserve.store import Store, store_location
+
+    cfg = server_config(args)
+    return Store(store_location(cfg.db_path, cfg.home))
 
 
 def cmd_tenants(args: argparse.Namespace) -> int:
     from kvserve.metering.money import format_money
     from kvserve.store import TenantError
 
-    with _store() as store:
+    with _store(args) as store:
         if args.tenants_cmd == "create":
             try:
                 _, token = store.create_tenant(args.name, admin=args.admin)
@@ -321,7 +333,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
     width = reports.BUCKET_WIDTHS[args.bucket]
     now = time.time()
     start = (now // width - args.buckets + 1) * width
-    with _store() as store:
+    with _store(args) as store:
         try:
             rows = store.usage.buckets(start, now, width, group_by, args.tenant)
         except ValueError as e:
@@ -441,9 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--tpm", type=int, default=None, help="tokens per minute (prompt + max_tokens, settled to real)")
     tl = tsub.add_parser("budgets", help="budgets with what is spent, held and left")
     tl.add_argument("name", nargs="?", default=None)
+    for leaf in tsub.choices.values():
+        add_store_arguments(leaf)
     t.set_defaults(func=cmd_tenants)
 
     u = sub.add_parser("usage", help="usage, charges and cost per time bucket (the store's ledger)")
+    add_store_arguments(u)
     u.add_argument("--bucket", default="1d", help="1m, 1h or 1d (default)")
     u.add_argument("--buckets", type=int, default=7, help="how many buckets back from now (default 7)")
     u.add_argument("--group-by", default="tenant,model", help="any of tenant,model,tier (default tenant,model)")
