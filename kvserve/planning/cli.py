@@ -9,6 +9,8 @@ from dataclasses import asdict
 
 from kvserve.config import Priority
 from kvserve.metering.money import format_money
+from kvserve.metering.prices import (CACHED_INPUT_SHARE, DEFAULT_MARGIN, DEFAULT_UTILIZATION, break_even_price,
+                                     list_price)
 from kvserve.planning.search import SLO, Load, Plan, PlanResult, Redundancy, plan
 from kvserve.planning.specs import (UnknownSpec, WeightQuality, accelerator_spec, known_accelerators, known_models,
                                     known_weight_quality, model_spec)
@@ -83,6 +85,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.set_defaults(func=cmd_simulate)
     k = sub.add_parser("specs", help="the models and accelerators the planner knows, with their sources")
     k.set_defaults(func=cmd_specs)
+    pr = sub.add_parser("prices", help="each served model's break-even and suggested list prices, from this "
+                                       "machine's calibration and its replica_cost_per_hour")
+    pr.add_argument("--config", default=None, help="models TOML (default: the packaged one)")
+    pr.add_argument("--utilization", type=float, default=DEFAULT_UTILIZATION,
+                    help=f"busy share of a replica's hour, 0-1 (default {DEFAULT_UTILIZATION})")
+    pr.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+                    help=f"suggested list prices are break-even x (1 + margin) (default {DEFAULT_MARGIN})")
+    pr.add_argument("--json", action="store_true")
+    pr.set_defaults(func=cmd_prices)
 
 
 def _fail(e: Exception) -> int:
@@ -308,3 +319,60 @@ def cmd_specs(a) -> int:
               f"bf16 {x.bf16_flops / 1e12:6.0f} fp8 {fp8:>5} TFLOP/s {format_money(x.price_per_hour)}/h  {x.source}")
     return 0
 
+
+def model_prices(entry, doc: dict, utilization: float, margin: float) -> dict:
+    """One served model's engine time per token (this machine's calibration), break-even and suggested prices
+    (dollars per million tokens) beside its list prices."""
+    from kvserve.planning.calibrate import token_seconds
+
+    seconds = dict(zip(("input", "output"), token_seconds(doc)))
+    even = {k: break_even_price(entry.price, s, utilization) for k, s in seconds.items()}
+    suggested = {k: list_price(v, margin) for k, v in even.items()}
+    suggested["cached_input"] = list_price(suggested["input"] * CACHED_INPUT_SHARE, 0.0)
+    return {"model": entry.id, "replica_cost_per_hour": entry.price.replica_cost_per_hour,
+            "engine_s_per_token": seconds, "break_even": even, "suggested": suggested,
+            "list": {"input": entry.price.input, "cached_input": entry.price.cached_input,
+                     "output": entry.price.output},
+            "calibration": {"cpu": doc["cpu"], "measured_at": doc["measured_at"],
+                            "fit_median_error": doc["fit"]["median_abs_relative_error"]}}
+
+
+def cmd_prices(a) -> int:
+    """`kvserve plan prices`: what each served model's tokens must cost for its replicas to pay for themselves."""
+    from kvserve.config import ServerConfig
+    from kvserve.planning.calibrate import PRICE_CONTEXT, PRICE_DECODE_BATCH, PRICE_PROMPT_TOKENS
+    from kvserve.planning.specs import calibration_path
+
+    cfg = ServerConfig.from_toml(a.config)
+    rows, missing = [], []
+    for entry in cfg.models:
+        path = calibration_path(entry.id)
+        if not path.is_file():
+            missing.append(f"{entry.id}: no calibration of this machine; run `kvserve plan calibrate --model "
+                           f"{entry.id}` first (about a minute)")
+            continue
+        try:
+            rows.append(model_prices(entry, json.loads(path.read_text()), a.utilization, a.margin))
+        except (ValueError, KeyError, OSError) as e:
+            return _fail(f"{entry.id}: {e}")
+    if a.json:
+        print(json.dumps({"utilization": a.utilization, "margin": a.margin, "models": rows}, indent=1))
+    else:
+        print(f"Dollars per million tokens. Engine time per token from this machine's calibration: a "
+              f"{PRICE_PROMPT_TOKENS}-token prompt prefilled alone (input), {PRICE_DECODE_BATCH} sequences decoding "
+              f"at {PRICE_CONTEXT} tokens (output). Break-even: that time at replica_cost_per_hour, the replica "
+              f"busy {a.utilization:.0%} of the hour. Suggested: break-even + {a.margin:.0%}, cached input at "
+              f"{CACHED_INPUT_SHARE:.0%} of input.")
+        for r in rows:
+            t, e, s, li = r["engine_s_per_token"], r["break_even"], r["suggested"], r["list"]
+            loses = [k for k in ("input", "output") if li[k] < e[k]]
+            print(f"  {r['model']} ({format_money(r['replica_cost_per_hour'])}/hour; {r['calibration']['cpu']}, "
+                  f"fit error {r['calibration']['fit_median_error']:.0%}): engine {t['input'] * 1000:.3g} ms per "
+                  f"input token, {t['output'] * 1000:.3g} ms per output token")
+            print(f"    break-even input {format_money(e['input'])}, output {format_money(e['output'])}; suggested "
+                  f"input {format_money(s['input'])}, cached_input {format_money(s['cached_input'])}, output "
+                  f"{format_money(s['output'])}; listed input {format_money(li['input'])}, output "
+                  f"{format_money(li['output'])}" + (f" -- BELOW break-even ({', '.join(loses)})" if loses else ""))
+    for line in missing:
+        print(f"kvserve plan prices: {line}", file=sys.stderr)
+    return 0 if rows else 1

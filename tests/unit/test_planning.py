@@ -407,6 +407,16 @@ def test_calibration_profiles_the_real_engine_and_plans_with_it(tmp_path, tiny_l
                  "--output", "16", "--slo", "ttft:p50=10s", "--sim-seconds", "10"]) == 0
     text = capsys.readouterr().out
     assert "1 replica(s) of cpu" in text and "$0.05/hour" in text
+    # break-even prices from the same calibration: its engine time per token at the model's replica cost
+    assert main(["plan", "prices", "--config", str(config), "--utilization", "0.25", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["models"]
+    cost_per_s = row["replica_cost_per_hour"] / 3600
+    for kind in ("input", "output"):
+        assert row["engine_s_per_token"][kind] > 0
+        assert row["break_even"][kind] == pytest.approx(row["engine_s_per_token"][kind] * cost_per_s / 0.25 * 1e6)
+        assert row["suggested"][kind] >= 2 * row["break_even"][kind]  # the default margin: 100%
+    assert main(["plan", "prices"]) == 1  # the packaged models are not calibrated in this home
+    assert "kvserve plan calibrate --model smollm2-135m" in capsys.readouterr().err
     # a server's engine for that model starts from this machine's step times, not the generic defaults
     from kvserve.config import engine_config_from_kwargs
     from kvserve.engine.llm_engine import LLMEngine
