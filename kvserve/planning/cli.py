@@ -311,7 +311,7 @@ def cmd_specs(a) -> int:
     print("models:")
     for m in known_models().values():
         print(f"  {m.name:16} {parameter_count(m).total / 1e9:7.2f}B  {m.num_layers} layers, {m.num_kv_heads} KV "
-              f"heads x {m.head_dim}  {m.source}")
+              f"heads x {m.head_dim}, {m.max_position_embeddings:,}-token context  {m.source}")
     print("accelerators:")
     for x in known_accelerators().values():
         fp8 = f"{x.fp8_flops / 1e12:.0f}" if x.fp8_flops else "-"
