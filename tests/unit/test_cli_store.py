@@ -46,3 +46,29 @@ def test_tenant_and_usage_commands_run_on_the_servers_store(store_target, tmp_pa
     monkeypatch.setenv("KVSERVE_DB", str(store_target))  # no TOML: the environment names the same store
     assert main(["tenants", "list"]) == 0
     assert "acme" in capsys.readouterr().out
+
+
+def test_batch_commands_find_the_servers_address_and_dev_token(tmp_path, monkeypatch):
+    """`kvserve batch --config server.toml ...` talks to that server with the dev token kept in its data dir."""
+    import httpx
+
+    monkeypatch.delenv("KVSERVE_URL", raising=False)
+    monkeypatch.delenv("KVSERVE_API_KEY", raising=False)
+    monkeypatch.setenv("KVSERVE_HOME", str(tmp_path / "elsewhere"))
+    home = tmp_path / "data"
+    home.mkdir()
+    (home / "dev-token").write_text("kvs-dev\n")
+    config = tmp_path / "server.toml"
+    config.write_text(f'[server]\nhome = "{home}"\nport = 8765\n')
+    seen = {}
+
+    class Client:
+        def __init__(self, base_url, headers, timeout):
+            seen.update(base_url=base_url, auth=headers["Authorization"])
+
+        def request(self, method, path, **kw):
+            return httpx.Response(200, json={"data": []}, request=httpx.Request(method, path))
+
+    monkeypatch.setattr(httpx, "Client", Client)
+    assert main(["batch", "--config", str(config), "list"]) == 0
+    assert seen == {"base_url": "http://127.0.0.1:8765", "auth": "Bearer kvs-dev"}
