@@ -68,7 +68,8 @@ class TierResult:
             return {f"p{q}": percentile(xs, q) for q in (50, 90, 99)}
 
         return {"submitted": self.submitted, "completed": self.completed, "rejected": self.rejected,
-                "refused_because": self.refused_because or None, "timed_out": self.timed_out, "output_tokens": self.output_tokens, "ttft_s": pct(self.ttft),
+                "refused_because": self.refused_because or None, "timed_out": self.timed_out,
+                "output_tokens": self.output_tokens, "ttft_s": pct(self.ttft),
                 "tpot_s": pct(self.tpot), "latency_s": pct(self.latency), "queue_s": pct(self.queue)}
 
 

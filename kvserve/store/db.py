@@ -1,8 +1,8 @@
 """SQLite persistence: data directory, connections, migrations and the `Store` facade.
 
 All state lives under one data directory, ``$KVSERVE_HOME`` (default ``~/.kvserve``); the database
-is ``$KVSERVE_HOME/kvserve.db`` unless a path or URL is given (store_location). The database runs in WAL mode, so readers
-never block the writer and vice versa.
+is ``$KVSERVE_HOME/kvserve.db`` unless a path or URL is given (store_location). The database runs in WAL
+mode, so readers never block the writer and vice versa.
 
 Connections: one per thread (``threading.local``). ``check_same_thread=False`` is set only so that
 ``close()`` can close every connection from the closing thread; a connection is otherwise used only
