@@ -364,6 +364,8 @@ def _mark(passed: bool) -> str:
 
 
 def tradeoff_markdown(data: dict, command: str) -> str:
+    from kvserve.metering.money import format_money
+
     m, sh = data["machine"], data["shape"]
     flags = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx") if m.get(f))
     n = data["questions"]
@@ -387,7 +389,7 @@ def tradeoff_markdown(data: dict, command: str) -> str:
              f"{sh['output_len']} greedy output tokens, at most {sh['batch']} running, offline engine, "
              f"{'median of ' + str(data['w1_runs']) + ' runs' if data['w1_runs'] > 1 else 'one run'} after a "
              "warm-up.",
-             "- $ / M output tokens = W1's engine seconds (the time metering charges its requests: each step's "
+             "- cost / M output tokens = W1's engine seconds (the time metering charges its requests: each step's "
              "time split over its sequences by tokens, prefills included) x the model's `replica_cost_per_hour` "
              "(kvserve/default_models.toml) / 3600 / W1's output tokens x 10^6 (metering.prices.request_cost).",
              "- KV: bf16, or int8 (`kv_cache_dtype = \"int8\"`: each token's row of a kv head as int8 in groups "
@@ -397,7 +399,7 @@ def tradeoff_markdown(data: dict, command: str) -> str:
              "moves as much (the accumulation-order line).", "",
              f"| model | weights | KV | computed from | perplexity | KLD vs float32 | top-1 vs float32 "
              f"| task = float32 (of {n}) | task correct (of {n}) | KLD vs bf16 | top-1 vs bf16 | TPOT c=1 (ms) "
-             "| W1 out tok/s | $ / M output tokens | target |",
+             "| W1 out tok/s | cost / M output tokens | target |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for md in data["models"]:
         ref, c8 = md["reference"], md["checks"].get("int8")
@@ -415,7 +417,7 @@ def tradeoff_markdown(data: dict, command: str) -> str:
                       else _mark(kv["passed"]) + " (KV alone)" if kv else "-")
             lines.append(f"{head} {r['perplexity']:.3f} | {r['kld']:.5f} | {r['top1']:.1%} | {r['task_same']} | "
                          f"{r['task_correct']} | {vs} | {r['tpot_ms']:.1f} | {r['w1_out_tok_s']:.1f} | "
-                         f"{r['cost_per_million_output']:.3f} | {target} |")
+                         f"{format_money(r['cost_per_million_output'])} | {target} |")
     lines += ["", "Targets:", ""]
     for md in data["models"]:
         c = md["checks"]

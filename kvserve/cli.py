@@ -62,16 +62,14 @@ def cmd_serve_fleet(args: argparse.Namespace) -> int:
     from kvserve.fleet import deploy
     from kvserve.models.catalog import DEFAULT_CONFIG
     from kvserve.server.auth import ensure_dev_tenant
-    from kvserve.store import Store, default_db_path
+    from kvserve.store import Store, kvserve_home, store_location
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = ServerConfig.from_toml(args.config, host=args.host, port=args.port, stall_timeout_s=args.stall_timeout,
                                  shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)
-    db = Path(cfg.db_path) if cfg.db_path else Path(cfg.home) / "kvserve.db" if cfg.home else default_db_path()
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with Store(db) as store:
-        token, _ = ensure_dev_tenant(store, db.parent)
+    with Store(store_location(cfg.db_path, cfg.home)) as store:
+        token, _ = ensure_dev_tenant(store, kvserve_home(cfg.home))
     print(f"kvserve fleet: starting replica pools for {', '.join(m.id for m in cfg.models)} on Ray "
           f"({args.ray_address or 'a local instance'}); the gateway answers on http://{cfg.host}:{cfg.port} "
           f"once they are up", flush=True)
@@ -227,18 +225,33 @@ def cmd_chat(args: argparse.Namespace) -> int:
 # ---- tenants --------------------------------------------------------------------------------------
 
 
-def _store():
-    from kvserve.store import Store, default_db_path
+def add_store_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags that say where the store is, as `kvserve serve` reads them (store.store_location)."""
+    p.add_argument("--config", default=None, help="server TOML whose [server] db_path (an SQLite file or a "
+                                                  "postgresql:// URL) or home names the store; else $KVSERVE_DB, "
+                                                  "else $KVSERVE_HOME/kvserve.db")
+    p.add_argument("--home", default=None, help="data directory (as kvserve serve --home)")
 
-    path = default_db_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return Store(path)
+
+def server_config(args: argparse.Namespace):
+    """The server TOML a store-touching command was given (--config, --home), read as `kvserve serve` reads it."""
+    from kvserve.config import ServerConfig
+
+    return ServerConfig.from_toml(args.config, home=args.home)
+
+
+def _store(args: argparse.Namespace):
+    from kvserve.store import Store, store_location
+
+    cfg = server_config(args)
+    return Store(store_location(cfg.db_path, cfg.home))
 
 
 def cmd_tenants(args: argparse.Namespace) -> int:
+    from kvserve.metering.money import format_money
     from kvserve.store import TenantError
 
-    with _store() as store:
+    with _store(args) as store:
         if args.tenants_cmd == "create":
             try:
                 _, token = store.create_tenant(args.name, admin=args.admin)
@@ -272,9 +285,9 @@ def cmd_tenants(args: argparse.Namespace) -> int:
             except ValueError as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 2
-            print(f"budget of {b.tenant!r} for {'all models' if b.model == '*' else b.model}: ${b.amount:g} per "
-                  f"{b.period if b.period != 'none' else 'lifetime (no reset)'}; spent ${b.spent:.6f}, "
-                  f"held ${b.reserved:.6f}, left ${b.remaining:.6f}")
+            print(f"budget of {b.tenant!r} for {'all models' if b.model == '*' else b.model}: "
+                  f"{format_money(b.amount)} per {b.period if b.period != 'none' else 'lifetime (no reset)'}; "
+                  f"spent {format_money(b.spent)}, held {format_money(b.reserved)}, left {format_money(b.remaining)}")
             return 0
         if args.tenants_cmd == "limits":
             if store.get_tenant(args.name) is None:
@@ -294,10 +307,10 @@ def cmd_tenants(args: argparse.Namespace) -> int:
             if not rows:
                 print("no budgets (set one: kvserve tenants budget TENANT AMOUNT --period month)")
                 return 0
-            print(f"{'TENANT':<20} {'MODEL':<16} {'PERIOD':<6} {'AMOUNT':>12} {'SPENT':>12} {'HELD':>12} {'LEFT':>12}")
+            print(f"{'TENANT':<20} {'MODEL':<16} {'PERIOD':<6} {'AMOUNT':>14} {'SPENT':>14} {'HELD':>14} {'LEFT':>14}")
             for b in rows:
-                print(f"{b.tenant:<20} {b.model:<16} {b.period:<6} {b.amount:>12.6f} {b.spent:>12.6f} "
-                      f"{b.reserved:>12.6f} {b.remaining:>12.6f}")
+                print(f"{b.tenant:<20} {b.model:<16} {b.period:<6} " + " ".join(
+                    f"{format_money(v):>14}" for v in (b.amount, b.spent, b.reserved, b.remaining)))
             return 0
         if args.tenants_cmd == "revoke":
             if store.revoke_tenant(args.name):
@@ -311,6 +324,7 @@ def cmd_tenants(args: argparse.Namespace) -> int:
 def cmd_usage(args: argparse.Namespace) -> int:
     """`kvserve usage`: the usage report (the same rows as GET /v1/usage) as a table, or CSV."""
     from kvserve.metering import reports
+    from kvserve.metering.money import format_money
 
     if args.bucket not in reports.BUCKET_WIDTHS:
         print(f"error: --bucket must be one of {', '.join(reports.BUCKET_WIDTHS)}", file=sys.stderr)
@@ -319,7 +333,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
     width = reports.BUCKET_WIDTHS[args.bucket]
     now = time.time()
     start = (now // width - args.buckets + 1) * width
-    with _store() as store:
+    with _store(args) as store:
         try:
             rows = store.usage.buckets(start, now, width, group_by, args.tenant)
         except ValueError as e:
@@ -329,12 +343,12 @@ def cmd_usage(args: argparse.Namespace) -> int:
     if args.csv:
         sys.stdout.write(reports.to_csv(page))
         return 0
-    table = [("BUCKET (UTC)", "TENANT", "MODEL", "TIER", "REQUESTS", "INPUT", "CACHED", "OUTPUT", "CHARGED $",
-              "COST $", "ENGINE S")]
+    table = [("BUCKET (UTC)", "TENANT", "MODEL", "TIER", "REQUESTS", "INPUT", "CACHED", "OUTPUT", "CHARGED",
+              "COST", "ENGINE S")]
     fmt = "%Y-%m-%d %H:%M" if width < 86400 else "%Y-%m-%d"
     for r in reports.flat(page):
         table.append((time.strftime(fmt, time.gmtime(r[0])), r[2] or "-", r[3] or "-", r[4] or "-", str(r[5]),
-                      str(r[6]), str(r[7]), str(r[8]), f"{r[9]:.6f}", f"{r[10]:.6f}", f"{r[11]:.2f}"))
+                      str(r[6]), str(r[7]), str(r[8]), format_money(r[9]), format_money(r[10]), f"{r[11]:.2f}"))
     if len(table) == 1:
         print("no usage in this range")
         return 0
@@ -439,9 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--tpm", type=int, default=None, help="tokens per minute (prompt + max_tokens, settled to real)")
     tl = tsub.add_parser("budgets", help="budgets with what is spent, held and left")
     tl.add_argument("name", nargs="?", default=None)
+    for leaf in tsub.choices.values():
+        add_store_arguments(leaf)
     t.set_defaults(func=cmd_tenants)
 
     u = sub.add_parser("usage", help="usage, charges and cost per time bucket (the store's ledger)")
+    add_store_arguments(u)
     u.add_argument("--bucket", default="1d", help="1m, 1h or 1d (default)")
     u.add_argument("--buckets", type=int, default=7, help="how many buckets back from now (default 7)")
     u.add_argument("--group-by", default="tenant,model", help="any of tenant,model,tier (default tenant,model)")

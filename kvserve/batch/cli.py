@@ -1,5 +1,6 @@
 """`kvserve batch submit|status|list|cancel|download`: the batch API from the shell, over HTTP to a running
-server (the same endpoints the openai client uses)."""
+server (the same endpoints the openai client uses). With the server's --config (or --home), its address and
+its development token are the ones that server uses."""
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,12 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=os.environ.get("KVSERVE_URL", "http://127.0.0.1:8000"))
+    from kvserve.cli import add_store_arguments
+
+    parser.add_argument("--url", default=os.environ.get("KVSERVE_URL"),
+                        help="the server (default: $KVSERVE_URL, else [server] host and port of --config)")
     parser.add_argument("--token", default=None, help="API token (default: $KVSERVE_API_KEY, or the dev token)")
+    add_store_arguments(parser)
     sub = parser.add_subparsers(dest="batch_cmd", required=True)
     s = sub.add_parser("submit", help="upload a JSONL file and start a batch; a progress bar until it ends")
     s.add_argument("file")
@@ -30,12 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=run)
 
 
-def _token(args) -> str:
+def _token(args, home: str | None) -> str:
     if args.token or os.environ.get("KVSERVE_API_KEY"):
         return args.token or os.environ["KVSERVE_API_KEY"]
     from kvserve.store import kvserve_home
 
-    path = kvserve_home() / "dev-token"
+    path = kvserve_home(home) / "dev-token"
     if path.is_file():
         return path.read_text().strip()
     raise SystemExit("kvserve batch: no token (--token, $KVSERVE_API_KEY, or the dev token of `kvserve serve`)")
@@ -51,7 +56,11 @@ def _line(b: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     import httpx
 
-    client = httpx.Client(base_url=args.url, headers={"Authorization": f"Bearer {_token(args)}"}, timeout=120)
+    from kvserve.cli import server_config
+
+    cfg = server_config(args)
+    client = httpx.Client(base_url=args.url or f"http://{cfg.host}:{cfg.port}",
+                          headers={"Authorization": f"Bearer {_token(args, cfg.home)}"}, timeout=120)
 
     def call(method: str, path: str, **kw) -> dict:
         r = client.request(method, path, **kw)

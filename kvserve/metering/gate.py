@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.config import ModelPrice
 from kvserve.engine.errors import InsufficientQuota, RateLimitExceeded
+from kvserve.metering.money import format_money
 from kvserve.metering.prices import worst_case_price
 from kvserve.metering.rate_limits import RateState
 
@@ -47,9 +48,9 @@ class MeteringGate:
             s = got.short
             scope = "all models" if s.model == "*" else f"model {s.model}"
             period = {"none": "total", "day": "daily", "month": "monthly"}[s.period]
-            raise InsufficientQuota(f"this request could cost up to ${sum(a[1] for a in asks):.6f}; the {period} "
-                                    f"budget of tenant {tenant} for {scope} has ${s.remaining:.6f} left of "
-                                    f"${s.amount:.6f} (lower max_tokens, or raise the budget)")
+            raise InsufficientQuota(f"this request could cost up to {format_money(sum(a[1] for a in asks))}; the "
+                                    f"{period} budget of tenant {tenant} for {scope} has {format_money(s.remaining)} "
+                                    f"left of {format_money(s.amount)} (lower max_tokens, or raise the budget)")
         return got.rate
 
     async def release(self, tenant: str, request_ids: list[str]) -> None:

@@ -288,17 +288,40 @@ _PRIOR_PROMPTS = (32, 128, 512, 2048)
 _PRIOR_CONTEXT = 512
 
 
+def calibrated_step_model(doc: dict, model: ModelSpec | None = None) -> StepModel:
+    """The step-time model of the machine and model a calibration measured (`model`: its own spec)."""
+    from kvserve.planning.search import step_model
+    from kvserve.planning.specs import calibrated_spec
+
+    model = model or model_from_dict(doc["model_spec"])
+    return step_model(Deployment(model, calibrated_spec(doc), 1, doc["weight_dtype"], doc["kv_dtype"]))
+
+
+# The shapes a token's engine time is read at for break-even prices (`kvserve plan prices`): a prompt
+# prefilled alone, and the decode batch of a lightly loaded server at a typical context.
+PRICE_PROMPT_TOKENS = 512
+PRICE_DECODE_BATCH = 8
+PRICE_CONTEXT = 512
+
+
+def token_seconds(doc: dict, prompt: int = PRICE_PROMPT_TOKENS, batch: int = PRICE_DECODE_BATCH,
+                  context: int = PRICE_CONTEXT) -> tuple[float, float]:
+    """(input, output): engine seconds per prompt token and per output token as metering charges them (each
+    step's time split over its tokens), from a calibration: a `prompt`-token prompt prefilled alone, and
+    `batch` sequences decoding at `context` tokens."""
+    sm = calibrated_step_model(doc)
+    return (sm.prefill(prompt, doc["max_num_batched_tokens"]) / prompt,
+            sm.decode_step(batch, context).seconds / batch)
+
+
 def step_time_prior(doc: dict, model: ModelSpec):
     """The engine's online step-time model (engine/step_time.py) started from a calibration instead of its
     generic defaults: the calibrated roofline evaluated over typical decode batches and prompt chunks, and
     the affine fit of those. Admission's wait and TTFT estimates are then right from the first request;
     the engine keeps learning from its own steps as before."""
     from kvserve.engine.step_time import StepTimeModel
-    from kvserve.planning.search import step_model
-    from kvserve.planning.specs import calibrated_spec
 
-    acc = calibrated_spec(doc)
-    sm = step_model(Deployment(model, acc, 1, doc["weight_dtype"], doc["kv_dtype"]))
+    sm = calibrated_step_model(doc, model)
     shapes = [(b, 0, sm.seconds([Work(1, _PRIOR_CONTEXT)] * b)) for b in _PRIOR_DECODES]
     shapes += [(0, n, sm.seconds([Work(n, 0)])) for n in _PRIOR_PROMPTS]
     rows = [((1 / t, d / t, n / t), 1.0) for d, n, t in shapes]  # relative error: small steps count too

@@ -8,6 +8,9 @@ import sys
 from dataclasses import asdict
 
 from kvserve.config import Priority
+from kvserve.metering.money import format_money
+from kvserve.metering.prices import (CACHED_INPUT_SHARE, DEFAULT_MARGIN, DEFAULT_UTILIZATION, break_even_price,
+                                     list_price)
 from kvserve.planning.search import SLO, Load, Plan, PlanResult, Redundancy, plan
 from kvserve.planning.specs import (UnknownSpec, WeightQuality, accelerator_spec, known_accelerators, known_models,
                                     known_weight_quality, model_spec)
@@ -50,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--availability", type=float, default=None, help="availability target in percent, e.g. 99.9")
     p.add_argument("--replica-availability", type=float, default=99.0,
                    help="assumed availability of one replica in percent (default 99)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="tokens a request may hold, prompt and output (default: the model's context length)")
     p.add_argument("--no-simulate", action="store_true", help="skip checking the plan with the simulator")
     p.add_argument("--sim-seconds", type=float, default=30.0, help="seconds of arrivals the check simulates")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -74,10 +79,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--input", type=parse_length, default=LengthDist(256))
     s.add_argument("--output", type=parse_length, default=LengthDist(128))
     s.add_argument("--max-num-seqs", type=int, default=None)
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="tokens a request may hold, prompt and output (default: the model's context length)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_simulate)
     k = sub.add_parser("specs", help="the models and accelerators the planner knows, with their sources")
     k.set_defaults(func=cmd_specs)
+    pr = sub.add_parser("prices", help="each served model's break-even and suggested list prices, from this "
+                                       "machine's calibration and its replica_cost_per_hour")
+    pr.add_argument("--config", default=None, help="models TOML (default: the packaged one)")
+    pr.add_argument("--utilization", type=float, default=DEFAULT_UTILIZATION,
+                    help=f"busy share of a replica's hour, 0-1 (default {DEFAULT_UTILIZATION})")
+    pr.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+                    help=f"suggested list prices are break-even x (1 + margin) (default {DEFAULT_MARGIN})")
+    pr.add_argument("--json", action="store_true")
+    pr.set_defaults(func=cmd_prices)
 
 
 def _fail(e: Exception) -> int:
@@ -98,7 +114,7 @@ def cmd_plan(a) -> int:
                          a.replica_availability / 100)
         dtypes = tuple(x.strip() for x in a.dtypes.split(","))
         result = plan(model, accs, load, slos, red, dtypes=dtypes, simulate=not a.no_simulate,
-                      sim_seconds=a.sim_seconds)
+                      sim_seconds=a.sim_seconds, max_model_len=a.max_model_len)
     except (UnknownSpec, ValueError) as e:
         return _fail(e)
     if a.json:
@@ -110,7 +126,10 @@ def cmd_plan(a) -> int:
 
         path = write_report(a.report, result, model.name, load, slos, render(result, model.name, load, slos))
         print(f"\nreport: {path}")
-    return 0 if result.best.meets_slo else 1
+    refused = result.best.simulation.refusal() if result.best.simulation else None
+    if refused:
+        print(f"kvserve plan: {refused}", file=sys.stderr)
+    return 0 if result.best.meets_slo and not refused else 1
 
 
 def _ms(v: float | None) -> str:
@@ -125,12 +144,12 @@ def describe(p: Plan) -> list[str]:
     c, d = p.candidate, p.candidate.deployment
     mem = c.memory
     lines = [f"{p.replicas} replica(s) of {d.accelerator.name} x{d.tp} ({d.weight_dtype} weights, {d.kv_dtype} KV), "
-             f"max_num_seqs {c.max_num_seqs}: {p.devices} device(s), ${p.cost_per_hour:,.2f}/hour"]
+             f"max_num_seqs {c.max_num_seqs}: {p.devices} device(s), {format_money(p.cost_per_hour)}/hour"]
     if p.interactive_replicas or p.batch_replicas:
         lines.append(f"  {p.interactive_replicas} for interactive, {p.batch_replicas} for batch only, "
                      f"{p.replicas - p.interactive_replicas - p.batch_replicas} for redundancy")
     lines.append("  per million tokens (prompt + output): " + ", ".join(
-        f"{tier} ${v:.3f}" for tier, v in p.cost_per_million.items()))
+        f"{tier} {format_money(v)}" for tier, v in p.cost_per_million.items()))
     if d.accelerator.calibrated is None:
         lines.append(f"  per device: weights {_gb(mem.weight_bytes)}, reserve {_gb(mem.reserve_bytes)}, "
                      f"KV pool {_gb(mem.kv_bytes)} of {_gb(mem.device_bytes)}")
@@ -189,7 +208,7 @@ def render(r: PlanResult, model: str, load: Load, slos: list[SLO]) -> str:
             verdict = "" if p.meets_slo else " -- misses the SLOs"
             out.append(f"  {d.accelerator.name}: {p.replicas} replica(s) x{d.tp} ({d.weight_dtype} weights, "
                        f"{d.kv_dtype} KV, max_num_seqs {p.candidate.max_num_seqs}), {p.devices} device(s), "
-                       f"${p.cost_per_hour:,.2f}/hour; binds: {p.candidate.binds}{checked}{verdict}")
+                       f"{format_money(p.cost_per_hour)}/hour; binds: {p.candidate.binds}{checked}{verdict}")
     assumptions = _assumptions(r)
     if assumptions:
         out += ["", "Assumed (quality):"] + [f"  {a}" for a in assumptions]
@@ -259,24 +278,30 @@ def cmd_simulate(a) -> int:
         model = model_spec(a.model)
         acc = accelerator_spec(a.accelerator, model=(a.model, model.name))
         cal = acc.calibrated
-        d = Deployment(model, acc, a.tp, cal["weight_dtype"] if cal else a.dtype, cal["kv_dtype"] if cal else a.dtype)
+        d = Deployment(model, acc, a.tp, cal["weight_dtype"] if cal else a.dtype, cal["kv_dtype"] if cal else a.dtype,
+                       a.max_model_len)
         workload = simulation_workload(a)
     except (UnknownSpec, ValueError, OSError) as e:
         return _fail(e)
-    cfg = engine_scheduler(acc)
+    cfg = engine_scheduler(d)
     if a.max_num_seqs:
         cfg = replace(cfg, max_num_seqs=a.max_num_seqs)
     sim = replica_simulator(d, cfg)
-    result = sim.run(workload).summary()
+    outcome = sim.run(workload)
+    result = outcome.summary()
     if a.json:
         print(json.dumps(result, indent=1))
-        return 0
-    print(f"{workload.name} on {d.label} ({model.name}), simulated: {result['steps']} steps, "
-          f"{result['duration_s']:.1f} s, {result['output_tokens_per_s']:.1f} output tokens/s, "
-          f"{result['preemptions']} preemptions, KV peak {result['kv_peak']:.0%}")
-    for tier, t in result["tiers"].items():
-        print(f"  {tier}: {t['completed']}/{t['submitted']} done, {t['rejected']} refused; TTFT p50 "
-              f"{_ms(t['ttft_s']['p50'])} p99 {_ms(t['ttft_s']['p99'])}; TPOT p50 {_ms(t['tpot_s']['p50'])}")
+    else:
+        print(f"{workload.name} on {d.label} ({model.name}, {d.context_length:,}-token context), simulated: "
+              f"{result['steps']} steps, {result['duration_s']:.1f} s, {result['output_tokens_per_s']:.1f} output "
+              f"tokens/s, {result['preemptions']} preemptions, KV peak {result['kv_peak']:.0%}")
+        for tier, t in result["tiers"].items():
+            print(f"  {tier}: {t['completed']}/{t['submitted']} done, {t['rejected']} refused; TTFT p50 "
+                  f"{_ms(t['ttft_s']['p50'])} p99 {_ms(t['ttft_s']['p99'])}; TPOT p50 {_ms(t['tpot_s']['p50'])}")
+    refused = outcome.refusal()
+    if refused:
+        print(f"kvserve plan simulate: {refused}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -286,10 +311,68 @@ def cmd_specs(a) -> int:
     print("models:")
     for m in known_models().values():
         print(f"  {m.name:16} {parameter_count(m).total / 1e9:7.2f}B  {m.num_layers} layers, {m.num_kv_heads} KV "
-              f"heads x {m.head_dim}  {m.source}")
+              f"heads x {m.head_dim}, {m.max_position_embeddings:,}-token context  {m.source}")
     print("accelerators:")
     for x in known_accelerators().values():
         fp8 = f"{x.fp8_flops / 1e12:.0f}" if x.fp8_flops else "-"
         print(f"  {x.name:10} {x.memory_bytes / 1e9:5.0f} GB {x.memory_bandwidth / 1e12:5.2f} TB/s "
-              f"bf16 {x.bf16_flops / 1e12:6.0f} fp8 {fp8:>5} TFLOP/s ${x.price_per_hour:.2f}/h  {x.source}")
+              f"bf16 {x.bf16_flops / 1e12:6.0f} fp8 {fp8:>5} TFLOP/s {format_money(x.price_per_hour)}/h  {x.source}")
     return 0
+
+
+def model_prices(entry, doc: dict, utilization: float, margin: float) -> dict:
+    """One served model's engine time per token (this machine's calibration), break-even and suggested prices
+    (dollars per million tokens) beside its list prices."""
+    from kvserve.planning.calibrate import token_seconds
+
+    seconds = dict(zip(("input", "output"), token_seconds(doc)))
+    even = {k: break_even_price(entry.price, s, utilization) for k, s in seconds.items()}
+    suggested = {k: list_price(v, margin) for k, v in even.items()}
+    suggested["cached_input"] = list_price(suggested["input"] * CACHED_INPUT_SHARE, 0.0)
+    return {"model": entry.id, "replica_cost_per_hour": entry.price.replica_cost_per_hour,
+            "engine_s_per_token": seconds, "break_even": even, "suggested": suggested,
+            "list": {"input": entry.price.input, "cached_input": entry.price.cached_input,
+                     "output": entry.price.output},
+            "calibration": {"cpu": doc["cpu"], "measured_at": doc["measured_at"],
+                            "fit_median_error": doc["fit"]["median_abs_relative_error"]}}
+
+
+def cmd_prices(a) -> int:
+    """`kvserve plan prices`: what each served model's tokens must cost for its replicas to pay for themselves."""
+    from kvserve.config import ServerConfig
+    from kvserve.planning.calibrate import PRICE_CONTEXT, PRICE_DECODE_BATCH, PRICE_PROMPT_TOKENS
+    from kvserve.planning.specs import calibration_path
+
+    cfg = ServerConfig.from_toml(a.config)
+    rows, missing = [], []
+    for entry in cfg.models:
+        path = calibration_path(entry.id)
+        if not path.is_file():
+            missing.append(f"{entry.id}: no calibration of this machine; run `kvserve plan calibrate --model "
+                           f"{entry.id}` first (about a minute)")
+            continue
+        try:
+            rows.append(model_prices(entry, json.loads(path.read_text()), a.utilization, a.margin))
+        except (ValueError, KeyError, OSError) as e:
+            return _fail(f"{entry.id}: {e}")
+    if a.json:
+        print(json.dumps({"utilization": a.utilization, "margin": a.margin, "models": rows}, indent=1))
+    else:
+        print(f"Dollars per million tokens. Engine time per token from this machine's calibration: a "
+              f"{PRICE_PROMPT_TOKENS}-token prompt prefilled alone (input), {PRICE_DECODE_BATCH} sequences decoding "
+              f"at {PRICE_CONTEXT} tokens (output). Break-even: that time at replica_cost_per_hour, the replica "
+              f"busy {a.utilization:.0%} of the hour. Suggested: break-even + {a.margin:.0%}, cached input at "
+              f"{CACHED_INPUT_SHARE:.0%} of input.")
+        for r in rows:
+            t, e, s, li = r["engine_s_per_token"], r["break_even"], r["suggested"], r["list"]
+            loses = [k for k in ("input", "output") if li[k] < e[k]]
+            print(f"  {r['model']} ({format_money(r['replica_cost_per_hour'])}/hour; {r['calibration']['cpu']}, "
+                  f"fit error {r['calibration']['fit_median_error']:.0%}): engine {t['input'] * 1000:.3g} ms per "
+                  f"input token, {t['output'] * 1000:.3g} ms per output token")
+            print(f"    break-even input {format_money(e['input'])}, output {format_money(e['output'])}; suggested "
+                  f"input {format_money(s['input'])}, cached_input {format_money(s['cached_input'])}, output "
+                  f"{format_money(s['output'])}; listed input {format_money(li['input'])}, output "
+                  f"{format_money(li['output'])}" + (f" -- BELOW break-even ({', '.join(loses)})" if loses else ""))
+    for line in missing:
+        print(f"kvserve plan prices: {line}", file=sys.stderr)
+    return 0 if rows else 1

@@ -100,13 +100,15 @@ class StepCost:
 
 @dataclass(frozen=True)
 class Deployment:
-    """One replica: a model on `tp` devices with its weight and KV dtypes."""
+    """One replica: a model on `tp` devices with its weight and KV dtypes, serving up to `max_model_len`
+    tokens a request (None: the model's own context length)."""
 
     model: ModelSpec
     accelerator: AcceleratorSpec
     tp: int = 1
     weight_dtype: str = "bf16"
     kv_dtype: str = "bf16"
+    max_model_len: int | None = None
 
     def __post_init__(self):
         dtype_bytes(self.weight_dtype), dtype_bytes(self.kv_dtype)
@@ -114,6 +116,15 @@ class Deployment:
             raise ValueError("tp must be >= 1")
         if self.kv_dtype in WEIGHT_ONLY:
             raise ValueError(f"{self.kv_dtype} is a weight format, not a KV cache dtype")
+        n, ctx = self.max_model_len, self.model.max_position_embeddings
+        if n is not None and (not isinstance(n, int) or not 0 < n <= ctx):
+            raise ValueError(f"max_model_len must be a whole number of tokens from 1 to {self.model.name}'s context "
+                             f"length ({ctx:,}), not {n!r}")
+
+    @property
+    def context_length(self) -> int:
+        """Prompt and output tokens one request may hold together: what the replica's scheduler refuses past."""
+        return self.model.max_position_embeddings if self.max_model_len is None else self.max_model_len
 
     @property
     def label(self) -> str:

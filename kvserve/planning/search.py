@@ -227,20 +227,22 @@ def _at_least(k: int, n: int, p: float) -> float:
     return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k, n + 1))
 
 
-def candidates(model: ModelSpec, accelerators: list[AcceleratorSpec], dtypes=DTYPES) -> list[Deployment]:
+def candidates(model: ModelSpec, accelerators: list[AcceleratorSpec], dtypes=DTYPES,
+               max_model_len: int | None = None) -> list[Deployment]:
     """Every deployment of `dtypes` for weights and KV (int8 / int4 for weights only; KV bf16 if no other)."""
     out = []
     kv_dtypes = [d for d in dtypes if d not in WEIGHT_ONLY] or ["bf16"]
     for acc in accelerators:
         if acc.calibrated is not None:  # a measured machine runs as it was measured
-            out.append(Deployment(model, acc, 1, acc.calibrated["weight_dtype"], acc.calibrated["kv_dtype"]))
+            out.append(Deployment(model, acc, 1, acc.calibrated["weight_dtype"], acc.calibrated["kv_dtype"],
+                                  max_model_len))
             continue
         for tp in TP_DEGREES:
             if tp > acc.max_per_node or model.num_heads % tp:
                 continue
             for wd in dtypes:
                 for kd in kv_dtypes:
-                    out.append(Deployment(model, acc, tp, wd, kd))
+                    out.append(Deployment(model, acc, tp, wd, kd, max_model_len))
     return out
 
 
@@ -284,13 +286,23 @@ def _configs(d: Deployment, max_num_batched_tokens: int) -> tuple[int, tuple[int
 
 def plan(model: ModelSpec, accelerators: list[AcceleratorSpec], load: Load, slos: list[SLO],
          red: Redundancy = Redundancy(), dtypes=DTYPES, max_num_batched_tokens: int = 8192,
-         simulate: bool = True, sim_seconds: float = 30.0, seed: int = 0) -> PlanResult:
-    """The cheapest plan on each accelerator (simulated when `simulate`), and the cheapest of those."""
+         simulate: bool = True, sim_seconds: float = 30.0, seed: int = 0,
+         max_model_len: int | None = None) -> PlanResult:
+    """The cheapest plan on each accelerator (simulated when `simulate`), and the cheapest of those; each
+    replica serves `max_model_len` tokens a request (None: the model's context length). A load whose mean
+    request (prompt + output) is past that context, so that more than half its requests would be refused
+    (lengths are symmetric about their means), is a ValueError: no fleet serves it."""
+    context = Deployment(model, accelerators[0], max_model_len=max_model_len).context_length if accelerators else 0
+    if load.prompt.mean + load.output.mean > context:
+        raise ValueError(f"the load would be refused mostly: its mean request ({load.prompt.mean:,} prompt + "
+                         f"{load.output.mean:,} output tokens) is past the {context:,}-token context of "
+                         f"{model.name} replicas (--max-model-len; the model's own is "
+                         f"{model.max_position_embeddings:,})")
     t0 = time.perf_counter()
     plans, searched = [], 0
     for acc in accelerators:
         evaluated = []
-        for d in candidates(model, [acc], dtypes):
+        for d in candidates(model, [acc], dtypes, max_model_len):
             chunk, seqs = _configs(d, max_num_batched_tokens)
             evaluated += [evaluate(d, s, load, slos, chunk, UTILIZATION) for s in seqs]
         searched += len(evaluated)
@@ -373,13 +385,14 @@ def _observed(t, slo: SLO) -> float:
     return math.inf if v is None else v
 
 
-def engine_scheduler(acc: AcceleratorSpec) -> SchedulerConfig:
-    """The scheduler settings a replica runs with: a calibrated machine's own, else the engine defaults; no TTFT
-    admission bound, as a plan sizes replicas so that nothing is refused (a bound would hide overload)."""
-    c = acc.calibrated
-    sizes = {} if c is None else dict(max_num_seqs=c["max_num_seqs"], max_model_len=c["max_model_len"],
+def engine_scheduler(d: Deployment) -> SchedulerConfig:
+    """The scheduler settings a replica runs with: the deployment's context length, a calibrated machine's own
+    sizes, else the engine defaults; no TTFT admission bound, as a plan sizes replicas so that nothing is
+    refused (a bound would hide overload)."""
+    c = d.accelerator.calibrated
+    sizes = {} if c is None else dict(max_num_seqs=c["max_num_seqs"],
                                       max_num_batched_tokens=c["max_num_batched_tokens"])
-    return SchedulerConfig(**sizes, interactive=TierLimits())
+    return SchedulerConfig(**sizes, max_model_len=d.context_length, interactive=TierLimits())
 
 
 def replica_simulator(d: Deployment, cfg: SchedulerConfig, seed: int = 0) -> Simulator:
@@ -394,7 +407,7 @@ def simulate_replica(d: Deployment, max_num_seqs: int, mem: MemoryPlan, rate: fl
                      seconds: float, chunk: int, seed: int = 0, measure_from: float = 0.0) -> SimResult:
     """One replica at `rate` interactive requests/s of the load's shape (Poisson), no admission bounds."""
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk,
-                          max_model_len=max(load.prompt.mean * 2 + load.output.mean * 2, 4096),
+                          max_model_len=d.context_length,
                           interactive=TierLimits.unbounded(), batch=TierLimits.unbounded())
     trace = poisson(rate, seconds, load.prompt, load.output, seed=seed)
     return replica_simulator(d, cfg, seed).run(Workload("poisson", trace), measure_from=measure_from)

@@ -32,6 +32,9 @@ from kvserve.planning.traces import Arrival, ClosedLoop, Workload
 
 MAX_TIMELINE_POINTS = 2000
 REFUSED_RETRY_S = 0.05
+# A workload with more than this share of its requests refused at admission is not served: the planner's
+# commands say so and fail rather than report figures of the few requests that ran.
+MOSTLY_REFUSED = 0.5
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -51,7 +54,8 @@ class TierResult:
 
     submitted: int = 0
     completed: int = 0
-    rejected: int = 0  # refused at admission (the server's 429)
+    rejected: int = 0  # refused at admission (the server's 429, or past the context or the KV pool)
+    refused_because: str = ""  # the first refusal's reason
     timed_out: int = 0  # queue timeout
     output_tokens: int = 0
     ttft: list[float] = field(default_factory=list)
@@ -64,7 +68,8 @@ class TierResult:
             return {f"p{q}": percentile(xs, q) for q in (50, 90, 99)}
 
         return {"submitted": self.submitted, "completed": self.completed, "rejected": self.rejected,
-                "timed_out": self.timed_out, "output_tokens": self.output_tokens, "ttft_s": pct(self.ttft),
+                "refused_because": self.refused_because or None, "timed_out": self.timed_out,
+                "output_tokens": self.output_tokens, "ttft_s": pct(self.ttft),
                 "tpot_s": pct(self.tpot), "latency_s": pct(self.latency), "queue_s": pct(self.queue)}
 
 
@@ -86,6 +91,17 @@ class SimResult:
     @property
     def output_tokens_per_s(self) -> float:
         return self.output_tokens / self.duration_s if self.duration_s > 0 else 0.0
+
+    def refusal(self) -> str | None:
+        """Why the workload counts as not served, when more than MOSTLY_REFUSED of its requests were refused
+        (all of them: "in full"); None when it was served."""
+        submitted = sum(t.submitted for t in self.tiers.values())
+        refused = sum(t.rejected for t in self.tiers.values())
+        if not submitted or refused <= MOSTLY_REFUSED * submitted:
+            return None
+        why = next(t.refused_because for t in self.tiers.values() if t.refused_because)
+        extent = "in full" if refused == submitted else f"mostly ({refused:,} of {submitted:,})"
+        return f"the workload was refused {extent}: {why}"
 
     def summary(self) -> dict:
         return {"duration_s": self.duration_s, "steps": self.steps, "busy_s": self.busy_s,
@@ -229,8 +245,9 @@ class Simulator:
                        tenant=a.tenant, cache_salt=a.tenant, timings=SequenceTimings(arrival=a.time))
         try:
             self.scheduler.add_request([seq])
-        except (CapacityExhausted, ContextLengthExceeded):
+        except (CapacityExhausted, ContextLengthExceeded) as e:
             tiers[a.priority].rejected += 1
+            tiers[a.priority].refused_because = tiers[a.priority].refused_because or str(e)
             if lp is not None:  # a refused client sends its next request a moment later
                 send_next(lp, self.clock.now + REFUSED_RETRY_S)
             return

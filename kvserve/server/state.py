@@ -16,8 +16,7 @@ from kvserve.server.idempotency import IdempotencyManager
 from kvserve.service.completion import CompletionService
 from kvserve.service.metrics import ServerMetrics
 from kvserve.service.models import ModelHandle
-from kvserve.store import AsyncStore, default_db_path, kvserve_home
-from kvserve.store.dialect import is_postgres_url
+from kvserve.store import AsyncStore, kvserve_home, store_location
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +60,11 @@ class ServerState:
     @property
     def db_path(self) -> Path | str:
         """The SQLite file, or a postgresql:// URL (a store shared by gateways on several machines)."""
-        if self.config.db_path:
-            return self.config.db_path if is_postgres_url(self.config.db_path) else Path(self.config.db_path)
-        if self.config.home:
-            return Path(self.config.home) / "kvserve.db"
-        return default_db_path()
+        return store_location(self.config.db_path, self.config.home)
 
     @property
     def home(self) -> Path:
-        return Path(self.config.home) if self.config.home else kvserve_home()
+        return kvserve_home(self.config.home)
 
     async def startup(self) -> None:
         self.loop = asyncio.get_running_loop()

@@ -13,6 +13,7 @@ from kvserve.store.db import (
     default_db_path,
     kvserve_home,
     migrate,
+    store_location,
 )
 from kvserve.store.idempotency import BeginOutcome, BeginResult, StoredResponse, request_body_hash
 from kvserve.store.tenants import (
@@ -32,5 +33,5 @@ __all__ = [
     "AsyncStore", "BeginOutcome", "BeginResult", "Database", "InvalidTenantName", "MIGRATIONS", "SchemaError",
     "Store", "StoreClosedError", "StoredResponse", "Tenant", "TenantError", "TenantExistsError", "TenantInfo",
     "TenantNotFoundError", "TenantRevokedError", "TokenInfo", "UsageRecord", "default_db_path", "kvserve_home",
-    "migrate", "request_body_hash", "validate_tenant_name",
+    "migrate", "request_body_hash", "store_location", "validate_tenant_name",
 ]

@@ -1,8 +1,8 @@
 """SQLite persistence: data directory, connections, migrations and the `Store` facade.
 
 All state lives under one data directory, ``$KVSERVE_HOME`` (default ``~/.kvserve``); the database
-is ``$KVSERVE_HOME/kvserve.db`` unless a path is given. The database runs in WAL mode, so readers
-never block the writer and vice versa.
+is ``$KVSERVE_HOME/kvserve.db`` unless a path or URL is given (store_location). The database runs in WAL
+mode, so readers never block the writer and vice versa.
 
 Connections: one per thread (``threading.local``). ``check_same_thread=False`` is set only so that
 ``close()`` can close every connection from the closing thread; a connection is otherwise used only
@@ -49,15 +49,27 @@ DB_FILENAME = "kvserve.db"
 DEFAULT_BUSY_TIMEOUT_S = 10.0
 
 
-def kvserve_home() -> Path:
-    """The data directory: ``$KVSERVE_HOME`` if set and non-empty, else ``~/.kvserve``. Not created here."""
+def kvserve_home(configured: str | os.PathLike[str] | None = None) -> Path:
+    """The data directory: `configured` ([server] home) if given, else ``$KVSERVE_HOME`` if set and non-empty,
+    else ``~/.kvserve``. Not created here."""
     env = os.environ.get("KVSERVE_HOME", "").strip()
-    return Path(env).expanduser() if env else Path.home() / ".kvserve"
+    chosen = configured or env
+    return Path(chosen).expanduser() if chosen else Path.home() / ".kvserve"
 
 
 def default_db_path() -> Path:
     """``kvserve_home() / "kvserve.db"``."""
     return kvserve_home() / DB_FILENAME
+
+
+def store_location(db_path: str | None = None, home: str | os.PathLike[str] | None = None) -> Path | str:
+    """Where the store is, for the server and every CLI command that opens it alike: `db_path` ([server]
+    db_path: an SQLite file or a postgresql:// URL), else ``$KVSERVE_DB`` (the same), else kvserve.db in the
+    data directory (`home`: [server] home; see kvserve_home)."""
+    target = db_path or os.environ.get("KVSERVE_DB", "").strip()
+    if target:
+        return target if is_postgres_url(target) else Path(target).expanduser()
+    return kvserve_home(home) / DB_FILENAME
 
 
 # --------------------------------------------------------------------------------------------

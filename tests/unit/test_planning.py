@@ -340,6 +340,39 @@ def test_plan_cli(capsys, tmp_path, monkeypatch):
     assert "kvserve plan calibrate" in capsys.readouterr().err
 
 
+def test_plans_serve_the_models_context_and_fail_a_workload_refused_mostly(tmp_path, capsys):
+    """The simulated replica serves the model's own context (Llama-3.1-70B: 128k), or --max-model-len; a
+    workload more than half refused fails on stderr instead of passing with no figures."""
+    from kvserve.cli import main
+
+    def trace(prompts):
+        path = tmp_path / f"trace{len(prompts)}-{prompts[-1]}.jsonl"
+        path.write_text("".join(json.dumps({"time": i * 0.5, "prompt_tokens": n, "output_tokens": 64}) + "\n"
+                                for i, n in enumerate(prompts)))
+        return str(path)
+
+    def simulate(workload, *extra):
+        capsys.readouterr()
+        rc = main(["plan", "simulate", "--model", "llama-3.1-70b", "--accelerator", "h100-sxm", "--tp", "2",
+                   "--dtype", "fp8", "--workload", workload, *extra])
+        return rc, capsys.readouterr()
+
+    long = trace([5000] * 4)
+    rc, out = simulate(long)
+    assert rc == 0 and "131,072-token context" in out.out and "4/4 done" in out.out and not out.err
+    rc, out = simulate(long, "--max-model-len", "4096")
+    assert rc == 1 and "refused in full" in out.err and "4096 tokens" in out.err
+    rc, out = simulate(trace([1000, 5000, 5000, 5000]), "--max-model-len", "4096")
+    assert rc == 1 and "refused mostly (3 of 4)" in out.err
+    rc, out = simulate(trace([1000, 1000, 5000, 5000]), "--max-model-len", "4096")  # half: served
+    assert rc == 0 and "2/4 done, 2 refused" in out.out and not out.err
+    rc, out = simulate(long, "--max-model-len", "200000")
+    assert rc == 2 and "131,072" in out.err
+    assert main(["plan", "--model", "llama-3.1-8b", "--accelerator", "h100-sxm", "--input", "140000",
+                 "--no-simulate"]) == 2
+    assert "refused mostly" in capsys.readouterr().err
+
+
 def test_plan_report_writes_its_plots(tmp_path, capsys):
     from kvserve.cli import main
 
@@ -374,6 +407,16 @@ def test_calibration_profiles_the_real_engine_and_plans_with_it(tmp_path, tiny_l
                  "--output", "16", "--slo", "ttft:p50=10s", "--sim-seconds", "10"]) == 0
     text = capsys.readouterr().out
     assert "1 replica(s) of cpu" in text and "$0.05/hour" in text
+    # break-even prices from the same calibration: its engine time per token at the model's replica cost
+    assert main(["plan", "prices", "--config", str(config), "--utilization", "0.25", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["models"]
+    cost_per_s = row["replica_cost_per_hour"] / 3600
+    for kind in ("input", "output"):
+        assert row["engine_s_per_token"][kind] > 0
+        assert row["break_even"][kind] == pytest.approx(row["engine_s_per_token"][kind] * cost_per_s / 0.25 * 1e6)
+        assert row["suggested"][kind] >= 2 * row["break_even"][kind]  # the default margin: 100%
+    assert main(["plan", "prices"]) == 1  # the packaged models are not calibrated in this home
+    assert "kvserve plan calibrate --model smollm2-135m" in capsys.readouterr().err
     # a server's engine for that model starts from this machine's step times, not the generic defaults
     from kvserve.config import engine_config_from_kwargs
     from kvserve.engine.llm_engine import LLMEngine

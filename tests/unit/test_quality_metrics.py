@@ -97,7 +97,7 @@ def test_the_page_and_the_planner_data(monkeypatch):
             "shape": {"num_prompts": 64, "prompt_len": 256, "output_len": 128, "batch": 32}}
     page = q.tradeoff_markdown(data, "python -m benchmarks.quality --tradeoff")
     assert "| smollm2-135m | int8 | bf16 | int8 | 16.000 | 0.00290 | 97.4% | 48 | 30 | 0.00400 | 96.0% | 12.0 " \
-           "| 100.0 | 0.300 | FAIL |" in page
+           "| 100.0 | $0.30 | FAIL |" in page
     assert "8-bit weights (`weights = int8`): KLD 0.00290 (target <= 0.005), top-1 97.4% (target >= 98%): FAIL" in page
     table = weight_quality_from_toml(tomllib.loads(q.planner_data(data, "docs/bench/quality-tradeoff.md")))
     assert table["int4"].measured == (("smollm2-135m", 0.0865, 0.848),)

@@ -114,5 +114,7 @@ def test_the_usage_and_admin_api(tiny_llama_gguf, tmp_path):
     assert out["set"].status_code == 200 and out["set"].json()["remaining"] == pytest.approx(1e-7)
     refused = out["refused"]
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "insufficient_quota"
-    assert "budget of tenant acme" in refused.json()["error"]["message"]
+    message = refused.json()["error"]["message"]
+    assert "budget of tenant acme" in message
+    assert "has $0.0000001 left of $0.0000001" in message, message  # not "$0.000000 left"
     assert [b["tenant"] for b in out["budgets"].json()["data"]] == ["acme"]
