@@ -470,9 +470,9 @@ inline void load_kv_scales(const uint8_t* p, float* out) {
 }
 
 // Attention straight from 8-bit rows for G query heads of one kv head, head_dim = Lanes::n * C (a
-// multiple of 16): each key row is widened once for all G heads; q.k sums a 16-group's int8 products
-// in fp32 and scales the sum by the group's scale; p.v folds the scale into the probability. The int8
-// values are read once, where a dequantized copy would be written and read again.
+// multiple of 16): each key or value row is widened to fp32 and scaled by its groups' scales once, in
+// registers, for all G heads (a multiply a vector, then the heads' multiply-adds as on a float row). The
+// int8 values are read once, where a dequantized copy would be written and read again.
 // q: [G, hd] fp32, pre-scaled; scores: G * (len - start); out: [G, hd].
 template <int C, int G>
 void attend_int8(const float* q, const Int8Rows& keys, const Int8Rows& values, int64_t start, int64_t len,
@@ -489,15 +489,9 @@ void attend_int8(const float* q, const Int8Rows& keys, const Int8Rows& values, i
       load_kv_scales<C / per_group>(row + hd, sc);
       typename L::V a[G];
       for (int g = 0; g < G; ++g) a[g] = L::zero();
-      for (int c = 0; c < C; c += per_group) {
-        typename L::V d[G];
-        for (int j = 0; j < per_group; ++j) {
-          const typename L::V k = load_q8(row + N * (c + j));
-          for (int g = 0; g < G; ++g)
-            d[g] = j == 0 ? L::mul(L::loadf(q + g * hd + N * c), k) : L::fmadd(L::loadf(q + g * hd + N * (c + j)), k, d[g]);
-        }
-        const typename L::V s = L::set1(sc[c / per_group]);
-        for (int g = 0; g < G; ++g) a[g] = L::fmadd(s, d[g], a[g]);
+      for (int c = 0; c < C; ++c) {
+        const typename L::V k = L::mul(load_q8(row + N * c), L::set1(sc[c / per_group]));  // once for the G heads
+        for (int g = 0; g < G; ++g) a[g] = L::fmadd(L::loadf(q + g * hd + N * c), k, a[g]);
       }
       for (int g = 0; g < G; ++g) L::store(part[g][i % N], a[g]);
       if (i % N == N - 1)
@@ -526,9 +520,11 @@ void attend_int8(const float* q, const Int8Rows& keys, const Int8Rows& values, i
     values.for_each(start, len, [&](int64_t i, const uint8_t* row) {
       float sc[W / per_group];
       load_kv_scales<W / per_group>(row + hd + kKvScaleBytes * (c0 / per_group), sc);
+      typename L::V p[G];
+      for (int g = 0; g < G; ++g) p[g] = L::set1(scores[g * n + i]);
       for (int c = 0; c < W; ++c) {
-        const typename L::V v = load_q8(row + N * (c0 + c));
-        for (int g = 0; g < G; ++g) acc[g][c] = L::fmadd(L::set1(scores[g * n + i] * sc[c / per_group]), v, acc[g][c]);
+        const typename L::V v = L::mul(load_q8(row + N * (c0 + c)), L::set1(sc[c / per_group]));
+        for (int g = 0; g < G; ++g) acc[g][c] = L::fmadd(p[g], v, acc[g][c]);
       }
     });
     for (int g = 0; g < G; ++g) {
