@@ -2,7 +2,7 @@
 
 Cents, or three significant digits where cents would show fewer, so a sub-cent budget left or a price per
 token reads as itself ("$0.000123") and not as "$0.000000" or "$0.00". Machine output (JSON, CSV) keeps the
-raw numbers. The dashboard formats in its own JavaScript (metering/dashboard/dashboard.js, `usd`).
+raw numbers. The dashboard formats in its own JavaScript (metering/dashboard/dashboard.js, `money`, by the same rule).
 """
 from __future__ import annotations
 

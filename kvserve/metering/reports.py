@@ -10,6 +10,9 @@ import csv
 import io
 from typing import Any
 
+from kvserve.config import ModelPrice
+from kvserve.metering.prices import DEFAULT_UTILIZATION, break_even_price
+
 BUCKET_WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
 DEFAULT_LIMIT = {"1m": 60, "1h": 24, "1d": 7}
 MAX_LIMIT = {"1m": 1440, "1h": 168, "1d": 31}
@@ -55,6 +58,17 @@ def chart_buckets(first_usage: float | None, now: float) -> tuple[str, float, in
             return name, (now // w - n + 1) * w, n
     n = MAX_LIMIT["1d"]
     return "1d", (now // BUCKET_WIDTHS["1d"] - n + 1) * BUCKET_WIDTHS["1d"], n
+
+
+def served_break_even(price: ModelPrice, usage_page: dict[str, Any], model: str) -> dict[str, Any]:
+    """The break-even price per million output tokens of `model` at the mix a usage page served: all its
+    engine seconds (prompts' included) over its output tokens, at prices.DEFAULT_UTILIZATION; None before
+    it has produced a token."""
+    rows = [r for b in usage_page["data"] for r in b["results"] if r["model"] == model]
+    out = sum(r["output_tokens"] for r in rows)
+    engine_s = sum(r["engine_seconds"] for r in rows)
+    value = break_even_price(price, engine_s / out) if out else None
+    return {"break_even_output": value, "break_even_utilization": DEFAULT_UTILIZATION}
 
 
 COLUMNS = ("start_time", "end_time", "tenant", "model", "tier", "num_model_requests", "input_tokens",

@@ -21,6 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvserve.metering.money import format_money
+
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 if not (CHROMIUM and CHROMEDRIVER) and os.environ.get("KVSERVE_REQUIRE_BROWSER") != "1":
     pytest.skip("Debian's chromium and chromium-driver are not installed (.ci/run installs them)",
@@ -172,8 +174,8 @@ def test_the_dashboard_shows_what_the_apis_say(server, tmp_path):
                                            ".map(e => e.getAttribute('src') || e.getAttribute('href'))")
             assert assets and all(a.startswith("/dashboard/static/") for a in assets), assets
             money = lambda v: driver.execute_script("return money(arguments[0])", v)  # noqa: E731
-            assert [money(v) for v in (0, 0.00123, 0.0000456, 0.00999, 0.01, 0.5, -0.5, 1234.567)] == [
-                "$0.00", "$0.00123", "$0.0000456", "$0.00999", "$0.01", "$0.50", "-$0.50", "$1,234.57"]
+            amounts = (0, 0.00123, 0.0000456, 0.00999, 0.01, 0.0149, 0.125, 0.5, -0.5, 1234.567, 1e-7, -0.0042)
+            assert [money(v) for v in amounts] == [format_money(v) for v in amounts]  # the CLI's and the 429's rule
             assert text("total-charged") == money(charged) and charged > 0
             assert text("total-cost") == money(cost)
             assert text("total-margin-pct") == f"{100 * (charged - cost) / charged:.1f}%"
@@ -188,6 +190,11 @@ def test_the_dashboard_shows_what_the_apis_say(server, tmp_path):
             budget = [c.text for c in budget_rows[0].find_elements(By.TAG_NAME, "td")]
             assert len(budget_rows) == 1 and budget[3] == "$5.00" and budget[4] != "$0.00", budget  # spent: this test's
             assert budget[8].startswith("$") and budget[9] == "not this period", budget
+            prices = {cells[0]: cells for cells in ([c.text for c in r.find_elements(By.TAG_NAME, "td")] for r in
+                                                    driver.find_element(By.ID, "prices").find_elements(By.TAG_NAME, "tr")[1:])}
+            for m in MODELS:  # each model's output break-even, from the engine time its traffic took
+                assert data["prices"][m]["break_even_output"] > 0
+                assert prices[m][4] == format_money(data["prices"][m]["break_even_output"]), prices
             serving = driver.find_element(By.ID, "serving").find_elements(By.TAG_NAME, "tr")
             header = [c.text for c in serving[0].find_elements(By.TAG_NAME, "th")]
             assert {"TTFT p50", "TPOT p50", "TPOT p99", "e2e p50", "e2e p99"} <= set(header)

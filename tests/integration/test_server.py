@@ -225,8 +225,9 @@ def test_models_endpoint(server):
     (card,) = body["data"]
     assert card["id"] == MODEL and card["object"] == "model" and card["owned_by"] == "kvserve"
     assert card["status"] == "ready" and card["role"] == "fast" and card["max_model_len"] == 512
-    for key in ("created", "p50_ttft_ms", "inflight", "queue_depth"):
+    for key in ("created", "p50_ttft_ms", "inflight", "queue_depth", "weights"):
         assert key in card
+    assert card["kv_cache_dtype"] == "auto"
     ids = [m.id for m in server.openai().models.list().data]
     assert ids == [MODEL]
 

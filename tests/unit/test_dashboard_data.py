@@ -99,3 +99,20 @@ def test_the_page_and_its_vendored_chart_library_are_package_data():
     assert package / "metering" / "dashboard" / "vendor" / "uplot" / "uPlot.iife.min.js" in files
     assert package / "metering" / "dashboard" / "vendor" / "uplot" / "LICENSE" in files
     assert files <= shipped, sorted(str(p.relative_to(package)) for p in files - shipped)
+
+
+def test_the_break_even_an_output_token_must_fetch_at_the_served_mix():
+    """All the model's engine seconds (prompts' included) over its output tokens, priced by break_even_price:
+    2 s of engine time for 1,000 output tokens on a $0.36/hour replica, half busy, is $0.40 a million."""
+    from kvserve.config import ModelPrice
+    from kvserve.metering.reports import served_break_even
+
+    def result(model, out, engine_s):
+        return {"model": model, "output_tokens": out, "engine_seconds": engine_s}
+
+    usage = {"data": [{"results": [result("a", 600, 1.5), result("b", 10, 9.0)]},
+                      {"results": [result("a", 400, 0.5)]}, {"results": []}]}
+    price = ModelPrice(replica_cost_per_hour=0.36)
+    assert served_break_even(price, usage, "a") == {"break_even_output": pytest.approx(0.4),
+                                                   "break_even_utilization": 0.5}
+    assert served_break_even(price, usage, "c")["break_even_output"] is None  # no token yet: no figure

@@ -8,13 +8,14 @@ const UTC = (ts) => uPlot.tzDate(new Date(ts * 1000), "Etc/UTC");
 const charts = {};  // name -> uPlot instance (the browser test reads them)
 window.kvCharts = charts;
 
-// Dollars, the one place they are formatted: sub-cent amounts to 3 significant digits, larger ones to cents.
+// Dollars, the one place they are formatted, as metering/money.py's format_money writes them: cents, or three
+// significant digits where cents would show fewer, no zeros past the cents ("$0.125", "$0.0000456").
 function money(v) {
   if (v == null || !Number.isFinite(v)) return "–";
-  const sign = v < 0 ? "-$" : "$", a = Math.abs(v), r = Number(a.toPrecision(3));
-  if (r === 0) return "$0.00";
-  if (r < 0.01) return sign + r.toFixed(2 - Math.floor(Math.log10(r)));
-  return sign + a.toLocaleString("en-US", { minimumFractionDigits: 2, maximumFractionDigits: 2 });
+  const a = Math.abs(v);
+  const decimals = a === 0 ? 2 : Math.min(100, Math.max(2, 2 - Math.floor(Math.log10(a))));
+  const [whole, frac] = a.toFixed(decimals).split(".");
+  return (v < 0 ? "-$" : "$") + Number(whole).toLocaleString("en-US") + "." + frac.replace(/0+$/, "").padEnd(2, "0");
 }
 const int = (v) => (v == null ? "–" : Math.round(v).toLocaleString("en-US"));
 const ms = (v) => (v == null ? "–" : v < 100 ? v.toFixed(1) : int(v));  // milliseconds: at most 1 decimal
@@ -249,10 +250,14 @@ async function load() {
       ms(m.tpot_p99_ms), ms(m.e2e_p50_ms), ms(m.e2e_p99_ms), ms(m.queue_time_p50_ms), pct(m.prefix_cache_hit_rate),
       pct(m.engine_util), m.tokens_per_s.toFixed(1), int(m.preemptions)]));
   loadCharts(d.serving, d.load_sample_interval_s);
-  // The model's break-even price (issue 30's planner) gets its column here once the API carries it.
-  table($("prices"), ["model", "input", "cached input", "output", "batch tier pays", "replica per hour"],
+  const busy = Object.values(d.prices).map((p) => p.break_even_utilization)[0];
+  $("prices-note").textContent = `(per million tokens; the replica's cost per hour is the cost side; break-even: ` +
+    `what an output token must fetch to pay for the engine time this traffic took, prompts included, at ` +
+    `${pct(busy)} busy; kvserve plan prices gives input and output apart)`;
+  table($("prices"), ["model", "input", "cached input", "output", "output break-even", "batch tier pays",
+    "replica per hour"],
     Object.entries(d.prices).map(([model, p]) => [model, money(p.input), money(p.cached_input), money(p.output),
-      pct(p.batch_discount), money(p.replica_cost_per_hour)]));
+      money(p.break_even_output), pct(p.batch_discount), money(p.replica_cost_per_hour)]));
   const fleet = await (await fetch("/fleet/status")).json();  // a fleet gateway: per replica load
   $("replicas-section").hidden = !fleet.fleet;
   if (fleet.fleet) {

@@ -14,7 +14,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
 from kvserve.metering.budgets import burn
-from kvserve.metering.reports import BUCKET_WIDTHS, MAX_LIMIT, chart_buckets
+from kvserve.metering.reports import BUCKET_WIDTHS, MAX_LIMIT, chart_buckets, served_break_even
 from kvserve.metering.reports import page as usage_page
 from kvserve.server.routes.admin import budget_json, require_admin
 from kvserve.store.usage import REPORT_GROUPS
@@ -62,8 +62,10 @@ async def dashboard_data(request: Request):
     metrics = state.metrics
     serving = [{**metrics.window.summary(h.id, h.live_stats()), "load": metrics.load.columns(h.id)}
                for h in state.models.values()]
-    # Per model list prices and replica cost; the break-even price (planning's, issue 30) belongs beside them.
-    prices = {h.id: asdict(h.spec.price) for h in state.models.values()}
+    # Per model list prices and replica cost, and beside them what an output token must fetch to pay for the
+    # engine time this traffic took (its prompts' included), at the utilisation break-even prices assume.
+    prices = {h.id: {**asdict(h.spec.price), **served_break_even(h.spec.price, usage, h.id)}
+              for h in state.models.values()}
     return JSONResponse({"now": now, "bucket_width": width, "usage": usage, "budgets": budgets, "serving": serving,
                          "load_sample_interval_s": state.config.load_sample_interval_s, "prices": prices})
 
