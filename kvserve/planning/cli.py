@@ -11,6 +11,7 @@ from kvserve.config import Priority
 from kvserve.metering.money import format_money
 from kvserve.metering.prices import (CACHED_INPUT_SHARE, DEFAULT_MARGIN, DEFAULT_UTILIZATION, break_even_price,
                                      list_price)
+from kvserve.planning.memory import DENSE
 from kvserve.planning.search import SLO, Load, Plan, PlanResult, Redundancy, plan
 from kvserve.planning.specs import (UnknownSpec, WeightQuality, accelerator_spec, known_accelerators, known_models,
                                     known_weight_quality, model_spec)
@@ -172,14 +173,11 @@ def describe(p: Plan) -> list[str]:
     return lines
 
 
-DENSE_WEIGHTS = ("bf16", "fp16", "fp32")
-
-
 def quality_assumptions(weight_dtypes, table: dict[str, WeightQuality]) -> list[str]:
     """What the plans assume of each quantized weight format they use: its measured quality where
     data/quantization.toml has it, else that nothing here measured it."""
     out = []
-    for d in sorted(set(weight_dtypes) - set(DENSE_WEIGHTS)):
+    for d in sorted(set(weight_dtypes) - set(DENSE)):
         q = table.get(d)
         out.append(q.assumption() if q else f"{d} weights: quality not measured here (data/quantization.toml has "
                                             f"{', '.join(sorted(table)) or 'nothing'}); assumed acceptable")

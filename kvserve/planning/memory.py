@@ -21,6 +21,7 @@ from kvserve.planning.specs import AcceleratorSpec, ModelSpec
 # the values plus an fp16 scale and minimum per 32 weights; read at their bytes, widened for bf16 GEMMs.
 DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.125, "int4": 0.625}
 WEIGHT_ONLY = ("int8", "int4")  # not KV cache dtypes
+DENSE = ("fp32", "bf16", "fp16")  # unquantized: the rest (fp8, int8, int4) carry a quality assumption
 GIB = 1 << 30
 RUNTIME_RESERVE_BYTES = 1.5 * GIB  # CUDA context, cuBLAS/NCCL workspaces (vLLM's profile shows ~1-2 GiB)
 ACTIVATION_FACTOR = 4  # live activation buffers per token of a step, in units of max(hidden, MLP shard)
