@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append(json.loads(out.strip().splitlines()[-1]))
     table = ["| model | dtype | weights | KV | context | load s | RSS MiB | decode tok/s | ms/token |",
              "|---|---|---|---|---|---|---|---|---|"]
-    table += [f"| {r['model']} | {r['dtype']} | {r['weights']} | {r['kv']} | {r['context']} | {r['load_s']} | "
+    table += [f"| {os.path.basename(r['model'])} | {r['dtype']} | {r['weights']} | {r['kv']} | {r['context']} | {r['load_s']} | "
               f"{r['rss_mib']} | {r['decode_tok_s']} | {r['decode_ms_per_token']} |" for r in rows]
     print("\n".join(table))
     print(json.dumps(rows))
