@@ -57,9 +57,9 @@ def kvserve_home(configured: str | os.PathLike[str] | None = None) -> Path:
     return Path(chosen).expanduser() if chosen else Path.home() / ".kvserve"
 
 
-def default_db_path() -> Path:
-    """``kvserve_home() / "kvserve.db"``."""
-    return kvserve_home() / DB_FILENAME
+def default_db_path(home: str | os.PathLike[str] | None = None) -> Path:
+    """``kvserve_home(home) / "kvserve.db"``: the store when nothing names another (store_location)."""
+    return kvserve_home(home) / DB_FILENAME
 
 
 def store_location(db_path: str | None = None, home: str | os.PathLike[str] | None = None) -> Path | str:
@@ -69,7 +69,7 @@ def store_location(db_path: str | None = None, home: str | os.PathLike[str] | No
     target = db_path or os.environ.get("KVSERVE_DB", "").strip()
     if target:
         return target if is_postgres_url(target) else Path(target).expanduser()
-    return kvserve_home(home) / DB_FILENAME
+    return default_db_path(home)
 
 
 # --------------------------------------------------------------------------------------------
@@ -499,7 +499,7 @@ class Store:
                  auth_cache_size: int = DEFAULT_AUTH_CACHE_SIZE,
                  idempotency_ttl_s: float = DEFAULT_IDEMPOTENCY_TTL_S,
                  busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S) -> None:
-        self.db = Database(default_db_path() if path is None else path, clock=clock, busy_timeout_s=busy_timeout_s)
+        self.db = Database(store_location() if path is None else path, clock=clock, busy_timeout_s=busy_timeout_s)
         self.clock = clock
         self.tenants = TenantRegistry(self.db, scrypt_n=scrypt_n, cache_ttl_s=auth_cache_ttl_s,
                                       cache_size=auth_cache_size)
