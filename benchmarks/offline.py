@@ -108,7 +108,7 @@ def run_static(llm, prompts: list[list[int]], lengths: list[int], batch: int) ->
         group = prompts[i:i + batch]
         longest = max(lengths[i:i + batch])
         for p in group:
-            engine.add_request(p, greedy(longest))
+            engine.add_request(engine.request(p, greedy(longest)))
         while engine.has_unfinished_requests():
             for ro in engine.step():
                 if ro.finished:
@@ -157,7 +157,7 @@ def run_hf_static(hf, prompts: list[list[int]], lengths: list[int], batch: int) 
 
 def time_to_first_token(engine, prompt: list[int], salt: str) -> tuple[float, int]:
     t0 = time.perf_counter()
-    engine.add_request(prompt, greedy(1), cache_salt=salt)
+    engine.add_request(engine.request(prompt, greedy(1), cache_salt=salt))
     ttft, cached = None, 0
     while engine.has_unfinished_requests():
         for ro in engine.step():

@@ -78,7 +78,7 @@ def run(model: str, prompts: int, input_len: int, output_len: int, max_seqs: int
 
     def workload() -> tuple[int, float]:
         for _ in range(prompts):
-            engine.add_request([rng.randrange(100, 40000) for _ in range(input_len)], params)
+            engine.add_request(engine.request([rng.randrange(100, 40000) for _ in range(input_len)], params))
         steps, t = 0, time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()
@@ -93,7 +93,8 @@ def run(model: str, prompts: int, input_len: int, output_len: int, max_seqs: int
     _wrap(engine.runner, "execute", clock, "runner.execute")
     _wrap(model_obj, "forward", clock, "forward")
     _wrap(model_obj, "compute_logits", clock, "lm_head")
-    _wrap(engine, "_sample_and_update", clock, "sample_and_update")
+    _wrap(engine.runner, "_sample", clock, "sampling")
+    _wrap(engine.core, "_update", clock, "update")
     phases = None
     if decoder is not None:
         phases = decoder.enable_profile()
@@ -108,9 +109,10 @@ def run(model: str, prompts: int, input_len: int, output_len: int, max_seqs: int
     rows += [
         ("forward, op by op (steps the fused decoder does not take)", per_step.get("forward", 0.0) - fused),
         ("LM head (sampled rows) + float32 logits", per_step.get("lm_head", 0.0)),
-        ("runner: inputs, metadata, swaps/copies",
-         per_step.get("runner.execute", 0.0) - per_step.get("forward", 0.0) - per_step.get("lm_head", 0.0)),
-        ("sampling and output processing", per_step.get("sample_and_update", 0.0)),
+        ("runner: inputs, metadata, swaps/copies", per_step.get("runner.execute", 0.0) - per_step.get("forward", 0.0)
+         - per_step.get("lm_head", 0.0) - per_step.get("sampling", 0.0)),
+        ("sampling", per_step.get("sampling", 0.0)),
+        ("output processing (tokens into the scheduler, text, stops)", per_step.get("update", 0.0)),
         ("scheduler", per_step.get("scheduler", 0.0)),
     ]
     from benchmarks.ceilings import machine_info

@@ -44,7 +44,7 @@ def decode_rates(engine, tokens: int, runs: int, context: int = 0) -> list[float
     rates = []
     for i in range(runs + 1):  # the first run warms up
         ids = [rng.randrange(100, engine.model_config.vocab_size) for _ in range(context)] if context else None
-        engine.add_request("The history of the city begins", params, prompt_token_ids=ids)
+        engine.add_request(engine.request(ids or "The history of the city begins", params))
         first = last = None
         while engine.has_unfinished_requests():
             for out in engine.step():

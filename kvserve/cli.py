@@ -151,7 +151,7 @@ def _offline_engine(model: str, config_path: str | None, engine_args: dict):
 
 def _stream(engine, out=sys.stdout, **request) -> str:
     """Run one request through the engine's step loop, printing deltas as they arrive; returns the text."""
-    rid = engine.add_request(**request)
+    rid = engine.add_request(engine.request(**request))
     text = ""
     while engine.has_unfinished_requests():
         for ro in engine.step():
@@ -185,8 +185,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Interactive REPL (or one message per line of piped stdin); history is kept; /reset, /exit."""
-    from copy import deepcopy
-
     engine = _offline_engine(args.model, args.config, {"max_model_len": args.max_model_len})
     params = _params(args)
     interactive = sys.stdin.isatty()
@@ -211,7 +209,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         history.append({"role": "user", "content": line})
         try:
-            reply = _stream(engine, prompt=None, messages=history, params=deepcopy(params))
+            reply = _stream(engine, prompt=None, messages=history, params=params)
         except Exception as e:  # e.g. the history outgrew the context
             print(f"\nerror: {e}", file=sys.stderr)
             history.pop()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from copy import deepcopy
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -45,11 +44,11 @@ def shared_weights():
             checkpoints[key] = real_load(path, *args)
         return checkpoints[key]
 
-    def build_model(checkpoint, dtype, device, **kwargs):
+    def build_model(checkpoint, the_plan, **kwargs):
         kwargs["consume"] = False  # the checkpoint is shared: it keeps its tensors
-        key = (str(checkpoint.path), checkpoint.weights, dtype, str(device), tuple(sorted(kwargs.items())))
+        key = (str(checkpoint.path), checkpoint.weights, the_plan, tuple(sorted(kwargs.items())))
         if key not in models:
-            models[key] = real_build(checkpoint, dtype, device, **kwargs)
+            models[key] = real_build(checkpoint, the_plan, **kwargs)
         return models[key]
 
     with pytest.MonkeyPatch.context() as mp:
@@ -141,8 +140,8 @@ def drive(engine, requests: list[Req], max_steps: int = 100_000) -> Run:
     streamed_text: dict[tuple[str, int], str] = defaultdict(str)
     final: dict[str, RequestOutput] = {}
     with recording(engine, run):
-        ids = [engine.add_request(r.prompt, deepcopy(r.params), priority=r.priority, cache_salt=r.cache_salt,
-                                  resumed_token_ids=r.resumed) for r in requests]
+        ids = [engine.add_request(engine.request(r.prompt, r.params, priority=r.priority, cache_salt=r.cache_salt,
+                                  resumed_token_ids=r.resumed)) for r in requests]
         while engine.has_unfinished_requests():
             for ro in engine.step():
                 for o in ro.outputs:
@@ -206,7 +205,7 @@ class SeededDrawReplay:
     def __init__(self, engine, requests: list[Req]):
         from kvserve.engine.sampler import make_generator
 
-        assert engine.sampler.method in ("inverse_cdf", "auto") and engine.device.type == "cpu", \
+        assert engine.runner.sampler.method in ("inverse_cdf", "auto") and engine.device.type == "cpu", \
             "the replay follows the CPU's inverse-CDF draw"
         assert not engine.has_unfinished_requests()
         self.engine, self.requests, self._generator = engine, requests, make_generator

@@ -6,7 +6,7 @@ import torch
 
 from kvserve.engine.runner import BatchItem, ModelRunner
 from kvserve.models.hf_reference import hf_model_from_checkpoint
-from kvserve.models.loader import Checkpoint, build_model
+from kvserve.models.loader import Checkpoint, build_model, plan_for
 
 BLOCK = 16
 
@@ -29,7 +29,7 @@ class PagedHarness:
     """Our model behind a ModelRunner, with a trivial block allocator (fresh blocks per sequence)."""
 
     def __init__(self, ck: Checkpoint, num_blocks: int = 256, dtype=torch.float32, kv_int8: bool = False):
-        self.model = build_model(ck, dtype, torch.device("cpu"), max_positions=4096)
+        self.model = build_model(ck, plan_for(ck, dtype), max_positions=4096)
         self.runner = ModelRunner(self.model, ck.config, num_blocks, 0, BLOCK, dtype, torch.device("cpu"),
                                   kv_int8=kv_int8)
         self.next_block = 1  # block 0 stays unused so padding never aliases real data

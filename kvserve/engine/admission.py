@@ -27,7 +27,7 @@ class TierQueue(Protocol):
 def check_fits(config: SchedulerConfig, kv: KVCacheManager, seq: Sequence) -> None:
     """The one context check: a request that can never run (an empty prompt, past the model's context, or
     more K/V than the whole pool) is refused at entry."""
-    cfg, p, max_tokens = config, seq.num_prompt_tokens, seq.sampling.max_tokens
+    cfg, p, max_tokens = config, seq.num_prompt_tokens, seq.max_tokens
     if p == 0:
         raise InvalidRequest("the prompt encodes to no tokens", param="prompt", code="invalid_prompt")
     if p >= cfg.max_model_len:
@@ -78,7 +78,7 @@ def estimates(config: SchedulerConfig, model: StepTimeModel, running: list[Seque
     need = waiting + 1 - (config.max_num_seqs - len(holders))
     if need <= 0 or not holders:
         return queue_prefill, ttft_prefill
-    left = sorted(max(1, (s.sampling.max_tokens or EXPECTED_OUTPUT_TOKENS) - s.num_output_tokens)
+    left = sorted(max(1, (s.max_tokens or EXPECTED_OUTPUT_TOKENS) - s.num_output_tokens)
                   for s in holders)
     steps = left[min(need, len(left)) - 1]
     if need > len(left):

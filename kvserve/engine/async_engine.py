@@ -15,15 +15,15 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable, Iterator
 
 from kvserve.config import EngineConfig
 from kvserve.engine.client import EngineHealth, EngineStatus, check_available
-from kvserve.engine.errors import InvalidRequest, ModelFailed
+from kvserve.engine.errors import ModelFailed
 from kvserve.engine.interjection import Interjection
 from kvserve.engine.outputs import RequestOutput
-from kvserve.engine.request import Priority
+from kvserve.engine.request import EngineRequest, Priority
 from kvserve.engine.sampling import SamplingParams
 from kvserve.models.model_info import ModelInfo
 
@@ -41,13 +41,6 @@ class _Sink:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
 
 
-def _is_interactive(add_kwargs: dict) -> bool:
-    try:
-        return Priority.parse(add_kwargs.get("priority")) is Priority.INTERACTIVE
-    except InvalidRequest:  # refused by add_request, in its turn
-        return False
-
-
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     for q, out in items:
         q.put_nowait(out)
@@ -55,7 +48,7 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
 
 @dataclass
 class _Add:
-    kwargs: dict
+    request: EngineRequest
     sink: _Sink
     done: Future
 
@@ -181,43 +174,39 @@ class AsyncLLM:
         return busy and time.monotonic() - self.last_progress_at > timeout
 
     # ---- requests ------------------------------------------------------------------------
-    async def submit(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str,
-                     priority: Priority | str | None, tenant: str, cache_salt: str | None = None,
-                     resumed_token_ids: list[int] | None = None) -> _QueueStream:
-        """Queue a request (EngineClient.submit); admission and context errors raise here."""
-        return await self._add(dict(prompt=None, prompt_token_ids=prompt_token_ids, params=params,
-                                    request_id=request_id, priority=priority, tenant=tenant, cache_salt=cache_salt,
-                                    resumed_token_ids=resumed_token_ids))
+    async def submit(self, request: EngineRequest) -> _QueueStream:
+        """Queue a request (EngineClient.submit); admission and context errors raise here. A request without
+        an arrival time is stamped now: the engine thread takes it only after the step in flight, and that
+        wait counts."""
+        check_available(self)
+        if request.arrival is None:
+            request = replace(request, arrival=time.monotonic())
+        outputs: asyncio.Queue = asyncio.Queue()
+        done: Future = Future()
+        self._commands.put(_Add(request, _Sink(asyncio.get_running_loop(), outputs), done))
+        if request.priority is Priority.INTERACTIVE:
+            self._interject_flag.value = 1
+        self._wake.set()
+        request_id = await asyncio.wrap_future(done)
+        return _QueueStream(request_id, outputs, self.abort)
 
     async def generate(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: Priority | str | None = None,
-                       tenant: str = "default", cache_salt: str | None = None,
-                       messages: list[dict] | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream RequestOutputs (with deltas) for a prompt (text or ids) or chat messages, tokenized in
-        the engine thread, until finished. Admission errors raise before the first.
+                       messages: list[dict] | None = None, **fields) -> AsyncIterator[RequestOutput]:
+        """Stream RequestOutputs (with deltas) for a prompt (text or ids) or chat messages until finished
+        (waits for the model to load; tokenizes here). Admission errors raise before the first.
 
         Closing or cancelling the iterator aborts the request; its blocks are freed within a step.
         """
-        stream = await self._add(dict(prompt=prompt, params=params, request_id=request_id, priority=priority,
-                                      tenant=tenant, cache_salt=cache_salt, messages=messages))
+        if self.engine is None:
+            await asyncio.to_thread(self.wait_ready)
+        stream = await self.submit(self.engine.request(prompt, params, messages=messages, request_id=request_id,
+                                                       priority=priority, **fields))
         try:
             async for out in stream:
                 yield out
         finally:
             await stream.aclose()
-
-    async def _add(self, kwargs: dict) -> _QueueStream:
-        check_available(self)
-        outputs: asyncio.Queue = asyncio.Queue()
-        done: Future = Future()
-        # Stamped now: the engine thread applies it only after the step in flight, and that wait counts.
-        kwargs.setdefault("arrival", time.monotonic())
-        self._commands.put(_Add(kwargs, _Sink(asyncio.get_running_loop(), outputs), done))
-        if _is_interactive(kwargs):
-            self._interject_flag.value = 1
-        self._wake.set()
-        request_id = await asyncio.wrap_future(done)
-        return _QueueStream(request_id, outputs, self.abort)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -303,12 +292,12 @@ class AsyncLLM:
         if not interactive_adds_only:
             self._interject_flag.value = 0  # what raised it is applied now (a later submit raises it again)
         for cmd in self._take_commands():
-            if interactive_adds_only and not (isinstance(cmd, _Add) and _is_interactive(cmd.kwargs)):
+            if interactive_adds_only and not (isinstance(cmd, _Add) and cmd.request.priority is Priority.INTERACTIVE):
                 self._held.append(cmd)
                 continue
             if isinstance(cmd, _Add):
                 try:
-                    rid = engine.add_request(**cmd.kwargs)
+                    rid = engine.add_request(cmd.request)
                 except Exception as e:
                     cmd.done.set_exception(e)
                     continue

@@ -14,7 +14,7 @@ from kvserve.engine.errors import ModelFailed, ModelWarming, ServerDraining
 
 if TYPE_CHECKING:
     from kvserve.engine.outputs import RequestOutput
-    from kvserve.engine.sampling import SamplingParams
+    from kvserve.engine.request import EngineRequest
     from kvserve.engine.scheduler import SchedulerStats
     from kvserve.models.tokenizer import Tokenizer
 
@@ -74,11 +74,9 @@ class EngineClient(Protocol):
 
     def is_stalled(self, timeout: float) -> bool: ...
 
-    async def submit(self, prompt_token_ids: list[int], params: "SamplingParams", *, request_id: str,
-                     priority: str, tenant: str, cache_salt: str | None = None,
-                     resumed_token_ids: list[int] | None = None) -> RequestStream:
-        """Queue a request; admission and context errors raise here, before any output. `resumed_token_ids`:
-        output tokens already sent from another engine (a migrated stream; see LLMEngine.add_request)."""
+    async def submit(self, request: "EngineRequest") -> RequestStream:
+        """Queue a request; admission and context errors raise here, before any output. Its
+        `resumed_token_ids`: output tokens already sent from another engine (a migrated stream)."""
         ...
 
     def abort(self, request_id: str) -> None: ...

@@ -1,16 +1,15 @@
 """What each sampled token does to its request, in plain Python (no torch): the request and sequence
 state the engine keeps for outputs, incremental detokenizing, logprob entries, stop and finish
-decisions, aborts, and the RequestOutputs of a step. LLMEngine runs the model and the sampler and hands
-each sampled token here; a simulator's engine does the same.
+decisions, aborts, and the RequestOutputs of a step. EngineCore hands each sampled token here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from dataclasses import dataclass, replace
+from typing import Callable
 
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from kvserve.engine.request import Priority, Sequence, SequenceStatus
+from kvserve.engine.request import EngineRequest, Sequence, SequenceStatus
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.stops import stop_status, stop_token
@@ -19,28 +18,29 @@ from kvserve.engine.stops import stop_status, stop_token
 @dataclass
 class SeqState:
     seq: Sequence
-    detok: IncrementalDetokenizer
-    generator: Any  # the sequence's own random generator when seeded (the sampler's), else None
+    detok: "IncrementalDetokenizer | _NoText"
     output: CompletionOutput
 
 
-@dataclass
 class RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: Priority
-    tenant: str
-    cache_salt: str | None
-    arrival: float
-    # Output tokens generated before this engine took the request (a stream continued from another
-    # replica): they count against max_tokens and min_tokens and condition the text, but are not sent again.
-    resumed_token_ids: list[int] = field(default_factory=list)
-    seqs: list[SeqState] = field(default_factory=list)
-    forked: bool = False
-    finished: bool = False
-    engine_seconds: float = 0.0  # its share of the engine steps it was in (OutputProcessor.charge)
+    """One admitted request: the request as it came, its sequences' states, and what it was charged."""
+
+    def __init__(self, request: EngineRequest, arrival: float):
+        self.request = request
+        self.arrival = arrival  # on the engine's clock: the request's, or when the engine took it
+        self.prompt_token_ids = list(request.prompt_token_ids)
+        self.seqs: list[SeqState] = []
+        self.forked = False
+        self.finished = False
+        self.engine_seconds = 0.0  # its share of the engine steps it was in (OutputProcessor.charge)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
 
     def output(self, model: str) -> RequestOutput:
         parent = self.seqs[0].seq
@@ -55,16 +55,31 @@ class RequestState:
                                  num_preemptions=sum(s.seq.num_preemptions for s in self.seqs))
         # Shallow copies: the engine rebinds (never mutates) delta fields, so a snapshot handed to
         # another thread stays valid while the engine moves on.
-        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+        return RequestOutput(request_id=self.request_id, prompt=self.request.prompt,
+                             prompt_token_ids=self.prompt_token_ids,
                              outputs=[replace(s.output) for s in self.seqs], finished=self.finished,
                              num_cached_tokens=parent.num_cached_tokens, metrics=metrics, model=model,
                              engine_seconds=self.engine_seconds)
 
 
+class _NoText:
+    """The detokenizer of an engine without a tokenizer (the planner's simulator): no text, no stop strings."""
+
+    stopped = False
+    stop_reason = None
+
+    def add_token(self, token: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
 class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int, scheduler: Scheduler,
-                 clock: Callable[[], float], model_id: str):
+                 clock: Callable[[], float], model_id: str, stream_outputs: bool = True):
         self.tokenizer = tokenizer
+        self.stream_outputs = stream_outputs
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.scheduler = scheduler
@@ -78,13 +93,14 @@ class OutputProcessor:
         """A request the scheduler admitted (LLMEngine.add_request checked its id is free)."""
         self.requests[state.request_id] = state
 
-    def track(self, state: RequestState, seq: Sequence, generator: Any) -> SeqState:
+    def track(self, state: RequestState, seq: Sequence) -> SeqState:
         p = state.params
-        detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids + state.resumed_token_ids,
-                                       skip_special_tokens=p.skip_special_tokens, stop=p.stop,
-                                       include_stop_str_in_output=p.include_stop_str_in_output)
-        ss = SeqState(seq, detok, generator, CompletionOutput(index=seq.fork_index,
-                                                              logprobs=[] if p.logprobs is not None else None))
+        detok = _NoText() if self.tokenizer is None else IncrementalDetokenizer(
+            self.tokenizer, state.prompt_token_ids + list(state.request.resumed_token_ids),
+            skip_special_tokens=p.skip_special_tokens, stop=p.stop,
+            include_stop_str_in_output=p.include_stop_str_in_output)
+        ss = SeqState(seq, detok, CompletionOutput(index=seq.fork_index,
+                                                   logprobs=[] if p.logprobs is not None else None))
         state.seqs.append(ss)
         self.seq_states[seq.seq_id] = ss
         return ss
@@ -172,7 +188,8 @@ class OutputProcessor:
         for state in touched.values():
             state.finished = all(ss.output.finish_reason is not None for ss in state.seqs) and (
                 state.forked or state.params.n == 1 or state.seqs[0].output.finish_reason is not None)
-            results.append(state.output(self.model_id))
+            if state.finished or self.stream_outputs:
+                results.append(state.output(self.model_id))
             if state.finished:
                 self.requests.pop(state.request_id, None)
                 for ss in state.seqs:

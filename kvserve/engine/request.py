@@ -1,4 +1,5 @@
-"""Request and sequence state shared by the scheduler, the runner and the engine.
+"""The request as the engine receives it, and the sequence state shared by the scheduler, the runner and
+the engine core.
 
 Pure Python (no torch): the scheduler and KV manager work on token counts and block ids only.
 A sequence owes `num_tokens - num_computed_tokens` tokens of forward work; prefill, chunked
@@ -11,7 +12,46 @@ import time
 from dataclasses import dataclass, field
 
 from kvserve.config import Priority  # noqa: F401  (the tier type, defined with the tier limits)
+from kvserve.engine.errors import InvalidRequest
 from kvserve.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request, built once by whoever tokenized it (the service, the offline LLM, the planner's
+    simulator) and passed unchanged through EngineClient.submit, the engine thread hop, Ray and the engine
+    core. Everything the engine derives from it (sequences, the resolved max_tokens, timings) lives on
+    its sequences.
+
+    `arrival`: when it reached the server, on the engine's clock (time.monotonic in a server), if earlier
+    than when the engine takes it: the wait for the step in flight then counts in its queue time, TTFT and
+    the admission bounds. `resumed_token_ids`: output tokens already generated for it elsewhere (a stream
+    moved from a failed replica; n = 1 only): computed like a recompute after preemption, counted against
+    max_tokens and min_tokens, seen by penalties and the detokenizer, not output again; a seeded request's
+    generator skips their draws. `prompt`: the text, when it came as text (echoed in outputs only)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams = SamplingParams()
+    priority: Priority = Priority.INTERACTIVE
+    tenant: str = "default"
+    cache_salt: str | None = None  # prefix-cache namespace; the server sets it to the tenant
+    arrival: float | None = None
+    resumed_token_ids: tuple[int, ...] = ()
+    prompt: str | None = None
+    lora: None = None  # slots for later: an adapter, a grammar
+    grammar: None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+        object.__setattr__(self, "resumed_token_ids", tuple(self.resumed_token_ids or ()))
+        object.__setattr__(self, "priority", Priority.parse(self.priority))
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise InvalidRequest(f"a request id must be a non-empty string, got {self.request_id!r}")
+        if not isinstance(self.params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(self.params).__name__}")
+        if self.resumed_token_ids and self.params.n != 1:
+            raise InvalidRequest("a request can be resumed only with n = 1", param="n")
 
 
 class SequenceStatus(enum.Enum):
@@ -62,12 +102,17 @@ class Sequence:
     tenant: str = "default"
     cache_salt: str | None = None  # prefix-cache namespace; the server sets it to the tenant
     output_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int | None = None  # the request's, or what the context leaves when it set none
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
     num_preemptions: int = 0
     fork_index: int = 0  # 0 for the parent, 1..n-1 for forks
     timings: SequenceTimings = field(default_factory=SequenceTimings)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is None:
+            self.max_tokens = self.sampling.max_tokens
 
     @property
     def token_ids(self) -> list[int]:
@@ -97,6 +142,14 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @classmethod
+    def of(cls, request: EngineRequest, seq_id: int, max_tokens: int, fork_index: int = 0) -> "Sequence":
+        """Fork `fork_index` of `request` (0: the parent, which starts with the resumed tokens)."""
+        return cls(seq_id=seq_id, request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
+                   sampling=request.params, priority=request.priority, tenant=request.tenant,
+                   cache_salt=request.cache_salt, max_tokens=max_tokens, fork_index=fork_index,
+                   output_token_ids=[] if fork_index else list(request.resumed_token_ids))
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -1,18 +1,24 @@
-"""ModelRunner: owns the KV cache tensors, turns a SchedulerOutput into one forward pass.
+"""ModelRunner: the engine core's executor. Owns the KV cache tensors, the sampler and the seeded
+requests' generators; turns a SchedulerOutput into one forward pass and its sampled tokens (RunnerOutput).
 
 Per step it builds the flattened inputs on the host once (token ids, positions, slot mapping,
 block tables) and moves them to the device in one go; block copies (swap, copy-on-write) run as
-batched index copies before the forward.
+batched index copies before the forward. A seeded sequence draws only from its own generator (made at
+its first sample, past the draws of tokens it was resumed with), so its tokens do not depend on the batch.
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
 from kvserve.config import ModelConfig
-from kvserve.engine.scheduler_output import SchedulerOutput
 from kvserve.engine.interjection import Interjection
+from kvserve.engine.request import Sequence
+from kvserve.engine.sampler import Sampler, SamplingMetadata, make_generator
+from kvserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from kvserve.models.attention import AttentionMetadata, PrefillChunk, kv_cache_shape
 
 
@@ -28,8 +34,12 @@ class BatchItem:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_device_blocks: int, num_host_blocks: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device, kv_int8: bool = False):
+                 block_size: int, dtype: torch.dtype, device: torch.device, kv_int8: bool = False,
+                 eos_token_ids: Collection[int] = ()):
         self.model = model
+        self.sampler = Sampler()
+        self.eos_token_ids = set(eos_token_ids)  # banned while a row is under min_tokens
+        self._generators: dict[int, torch.Generator] = {}  # seq_id -> a seeded sequence's generator
         self.config = config
         self.block_size = block_size
         self.dtype = dtype
@@ -67,18 +77,58 @@ class ModelRunner:
             dv.index_copy_(1, dst, sv.index_select(1, src).to(dst_dev, non_blocking=True))
 
     # ---- forward ---------------------------------------------------------------------------
-    def execute(self, out: SchedulerOutput, interjection: Interjection | None = None) -> torch.Tensor | None:
-        """Run block moves and the forward pass; logits [num_sampled, vocab] in `out.scheduled` order.
-        `interjection`: where the forward may stop between layers to let another step run (its block
-        moves and forward run nested inside this one's)."""
+    def execute(self, out: SchedulerOutput, interjection: Interjection | None = None) -> RunnerOutput:
+        """Block moves, the forward pass and sampling: a token for every sequence in `out.scheduled` whose
+        `sample` flag is set and for every new fork in `out.forks`. `interjection`: where the forward may
+        stop between layers to let another step run (its block moves and forward run nested inside this
+        one's)."""
+        t0 = time.perf_counter()
+        for seq_id in out.finished_seq_ids:
+            self._generators.pop(seq_id, None)
         self.swap_out(out.blocks_to_swap_out)
         self.swap_in(out.blocks_to_swap_in)
         self.copy_blocks(out.blocks_to_copy)
-        if not out.scheduled:
+        result = RunnerOutput()
+        if out.scheduled:
+            items = [BatchItem(s.seq.token_ids[s.start:s.start + s.num_new_tokens], s.start, s.block_table, s.sample)
+                     for s in out.scheduled]
+            logits = self.forward(items, interjection=interjection)
+            if logits is not None:
+                self._sample(out, logits, result)
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor, result: RunnerOutput) -> None:
+        """One token per sampled row; a parent that forks gives its row to each of its forks too."""
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        for i, s in enumerate(x for x in out.scheduled if x.sample):
+            rows.append(i)
+            seqs.append(s.seq)
+            for child in out.forks.get(s.seq.seq_id, ()):
+                rows.append(i)
+                seqs.append(child)
+        if len(rows) != logits.shape[0]:
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        md = SamplingMetadata.build([s.sampling for s in seqs], [s.output_token_ids for s in seqs],
+                                    [s.prompt_token_ids for s in seqs], [self._generator(s) for s in seqs],
+                                    self.eos_token_ids, device=logits.device)
+        sampled = self.sampler(logits, md)
+        logprobs = sampled.logprobs
+        for j, (seq, token) in enumerate(zip(seqs, sampled.tolist())):
+            result.token_ids[seq.seq_id] = [token]
+            if logprobs and logprobs[j] is not None:
+                result.logprobs[seq.seq_id] = [logprobs[j]]
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        if seq.sampling.seed is None:
             return None
-        items = [BatchItem(s.seq.token_ids[s.start:s.start + s.num_new_tokens], s.start, s.block_table, s.sample)
-                 for s in out.scheduled]
-        return self.forward(items, interjection=interjection)
+        g = self._generators.get(seq.seq_id)
+        if g is None:
+            g = self._generators[seq.seq_id] = make_generator(seq.sampling.seed, seq.fork_index, self.device)
+            if seq.num_output_tokens:  # resumed from tokens sampled elsewhere: go on as it would have there
+                self.sampler.skip_draws(g, seq.num_output_tokens, self.config.vocab_size)
+        return g
 
     @torch.inference_mode()
     def forward(self, items: list[BatchItem], all_logits: bool = False,

@@ -46,6 +46,7 @@ from typing import Iterable, Sequence as Seq
 import torch
 
 from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.scheduler_output import TokenLogprobs
 
 __all__ = ["SamplingMetadata", "Sampler", "SamplerOutput", "TokenLogprobs", "make_generator"]
 
@@ -238,16 +239,6 @@ class SamplingMetadata:
         """Convenience: build from `kvserve.engine.request.Sequence` objects."""
         return cls.build([s.sampling for s in seqs], [s.output_token_ids for s in seqs],
                          [s.prompt_token_ids for s in seqs], generators, eos_token_ids, None, device)
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprobs of one sampled token under the raw model distribution (log_softmax of the logits)."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1 = the most likely token (1 + number of tokens strictly more likely)
-    top: list[tuple[int, float]]  # the top `params.logprobs` (token id, logprob), most likely first
 
 
 class SamplerOutput:

@@ -1,8 +1,12 @@
-"""SamplingParams: what a request asks of the sampler and the stop checker (vLLM's field names)."""
+"""SamplingParams: what a request asks of the sampler and the stop checker (vLLM's field names).
+
+Frozen: one request's params pass unchanged from the service through every hop to the sampler, so no
+layer copies them defensively; what the engine derives per request (the resolved max_tokens) lives on
+its sequence. `dataclasses.replace` makes a changed copy, validated again."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Bounds past which a parameter broke the sampler's tensors (and with them the engine, for every request):
 # token ids and top_k are int32 on the device; a repetition penalty of 0 in float32 divides by zero.
@@ -18,7 +22,7 @@ class InvalidSamplingParams(ValueError):
         self.param = param
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -31,20 +35,19 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token; 0 = only the sampled token's
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        stop = self.stop
+        object.__setattr__(self, "stop", (stop,) if isinstance(stop, str) else tuple(stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.top_k == -1:
-            self.top_k = 0
+            object.__setattr__(self, "top_k", 0)
         self.validate()
 
     def validate(self) -> None:

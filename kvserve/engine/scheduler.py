@@ -127,6 +127,7 @@ class Scheduler:
         self._cycle: tuple[int, int, float] | None = None  # (decodes, prefill tokens, started) of the last step
         self._alone_last = False  # the last step was interactive prefill alone (or an interjection)
         self._interjection: tuple[SchedulerOutput, float] | None = None  # (its output, its start) while it runs
+        self._ended: list[int] = []  # seq ids finished since the last step was scheduled (SchedulerOutput)
 
     # ---- admission -----------------------------------------------------------------------------
 
@@ -427,6 +428,7 @@ class Scheduler:
         for ss in out.scheduled:
             ss.block_table = self.kv.block_table(ss.seq)
         out.blocks_to_copy = self.kv.take_pending_copies()
+        out.finished_seq_ids, self._ended = self._ended, []
         if timed:
             self._step_started = step.now if out.scheduled else None
         return out
@@ -503,11 +505,11 @@ class Scheduler:
 
     # ---- after the step ------------------------------------------------------------------------
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[int, int]) -> None:
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[int, list[int]]) -> None:
         """Apply a finished step: advance computed tokens, append sampled tokens, cache full blocks.
 
-        `sampled` maps seq_id to its new token for every scheduled sequence with sample=True.
-        Sequences finished or aborted while the step ran are skipped.
+        `sampled` maps seq_id to its new tokens for every scheduled sequence with sample=True (other ids
+        in it are ignored). Sequences finished or aborted while the step ran are skipped.
         """
         now = self._clock()
         for ss in output.scheduled:
@@ -516,8 +518,9 @@ class Scheduler:
                 continue
             seq.num_computed_tokens = ss.start + ss.num_new_tokens
             if ss.sample and seq.seq_id in sampled:
-                seq.append_token(sampled[seq.seq_id])
-                self._record_token(seq, now)
+                for token in sampled[seq.seq_id]:
+                    seq.append_token(token)
+                    self._record_token(seq, now)
             self.kv.cache_full_blocks(seq)
         decode = sum(1 for ss in output.scheduled if ss.num_new_tokens == 1)
         if self._interjection is not None and output is self._interjection[0]:
@@ -594,6 +597,7 @@ class Scheduler:
         self.kv.free(seq)
         seq.status = status
         seq.timings.finished = self._clock()
+        self._ended.append(seq.seq_id)
         if not self.has_unfinished():
             self._observe_cycle(seq.timings.finished)
 
@@ -688,7 +692,7 @@ class Scheduler:
     def _count_waiting(self, tier: _Tier, seq: Sequence) -> None:
         st = self._state[seq.seq_id]
         st.queued_prompt_tokens = seq.num_uncomputed_tokens
-        max_tokens = seq.sampling.max_tokens
+        max_tokens = seq.max_tokens
         expected = EXPECTED_OUTPUT_TOKENS if max_tokens is None else min(max_tokens, EXPECTED_OUTPUT_TOKENS)
         st.queued_output_tokens = expected
         tier.num_waiting += 1

@@ -1,8 +1,9 @@
-"""The scheduler -> runner contract: a plain dataclass, so the scheduler is testable without torch.
+"""The step contract, plain dataclasses so the scheduler and the engine core run without torch:
+scheduler -> executor (`SchedulerOutput`) and executor -> core (`RunnerOutput`).
 
-The runner executes, in this order: swap_out copies, swap_in copies, copy-on-write copies, then
-one forward pass over `scheduled` (flattened), and returns logits for the sequences whose
-`sample` flag is set (in the order of `scheduled`).
+The executor runs, in this order: swap_out copies, swap_in copies, copy-on-write copies, then one
+forward pass over `scheduled` (flattened), and samples a token for each sequence whose `sample` flag is
+set, plus one for each new fork in `forks` (from its parent's row, with the fork's own generator).
 """
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src device, dst device)
     preempted: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)  # finished by the scheduler (queue timeout)
+    # Sequences that ended since the previous step: the executor drops what it keeps for them (generators).
+    finished_seq_ids: list[int] = field(default_factory=list)
+    # parent seq_id -> the forks (n > 1) to start from the parent's first sample; set by the engine core
+    forks: dict[int, list[Sequence]] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -41,3 +46,23 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one sampled token under the raw model distribution (log_softmax of the logits)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token (1 + number of tokens strictly more likely)
+    top: list[tuple[int, float]]  # the top `params.logprobs` (token id, logprob), most likely first
+
+
+@dataclass
+class RunnerOutput:
+    """What one executed step gives back: per sequence that sampled (new forks included), its new tokens
+    (a list, so a step may later accept several) and, where the request asked, their logprobs."""
+
+    token_ids: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> tokens sampled this step
+    logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)  # seq_id -> one per token
+    seconds: float = 0.0  # the executor's own time for the step (block moves, forward, sampling)

@@ -145,3 +145,12 @@ class StepTimeModel:
         per_step = max(1, budget - decodes)
         steps = -(-tokens // per_step)
         return steps * self.predict(decodes) + self.per_prefill_token_s * tokens
+
+
+@dataclass(frozen=True)
+class StepTimePrior:
+    """A step-time model calibrated on this machine at one weight dtype (planning/calibrate.py): an engine
+    that runs at that dtype starts its admission estimates from it instead of the generic defaults."""
+
+    dtype: str  # torch's name without "torch.": "bfloat16", "float32"
+    model: StepTimeModel

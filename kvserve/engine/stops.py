@@ -37,7 +37,7 @@ def stop_status(seq: Sequence, token: int, eos_token_ids: Collection[int], strin
     p = seq.sampling
     if seq.num_output_tokens >= p.min_tokens and strings.stopped:
         return SequenceStatus.FINISHED_STOPPED, strings.stop_reason
-    if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+    if seq.max_tokens is not None and seq.num_output_tokens >= seq.max_tokens:
         return SequenceStatus.FINISHED_LENGTH, None
     if seq.num_tokens >= max_model_len:
         return SequenceStatus.FINISHED_LENGTH, None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import Callable
 
 from kvserve.config import EngineConfig, FleetConfig, Priority, ServedModel
@@ -27,7 +28,7 @@ from kvserve.engine.client import EngineHealth, EngineStatus, check_available
 from kvserve.engine.errors import CapacityExhausted, KVServeError, ModelFailed, from_wire
 from kvserve.engine.kv_cache import KVCacheUsage
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
-from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.request import EngineRequest
 from kvserve.engine.scheduler import SchedulerStats
 from kvserve.fleet import wire
 from kvserve.fleet.routing import RoutingPolicy, affinity_key
@@ -38,10 +39,12 @@ log = logging.getLogger(__name__)
 class FleetStream:
     """One request on the pool: the replica stream it is reading now, and everything it has received."""
 
-    def __init__(self, client: "FleetClient", payload: dict, acc: wire.OutputAccumulator):
+    def __init__(self, client: "FleetClient", request: EngineRequest, affinity: str | None,
+                 acc: wire.OutputAccumulator):
         self.client = client
-        self.request_id = payload["request_id"]
-        self.payload = payload
+        self.request_id = request.request_id
+        self.request = request
+        self.affinity = affinity
         self.acc = acc
         self.replica: str | None = None
         self.model_version: str | None = None
@@ -57,9 +60,9 @@ class FleetStream:
         fleet = self.client.fleet
         deadline = time.monotonic() + fleet.route_timeout_s
         while True:
-            payload = dict(self.payload, exclude=list(self.exclude),
-                           resumed_token_ids=list(self.acc.sent_token_ids) or None)
-            gen = self.client.handle.options(stream=True).generate.remote(payload)
+            request = replace(self.request, resumed_token_ids=tuple(self.acc.sent_token_ids))
+            route = dict(exclude=list(self.exclude), affinity_key=self.affinity)
+            gen = self.client.handle.options(stream=True).generate.remote(request, route)
             remaining = deadline - time.monotonic()
             try:
                 msg = await asyncio.wait_for(gen.__anext__(), timeout=max(0.01, remaining))
@@ -131,7 +134,7 @@ class FleetStream:
         if self.replica is not None:
             self.exclude.append(self.replica)
         log.warning("request %s lost replica %s (%s)", self.request_id, self.replica, failure)
-        if self.payload["params"].n != 1:
+        if self.request.params.n != 1:
             self._fail(f"{failure}; a request with n > 1 cannot be resumed elsewhere", "not_resumable")
         if self.migrations >= client.fleet.migration_limit:
             self._fail(f"{failure}; migration limit ({client.fleet.migration_limit}) reached", "limit")
@@ -338,23 +341,19 @@ class FleetClient:
         self.migrations[outcome] = self.migrations.get(outcome, 0) + 1
 
     # ---- requests --------------------------------------------------------------------------------
-    async def submit(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str,
-                     priority: str, tenant: str, cache_salt: str | None = None,
-                     resumed_token_ids: list[int] | None = None) -> FleetStream:
+    async def submit(self, request: EngineRequest) -> FleetStream:
         check_available(self)
-        payload = dict(prompt_token_ids=prompt_token_ids, params=params, request_id=request_id,
-                       priority=priority, tenant=tenant, cache_salt=cache_salt,
-                       affinity_key=affinity_key(prompt_token_ids, cache_salt, self.policy))
-        acc = wire.OutputAccumulator(request_id, None, prompt_token_ids, time.monotonic(), self.model_id)
-        if resumed_token_ids:
-            acc.add(RequestOutput(request_id, None, [], [CompletionOutput(0, delta_token_ids=list(
-                resumed_token_ids))], False), time.monotonic())
-        stream = FleetStream(self, payload, acc)
-        self.streams[request_id] = stream
+        ids = list(request.prompt_token_ids)
+        acc = wire.OutputAccumulator(request.request_id, None, ids, time.monotonic(), self.model_id)
+        if request.resumed_token_ids:
+            acc.add(RequestOutput(request.request_id, None, [], [CompletionOutput(0, delta_token_ids=list(
+                request.resumed_token_ids))], False), time.monotonic())
+        stream = FleetStream(self, request, affinity_key(ids, request.cache_salt, self.policy), acc)
+        self.streams[request.request_id] = stream
         try:
             await stream.open()
         except BaseException:
-            self.streams.pop(request_id, None)
+            self.streams.pop(request.request_id, None)
             raise
         return stream
 

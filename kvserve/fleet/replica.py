@@ -20,6 +20,7 @@ import time
 from kvserve.config import Priority, ServedModel
 from kvserve.engine.client import EngineStatus
 from kvserve.engine.errors import KVServeError, ModelFailed, to_wire
+from kvserve.engine.request import EngineRequest
 from kvserve.engine.sampling import SamplingParams
 from kvserve.fleet import wire
 
@@ -41,21 +42,19 @@ class EngineReplica:
         self.client = in_process_client(spec, spec.engine_config(), None, None).start()
         # Raises if the model failed to load: Serve reports the replica (and a rollout) failed, naming the error.
         await asyncio.to_thread(self.client.wait_ready)
-        stream = await self.client.submit([1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0),
-                                          request_id=f"warmup-{self.replica_id}", priority="interactive",
-                                          tenant="_warmup")
+        stream = await self.client.submit(EngineRequest(f"warmup-{self.replica_id}", (1, 2, 3, 4),
+                                                        SamplingParams(max_tokens=2, temperature=0.0),
+                                                        tenant="_warmup"))
         async for _ in stream:  # one request through every kernel before the replica counts as started
             pass
         log.info("replica %s of %s (version %s) ready", self.replica_id, spec.id, spec.version)
 
     # ---- requests --------------------------------------------------------------------------
-    async def generate(self, payload: dict):
-        """The request `payload` (FleetClient._payload) as wire messages, until its finished output."""
+    async def generate(self, request: EngineRequest, route: dict | None = None):
+        """`request` (as the gateway's service built it) as wire messages, until its finished output. `route`:
+        the gateway's routing hints, read by the request router (fleet/serve_router.py), not here."""
         try:
-            stream = await self.client.submit(
-                payload["prompt_token_ids"], payload["params"], request_id=payload["request_id"],
-                priority=payload["priority"], tenant=payload["tenant"], cache_salt=payload.get("cache_salt"),
-                resumed_token_ids=payload.get("resumed_token_ids") or None)
+            stream = await self.client.submit(request)
         except KVServeError as e:
             yield (wire.REFUSED, self.replica_id, to_wire(e))
             return

@@ -95,7 +95,8 @@ class KVRequestRouter(FIFOMixin, RequestRouter):
 
 
 def _payload(pending_request: PendingRequest | None) -> dict | None:
-    if pending_request is None or not pending_request.args:
+    """The routing hints of a `generate(request, route)` call (FleetStream.open): exclude, affinity_key."""
+    if pending_request is None or len(pending_request.args) < 2:
         return None
-    first = pending_request.args[0]
-    return first if isinstance(first, dict) else None
+    route = pending_request.args[1]
+    return route if isinstance(route, dict) else None

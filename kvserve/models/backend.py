@@ -1,5 +1,6 @@
-"""The hardware path of a loaded model, decided once, when it is built (`prepare`), and asked by the model
-code instead of each op checking tensors:
+"""The hardware plan of a model, decided once from its checkpoint's header before it loads (`plan`: device,
+dtype, path, weight forms, KV cache form and memory), applied when it is built (`prepare`), and asked by
+the model code instead of each op checking tensors. The paths:
 
 - "cuda": torch ops on the GPU (SDPA prefill, the torch paged-decode reference);
 - "cpu-fused": CPU, bfloat16, AMX or AVX2: steps run the whole decoder stack in one native call where
@@ -12,11 +13,20 @@ The instruction-set level the kernels are built for is kernels/isa.py's decision
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 import torch
 
+from kvserve.config import ConfigError, ModelConfig
 from kvserve.kernels import cpu as cpu_kernels
+from kvserve.kernels import isa
+from kvserve.models import kv_quant
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_MEMORY = 2 << 30
+DEFAULT_GPU_KV_FRACTION = 0.5  # of the GPU memory free before the weights arrive
 
 
 @dataclass(frozen=True)
@@ -28,41 +38,123 @@ class Backend:
 TORCH = Backend("torch")  # a layer's path until a built model hands it its own (unit tests of single layers)
 
 
+@dataclass(frozen=True)
+class Plan:
+    """Where and how a model runs: decided once (`plan`), logged at load, asked nowhere else."""
+
+    device: torch.device
+    dtype: torch.dtype
+    path: str  # "cuda" | "cpu-fused" | "cpu-native" | "cpu-torch" (see the module docstring)
+    quantized_weights: bool  # computes with the checkpoint's quantized matrices, else dequantizes them at load
+    onednn_weights: bool  # dense bf16 projections reordered once into oneDNN's layout
+    kv_int8: bool  # the KV cache holds 8-bit rows with scales (kv_quant), else the model's dtype
+    kv_memory: int  # bytes for the device KV pool
+
+    @property
+    def fused(self) -> bool:
+        return self.path == "cpu-fused"
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, fused: bool = False) -> torch.dtype:
+    """'auto' -> bfloat16 on CUDA, on CPUs with native bf16 (avx512_bf16 / AMX), and where the model runs
+    on the fused native decoder (`fused`), which reads bf16 weights and widens them in registers on AVX2
+    machines; else float32 (torch's bf16 ops on a CPU without bf16 arithmetic are slower than its float32
+    ones)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda" or (device.type == "cpu" and (isa.native_bf16() or fused)):
+            return torch.bfloat16
+        return torch.float32
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return names[dtype]
+
+
+def fused_shapes_fit(c: ModelConfig) -> bool:
+    """The fused decoder's packed layout wants every GEMM's K % 32 and N % 16."""
+    q_width, qkv_width = c.num_heads * c.head_dim, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    return not (c.hidden_size % 32 or q_width % 32 or c.intermediate_size % 32 or qkv_width % 16)
+
+
+def fused_decoder_would_serve(config: ModelConfig, tensor_names) -> bool:
+    """Whether a checkpoint (its config and tensor names: loader.checkpoint_header) built in bfloat16 on this
+    CPU would run fused, told before it is loaded: the kernels run here, the shapes fit, and no projection
+    has a bias (models/native_decoder.py checks the built model again when it attaches)."""
+    native = cpu_kernels.load()
+    return (native is not None and native.fused and config.architecture in ("llama", "gemma3")
+            and fused_shapes_fit(config) and not any(name.endswith(".bias") for name in tensor_names))
+
+
+def onednn_prepack_available() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def plan(config: ModelConfig, tensor_names, *, device: str = "auto", dtype: str = "auto",
+         kv_cache_dtype: str = "auto", kv_cache_memory: int | None = None, native_decoder: bool = True,
+         onednn_weights: bool = True) -> Plan:
+    """The one hardware decision for a checkpoint (its header: config and tensor names) and the engine's
+    settings: device, dtype (bf16 where the fused decoder serves, see resolve_dtype), path, whether its
+    quantized matrices are kept, the KV cache's form and its memory."""
+    dev = resolve_device(device)
+    fused = native_decoder and dev.type == "cpu" and fused_decoder_would_serve(config, tensor_names)
+    dt = resolve_dtype(dtype, dev, fused=fused)
+    if kv_cache_dtype not in kv_quant.MODES and resolve_dtype(kv_cache_dtype, dev) != dt:
+        raise ConfigError(f"kv_cache_dtype = {kv_cache_dtype!r} is not supported: a float KV cache is held in the "
+                          f"model's dtype ({str(dt).removeprefix('torch.')}); use auto or int8")
+    native = cpu_kernels.load() if dev.type == "cpu" and dt in (torch.float32, torch.bfloat16) else None
+    packed_gemm = dt == torch.bfloat16 and native is not None and native.fused
+    if dev.type == "cuda":
+        path = "cuda"
+    elif native is None:
+        path = "cpu-torch"
+    else:
+        path = "cpu-fused" if fused and packed_gemm else "cpu-native"
+    if kv_cache_memory:
+        kv_memory = kv_cache_memory
+    elif dev.type == "cuda":
+        kv_memory = int(torch.cuda.mem_get_info(dev)[0] * DEFAULT_GPU_KV_FRACTION)
+    else:
+        kv_memory = DEFAULT_CPU_KV_MEMORY
+    return Plan(device=dev, dtype=dt, path=path, quantized_weights=packed_gemm,
+                onednn_weights=onednn_weights and dev.type == "cpu" and dt == torch.bfloat16
+                and onednn_prepack_available(),
+                kv_int8=kv_cache_dtype == "int8", kv_memory=kv_memory)
+
+
 def choose(device: torch.device, dtype: torch.dtype) -> Backend:
-    """The per-op path for a model in `dtype` on `device`."""
+    """The per-op path for a model in `dtype` on `device` (a layer outside an engine's plan: tests)."""
     if device.type == "cuda":
         return Backend("cuda")
     native = cpu_kernels.load() if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
     return Backend("cpu-native", native) if native is not None else Backend("cpu-torch")
 
 
-def prepare(model, device: torch.device, dtype: torch.dtype, *, onednn_weights: bool = True,
-            native_decoder: bool = True) -> Backend:
-    """Choose the path and put the weights in its form, in the order that matters: quantized matrices into
-    the packed GEMM's layout where its kernels run (CPU, bfloat16, AMX or AVX2), else dense again; then
-    the fused decoder packs the dense projections (and the LM head); then oneDNN's reorder, which frees
-    the dense copies. Every layer of `model` then asks the returned backend."""
-    from kvserve.models.layers import onednn_prepack_available
-
-    backend = choose(device, dtype)
-    cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
-    packed_gemm = cpu_bf16 and backend.native is not None and backend.native.fused
-    if packed_gemm:
+def prepare(model, the_plan: Plan) -> Backend:
+    """Put the weights in the plan's form, in the order that matters: quantized matrices into the packed
+    GEMM's layout where its kernels run (CPU, bfloat16, AMX or AVX2), else dense again; then the fused
+    decoder packs the dense projections (and the LM head); then oneDNN's reorder, which frees the dense
+    copies. Every layer of `model` then asks the returned backend."""
+    backend = choose(the_plan.device, the_plan.dtype)
+    if the_plan.quantized_weights:
         model.pack_quantized(backend.native)
     else:
-        model.dequantize_weights(dtype, device)
-    if native_decoder and packed_gemm and model.attach_native_decoder(backend.native):
-        model.pack_dense_lm_head(backend.native)
-        backend = replace(backend, name="cpu-fused")
-    if onednn_weights and cpu_bf16 and onednn_prepack_available():
+        model.dequantize_weights(the_plan.dtype, the_plan.device)
+    if the_plan.fused:
+        if model.attach_native_decoder(backend.native):
+            model.pack_dense_lm_head(backend.native)
+            backend = replace(backend, name="cpu-fused")
+        else:  # the built model is checked again: a layer the header could not show (a norm convention)
+            log.warning("the fused decoder does not take this model; its steps run per op (cpu-native)")
+    if the_plan.onednn_weights:
         model.prepack_onednn()
     model.use_backend(backend)
     return backend
-
-
-def quantized_weights_run(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a model on `device` in `dtype` computes with quantized weights (else prepare dequantizes them)."""
-    if device.type != "cpu" or dtype != torch.bfloat16:
-        return False
-    native = cpu_kernels.load()
-    return native is not None and native.fused

@@ -250,10 +250,6 @@ def linear(module: "Linear | FusedLinear", x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, module.weight, module.bias)
 
 
-def onednn_prepack_available() -> bool:
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
 def prepack_onednn(weight: torch.Tensor) -> torch.Tensor:
     """A bfloat16 [out, in] weight reordered once into oneDNN's blocked layout (an opaque tensor).
 

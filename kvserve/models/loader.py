@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from kvserve.config import ModelConfig
-from kvserve.kernels import isa
 from kvserve.models import backend
 from kvserve.models.gguf_file import GGUFFile, GGUFTensor
 from kvserve.models.model_info import (ModelInfo, ModelLoadError, config_from_gguf, model_format, read_hf_config,
@@ -42,32 +41,6 @@ class Checkpoint:
     def dense_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor dense (quantized matrices as the float32 weights they hold): a reference's input."""
         return {name: t.dequantize() if isinstance(t, QuantizedMatrix) else t for name, t in self.tensors.items()}
-
-
-# ---- dtype and device ------------------------------------------------------------------------
-
-def resolve_device(device: str = "auto") -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device, fused: bool = False) -> torch.dtype:
-    """'auto' -> bfloat16 on CUDA, on CPUs with native bf16 (avx512_bf16 / AMX), and where the model runs
-    on the fused native decoder (`fused`: models/native_decoder.NativeDecoder.would_serve), which reads
-    bf16 weights and widens them in registers on AVX2 machines; else float32 (torch's bf16 ops on a CPU
-    without bf16 arithmetic are slower than its float32 ones)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        if device.type == "cuda" or (device.type == "cpu" and (isa.native_bf16() or fused)):
-            return torch.bfloat16
-        return torch.float32
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
-    return names[dtype]
 
 
 # ---- GGUF ------------------------------------------------------------------------------------
@@ -282,16 +255,16 @@ def return_freed_memory() -> None:
         pass
 
 
-def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
-                max_positions: int | None = None, onednn_weights: bool = True, native_decoder: bool = True,
-                consume: bool = False):
-    """Instantiate the model on `device` in `dtype`, load the checkpoint's weights into it and prepare it
-    for its hardware path (models/backend.py; the flags below switch parts of that path off).
+def plan_for(checkpoint: Checkpoint, dtype: str | torch.dtype = "auto", device: str = "cpu", **settings) -> backend.Plan:
+    """The hardware plan of an already loaded checkpoint (tests, tools; an engine plans from the header)."""
+    return backend.plan(checkpoint.config, set(checkpoint.tensors), device=device, dtype=dtype, **settings)
 
-    onednn_weights: on the CPU in bfloat16, reorder the dense projection weights once into oneDNN's blocked
-    layout (see layers.prepack_onednn), instead of on every matmul.
-    native_decoder: on the CPU in bfloat16 with AMX or AVX2, run steps through the fused native
-    decoder (see models/native_decoder.py).
+
+def build_model(checkpoint: Checkpoint, the_plan: backend.Plan, max_positions: int | None = None,
+                consume: bool = False):
+    """Instantiate the model on the plan's device in its dtype, load the checkpoint's weights into it and
+    prepare it for the plan's path (models/backend.py).
+
     consume: the checkpoint gives up its tensors to the model (an engine's load: each quantized matrix is
     then freed as soon as it is packed, so the weights are never held twice).
     """
@@ -302,8 +275,8 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
     model.load_weights(checkpoint.tensors)
     if consume:
         checkpoint.tensors = {}
-    model = model.to(device=device, dtype=dtype)
-    backend.prepare(model, device, dtype, onednn_weights=onednn_weights, native_decoder=native_decoder)
+    model = model.to(device=the_plan.device, dtype=the_plan.dtype)
+    backend.prepare(model, the_plan)
     model.eval()
     if consume:
         return_freed_memory()

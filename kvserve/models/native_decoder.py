@@ -34,7 +34,7 @@ import ctypes
 import torch
 
 from kvserve.kernels import cpu as cpu_kernels
-from kvserve.models import kv_quant
+from kvserve.models import backend, kv_quant
 from kvserve.models.attention import AttentionMetadata
 from kvserve.models.layers import interleave_gate_up
 from kvserve.models.quant import PackedPart
@@ -130,28 +130,13 @@ class NativeDecoder:
             return None
         return cls(model, native)
 
-    @staticmethod
-    def shapes_fit(c) -> bool:
-        """The packed layout wants every GEMM's K % 32 and N % 16."""
-        q_width, qkv_width = c.num_heads * c.head_dim, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        return not (c.hidden_size % 32 or q_width % 32 or c.intermediate_size % 32 or qkv_width % 16)
-
-    @classmethod
-    def would_serve(cls, config, tensor_names) -> bool:
-        """Whether a checkpoint (its config and tensor names: loader.checkpoint_header) built in bfloat16 on
-        this CPU would run fused, told before it is loaded (the engine's dtype choice,
-        models/loader.resolve_dtype): the kernels run here, the shapes fit, and no projection has a bias."""
-        native = cpu_kernels.load()
-        return (native is not None and native.fused and config.architecture in ("llama", "gemma3")
-                and cls.shapes_fit(config) and not any(name.endswith(".bias") for name in tensor_names))
-
     @classmethod
     def supports(cls, model) -> bool:
         c = model.config
         params = list(model.parameters())
         if not params or any(p.device.type != "cpu" or p.dtype != torch.bfloat16 for p in params):
             return False
-        if not cls.shapes_fit(c):
+        if not backend.fused_shapes_fit(c):
             return False
         norms: set[tuple[float, bool]] = {(model.norm.eps, model.norm.unit_offset)}
         for layer in model.layers:

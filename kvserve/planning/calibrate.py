@@ -169,8 +169,8 @@ class _Profiler:
         from kvserve.engine.sampling import SamplingParams
 
         prompt = prompt or [self.rng.randrange(self.vocab) for _ in range(prompt_len)]
-        return self.engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                                                              temperature=0.0))
+        return self.engine.add_request(self.engine.request(prompt, SamplingParams(max_tokens=max_tokens,
+                                                                                  ignore_eos=True, temperature=0.0)))
 
     def step(self, record: bool) -> None:
         t0 = time.perf_counter()
@@ -331,20 +331,22 @@ def step_time_prior(doc: dict, model: ModelSpec):
     return StepTimeModel(fixed_s=fixed, per_decode_s=per_decode, per_prefill_token_s=per_prefill)
 
 
-def seed_engine(engine, model_id: str) -> bool:
-    """Give `engine`'s scheduler the step-time prior of this machine's calibration for `model_id`, if there
-    is one (`kvserve plan calibrate`) and it was measured at the engine's dtype; True when it did."""
+def calibrated_prior(model_id: str):
+    """This machine's calibrated step-time prior for `model_id` (`kvserve plan calibrate`), for an engine to
+    start from when it runs at the dtype it was measured at (engine/step_time.StepTimePrior); None when there
+    is none, or it was measured on another CPU (the generic defaults are as good there)."""
+    from kvserve.engine.step_time import StepTimePrior
+
     path = calibration_path(model_id)
     if not path.is_file():
-        return False
+        return None
     try:
         doc = json.loads(path.read_text())
-        if doc.get("weight_dtype") != _dtype_name(engine.dtype) or doc.get("cpu") != _cpu_name():
-            return False  # measured on another machine or at another dtype: the generic defaults are as good
+        if doc.get("cpu") != _cpu_name():
+            return None
         spec = model_from_dict(doc["model_spec"])  # the very spec the calibration was fitted with
-        engine.scheduler.step_time = step_time_prior(doc, spec)
+        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[doc["weight_dtype"]]
+        return StepTimePrior(dtype, step_time_prior(doc, spec))
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("calibration %s not used: %s", path, e)
-        return False
-    log.info("step-time prior for %s from %s", model_id, path)
-    return True
+        return None

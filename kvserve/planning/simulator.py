@@ -1,12 +1,13 @@
-"""A discrete-event simulator that drives the real scheduler and KV cache manager under a fake clock.
+"""A discrete-event simulator: the engine's own step loop (engine/core.py's `EngineCore`, over the real
+scheduler and KV cache manager) under a simulated clock.
 
-`Simulator.run(workload)` replays arrivals into `engine/scheduler.py`'s `Scheduler` over
-`engine/kv_cache.py`'s `KVCacheManager` (imported, not copied): every admission decision, chunked
-prefill, prefix-cache hit, preemption, tier rule and queue bound is the serving code's own. Only the
-forward pass is replaced: each step's `SchedulerOutput` is priced by a step-time model (the roofline of
-planning/roofline.py, or a calibrated CPU's) and the clock advances by that much; every scheduled
-sequence that samples gets a token, and a sequence ends when it has its trace's output length (as
-`ignore_eos` benchmarks do). Requests that arrive during a step join at the next step, as in the engine.
+`Simulator.run(workload)` replays arrivals into an `EngineCore` whose executor is a `ClockExecutor`: every
+admission decision, chunked prefill, prefix-cache hit, preemption, tier rule, queue bound and finish is
+the serving code's own. Only the forward pass is replaced: each step's `SchedulerOutput` is priced by a
+step-time model (the roofline of planning/roofline.py, or a calibrated CPU's) and the clock advances by
+that much; every scheduled sequence that samples gets a token, and a request ends when it has its trace's
+output length (max_tokens with `ignore_eos`, as benchmarks run). Requests that arrive during a step join
+at the next step, as in the engine.
 
 Not simulated: the HTTP and tokenizing path in front of the engine (a client's TTFT adds it), the
 between-layer interjection of the fused AMX decoder (it needs a step that can stop mid-way), and
@@ -21,12 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.config import Priority, SchedulerConfig, TierLimits
+from kvserve.engine.core import EngineCore
 from kvserve.engine.errors import CapacityExhausted, ContextLengthExceeded
+from kvserve.engine.interjection import Interjection
 from kvserve.engine.kv_cache import KVCacheManager
-from kvserve.engine.request import Sequence, SequenceStatus, SequenceTimings
+from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.request import EngineRequest
 from kvserve.engine.sampling import SamplingParams
-from kvserve.engine.scheduler import Scheduler
-from kvserve.engine.scheduler_output import SchedulerOutput
+from kvserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from kvserve.planning.roofline import Work
 from kvserve.planning.traces import Arrival, ClosedLoop, Workload
 
@@ -111,12 +114,51 @@ class SimResult:
                 "tiers": {p.label: t.summary() for p, t in self.tiers.items() if t.submitted}}
 
 
-class _Clock:
+class SimClock:
     def __init__(self):
         self.now = 0.0
 
     def __call__(self) -> float:
         return self.now
+
+
+class ClockExecutor:
+    """The executor of a simulated engine: a step computes nothing, it advances the clock by its priced time
+    (`step_cost(work)`: `.seconds`, `.bound`; `block_copy_s(blocks, across_host)` for block moves) and every
+    sequence that samples gets token `token` (outputs run to their length: the requests ignore EOS)."""
+
+    def __init__(self, clock: SimClock, step_cost: Callable, block_copy_s: Callable[[int, bool], float],
+                 token: int = 0):
+        self.clock, self.step_cost, self.block_copy_s, self.token = clock, step_cost, block_copy_s, token
+        self.steps = 0
+        self.busy = 0.0
+        self.bound_time: dict[str, float] = {}  # simulated seconds each resource bound, over steps with work
+
+    @staticmethod
+    def works(out: SchedulerOutput) -> list[Work]:
+        """The step's work as the step-time models price it."""
+        return [Work(s.num_new_tokens, s.start, s.sample) for s in out.scheduled]
+
+    def execute(self, out: SchedulerOutput, interjection: Interjection | None = None) -> RunnerOutput:
+        cost = self.step_cost(self.works(out))
+        seconds = cost.seconds + self._moves_s(out)
+        self.clock.now += seconds
+        if seconds > 0 or out.scheduled:
+            self.steps += 1
+            self.busy += seconds
+        if out.scheduled:
+            self.bound_time[cost.bound] = self.bound_time.get(cost.bound, 0.0) + seconds
+        tokens = {s.seq.seq_id: [self.token] for s in out.scheduled if s.sample}
+        for children in out.forks.values():
+            tokens.update((c.seq_id, [self.token]) for c in children)
+        return RunnerOutput(tokens, seconds=seconds)
+
+    def _moves_s(self, out: SchedulerOutput) -> float:
+        swaps = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
+        seconds = self.block_copy_s(swaps, True) if swaps else 0.0
+        if out.blocks_to_copy:
+            seconds += self.block_copy_s(len(out.blocks_to_copy), False)
+        return seconds
 
 
 class Simulator:
@@ -127,18 +169,20 @@ class Simulator:
                  scheduler: SchedulerConfig | None = None, enable_prefix_caching: bool = True,
                  num_host_blocks: int = 0, block_copy_s: Callable[[int, bool], float] | None = None,
                  vocab_size: int = 32000, seed: int = 0, horizon_s: float = float("inf")):
-        self.step_cost = step_cost
-        self.block_copy_s = block_copy_s or (lambda blocks, across_host: 0.0)
-        self.clock = _Clock()
-        self.kv = KVCacheManager(num_blocks, num_host_blocks, block_size, enable_prefix_caching)
+        self.clock = SimClock()
+        self.executor = ClockExecutor(self.clock, step_cost, block_copy_s or (lambda blocks, across_host: 0.0))
         # Default: the engine's, without the TTFT admission bound (as search.engine_scheduler: plans refuse nothing).
-        self.scheduler = Scheduler(scheduler or SchedulerConfig(interactive=TierLimits()), self.kv, clock=self.clock)
+        config = scheduler or SchedulerConfig(interactive=TierLimits())
+        self.kv = KVCacheManager(num_blocks, num_host_blocks, block_size, enable_prefix_caching)
+        self.core = EngineCore(config, self.kv, self.executor, max_model_len=config.max_model_len, model_id="sim",
+                               clock=self.clock, stream_outputs=False)
+        self.scheduler = self.core.scheduler
         self.vocab = vocab_size
         self.rng = random.Random(seed)
         self.horizon = horizon_s  # stop simulating here (requests still running are left out of the figures)
         self._ids = itertools.count()
         self._prefixes: dict[int, list[int]] = {}
-        self._live: dict[int, tuple[Sequence, Arrival, ClosedLoop | None]] = {}
+        self._live: dict[str, tuple[Arrival, ClosedLoop | None]] = {}
 
     def _tokens(self, a: Arrival) -> list[int]:
         prefix: list[int] = []
@@ -150,7 +194,7 @@ class Simulator:
     def run(self, workload: Workload, measure_from: float = 0.0) -> SimResult:
         """Replay `workload`. Latency figures count the requests that arrive at `measure_from` or later (a
         warm-up before it fills the batch); counts and throughput count every request."""
-        clock, sched = self.clock, self.scheduler
+        clock, core, executor = self.clock, self.core, self.executor
         tiers = {p: TierResult() for p in Priority}
         pending: list[tuple[float, int, Arrival, ClosedLoop | None]] = [(a.time, i, a, None)
                                                                       for i, a in enumerate(workload.arrivals)]
@@ -169,26 +213,24 @@ class Simulator:
             for _ in range(lp.concurrency):
                 send_next(lp, 0.0)
         first_arrival = pending[0][0] if pending else 0.0
-        last_finish, steps, busy, timeline = first_arrival, 0, 0.0, []
-        bound_time: dict[str, float] = {}
+        last_finish, timeline = first_arrival, []
 
-        def end(seq: Sequence, a: Arrival, lp: ClosedLoop | None, status: SequenceStatus) -> None:
+        def end(ro: RequestOutput) -> None:
             nonlocal last_finish
-            tier = tiers[a.priority]
-            t = seq.timings
-            if status is SequenceStatus.FINISHED_LENGTH:
+            a, lp = self._live.pop(ro.request_id)
+            tier, m, out = tiers[a.priority], ro.metrics, ro.outputs[0]
+            if out.finish_reason == "length":
                 tier.completed += 1
-                tier.output_tokens += seq.num_output_tokens
-            if status is SequenceStatus.FINISHED_LENGTH and a.time >= measure_from:
-                tier.ttft.append(t.first_token - t.arrival)
-                tier.latency.append(clock.now - t.arrival)
-                tier.queue.append((t.first_scheduled or t.arrival) - t.arrival)
-                if seq.num_output_tokens > 1:
-                    tier.tpot.append((t.last_token - t.first_token) / (seq.num_output_tokens - 1))
-            elif status is not SequenceStatus.FINISHED_LENGTH:
+                tier.output_tokens += len(out.token_ids)
+                if a.time >= measure_from:
+                    tier.ttft.append(m.first_token_time - m.arrival_time)
+                    tier.latency.append(clock.now - m.arrival_time)
+                    tier.queue.append((m.first_scheduled_time or m.arrival_time) - m.arrival_time)
+                    if len(out.token_ids) > 1:
+                        tier.tpot.append((m.last_token_time - m.first_token_time) / (len(out.token_ids) - 1))
+            else:
                 tier.timed_out += 1
             last_finish = clock.now
-            self._live.pop(seq.seq_id, None)
             if lp is not None:
                 send_next(lp, clock.now)
 
@@ -196,66 +238,44 @@ class Simulator:
             while pending and pending[0][0] <= clock.now:
                 _, _, a, lp = heapq.heappop(pending)
                 self._submit(a, lp, tiers, send_next)
-            if not sched.has_unfinished():
+            if not core.has_unfinished_requests():
                 if not pending or pending[0][0] >= self.horizon:
                     break
                 clock.now = pending[0][0]
                 continue
             if clock.now >= self.horizon:
                 break
-            out = sched.schedule()
-            for seq in out.finished:
-                _, a, lp = self._live[seq.seq_id]
-                end(seq, a, lp, seq.status)
-            cost = self.step_cost([Work(s.num_new_tokens, s.start, s.sample) for s in out.scheduled])
-            seconds = cost.seconds + self._moves_s(out)
-            if seconds <= 0 and not out.scheduled:
+            steps_before = executor.steps
+            for ro in core.step():
+                end(ro)
+            if executor.steps == steps_before:
                 # nothing could run (every sequence waits on a bound): wait for the next arrival
                 if not pending:
                     break
                 clock.now = max(clock.now, pending[0][0])
                 continue
-            clock.now += seconds
-            busy += seconds
-            steps += 1
-            if out.scheduled:
-                bound_time[cost.bound] = bound_time.get(cost.bound, 0.0) + seconds
-            sched.update_from_output(out, {s.seq.seq_id: 0 for s in out.scheduled if s.sample})
-            for s in out.scheduled:
-                seq = s.seq
-                if seq.status is SequenceStatus.RUNNING and \
-                        seq.num_output_tokens >= self._live[seq.seq_id][1].output_tokens:
-                    sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
-                    _, a, lp = self._live[seq.seq_id]
-                    end(seq, a, lp, SequenceStatus.FINISHED_LENGTH)
             timeline.append((clock.now, self.kv.usage().device_usage))
         if len(timeline) > MAX_TIMELINE_POINTS:
             stride = len(timeline) / MAX_TIMELINE_POINTS
             timeline = [timeline[int(i * stride)] for i in range(MAX_TIMELINE_POINTS)]
         usage = self.kv.usage()
-        return SimResult(tiers=tiers, duration_s=last_finish - first_arrival, steps=steps, busy_s=busy,
-                         preemptions=sched.stats().num_preemptions, kv_timeline=timeline,
+        busy = executor.busy
+        return SimResult(tiers=tiers, duration_s=last_finish - first_arrival, steps=executor.steps, busy_s=busy,
+                         preemptions=self.scheduler.stats().num_preemptions, kv_timeline=timeline,
                          prefix_hit_rate=usage.prefix_hit_rate,
-                         bound_share={k: v / busy for k, v in bound_time.items()} if busy else {})
+                         bound_share={k: v / busy for k, v in executor.bound_time.items()} if busy else {})
 
     def _submit(self, a: Arrival, lp: ClosedLoop | None, tiers: dict, send_next) -> None:
         tiers[a.priority].submitted += 1
-        seq = Sequence(seq_id=next(self._ids), request_id=f"sim-{next(self._ids)}", prompt_token_ids=self._tokens(a),
-                       sampling=SamplingParams(max_tokens=a.output_tokens, ignore_eos=True), priority=a.priority,
-                       tenant=a.tenant, cache_salt=a.tenant, timings=SequenceTimings(arrival=a.time))
+        request = EngineRequest(f"sim-{next(self._ids)}", self._tokens(a),
+                                SamplingParams(max_tokens=a.output_tokens, ignore_eos=True), a.priority,
+                                a.tenant, cache_salt=a.tenant, arrival=a.time)
         try:
-            self.scheduler.add_request([seq])
+            self.core.add_request(request)
         except (CapacityExhausted, ContextLengthExceeded) as e:
             tiers[a.priority].rejected += 1
             tiers[a.priority].refused_because = tiers[a.priority].refused_because or str(e)
             if lp is not None:  # a refused client sends its next request a moment later
                 send_next(lp, self.clock.now + REFUSED_RETRY_S)
             return
-        self._live[seq.seq_id] = (seq, a, lp)
-
-    def _moves_s(self, out: SchedulerOutput) -> float:
-        swaps = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
-        seconds = self.block_copy_s(swaps, True) if swaps else 0.0
-        if out.blocks_to_copy:
-            seconds += self.block_copy_s(len(out.blocks_to_copy), False)
-        return seconds
+        self._live[request.request_id] = (a, lp)

@@ -11,10 +11,9 @@ one usage row with the engine's real token counts), whether it finished or was a
 from __future__ import annotations
 
 import asyncio
-import copy
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from kvserve.config import ServerConfig
@@ -22,6 +21,7 @@ from kvserve.engine.client import RequestStream, check_available
 from kvserve.engine.errors import (CapacityExhausted, ContextLengthExceeded, InsufficientQuota, InvalidRequest,
                                    ModelWarming, QueueTimeout, RateLimitExceeded, ServerDraining)
 from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.request import EngineRequest
 from kvserve.engine.sampling import SamplingParams
 from kvserve.metering.gate import MeteringGate
 from kvserve.service import protocol as p
@@ -220,26 +220,25 @@ class CompletionService:
         default_max = self.config.default_max_tokens
 
         def params_for(ids: list[int]) -> SamplingParams:
-            sp = copy.deepcopy(params)
-            if sp.max_tokens is None:  # the default, capped by what the context leaves (the engine checks it)
-                sp.max_tokens = max(1, min(default_max, max_len - len(ids)))
-                sp.min_tokens = min(sp.min_tokens, sp.max_tokens)
-            return sp
+            if params.max_tokens is not None:
+                return params
+            # the default, capped by what the context leaves (the engine checks it)
+            max_tokens = max(1, min(default_max, max_len - len(ids)))
+            return replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
 
-        per_request = [params_for(ids) for ids in prompts]
+        requests = [EngineRequest(rid, ids, params_for(ids), c.tier, c.tenant, cache_salt=c.tenant)
+                    for rid, ids in zip(c.request_ids, prompts)]
         try:
             rate = await self.metering.admit(c.tenant, handle.id, handle.spec.price, c.tier,
-                                             [(rid, len(ids), sp.max_tokens * sp.n)
-                                              for rid, ids, sp in zip(c.request_ids, prompts, per_request)])
+                                             [(r.request_id, len(r.prompt_token_ids), r.params.max_tokens * r.params.n)
+                                              for r in requests])
             c.rate_headers = rate.headers() if rate is not None else {}
         except BaseException:
             for rid in c.request_ids:
                 c.finished.add(rid)
                 handle.unregister(rid)
             raise
-        results = await asyncio.gather(*(
-            handle.client.submit(ids, sp, request_id=rid, priority=c.tier, tenant=c.tenant, cache_salt=c.tenant)
-            for rid, ids, sp in zip(c.request_ids, prompts, per_request)), return_exceptions=True)
+        results = await asyncio.gather(*(handle.client.submit(r) for r in requests), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             never_ran = []

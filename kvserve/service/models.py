@@ -48,12 +48,11 @@ def in_process_client(spec: ServedModel, config: EngineConfig, on_step: Callable
         from kvserve.engine.llm_engine import LLMEngine
         from kvserve.models.catalog import resolve_source
 
-        from kvserve.planning.calibrate import seed_engine
+        from kvserve.planning.calibrate import calibrated_prior
 
         path = resolve_source(spec.source, spec.engine_args.get("install", ""))
-        engine = LLMEngine(replace(cfg, model=str(path)), model_id=spec.id)
-        seed_engine(engine, spec.id)  # admission estimates from this machine's calibration, when it has one
-        return engine
+        # admission estimates from this machine's calibration, when it has one
+        return LLMEngine(replace(cfg, model=str(path)), model_id=spec.id, step_time_prior=calibrated_prior(spec.id))
 
     return AsyncLLM(config, model_id=spec.id, on_step=on_step, on_finish=on_finish, engine_factory=factory)
 

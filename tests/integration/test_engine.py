@@ -226,7 +226,7 @@ def test_a_thousand_aborted_requests_leak_nothing(_weights, tiny_llama_gguf):
         prompt = shared[:rng.randrange(0, 64)] + [rng.randrange(100, 40_000) for _ in range(rng.randrange(1, 40))]
         params = SamplingParams(n=rng.choice([1, 1, 1, 2, 4]), temperature=rng.choice([0.0, 1.0]), seed=i,
                                 max_tokens=rng.randrange(1, 64), ignore_eos=True)
-        ids.append(eng.add_request(prompt, params, priority=rng.choice(["interactive", "batch"])))
+        ids.append(eng.add_request(eng.request(prompt, params, priority=rng.choice(["interactive", "batch"]))))
     finished, swapped = set(), 0
     for _ in range(12):
         finished.update(ro.request_id for ro in eng.step() if ro.finished)
@@ -370,15 +370,15 @@ def test_stops_lengths_logprobs_and_text(llm, tokenizer):
 def test_admission_errors(_weights):
     eng = make_engine(MODEL, dtype="float32", kv_cache_memory="16MiB", swap_space=0,
                       interactive=TierLimits(max_waiting=2))
-    ids = [eng.add_request("Hello there", SamplingParams(max_tokens=4)) for _ in range(2)]
+    ids = [eng.add_request(eng.request("Hello there", SamplingParams(max_tokens=4))) for _ in range(2)]
     with pytest.raises(CapacityExhausted) as exc:
-        eng.add_request("Hello there", SamplingParams(max_tokens=4))
+        eng.add_request(eng.request("Hello there", SamplingParams(max_tokens=4)))
     assert exc.value.reason == "queue_full" and exc.value.retry_after >= 1
-    eng.add_request("Hello there", SamplingParams(max_tokens=4), priority="batch")  # the other tier has room
+    eng.add_request(eng.request("Hello there", SamplingParams(max_tokens=4), priority="batch"))  # the other tier has room
     with pytest.raises(ContextLengthExceeded):
-        eng.add_request(list(range(100, 100 + eng.max_model_len)), SamplingParams(max_tokens=1))
+        eng.add_request(eng.request(list(range(100, 100 + eng.max_model_len)), SamplingParams(max_tokens=1)))
     with pytest.raises(ContextLengthExceeded):
-        eng.add_request("Hello there", SamplingParams(max_tokens=eng.max_model_len))
+        eng.add_request(eng.request("Hello there", SamplingParams(max_tokens=eng.max_model_len)))
     for rid in ids:
         assert eng.abort_request(rid).outputs[0].finish_reason == "abort"
     while eng.has_unfinished_requests():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import random
-from copy import deepcopy
 
 import torch
 
@@ -38,7 +37,7 @@ def test_an_interjected_sampled_request_and_the_steps_after_it(tiny_llama_gguf):
     hot = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)
     with torch_threads(1):
         eng = make_engine(tiny_llama_gguf, dtype="float32", num_gpu_blocks_override=128, max_num_seqs=16)
-        ids = [eng.add_request([rng.randrange(100, 40_000) for _ in range(n)], deepcopy(greedy), priority="batch")
+        ids = [eng.add_request(eng.request([rng.randrange(100, 40_000) for _ in range(n)], greedy, priority="batch"))
                for n in (30, 18, 45)]
         eng.step()
         eng.step()  # the batch work decodes now
@@ -47,8 +46,8 @@ def test_an_interjected_sampled_request_and_the_steps_after_it(tiny_llama_gguf):
 
         def run_interjection():
             flag.value = 0
-            ids.append(eng.add_request([rng.randrange(100, 40_000) for _ in range(26)], deepcopy(hot),
-                                       priority="interactive"))
+            ids.append(eng.add_request(eng.request([rng.randrange(100, 40_000) for _ in range(26)], hot,
+                                       priority="interactive")))
             interjected.append(eng.interject())
 
         eng.interjection = Interjection(flag, run_interjection)

@@ -265,11 +265,11 @@ def test_gated_mlp_matches_torch(native, dtype, activation, monkeypatch):
 def test_a_built_model_asks_the_backend_chosen_at_load(native, tiny_llama_gguf):
     """The hardware path is decided once (models/backend.prepare) and every layer asks it."""
     from kvserve.models.layers import GatedMLP, RMSNorm, Rotary, SelfAttention
-    from kvserve.models.loader import build_model, load_checkpoint
+    from kvserve.models.loader import build_model, load_checkpoint, plan_for
 
     ck = load_checkpoint(tiny_llama_gguf)
     for dtype, kernels in [(torch.float32, True), (torch.float16, False)]:
-        model = build_model(ck, dtype, torch.device("cpu"), 256)
+        model = build_model(ck, plan_for(ck, dtype), 256)
         expected = Backend("cpu-native", native) if kernels else Backend("cpu-torch")
         assert model.backend == expected
         layers = [m for m in model.modules() if isinstance(m, (RMSNorm, Rotary, SelfAttention, GatedMLP))]

@@ -12,12 +12,12 @@ import asyncio
 import random
 import time
 from collections import defaultdict
-from copy import deepcopy
 from dataclasses import replace
 
 import pytest
 
 from kvserve.config import TierLimits, engine_config_from_kwargs
+from kvserve.engine.request import EngineRequest
 from kvserve.engine.sampling import SamplingParams
 from tests.engine_checks import (Draw, Req, SeededDrawReplay, assert_no_leaks, compare_outputs, drive, forks_as_singles,
                                  make_engine, shared_weights, torch_threads)
@@ -243,7 +243,7 @@ def test_a_request_resumed_after_its_first_tokens_goes_on_as_it_would_have(tiny)
                     replay=lambda request, fork, prefix: base(request, fork, sent[request] + prefix))
     assert_no_leaks(eng)
     with pytest.raises(InvalidRequest, match="n = 1"):
-        eng.add_request(reqs[0].prompt, SamplingParams(n=2, temperature=1.0), resumed_token_ids=sent[0])
+        eng.add_request(eng.request(reqs[0].prompt, SamplingParams(n=2, temperature=1.0), resumed_token_ids=sent[0]))
 
 
 # ---- aborts ------------------------------------------------------------------------------------------
@@ -263,7 +263,7 @@ def test_aborts_at_random_points_leak_nothing(tiny):
             prompt = head + rand_tokens(rng, rng.randrange(1, 60))
             params = SamplingParams(n=rng.choice([1, 1, 1, 2, 3]), temperature=rng.choice([0.0, 1.0]),
                                     seed=rng.randrange(1000), max_tokens=rng.randrange(1, 30), ignore_eos=True)
-            live.append(eng.add_request(prompt, params, priority=rng.choice(["interactive", "batch"])))
+            live.append(eng.add_request(eng.request(prompt, params, priority=rng.choice(["interactive", "batch"]))))
         for ro in eng.step():
             if ro.finished:
                 live.remove(ro.request_id)
@@ -336,13 +336,13 @@ def test_admission_errors(tiny):
 
     eng = engine(tiny, interactive=TierLimits(max_waiting=2))
     rng = random.Random(9)
-    ids = [eng.add_request(rand_tokens(rng, 10), SamplingParams(max_tokens=4)) for _ in range(2)]
+    ids = [eng.add_request(eng.request(rand_tokens(rng, 10), SamplingParams(max_tokens=4))) for _ in range(2)]
     with pytest.raises(CapacityExhausted):
-        eng.add_request(rand_tokens(rng, 10), SamplingParams(max_tokens=4))
+        eng.add_request(eng.request(rand_tokens(rng, 10), SamplingParams(max_tokens=4)))
     with pytest.raises(ContextLengthExceeded):
-        eng.add_request(rand_tokens(rng, eng.max_model_len), SamplingParams(max_tokens=4))
+        eng.add_request(eng.request(rand_tokens(rng, eng.max_model_len), SamplingParams(max_tokens=4)))
     with pytest.raises(ContextLengthExceeded):
-        eng.add_request(rand_tokens(rng, 10), SamplingParams(max_tokens=eng.max_model_len))
+        eng.add_request(eng.request(rand_tokens(rng, 10), SamplingParams(max_tokens=eng.max_model_len)))
     for rid in ids:
         eng.abort_request(rid)
     assert_no_leaks(eng)
@@ -424,7 +424,7 @@ def test_an_interjected_interactive_request_changes_no_output(tiny, path):
                 if ro.finished:
                     finals[ro.request_id] = ro
 
-        ids = [eng.add_request(r.prompt, deepcopy(r.params), priority=r.priority) for r in flood]
+        ids = [eng.add_request(eng.request(r.prompt, r.params, priority=r.priority)) for r in flood]
         collect(eng.step())
         collect(eng.step())  # the flood decodes now
         if interject:
@@ -432,14 +432,14 @@ def test_an_interjected_interactive_request_changes_no_output(tiny, path):
 
             def run_interjection():
                 flag.value = 0
-                ids.append(eng.add_request(chat.prompt, deepcopy(chat.params), priority=chat.priority))
+                ids.append(eng.add_request(eng.request(chat.prompt, chat.params, priority=chat.priority)))
                 outputs = eng.interject()
                 seen.append([(ro.request_id, list(ro.outputs[0].token_ids)) for ro in outputs])
                 collect(outputs)
 
             eng.interjection = Interjection(flag, run_interjection)
         else:
-            ids.append(eng.add_request(chat.prompt, deepcopy(chat.params), priority=chat.priority))
+            ids.append(eng.add_request(eng.request(chat.prompt, chat.params, priority=chat.priority)))
         while eng.has_unfinished_requests():
             collect(eng.step())
         for rid in ids:
@@ -470,9 +470,9 @@ def test_an_interjection_applies_interactive_adds_only_and_holds_the_rest():
             self.calls = []
             self.scheduler = Scheduler(SchedulerConfig(), KVCacheManager(8))
 
-        def add_request(self, request_id=None, **kwargs):
-            self.calls.append(("add", request_id))
-            return request_id
+        def add_request(self, request):
+            self.calls.append(("add", request.request_id))
+            return request.request_id
 
         def abort_request(self, request_id):
             self.calls.append(("abort", request_id))
@@ -481,7 +481,7 @@ def test_an_interjection_applies_interactive_adds_only_and_holds_the_rest():
     llm.engine = Recorder()
 
     def add(request_id, priority):
-        cmd = _Add(dict(request_id=request_id, priority=priority), None, Future())
+        cmd = _Add(EngineRequest(request_id, [1], priority=priority), None, Future())
         llm._commands.put(cmd)
         return cmd
 
@@ -489,13 +489,12 @@ def test_an_interjection_applies_interactive_adds_only_and_holds_the_rest():
     llm._commands.put(_Abort("old"))
     chat = add("chat-1", None)  # no priority: interactive
     add("chat-2", "interactive")
-    add("bad", "urgent")  # refused by add_request in its turn, not here
     llm._interject_flag.value = 1
     llm._apply_commands(interactive_adds_only=True)
     assert llm.engine.calls == [("add", "chat-1"), ("add", "chat-2")] and chat.done.result() == "chat-1"
     assert llm.is_stalled(timeout=-1.0), "held commands are pending work"
     llm._apply_commands()
-    assert llm.engine.calls[2:] == [("add", "batch-1"), ("abort", "old"), ("add", "bad")]
+    assert llm.engine.calls[2:] == [("add", "batch-1"), ("abort", "old")]
     assert llm._interject_flag.value == 0 and not llm._held
 
 
@@ -508,9 +507,9 @@ def test_engine_time_split_over_requests_adds_up_to_the_busy_time(tiny):
     rng = random.Random(5)
     eng = engine(tiny, max_num_batched_tokens=64, num_gpu_blocks_override=48, swap_space="1MiB")
     params = dict(max_tokens=6, ignore_eos=True, temperature=0)
-    ids = [eng.add_request(rand_tokens(rng, n), SamplingParams(**params)) for n in (200, 8, 40, 3)]
-    ids.append(eng.add_request(rand_tokens(rng, 20), SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=5)))
-    victim = eng.add_request(rand_tokens(rng, 30), SamplingParams(max_tokens=50, ignore_eos=True))
+    ids = [eng.add_request(eng.request(rand_tokens(rng, n), SamplingParams(**params))) for n in (200, 8, 40, 3)]
+    ids.append(eng.add_request(eng.request(rand_tokens(rng, 20), SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=5))))
+    victim = eng.add_request(eng.request(rand_tokens(rng, 30), SamplingParams(max_tokens=50, ignore_eos=True)))
     busy, finals, steps = 0.0, {}, 0
     while eng.has_unfinished_requests():
         for ro in eng.step():

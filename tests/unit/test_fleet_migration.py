@@ -11,6 +11,7 @@ from kvserve.config import FleetConfig, ServedModel
 from kvserve.engine.client import EngineStatus
 from kvserve.engine.errors import CapacityExhausted, ModelFailed, to_wire
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.engine.request import EngineRequest
 from kvserve.engine.sampling import SamplingParams
 from kvserve.fleet import wire
 from kvserve.fleet.client import FleetClient
@@ -21,16 +22,16 @@ class FakeReplica:
 
     def __init__(self, rid: str, die_after: int | None = None, refuse: Exception | None = None):
         self.rid, self.die_after, self.refuse = rid, die_after, refuse
-        self.payloads: list[dict] = []
+        self.calls: list[tuple[EngineRequest, dict]] = []
 
-    async def generate(self, payload: dict):
-        self.payloads.append(payload)
+    async def generate(self, request: EngineRequest, route: dict):
+        self.calls.append((request, route))
         if self.refuse is not None:
             yield (wire.REFUSED, self.rid, to_wire(self.refuse))
             return
         yield (wire.ACCEPTED, self.rid, "v1")
-        start = len(payload.get("resumed_token_ids") or [])
-        total = payload["params"].max_tokens
+        start = len(request.resumed_token_ids)
+        total = request.params.max_tokens
         pos, charged = start, 0.0
         while pos < total:
             if self.die_after is not None and pos >= self.die_after:
@@ -41,7 +42,7 @@ class FakeReplica:
             o = CompletionOutput(0, delta_text="".join(f"<{t}>" for t in toks), delta_token_ids=toks,
                                  finish_reason="length" if done else None)
             charged += 0.25  # engine seconds, cumulative per replica as an engine reports them
-            yield (wire.OUTPUTS, [RequestOutput(payload["request_id"], None, [], [o], done, engine_seconds=charged)])
+            yield (wire.OUTPUTS, [RequestOutput(request.request_id, None, [], [o], done, engine_seconds=charged)])
             await asyncio.sleep(0)
 
 
@@ -70,14 +71,14 @@ class FakeHandle:
     def generate(self):
         return self
 
-    def remote(self, payload: dict):
-        live = [r for r in self.replicas if r.rid not in payload.get("exclude", [])]
+    def remote(self, request: EngineRequest, route: dict):
+        live = [r for r in self.replicas if r.rid not in route["exclude"]]
         if not live:
             async def none():
                 await asyncio.sleep(3600)
                 yield None
             return FakeGen(none())
-        return FakeGen(live[0].generate(payload))
+        return FakeGen(live[0].generate(request, route))
 
 
 def client_for(replicas: list[FakeReplica], **fleet) -> tuple[FleetClient, list[RequestOutput]]:
@@ -91,8 +92,8 @@ def client_for(replicas: list[FakeReplica], **fleet) -> tuple[FleetClient, list[
 
 
 async def consume(c: FleetClient, max_tokens: int, n: int = 1):
-    stream = await c.submit([1, 2, 3, 4], SamplingParams(max_tokens=max_tokens, n=n), request_id="r",
-                            priority="interactive", tenant="t", cache_salt="t")
+    stream = await c.submit(EngineRequest("r", [1, 2, 3, 4], SamplingParams(max_tokens=max_tokens, n=n), tenant="t",
+                                          cache_salt="t"))
     seen = []
     async for out in stream:
         seen += out.outputs[0].delta_token_ids
@@ -105,7 +106,7 @@ def test_a_stream_moves_on_when_its_replica_dies():
     c, finished = client_for([a, b])
     stream, seen, last = asyncio.run(consume(c, 9))
     assert seen == list(range(100, 109))  # no gap, no repeat
-    assert b.payloads[0]["resumed_token_ids"] == [100, 101, 102, 103] and b.payloads[0]["exclude"] == ["a"]
+    assert b.calls[0][0].resumed_token_ids == (100, 101, 102, 103) and b.calls[0][1]["exclude"] == ["a"]
     assert last.finished and last.outputs[0].token_ids == list(range(100, 109))
     assert last.outputs[0].text == "".join(f"<{t}>" for t in range(100, 109))
     assert [f.num_completion_tokens for f in finished] == [9] and finished[0].outputs[0].finish_reason == "length"
@@ -119,7 +120,7 @@ def test_past_the_migration_limit_the_request_fails_and_says_so():
 
     async def run():
         seen = []
-        stream = await c.submit([1], SamplingParams(max_tokens=20), request_id="r", priority="batch", tenant="t")
+        stream = await c.submit(EngineRequest("r", [1], SamplingParams(max_tokens=20), "batch", "t"))
         with pytest.raises(ModelFailed, match="migration limit"):
             async for out in stream:
                 seen += out.outputs[0].delta_token_ids
@@ -135,7 +136,7 @@ def test_no_replica_left_ends_the_stream_within_the_route_timeout():
     c, finished = client_for([FakeReplica("a", die_after=2)])
 
     async def run():
-        stream = await c.submit([1], SamplingParams(max_tokens=8), request_id="r", priority="batch", tenant="t")
+        stream = await c.submit(EngineRequest("r", [1], SamplingParams(max_tokens=8), "batch", "t"))
         with pytest.raises(ModelFailed, match="no replica"):
             async for _ in stream:
                 pass
@@ -156,7 +157,7 @@ def test_a_full_replica_sends_the_request_to_another_and_a_full_pool_refuses():
     a, b = FakeReplica("a", refuse=full), FakeReplica("b")
     c, _ = client_for([a, b])
     _, seen, _ = asyncio.run(consume(c, 4))
-    assert seen == [100, 101, 102, 103] and b.payloads[0]["exclude"] == ["a"]
+    assert seen == [100, 101, 102, 103] and b.calls[0][1]["exclude"] == ["a"]
     c2, finished = client_for([FakeReplica("a", refuse=full), FakeReplica("b", refuse=full)])
     with pytest.raises(CapacityExhausted) as e:
         asyncio.run(consume(c2, 4))
@@ -167,7 +168,7 @@ def test_an_abort_cancels_the_replica_stream_and_reports_once():
     c, finished = client_for([FakeReplica("a")])
 
     async def run():
-        stream = await c.submit([1], SamplingParams(max_tokens=50), request_id="r", priority="batch", tenant="t")
+        stream = await c.submit(EngineRequest("r", [1], SamplingParams(max_tokens=50), "batch", "t"))
         await stream.__anext__()
         gen = stream._gen
         c.abort("r")

@@ -230,13 +230,13 @@ def test_pack_weight_checks_the_tile_shape():
 def test_a_quantized_checkpoint_is_held_once_in_its_own_bits(tmp_path, smollm2_gguf_path, quant, bits):
     """weights auto keeps a 4-bit file's matrices at 4 bits and a 5-bit one's at 8, packed for the fused
     decoder's GEMMs, which the per-op path reads too: no dense, oneDNN or second packed copy."""
-    from kvserve.models.loader import build_model
+    from kvserve.models.loader import build_model, plan_for
     from tests.gguf_factory import TinySpec, write_tiny_gguf
 
     path = tmp_path / f"tiny-{quant}.gguf"
     write_tiny_gguf(path, TinySpec(arch="llama", quant=quant, layers=2), str(smollm2_gguf_path))
     ck = load_checkpoint(path)
-    model = build_model(ck, torch.bfloat16, torch.device("cpu"), 512)
+    model = build_model(ck, plan_for(ck, torch.bfloat16), 512)
     assert model.native_decoder is not None and not model.native_decoder._packed
     projections = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
@@ -348,7 +348,7 @@ def test_auto_dtype_is_bf16_where_the_fused_decoder_will_serve(checkpoint, monke
     from dataclasses import replace
 
     from kvserve.kernels import isa
-    from kvserve.models.loader import resolve_dtype
+    from kvserve.models.backend import fused_decoder_would_serve, plan, resolve_dtype
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(isa, "native_bf16", lambda: False)
@@ -356,6 +356,11 @@ def test_auto_dtype_is_bf16_where_the_fused_decoder_will_serve(checkpoint, monke
     assert resolve_dtype("auto", cpu, fused=False) == torch.float32
     assert resolve_dtype("float32", cpu, fused=True) == torch.float32  # an explicit choice wins
     config, names = checkpoint.config, set(checkpoint.tensors)
-    assert NativeDecoder.would_serve(config, names) == (native is not None and native.fused)
-    assert not NativeDecoder.would_serve(replace(config, intermediate_size=config.intermediate_size + 8), names)
-    assert not NativeDecoder.would_serve(config, names | {"model.layers.0.self_attn.q_proj.bias"})
+    fused = native is not None and native.fused
+    assert fused_decoder_would_serve(config, names) == fused
+    assert not fused_decoder_would_serve(replace(config, intermediate_size=config.intermediate_size + 8), names)
+    assert not fused_decoder_would_serve(config, names | {"model.layers.0.self_attn.q_proj.bias"})
+    # the plan makes that choice once, with the path it implies
+    the_plan = plan(config, names, device="cpu")
+    assert (the_plan.dtype, the_plan.path) == ((torch.bfloat16, "cpu-fused") if fused else (torch.float32, the_plan.path))
+    assert plan(config, names, device="cpu", native_decoder=False).path != "cpu-fused"

@@ -3,6 +3,7 @@ driving the real scheduler, the plan search and its redundancy arithmetic, the c
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -421,9 +422,13 @@ def test_calibration_profiles_the_real_engine_and_plans_with_it(tmp_path, tiny_l
     from kvserve.config import engine_config_from_kwargs
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.engine.step_time import StepTimeModel
-    from kvserve.planning.calibrate import seed_engine
+    from kvserve.planning.calibrate import calibrated_prior
 
-    engine = LLMEngine(engine_config_from_kwargs(str(tiny_llama_gguf), dtype="float32", num_gpu_blocks_override=512),
-                       model_id="tiny")
-    assert seed_engine(engine, "tiny") and engine.scheduler.step_time.predict(16) != StepTimeModel().predict(16)
-    assert not seed_engine(engine, "another-model")
+    prior = calibrated_prior("tiny")
+    assert prior is not None and prior.dtype == "float32" and calibrated_prior("another-model") is None
+    config = engine_config_from_kwargs(str(tiny_llama_gguf), dtype="float32", num_gpu_blocks_override=512)
+    engine = LLMEngine(config, model_id="tiny", step_time_prior=prior)
+    assert engine.scheduler.step_time.predict(16) == prior.model.predict(16) != StepTimeModel().predict(16)
+    # measured at another dtype: the engine keeps the generic defaults
+    engine = LLMEngine(config, model_id="tiny", step_time_prior=replace(prior, dtype="bfloat16"))
+    assert engine.scheduler.step_time.predict(16) == StepTimeModel().predict(16)

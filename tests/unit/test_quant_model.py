@@ -9,7 +9,8 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import ConfigError
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.models import quant
-from kvserve.models.loader import build_model, checkpoint_header, describe_forms, load_checkpoint, weights_label
+from kvserve.models.loader import (build_model, checkpoint_header, describe_forms, load_checkpoint, plan_for,
+                                   weights_label)
 from kvserve.models.quant import QuantizedMatrix
 from tests.parity import PagedHarness, rel_err
 
@@ -51,7 +52,7 @@ def test_an_engine_build_consumes_its_checkpoint(tiny_llama_gguf):
     """The engine's load gives the model the checkpoint's tensors, so each unpacked matrix can be freed as it
     is packed (the weights are never held twice)."""
     ck = load_checkpoint(tiny_llama_gguf)
-    build_model(ck, torch.float32, torch.device("cpu"), 256, consume=True)
+    build_model(ck, plan_for(ck, torch.float32), 256, consume=True)
     assert ck.tensors == {}
 
 

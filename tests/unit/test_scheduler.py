@@ -90,7 +90,7 @@ class Harness:
     def finish_step(self, out: SchedulerOutput, seconds: float = 0.01) -> SchedulerOutput:
         self.outputs.append(out)
         self.clock.t += seconds
-        sampled = {ss.seq.seq_id: 7 for ss in out.scheduled if ss.sample}
+        sampled = {ss.seq.seq_id: [7] for ss in out.scheduled if ss.sample}
         self.sched.update_from_output(out, sampled)
         for ss in out.scheduled:
             self.served[ss.seq.tenant] += ss.num_new_tokens

@@ -18,6 +18,7 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.errors import (CapacityExhausted, ContextLengthExceeded, InvalidRequest, ModelFailed, ModelNotFound,
                                    ModelWarming)
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.engine.request import EngineRequest
 from kvserve.engine.sampling import InvalidSamplingParams, SamplingParams
 from kvserve.service import protocol as p
 from kvserve.server.errors import APIError, retry_after_header, to_api_error
@@ -169,7 +170,7 @@ def test_chat_request_defaults_and_extras():
         "max_completion_tokens": 7, "max_tokens": 99, "logprobs": True, "top_logprobs": 3, "priority": "batch",
         "metadata": {"tenant_id": "t", "request_id": "r-1", "free": 3}})
     sp = req.sampling_params()
-    assert sp.max_tokens == 7 and sp.top_k == 5 and sp.repetition_penalty == 1.1 and sp.stop == ["END"]
+    assert sp.max_tokens == 7 and sp.top_k == 5 and sp.repetition_penalty == 1.1 and sp.stop == ("END",)
     assert sp.logprobs == 3 and req.priority == "batch" and req.tenant_id == "t" and req.client_request_id == "r-1"
     assert req.template_messages()[0] == {"role": "system", "content": "be brief"}
     plain = p.ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}]})
@@ -325,9 +326,9 @@ class _FakeEngine:
         self.kv = KVCacheManager(8)
         self.scheduler = Scheduler(SchedulerConfig(), self.kv)  # pure Python: the real stats shape
 
-    def add_request(self, prompt=None, request_id=None, **kw):
-        self.requests[request_id] = prompt
-        return request_id
+    def add_request(self, request):
+        self.requests[request.request_id] = request.prompt_token_ids
+        return request.request_id
 
     def abort_request(self, request_id):
         self.requests.pop(request_id, None)
@@ -363,8 +364,7 @@ def test_health_and_ready_in_process(tmp_path):
                 handle.client.wait_ready(5)
                 assert (await c.get("/ready")).status_code == 200
                 assert (await c.get("/health")).status_code == 200
-                await handle.client.submit([1, 2], SamplingParams(), request_id="r1", priority="interactive",
-                                           tenant="t")
+                await handle.client.submit(EngineRequest("r1", [1, 2], SamplingParams(), tenant="t"))
                 await asyncio.sleep(0.6)  # work pending, no step finishes
                 h = await c.get("/health")
                 assert h.status_code == 503 and h.json()["unhealthy_models"] == ["fake"]
