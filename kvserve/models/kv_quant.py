@@ -6,9 +6,8 @@ swap or a prefix hit moves the scales with the values.
 Symmetric, per group of 16: scale = fp16(max|x| / 127), q = round-half-even(x / scale), clamped to
 +-127. Every value comes back within half a step (about max|x| / 254) of its own. Small groups, not one
 scale a row: keys carry a few large channels, and a scale shared with one of them leaves the channels
-beside it a handful of steps; keys cause most of the error (BENCHMARKS.md's trade-off table), and 16
-halves it against groups of 32 at the same bytes (fp16 scales in place of fp32). The rounding is spelled
-the same in
+beside it a handful of steps; keys, with those channels, cause most of the error, and 16 halves it
+against groups of 32 at the same bytes (fp16 scales in place of fp32). The rounding is spelled the same in
 torch (here: the per-op path, CUDA) and in the fused CPU decoder (kernels/cpu_common.h,
 quantize_kv_row / dequantize_kv_row), so a row's bytes, and the bf16 values attention reads back, do not
 depend on which path wrote or reads it.

@@ -73,7 +73,7 @@ class NativeDecoder:
     """
 
     # Rows per step. With prefill attention on tiles, W1's 2048-token prefill steps run faster fused than
-    # per op (SDPA and oneDNN; see BENCHMARKS.md, Profile, and the design it decided).
+    # per op (SDPA and oneDNN, each op dispatched alone over data that left the caches), so they stay fused.
     max_tokens = 4096
     max_attention_keys = 1 << 16  # over rows attending alone: the sum of the keys each attends to
     tile_min_rows = 8  # a chunk this long attends on tiles (below it, packing its keys costs more than it saves)
@@ -158,8 +158,8 @@ class NativeDecoder:
     def applies(self, h: torch.Tensor, meta: AttentionMetadata, kv_caches) -> bool:
         """Whether the kernel serves this step (see the module docstring) on contiguous bf16 or 8-bit caches. It
         takes small decode batches too, where a checkpoint's 4-bit weights would otherwise serve them:
-        a decode step of SmolLM2 runs faster fused than per op on the 4-bit weights (see BENCHMARKS.md,
-        Profile, and the design it decided)."""
+        a decode step of SmolLM2 runs faster fused than per op on the 4-bit weights, as per op it pays a
+        dispatch and cold caches for every small operation of every layer."""
         m = h.shape[0]
         if m == 0 or m > self.max_tokens:
             return False

@@ -260,7 +260,47 @@ def test_benchmarks_md_keeps_a_section_per_cpu_kind(tmp_path):
     assert md.index("amx page") < md.index("avx2 page") < md.index("## Fleet benchmarks")
     assert md.index("avx2 page") < md.index("### Where a W1-shaped step's time goes")  # in its kind, one level down
     assert "never rendered" not in md
-    assert report.CPU_KINDS["avx512"] not in md  # a kind never rendered has no section
+    assert f"## {report.CPU_KINDS['avx512']}" not in md  # a kind never rendered has no section
+
+
+def test_benchmarks_md_opens_with_a_summary_per_cpu_kind(tmp_path):
+    """Before the kinds' sections: per kind, kvserve's median / each peer's and the ratio, read from the kind's
+    rendered pages (the page's own ratio where it gives one) and from an earlier peers page of that kind; a kind
+    with no page says so."""
+    from benchmarks import report
+
+    cpu = tmp_path / "cpu"
+    cpu.mkdir()
+    w1w2 = ("### W1 throughput and W2 single-stream latency\n\n"
+            "| target | W1 out tok/s | W2 TTFT p50 | W2 TPOT p50 |\n|---|---|---|---|\n"
+            "| kvserve | 300.0 [290.0-310.0] | 150 [140-160] | 12.0 |\n| vLLM CPU | 200.0 | 300 | 24.0 |\n"
+            "| llama.cpp Q4_1 | - | - | - |\n")
+    ratios = ("### kvserve against each peer\n\n| figure | kvserve | kvserve / vLLM CPU |\n|---|---|---|\n"
+              "| W1 out tok/s (higher is better) | 300.0 | 1.49x |\n")
+    (cpu / "avx512.md").write_text(f"## {report.CPU_KINDS['avx512']}\n\nfrom the suite session `s1` on ...\n\n"
+                                   "### Machine\n\n- CPU: EPYC, 2 cores; avx512f, avx512_bf16.\n\n"
+                                   + w1w2 + "\n```bash\n| not | a table |\n```\n\n" + ratios)
+    (cpu / "avx512-models.md").write_text(
+        "### Larger models: shapes\n\nFrom the suite session `shapes` (started ...)\n\n"
+        "| model | engine | weights | W1 out tok/s | W2 TTFT p50 | W2 TPOT p50 |\n|---|---|---|---|---|---|\n"
+        "| m1 | kvserve | int4 | 50.0 | 1000 | 30.0 |\n| m1 | llama.cpp | Q4_K_M file | 25.0 | 2000 | 30.0 |\n"
+        "| m1 | kvserve / llama.cpp |  | 2.00x | 0.50x | 1.00x |\n")
+    (tmp_path / "peers.md").write_text("# Benchmarks\n\nfrom the suite session `old-peers`\n\n## Machine\n\n"
+                                       "- CPU: Xeon, 2 cores; avx512f, avx512_bf16, amx. Load 1\n\n"
+                                       + w1w2.replace("vLLM CPU", "llama.cpp BF16"))
+    md = report.assemble(tmp_path)
+    summary = md[md.index("## Summary"):md.index(f"## {report.CPU_KINDS['avx512']}")]
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in summary.splitlines()
+            if line.startswith("| ")}
+    # the page's ratio (1.49x) over the medians' (1.50x); the rest from the medians
+    assert "| 300.0 / 200.0 | 1.49x | 12.0 / 24.0 | 0.50x | 150 / 300 | 0.50x | `s1` |" in rows[("SmolLM2-135M",
+                                                                                                 "vLLM CPU")]
+    assert ("SmolLM2-135M", "llama.cpp Q4_1") not in rows  # a peer with no figures
+    assert "| 50.0 / 25.0 | 2.00x | 30.0 / 30.0 | 1.00x | 1000 / 2000 | 0.50x | `shapes` |" in rows[("m1", "llama.cpp")]
+    amx = summary[summary.index(report.CPU_KINDS["amx"]):summary.index(report.CPU_KINDS["avx512"])]
+    assert "| SmolLM2-135M | llama.cpp BF16 | 300.0 / 200.0 | 1.50x |" in amx and "(docs/bench/peers.md)" in amx
+    avx2 = summary[summary.index(report.CPU_KINDS["avx2"]):]
+    assert "No measurement on this kind yet." in avx2 and "| " not in avx2
 
 
 def test_cpu_kind_follows_the_level_a_session_was_held_to():
