@@ -18,9 +18,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator
 
-from kvserve.config import EngineConfig
+from kvserve.config import EngineConfig, InvalidPriority
 from kvserve.engine.client import EngineHealth, EngineStatus, check_available
-from kvserve.engine.errors import InvalidRequest, ModelFailed
+from kvserve.engine.errors import ModelFailed
 from kvserve.engine.interjection import Interjection
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.request import Priority
@@ -44,7 +44,7 @@ class _Sink:
 def _is_interactive(add_kwargs: dict) -> bool:
     try:
         return Priority.parse(add_kwargs.get("priority")) is Priority.INTERACTIVE
-    except InvalidRequest:  # refused by add_request, in its turn
+    except InvalidPriority:  # refused by add_request, in its turn
         return False
 
 

@@ -11,7 +11,6 @@ from kvserve.store.db import (
     Store,
     StoreClosedError,
     default_db_path,
-    kvserve_home,
     migrate,
     store_location,
 )
@@ -32,6 +31,6 @@ from kvserve.store.usage import UsageRecord
 __all__ = [
     "AsyncStore", "BeginOutcome", "BeginResult", "Database", "InvalidTenantName", "MIGRATIONS", "SchemaError",
     "Store", "StoreClosedError", "StoredResponse", "Tenant", "TenantError", "TenantExistsError", "TenantInfo",
-    "TenantNotFoundError", "TenantRevokedError", "TokenInfo", "UsageRecord", "default_db_path", "kvserve_home",
+    "TenantNotFoundError", "TenantRevokedError", "TokenInfo", "UsageRecord", "default_db_path",
     "migrate", "request_body_hash", "store_location", "validate_tenant_name",
 ]

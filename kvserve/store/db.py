@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from kvserve.config import kvserve_home
 from kvserve.store.budgets import BudgetBook
 from kvserve.store.dialect import PostgresConnection, integrity_errors, is_postgres_url
 from kvserve.store.metering import Holds
@@ -47,14 +48,6 @@ Clock = Callable[[], float]
 
 DB_FILENAME = "kvserve.db"
 DEFAULT_BUSY_TIMEOUT_S = 10.0
-
-
-def kvserve_home(configured: str | os.PathLike[str] | None = None) -> Path:
-    """The data directory: `configured` ([server] home) if given, else ``$KVSERVE_HOME`` if set and non-empty,
-    else ``~/.kvserve``. Not created here."""
-    env = os.environ.get("KVSERVE_HOME", "").strip()
-    chosen = configured or env
-    return Path(chosen).expanduser() if chosen else Path.home() / ".kvserve"
 
 
 def default_db_path(home: str | os.PathLike[str] | None = None) -> Path:

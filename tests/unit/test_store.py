@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvserve.config import kvserve_home
 from kvserve.store import (
     AsyncStore,
     BeginOutcome,
@@ -28,7 +29,6 @@ from kvserve.store import (
     TenantRevokedError,
     UsageRecord,
     default_db_path,
-    kvserve_home,
     migrate,
     request_body_hash,
 )
