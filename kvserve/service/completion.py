@@ -23,8 +23,8 @@ from kvserve.engine.errors import (CapacityExhausted, ContextLengthExceeded, Ins
                                    ModelWarming, QueueTimeout, RateLimitExceeded, ServerDraining)
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling import SamplingParams
-from kvserve.metering.gate import MeteringGate
 from kvserve.service import protocol as p
+from kvserve.service.gate import MeteringGate
 from kvserve.service.metrics import ServerMetrics
 from kvserve.service.models import ClientFactory, ModelHandle, RequestInfo, in_process_client, resolve_model
 from kvserve.service.responses import StreamChunks, TokenText, full_response
