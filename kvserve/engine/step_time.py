@@ -73,6 +73,27 @@ def nonnegative_least_squares(a: list[list[float]], b: list[float]) -> list[floa
     return best
 
 
+# A weight dtype as calibrations name it (planning/calibrate.py), by the torch dtype's str().
+DTYPE_LABELS = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+
+
+@dataclass(frozen=True)
+class StepTimePrior:
+    """Step-time coefficients measured on this machine (planning's calibration), as data: an engine starts
+    its StepTimeModel from them instead of the generic defaults, but only at the weight dtype measured."""
+
+    fixed_s: float
+    per_decode_s: float
+    per_prefill_token_s: float
+    weight_dtype: str  # a DTYPE_LABELS value
+
+    def fits(self, dtype) -> bool:
+        return DTYPE_LABELS.get(str(dtype)) == self.weight_dtype
+
+    def model(self) -> "StepTimeModel":
+        return StepTimeModel(self.fixed_s, self.per_decode_s, self.per_prefill_token_s)
+
+
 @dataclass
 class StepTimeModel:
     """seconds ~= fixed_s + per_decode_s * decodes + per_prefill_token_s * prefill_tokens."""

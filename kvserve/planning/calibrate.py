@@ -30,7 +30,7 @@ from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from kvserve.engine.step_time import nonnegative_least_squares
+from kvserve.engine.step_time import DTYPE_LABELS, StepTimePrior, nonnegative_least_squares
 from kvserve.planning.roofline import Deployment, Efficiency, StepModel, StepParts, Work
 from kvserve.planning.specs import AcceleratorSpec, ModelSpec, calibration_path, model_from_dict
 
@@ -146,7 +146,7 @@ def _cpu_name() -> str:
 
 
 def _dtype_name(dtype) -> str:
-    return {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}[str(dtype)]
+    return DTYPE_LABELS[str(dtype)]
 
 
 class _Profiler:
@@ -331,20 +331,30 @@ def step_time_prior(doc: dict, model: ModelSpec):
     return StepTimeModel(fixed_s=fixed, per_decode_s=per_decode, per_prefill_token_s=per_prefill)
 
 
-def seed_engine(engine, model_id: str) -> bool:
-    """Give `engine`'s scheduler the step-time prior of this machine's calibration for `model_id`, if there
-    is one (`kvserve plan calibrate`) and it was measured at the engine's dtype; True when it did."""
+def calibrated_prior(model_id: str) -> StepTimePrior | None:
+    """The step-time prior of this machine's calibration for `model_id` (`kvserve plan calibrate`), as data
+    for the engine builder (engine/in_process.py), which uses it at the dtype it was measured at; None when
+    there is none, or it was measured on another machine (the generic defaults are as good)."""
     path = calibration_path(model_id)
     if not path.is_file():
-        return False
+        return None
     try:
         doc = json.loads(path.read_text())
-        if doc.get("weight_dtype") != _dtype_name(engine.dtype) or doc.get("cpu") != _cpu_name():
-            return False  # measured on another machine or at another dtype: the generic defaults are as good
+        if doc.get("cpu") != _cpu_name():
+            return None
         spec = model_from_dict(doc["model_spec"])  # the very spec the calibration was fitted with
-        engine.scheduler.step_time = step_time_prior(doc, spec)
+        m = step_time_prior(doc, spec)
+        prior = StepTimePrior(m.fixed_s, m.per_decode_s, m.per_prefill_token_s, str(doc["weight_dtype"]))
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("calibration %s not used: %s", path, e)
-        return False
+        return None
     log.info("step-time prior for %s from %s", model_id, path)
-    return True
+    return prior
+
+
+def seed_engine(engine, model_id: str) -> bool:
+    """Give `engine`'s scheduler the step-time prior of this machine's calibration for `model_id`, if there
+    is one and it was measured at the engine's dtype; True when it did."""
+    from kvserve.engine.in_process import seed_step_time
+
+    return seed_step_time(engine, calibrated_prior(model_id))

@@ -427,3 +427,11 @@ def test_calibration_profiles_the_real_engine_and_plans_with_it(tmp_path, tiny_l
                        model_id="tiny")
     assert seed_engine(engine, "tiny") and engine.scheduler.step_time.predict(16) != StepTimeModel().predict(16)
     assert not seed_engine(engine, "another-model")
+    # the prior as data, for engine/in_process.py: measured at float32, it does not fit a bf16 engine
+    from dataclasses import replace
+
+    from kvserve.planning.calibrate import calibrated_prior
+
+    prior = calibrated_prior("tiny")
+    assert prior is not None and prior.fits(engine.dtype) and calibrated_prior("another-model") is None
+    assert not replace(prior, weight_dtype="bf16").fits(engine.dtype)
