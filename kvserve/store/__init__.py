@@ -4,16 +4,16 @@ Sync API: :class:`Store`. In the asyncio server use :class:`AsyncStore`, which r
 writer thread and reads/hashing on a small reader pool.
 """
 from kvserve.store.async_store import AsyncStore
-from kvserve.store.db import (
+from kvserve.store.database import (
     MIGRATIONS,
     Database,
     SchemaError,
-    Store,
     StoreClosedError,
     default_db_path,
     migrate,
     store_location,
 )
+from kvserve.store.db import Store
 from kvserve.store.idempotency import BeginOutcome, BeginResult, StoredResponse, request_body_hash
 from kvserve.store.tenants import (
     InvalidTenantName,

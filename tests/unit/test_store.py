@@ -33,7 +33,7 @@ from kvserve.store import (
     request_body_hash,
 )
 from kvserve.store import tenants as tenants_mod
-from kvserve.store.db import MIGRATIONS, split_sql
+from kvserve.store.database import MIGRATIONS, split_sql
 
 FAST_N = 2**10  # scrypt cost for tests; one test below uses the default
 
