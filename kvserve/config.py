@@ -109,7 +109,7 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     swap_space: int = 1 << 30  # bytes of host memory for swapped-out blocks
     enable_prefix_caching: bool = True
-    # "auto": the model's dtype; "int8": int8 rows with a scale each (models/kv_quant.py), about half the bytes
+    # "auto": the model's dtype; "int8": int8 rows with a scale each (kernels/kv_quant.py), about half the bytes
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self):

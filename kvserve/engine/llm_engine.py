@@ -25,7 +25,7 @@ from kvserve.engine.sampler import Sampler, SamplingMetadata, make_generator
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.scheduler_output import SchedulerOutput
-from kvserve.models import kv_quant
+from kvserve.kernels import kv_quant
 from kvserve.models.catalog import resolve_model
 from kvserve.models.backend import quantized_weights_run
 from kvserve.models.loader import (build_model, checkpoint_header, checkpoint_info, describe_forms, load_checkpoint,
