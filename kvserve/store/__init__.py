@@ -1,4 +1,6 @@
-"""Persistence: tenants and API tokens, the usage ledger, idempotency keys (SQLite, WAL).
+"""Persistence: one schema (SQLite, or PostgreSQL) for tenants and tokens, usage, idempotency keys, budgets and limits.
+
+Layers: database.py (location, connections, migrations) <- the table modules <- db.py (the Store facade).
 
 Sync API: :class:`Store`. In the asyncio server use :class:`AsyncStore`, which runs writes on one
 writer thread and reads/hashing on a small reader pool.
