@@ -393,7 +393,7 @@ def tradeoff_markdown(data: dict, command: str) -> str:
              "time split over its sequences by tokens, prefills included) x the model's `replica_cost_per_hour` "
              "(kvserve/default_models.toml) / 3600 / W1's output tokens x 10^6 (metering.prices.request_cost).",
              "- KV: bf16, or int8 (`kv_cache_dtype = \"int8\"`: each token's row of a kv head as int8 in groups "
-             "of 16 with an fp16 scale each, kvserve/models/kv_quant.py). The 8-bit KV target is measured on "
+             "of 16 with an fp16 scale each, kvserve/kernels/kv_quant.py). The 8-bit KV target is measured on "
              "its own: float32 with an 8-bit cache against float32 (below the table); each int8-KV row is also "
              "compared with the row above it (the same weights, bf16 KV), a figure that bf16's own rounding "
              "moves as much (the accumulation-order line).", "",

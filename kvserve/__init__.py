@@ -3,16 +3,19 @@ from kvserve.kernels import isa as _isa
 
 _isa.apply_to_torch()  # before anything imports torch: it reads its CPU dispatch ceilings once
 
-from kvserve.engine.sampling import SamplingParams  # noqa: E402
-
 __all__ = ["LLM", "SamplingParams"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # LLM pulls in torch; import it lazily so pure-logic modules stay light.
+    # The public API, imported on first use: importing kvserve.config (or any lower module) loads no engine,
+    # and LLM pulls in torch.
     if name == "LLM":
         from kvserve.engine.llm_engine import LLM
 
         return LLM
+    if name == "SamplingParams":
+        from kvserve.engine.sampling import SamplingParams
+
+        return SamplingParams
     raise AttributeError(name)

@@ -58,11 +58,10 @@ def cmd_serve_fleet(args: argparse.Namespace) -> int:
     """`kvserve serve --fleet`: the same API from a gateway over replica pools on Ray Serve (fleet/deploy.py)."""
     from pathlib import Path
 
-    from kvserve.config import ServerConfig
+    from kvserve.config import DEFAULT_CONFIG, ServerConfig, kvserve_home
     from kvserve.fleet import deploy
-    from kvserve.models.catalog import DEFAULT_CONFIG
     from kvserve.server.auth import ensure_dev_tenant
-    from kvserve.store import Store, kvserve_home, store_location
+    from kvserve.store import Store, store_location
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

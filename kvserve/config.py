@@ -4,9 +4,21 @@ Engine argument names follow vLLM's where one exists (block_size, max_num_seqs, 
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field, replace
 from enum import Enum, IntEnum
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "default_models.toml"  # the packaged models file
+
+
+def kvserve_home(configured: str | os.PathLike[str] | None = None) -> Path:
+    """The data directory: `configured` ([server] home) if given, else ``$KVSERVE_HOME`` if set and non-empty,
+    else ``~/.kvserve``. Not created here."""
+    env = os.environ.get("KVSERVE_HOME", "").strip()
+    chosen = configured or env
+    return Path(chosen).expanduser() if chosen else Path.home() / ".kvserve"
 
 
 class PreemptionMode(str, Enum):
@@ -17,6 +29,12 @@ class PreemptionMode(str, Enum):
 
 class ConfigError(ValueError):
     """A configuration value that is not allowed; the message names the key, the value and what is allowed."""
+
+
+class InvalidPriority(ValueError):
+    """A tier label that is neither 'interactive' nor 'batch' (a request's priority): the server maps it to a 400."""
+
+    param = "priority"
 
 
 def _check(owner: str, key: str, value, ok: bool, allowed: str) -> None:
@@ -91,7 +109,7 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     swap_space: int = 1 << 30  # bytes of host memory for swapped-out blocks
     enable_prefix_caching: bool = True
-    # "auto": the model's dtype; "int8": int8 rows with a scale each (models/kv_quant.py), about half the bytes
+    # "auto": the model's dtype; "int8": int8 rows with a scale each (kernels/kv_quant.py), about half the bytes
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
@@ -121,9 +139,7 @@ class Priority(IntEnum):
         try:
             return cls[str(value).upper()]
         except KeyError:
-            from kvserve.engine.errors import InvalidRequest
-
-            raise InvalidRequest(f"priority must be 'interactive' or 'batch', got {value!r}", param="priority") from None
+            raise InvalidPriority(f"priority must be 'interactive' or 'batch', got {value!r}") from None
 
 
 TIER_NAMES = tuple(p.label for p in Priority)
@@ -491,9 +507,6 @@ class ServerConfig:
         `interactive` / `batch` tables are the tier admission limits (TierLimits fields).
         """
         import tomllib
-        from pathlib import Path
-
-        from kvserve.models.catalog import DEFAULT_CONFIG
 
         data = tomllib.loads(Path(path or DEFAULT_CONFIG).read_text())
         server = dict(data.get("server", {}))

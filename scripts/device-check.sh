@@ -2,7 +2,7 @@
 # The CUDA path in a few minutes, on a machine with an NVIDIA GPU (the device tool lends one to some
 # tasks), in under 8 minutes: the engine tests on CUDA, greedy parity with transformers, offline throughput
 # (W1's shape: 64 prompts of 256 tokens, 128 out, at concurrency 32) and single-stream decode (W2's TPOT)
-# for each `weights` setting and KV cache dtype (the 8-bit KV cache runs in torch there: models/kv_quant.py). On CUDA every setting computes from dense bf16 (the loader dequantizes: no
+# for each `weights` setting and KV cache dtype (the 8-bit KV cache runs in torch there: kernels/kv_quant.py). On CUDA every setting computes from dense bf16 (the loader dequantizes: no
 # torch quantized GEMM is wired in); the figures say what each setting costs there.
 #   bash scripts/device-check.sh [OUT_DIR]
 # It needs a CUDA build of torch 2.13.0 in $PY (default .venv/bin/python): the CPU wheel that

@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _token(args, home: str | None) -> str:
     if args.token or os.environ.get("KVSERVE_API_KEY"):
         return args.token or os.environ["KVSERVE_API_KEY"]
-    from kvserve.store import kvserve_home
+    from kvserve.config import kvserve_home
 
     path = kvserve_home(home) / "dev-token"
     if path.is_file():

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from kvserve.engine.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from kvserve.store.db import Database
+    from kvserve.store.database import Database
 
 @dataclass(frozen=True)
 class FileObject:

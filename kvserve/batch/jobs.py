@@ -18,7 +18,7 @@ from kvserve.batch.validate import Line
 from kvserve.engine.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from kvserve.store.db import Database
+    from kvserve.store.database import Database
 
 ACTIVE = ("in_progress", "cancelling")
 ENDED_LINE = ("done", "failed", "expired", "cancelled")

@@ -22,7 +22,8 @@ from kvserve.engine.request import EngineRequest, Priority
 from kvserve.engine.runner import ModelRunner
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.step_time import StepTimePrior
-from kvserve.models import backend, kv_quant
+from kvserve.kernels import kv_quant
+from kvserve.models import backend
 from kvserve.models.catalog import resolve_model
 from kvserve.models.loader import (build_model, checkpoint_header, checkpoint_info, describe_forms, load_checkpoint,
                                    weights_label)
@@ -88,8 +89,7 @@ class LLMEngine:
                                    self.dtype, self.device, kv_int8=self.kv_int8,
                                    eos_token_ids=self.tokenizer.eos_token_ids)
         self.runner = executor
-        dtype_name = str(self.dtype).removeprefix("torch.")
-        prior = step_time_prior.model if step_time_prior is not None and step_time_prior.dtype == dtype_name else None
+        prior = step_time_prior.model() if step_time_prior is not None and step_time_prior.fits(self.dtype) else None
         self.core = EngineCore(sched_cfg, KVCacheManager(num_blocks, num_host_blocks, cache_cfg.block_size,
                                                          cache_cfg.enable_prefix_caching),
                                executor, max_model_len=self.max_model_len, model_id=self.model_id,

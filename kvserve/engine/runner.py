@@ -44,7 +44,7 @@ class ModelRunner:
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
-        cache_dtype = torch.uint8 if kv_int8 else dtype  # int8 rows with their scales (models/kv_quant.py)
+        cache_dtype = torch.uint8 if kv_int8 else dtype  # int8 rows with their scales (kernels/kv_quant.py)
         shape = kv_cache_shape(num_device_blocks, block_size, config.num_kv_heads, config.head_dim, kv_int8)
         self.kv_caches = [(torch.zeros(shape, dtype=cache_dtype, device=device),
                            torch.zeros(shape, dtype=cache_dtype, device=device)) for _ in range(config.num_layers)]

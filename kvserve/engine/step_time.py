@@ -73,6 +73,27 @@ def nonnegative_least_squares(a: list[list[float]], b: list[float]) -> list[floa
     return best
 
 
+# A weight dtype as calibrations name it (planning/calibrate.py), by the torch dtype's str().
+DTYPE_LABELS = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+
+
+@dataclass(frozen=True)
+class StepTimePrior:
+    """Step-time coefficients measured on this machine (planning's calibration), as data: an engine starts
+    its StepTimeModel from them instead of the generic defaults, but only at the weight dtype measured."""
+
+    fixed_s: float
+    per_decode_s: float
+    per_prefill_token_s: float
+    weight_dtype: str  # a DTYPE_LABELS value
+
+    def fits(self, dtype) -> bool:
+        return DTYPE_LABELS.get(str(dtype)) == self.weight_dtype
+
+    def model(self) -> "StepTimeModel":
+        return StepTimeModel(self.fixed_s, self.per_decode_s, self.per_prefill_token_s)
+
+
 @dataclass
 class StepTimeModel:
     """seconds ~= fixed_s + per_decode_s * decodes + per_prefill_token_s * prefill_tokens."""
@@ -145,12 +166,3 @@ class StepTimeModel:
         per_step = max(1, budget - decodes)
         steps = -(-tokens // per_step)
         return steps * self.predict(decodes) + self.per_prefill_token_s * tokens
-
-
-@dataclass(frozen=True)
-class StepTimePrior:
-    """A step-time model calibrated on this machine at one weight dtype (planning/calibrate.py): an engine
-    that runs at that dtype starts its admission estimates from it instead of the generic defaults."""
-
-    dtype: str  # torch's name without "torch.": "bfloat16", "float32"
-    model: StepTimeModel

@@ -163,7 +163,7 @@ def render(config_path: str, *, image: str = "kvserve:latest", config_mount: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvserve.models.catalog import DEFAULT_CONFIG
+    from kvserve.config import DEFAULT_CONFIG
 
     p = argparse.ArgumentParser(prog="python -m kvserve.fleet.kuberay",
                                 description="print a KubeRay RayService manifest for a models TOML")

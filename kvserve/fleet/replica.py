@@ -33,13 +33,14 @@ class EngineReplica:
     async def __init__(self, spec: ServedModel, stall_timeout_s: float = 30.0):
         from ray import serve
 
-        from kvserve.service.models import in_process_client
+        from kvserve.engine.in_process import in_process_client
+        from kvserve.planning.calibrate import calibrated_prior
 
         self.spec = spec
         self.stall_timeout_s = stall_timeout_s
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.accepted = 0  # requests this replica admitted (migrated-in ones too)
-        self.client = in_process_client(spec, spec.engine_config(), None, None).start()
+        self.client = in_process_client(spec, spec.engine_config(), None, None, calibrated_prior(spec.id)).start()
         # Raises if the model failed to load: Serve reports the replica (and a rollout) failed, naming the error.
         await asyncio.to_thread(self.client.wait_ready)
         stream = await self.client.submit(EngineRequest(f"warmup-{self.replica_id}", (1, 2, 3, 4),

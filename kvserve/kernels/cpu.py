@@ -22,8 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.kernels import isa
-from kvserve.models import kv_quant
+from kvserve.kernels import isa, kv_quant
 
 log = logging.getLogger(__name__)
 

@@ -160,7 +160,7 @@ inline __m256 hsum8(const __m256* v) {
 }
 #endif
 
-// ---- the 8-bit KV cache (models/kv_quant.py): a row is dim int8 values, then each 16-group's fp16 scale ----
+// ---- the 8-bit KV cache (kernels/kv_quant.py): a row is dim int8 values, then each 16-group's fp16 scale ----
 // Spelled as kv_quant.quantize spells it: scale = fp16(min(max|x| / 127, 65504)), q = round-half-even(x / scale).
 constexpr int64_t kKvGroup = 16, kKvScaleBytes = 2;
 inline int64_t kv_row_bytes(int64_t dim) { return dim + kKvScaleBytes * ((dim + kKvGroup - 1) / kKvGroup); }

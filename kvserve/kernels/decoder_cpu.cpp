@@ -1448,7 +1448,7 @@ extern "C" void kvserve_linear_quant(const void* x, int64_t m, int64_t k, const 
 }
 
 // bf16 rows [n, dim] -> 8-bit cache rows [n, kv_row_bytes(dim)] (quantize_kv_row), and back (dequantize_kv_rows):
-// the fused decoder's spelling of models/kv_quant.py, which the tests hold against it.
+// the fused decoder's spelling of kernels/kv_quant.py, which the tests hold against it.
 extern "C" void kvserve_quantize_kv_rows(const void* x, int64_t n, int64_t dim, void* out) {
   for (int64_t i = 0; i < n; ++i)
     quantize_kv_row(static_cast<const bf16*>(x) + i * dim, dim, static_cast<uint8_t*>(out) + i * kv_row_bytes(dim));

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels import cpu as cpu_kernels
-from kvserve.models import kv_quant
+from kvserve.kernels import kv_quant
 
 if TYPE_CHECKING:
     from kvserve.engine.interjection import Interjection
@@ -61,7 +61,7 @@ class AttentionMetadata:
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                    quantized: bool = False) -> tuple[int, ...]:
-    """A layer's key (or value) cache: int8 rows with their scales when `quantized` (models/kv_quant.py)."""
+    """A layer's key (or value) cache: int8 rows with their scales when `quantized` (kernels/kv_quant.py)."""
     return (num_kv_heads, num_blocks, block_size, kv_quant.row_width(head_dim, quantized))
 
 

@@ -21,7 +21,7 @@ import torch
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.kernels import isa
-from kvserve.models import kv_quant
+from kvserve.kernels import kv_quant
 
 log = logging.getLogger(__name__)
 

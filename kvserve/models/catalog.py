@@ -7,7 +7,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "default_models.toml"
+from kvserve.config import DEFAULT_CONFIG
 
 
 class ModelSourceError(LookupError):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.kernels import cpu as cpu_kernels
-from kvserve.models import kv_quant
+from kvserve.kernels import kv_quant
 from kvserve.models.backend import TORCH, Backend
 from kvserve.models.quant import PackedPart, QuantizedMatrix
 

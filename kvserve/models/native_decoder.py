@@ -19,7 +19,7 @@ step whose row-by-row attention exceeds
 `max_attention_keys`, or whose batch is too big for the simple tile loops (`max_tokens`), keeps the
 per-op path: SDPA prefill and oneDNN projections.
 
-An 8-bit KV cache (models/kv_quant.py) is written as each row is quantized; rows attending alone read
+An 8-bit KV cache (kernels/kv_quant.py) is written as each row is quantized; rows attending alone read
 its int8 rows as they are, and a tiled chunk's blocks are dequantized once a layer into a copy its
 tiles are packed from (`shadow_blocks`).
 
@@ -34,7 +34,8 @@ import ctypes
 import torch
 
 from kvserve.kernels import cpu as cpu_kernels
-from kvserve.models import backend, kv_quant
+from kvserve.kernels import kv_quant
+from kvserve.models import backend
 from kvserve.models.attention import AttentionMetadata
 from kvserve.models.layers import interleave_gate_up
 from kvserve.models.quant import PackedPart

@@ -30,7 +30,7 @@ from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from kvserve.engine.step_time import nonnegative_least_squares
+from kvserve.engine.step_time import DTYPE_LABELS, StepTimePrior, nonnegative_least_squares
 from kvserve.planning.roofline import Deployment, Efficiency, StepModel, StepParts, Work
 from kvserve.planning.specs import AcceleratorSpec, ModelSpec, calibration_path, model_from_dict
 
@@ -146,7 +146,7 @@ def _cpu_name() -> str:
 
 
 def _dtype_name(dtype) -> str:
-    return {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}[str(dtype)]
+    return DTYPE_LABELS[str(dtype)]
 
 
 class _Profiler:
@@ -331,12 +331,10 @@ def step_time_prior(doc: dict, model: ModelSpec):
     return StepTimeModel(fixed_s=fixed, per_decode_s=per_decode, per_prefill_token_s=per_prefill)
 
 
-def calibrated_prior(model_id: str):
-    """This machine's calibrated step-time prior for `model_id` (`kvserve plan calibrate`), for an engine to
-    start from when it runs at the dtype it was measured at (engine/step_time.StepTimePrior); None when there
-    is none, or it was measured on another CPU (the generic defaults are as good there)."""
-    from kvserve.engine.step_time import StepTimePrior
-
+def calibrated_prior(model_id: str) -> StepTimePrior | None:
+    """The step-time prior of this machine's calibration for `model_id` (`kvserve plan calibrate`), as data
+    for the engine builder (engine/in_process.py), which uses it at the dtype it was measured at; None when
+    there is none, or it was measured on another machine (the generic defaults are as good)."""
     path = calibration_path(model_id)
     if not path.is_file():
         return None
@@ -345,8 +343,10 @@ def calibrated_prior(model_id: str):
         if doc.get("cpu") != _cpu_name():
             return None
         spec = model_from_dict(doc["model_spec"])  # the very spec the calibration was fitted with
-        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[doc["weight_dtype"]]
-        return StepTimePrior(dtype, step_time_prior(doc, spec))
+        m = step_time_prior(doc, spec)
+        prior = StepTimePrior(m.fixed_s, m.per_decode_s, m.per_prefill_token_s, str(doc["weight_dtype"]))
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("calibration %s not used: %s", path, e)
         return None
+    log.info("step-time prior for %s from %s", model_id, path)
+    return prior

@@ -260,7 +260,7 @@ def spec_from_gguf(path: Path) -> ModelSpec:
 
 def calibration_path(model: str) -> Path:
     """Where `kvserve plan calibrate` keeps this machine's calibration for a served model."""
-    from kvserve.store.db import kvserve_home
+    from kvserve.config import kvserve_home
 
     return kvserve_home() / "calibration" / f"{model}.json"
 

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from kvserve.config import InvalidPriority
 from kvserve.engine.errors import CapacityExhausted, KVServeError
 from kvserve.engine.sampling import InvalidSamplingParams
 
@@ -121,7 +122,7 @@ def to_api_error(exc: BaseException) -> APIError:
         retry = exc.retry_after if exc.retry_after is not None else (1 if exc.http_status == 503 else None)
         headers = {**(exc.headers or {}), **({"Retry-After": retry_after_header(retry)} if retry is not None else {})}
         return APIError(exc.http_status, str(exc), exc.error_type, exc.code, param=exc.param, headers=headers)
-    if isinstance(exc, InvalidSamplingParams):
+    if isinstance(exc, (InvalidSamplingParams, InvalidPriority)):
         return APIError(400, str(exc), "invalid_request_error", "invalid_value", param=exc.param)
     if isinstance(exc, (ValidationError, RequestValidationError)):
         errors = list(exc.errors())
@@ -171,8 +172,8 @@ def install_exception_handlers(app: FastAPI) -> None:
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         return internal_error_response(exc)
 
-    for cls in (APIError, KVServeError, InvalidSamplingParams, RequestValidationError, ValidationError,
-                json.JSONDecodeError):
+    for cls in (APIError, KVServeError, InvalidSamplingParams, InvalidPriority, RequestValidationError,
+                ValidationError, json.JSONDecodeError):
         app.add_exception_handler(cls, on_api_error)
     app.add_exception_handler(StarletteHTTPException, on_http_exception)
     app.add_exception_handler(Exception, on_unexpected)

@@ -11,12 +11,12 @@ from pathlib import Path
 from kvserve.batch.files import FileStore
 from kvserve.batch.jobs import BatchStore
 from kvserve.batch.runner import BatchRunner
-from kvserve.config import ServerConfig
+from kvserve.config import ServerConfig, kvserve_home
 from kvserve.server.idempotency import IdempotencyManager
 from kvserve.service.completion import CompletionService
 from kvserve.service.metrics import ServerMetrics
 from kvserve.service.models import ModelHandle
-from kvserve.store import AsyncStore, kvserve_home, store_location
+from kvserve.store import AsyncStore, store_location
 
 log = logging.getLogger(__name__)
 

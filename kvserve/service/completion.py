@@ -23,10 +23,10 @@ from kvserve.engine.errors import (CapacityExhausted, ContextLengthExceeded, Ins
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.request import EngineRequest
 from kvserve.engine.sampling import SamplingParams
-from kvserve.metering.gate import MeteringGate
 from kvserve.service import protocol as p
+from kvserve.service.gate import MeteringGate
 from kvserve.service.metrics import ServerMetrics
-from kvserve.service.models import ClientFactory, ModelHandle, RequestInfo, in_process_client, resolve_model
+from kvserve.service.models import ClientFactory, ModelHandle, RequestInfo, calibrated_client, resolve_model
 from kvserve.service.responses import StreamChunks, TokenText, full_response
 from kvserve.service.usage import UsageLedger
 
@@ -148,7 +148,7 @@ class Completion:
 class CompletionService:
     """The served models and the completion path over them."""
 
-    def __init__(self, config: ServerConfig, client_factory: ClientFactory = in_process_client):
+    def __init__(self, config: ServerConfig, client_factory: ClientFactory = calibrated_client):
         self.config = config
         self.metrics = ServerMetrics(config.metrics_window_s, live=lambda: [h.live_stats()
                                                                           for h in self.models.values()],

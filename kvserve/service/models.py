@@ -11,8 +11,10 @@ from typing import Callable
 from kvserve.config import TIER_NAMES, EngineConfig, ServedModel, ServerConfig
 from kvserve.engine.client import EngineClient, EngineStatus
 from kvserve.engine.errors import ModelNotFound
+from kvserve.engine.in_process import in_process_client
 from kvserve.engine.outputs import RequestOutput
 from kvserve.metering.prices import request_cost, request_price
+from kvserve.planning.calibrate import calibrated_prior
 from kvserve.service.metrics import LiveModelStats, ServerMetrics
 from kvserve.service.router import AUTO_MODEL, AutoPolicy, LoadLevel, ModelView, choose_auto_model, load_level
 from kvserve.service.usage import UsageLedger
@@ -37,31 +39,18 @@ def _status_of(finish_reason: str | None) -> str:
 ClientFactory = Callable[[ServedModel, EngineConfig, Callable, Callable[[RequestOutput], None]], EngineClient]
 
 
-def in_process_client(spec: ServedModel, config: EngineConfig, on_step: Callable,
+def calibrated_client(spec: ServedModel, config: EngineConfig, on_step: Callable,
                       on_finish: Callable[[RequestOutput], None]) -> EngineClient:
-    """An AsyncLLM in this process; the packaged model is resolved (maybe assembled) in its engine thread."""
-    from dataclasses import replace
-
-    from kvserve.engine.async_engine import AsyncLLM
-
-    def factory(cfg: EngineConfig):
-        from kvserve.engine.llm_engine import LLMEngine
-        from kvserve.models.catalog import resolve_source
-
-        from kvserve.planning.calibrate import calibrated_prior
-
-        path = resolve_source(spec.source, spec.engine_args.get("install", ""))
-        # admission estimates from this machine's calibration, when it has one
-        return LLMEngine(replace(cfg, model=str(path)), model_id=spec.id, step_time_prior=calibrated_prior(spec.id))
-
-    return AsyncLLM(config, model_id=spec.id, on_step=on_step, on_finish=on_finish, engine_factory=factory)
+    """The engine in this process (engine/in_process.py), its admission estimates started from this
+    machine's calibration when it has one."""
+    return in_process_client(spec, config, on_step, on_finish, step_time_prior=calibrated_prior(spec.id))
 
 
 class ModelHandle:
     """One served model: its engine client, and the live numbers the service and the metrics read."""
 
     def __init__(self, spec: ServedModel, config: ServerConfig, metrics: ServerMetrics, ledger: UsageLedger,
-                 client_factory: ClientFactory = in_process_client):
+                 client_factory: ClientFactory = calibrated_client):
         self.spec = spec
         self.id = spec.id
         self.role = spec.role

@@ -437,7 +437,7 @@ class ModelCard(BaseModel):
     # What the engine computes from: the quantized forms in use ("int4+int8"), or the dtype where every
     # matrix is dense ("bfloat16"); the setting (auto, bf16, int8, int4) until the weights are loaded.
     weights: str | None = None
-    # The KV cache's dtype setting: "auto" (the model's dtype) or "int8" (models/kv_quant.py).
+    # The KV cache's dtype setting: "auto" (the model's dtype) or "int8" (kernels/kv_quant.py).
     kv_cache_dtype: str | None = None
 
 

@@ -18,7 +18,7 @@ from kvserve.store.ttl_cache import TTLCache
 if TYPE_CHECKING:
     import sqlite3
 
-    from kvserve.store.db import Database
+    from kvserve.store.database import Database
 
 class BudgetBook:
     def __init__(self, db: "Database", cache_ttl_s: float = 5.0):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvserve.store.db import Database
+    from kvserve.store.database import Database
 
 DEFAULT_IDEMPOTENCY_TTL_S = 24 * 3600.0
 # An in-progress key's lease; its holder renews it a few times per lease (server/idempotency.py).

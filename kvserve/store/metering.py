@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import sqlite3
 
     from kvserve.store.budgets import BudgetBook
-    from kvserve.store.db import Database
+    from kvserve.store.database import Database
     from kvserve.store.rate_limits import RateLimiter
     from kvserve.store.usage import UsageRecord
 

@@ -14,7 +14,7 @@ from kvserve.store.ttl_cache import TTLCache
 if TYPE_CHECKING:
     import sqlite3
 
-    from kvserve.store.db import Database
+    from kvserve.store.database import Database
 
 
 class RateLimiter:

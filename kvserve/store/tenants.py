@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvserve.store.db import Database
+    from kvserve.store.database import Database
 
 TOKEN_PREFIX = "kvs-"
 LOOKUP_LEN = 8  # characters after "kvs-" stored in clear as the lookup key

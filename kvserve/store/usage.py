@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from kvserve.store.dialect import day_expr
 
 if TYPE_CHECKING:
-    from kvserve.store.db import Database
+    from kvserve.store.database import Database
     from kvserve.store.metering import Holds
 
 TIERS = ("interactive", "batch")

@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvserve.config import ServerConfig
+from kvserve.config import DEFAULT_CONFIG, ServerConfig
 from kvserve.fleet import deploy, kuberay
-from kvserve.models.catalog import DEFAULT_CONFIG
 
 REPO = Path(__file__).resolve().parents[2]
 FLEET_TOML = """

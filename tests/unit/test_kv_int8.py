@@ -1,4 +1,4 @@
-"""The 8-bit KV cache (`kv_cache_dtype = "int8"`, models/kv_quant.py): the row format, the fused decoder's
+"""The 8-bit KV cache (`kv_cache_dtype = "int8"`, kernels/kv_quant.py): the row format, the fused decoder's
 spelling of it against torch's, both paths against each other and against a bf16 cache, and the engine's
 pool, prefix hits and swaps with it."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.kernels import cpu as cpu_kernels
-from kvserve.models import kv_quant
+from kvserve.kernels import kv_quant
 from kvserve.models.loader import load_checkpoint
 from tests.parity import PagedHarness, rel_err
 

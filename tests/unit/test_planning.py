@@ -425,10 +425,10 @@ def test_calibration_profiles_the_real_engine_and_plans_with_it(tmp_path, tiny_l
     from kvserve.planning.calibrate import calibrated_prior
 
     prior = calibrated_prior("tiny")
-    assert prior is not None and prior.dtype == "float32" and calibrated_prior("another-model") is None
+    assert prior is not None and prior.weight_dtype == "fp32" and calibrated_prior("another-model") is None
     config = engine_config_from_kwargs(str(tiny_llama_gguf), dtype="float32", num_gpu_blocks_override=512)
     engine = LLMEngine(config, model_id="tiny", step_time_prior=prior)
-    assert engine.scheduler.step_time.predict(16) == prior.model.predict(16) != StepTimeModel().predict(16)
+    assert engine.scheduler.step_time.predict(16) == prior.model().predict(16) != StepTimeModel().predict(16)
     # measured at another dtype: the engine keeps the generic defaults
-    engine = LLMEngine(config, model_id="tiny", step_time_prior=replace(prior, dtype="bfloat16"))
+    engine = LLMEngine(config, model_id="tiny", step_time_prior=replace(prior, weight_dtype="bf16"))
     assert engine.scheduler.step_time.predict(16) == StepTimeModel().predict(16)

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvserve.config import kvserve_home
 from kvserve.store import (
     AsyncStore,
     BeginOutcome,
@@ -28,12 +29,11 @@ from kvserve.store import (
     TenantRevokedError,
     UsageRecord,
     default_db_path,
-    kvserve_home,
     migrate,
     request_body_hash,
 )
 from kvserve.store import tenants as tenants_mod
-from kvserve.store.db import MIGRATIONS, split_sql
+from kvserve.store.database import MIGRATIONS, split_sql
 
 FAST_N = 2**10  # scrypt cost for tests; one test below uses the default
 
