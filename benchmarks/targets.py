@@ -303,7 +303,7 @@ class KvserveTarget(Target):
         d = super().describe()
         try:
             from kvserve.kernels import cpu
-            from kvserve.models.loader import resolve_device, resolve_dtype
+            from kvserve.models.backend import resolve_device, resolve_dtype
 
             device = resolve_device("auto")
             native = cpu.load() if device.type == "cpu" else None  # SmolLM2's shapes fit the fused decoder

@@ -90,7 +90,7 @@ class OutputProcessor:
         self._dirty: list[RequestState] = []  # requests whose deltas the next step clears
 
     def add(self, state: RequestState) -> None:
-        """A request the scheduler admitted (LLMEngine.add_request checked its id is free)."""
+        """A request the scheduler admitted (EngineCore.add_request checked its id is free)."""
         self.requests[state.request_id] = state
 
     def track(self, state: RequestState, seq: Sequence) -> SeqState:

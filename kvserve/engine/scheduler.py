@@ -63,6 +63,24 @@ class SchedulerStats:
     def num_waiting(self) -> int:
         return sum(self.waiting.values())
 
+    @classmethod
+    def pooled(cls, stats: "list[SchedulerStats]") -> "SchedulerStats":
+        """Several engines' snapshots as one (a fleet's pool): sums, and the shortest estimated wait and TTFT
+        per tier, since a new request goes to the least loaded."""
+        def total(name: str):
+            return sum(getattr(s, name) for s in stats)
+
+        def per_tier(name: str, combine=sum):
+            return {p: combine(getattr(s, name).get(p, 0) for s in stats) for p in Priority}
+
+        kv = KVCacheUsage(**{f: sum(getattr(s.kv, f) for s in stats) for f in KVCacheUsage.__dataclass_fields__})
+        return cls(waiting=per_tier("waiting"), waiting_prompt_tokens=per_tier("waiting_prompt_tokens"),
+                   running=total("running"), swapped=total("swapped"), blocks_used=total("blocks_used"),
+                   blocks_cached=total("blocks_cached"), blocks_free=total("blocks_free"),
+                   num_preemptions=total("num_preemptions"), prefix_query_tokens=total("prefix_query_tokens"),
+                   prefix_hit_tokens=total("prefix_hit_tokens"), tokens_per_s=total("tokens_per_s"),
+                   queue_wait_s=per_tier("queue_wait_s", min), ttft_s=per_tier("ttft_s", min), kv=kv)
+
 
 @dataclass
 class _Tier:

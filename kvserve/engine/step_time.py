@@ -4,8 +4,7 @@ A step's time is close to affine in its work: a fixed part (dispatch, sampling, 
 step makes whatever its batch), a part per decoding sequence (its KV reads, its rows of every GEMM) and a
 part per prefill token. The fixed part is what a single tokens/s rate leaves out: a fused decode step of
 32 sequences costs far less than 32 steps of one, so a rate measured at one batch size misjudged the others
-and admission let in requests that then waited well past the bound (see BENCHMARKS.md, What bounds each
-workload, W5).
+and admission let in requests that then waited well past the bound.
 
 Fitted by least squares over the last `window` steps (the machine's speed drifts with its neighbours),
 with no cost negative (exact non-negative least squares: three unknowns, so every active set is tried

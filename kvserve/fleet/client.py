@@ -23,10 +23,9 @@ import time
 from dataclasses import replace
 from typing import Callable
 
-from kvserve.config import EngineConfig, FleetConfig, Priority, ServedModel
+from kvserve.config import EngineConfig, FleetConfig, ServedModel
 from kvserve.engine.client import EngineHealth, EngineStatus, check_available
 from kvserve.engine.errors import CapacityExhausted, KVServeError, ModelFailed, from_wire
-from kvserve.engine.kv_cache import KVCacheUsage
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.request import EngineRequest
 from kvserve.engine.scheduler import SchedulerStats
@@ -297,27 +296,8 @@ class FleetClient:
     def stats(self) -> SchedulerStats | None:
         """The pool's load as one scheduler snapshot: sums over the replicas' latest stats (the shortest
         estimated wait and TTFT, since a new request goes to the least loaded)."""
-        stats = [s for _, s, _ in self.replica_stats() if "running" in s]
-        if not stats:
-            return None
-
-        def total(key: str) -> int:
-            return sum(int(s.get(key, 0)) for s in stats)
-
-        tiers = list(Priority)
-        blocks = [sum(s.get("kv_blocks", (0, 0, 0, 0))[i] for s in stats) for i in range(4)]
-        kv = KVCacheUsage(num_device_blocks=blocks[3], used_device_blocks=blocks[0], cached_device_blocks=blocks[1],
-                          free_device_blocks=blocks[2], num_host_blocks=0, used_host_blocks=0,
-                          prefix_query_tokens=total("prefix_query_tokens"), prefix_hit_tokens=total("prefix_hit_tokens"))
-        def per_tier(key: str, combine=sum, default=0):
-            return {p: combine(s.get(key, {}).get(p.label, default) for s in stats) for p in tiers}
-
-        return SchedulerStats(
-            waiting=per_tier("waiting"), waiting_prompt_tokens=per_tier("waiting_prompt_tokens"),
-            running=total("running"), swapped=0, blocks_used=blocks[0], blocks_cached=blocks[1], blocks_free=blocks[2],
-            num_preemptions=total("num_preemptions"), prefix_query_tokens=kv.prefix_query_tokens,
-            prefix_hit_tokens=kv.prefix_hit_tokens, tokens_per_s=sum(s.get("tokens_per_s", 0.0) for s in stats),
-            queue_wait_s=per_tier("queue_wait_s", min, 0.0), ttft_s=per_tier("ttft_s", min, 0.0), kv=kv)
+        stats = [s["scheduler"] for _, s, _ in self.replica_stats() if "scheduler" in s]
+        return SchedulerStats.pooled(stats) if stats else None
 
     def pool_status(self) -> dict:
         """The pool as this gateway sees it: replicas with their latest stats, and where it routed what."""

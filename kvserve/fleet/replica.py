@@ -100,17 +100,10 @@ class EngineReplica:
         if stats is None:
             return out
         kv = stats.kv
-        out.update(queued_prompt_tokens=sum(stats.waiting_prompt_tokens.values()),
-                   waiting={p.label: n for p, n in stats.waiting.items()},
-                   waiting_prompt_tokens={p.label: n for p, n in stats.waiting_prompt_tokens.items()},
-                   running=stats.running,
-                   kv_usage=kv.device_usage,
-                   kv_blocks=(kv.used_device_blocks, kv.cached_device_blocks, kv.free_device_blocks,
-                              kv.num_device_blocks),
+        # The snapshot itself (a gateway pools them: SchedulerStats.pooled), and the figures the routers weigh.
+        out.update(scheduler=stats, queued_prompt_tokens=sum(stats.waiting_prompt_tokens.values()),
+                   running=stats.running, kv_usage=kv.device_usage,
                    est_ttft_s=stats.ttft_s.get(Priority.INTERACTIVE, 0.0),
-                   ttft_s={p.label: t for p, t in stats.ttft_s.items()},
-                   queue_wait_s={p.label: t for p, t in stats.queue_wait_s.items()},
-                   tokens_per_s=stats.tokens_per_s, num_preemptions=stats.num_preemptions,
                    prefix_query_tokens=stats.prefix_query_tokens, prefix_hit_tokens=stats.prefix_hit_tokens)
         return out
 

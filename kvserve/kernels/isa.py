@@ -6,7 +6,7 @@ bf16 and no AMX (AMD Zen 4), and AVX2 only (no native bf16). The level decides, 
 - the flags the native kernels are compiled with (`compile_flags`), so an AVX2 build also runs on
   an AVX-512 or AMX machine and exercises the AVX2 code;
 - whether the CPU has bfloat16 arithmetic (`native_bf16`), one of the reasons bfloat16 is the default
-  dtype (models/loader.resolve_dtype);
+  dtype (models/backend.resolve_dtype, in the engine's hardware plan);
 - the ceilings of torch's own CPU dispatch (ATen's `ATEN_CPU_CAPABILITY`, oneDNN's
   `ONEDNN_MAX_CPU_ISA`, MKL's `MKL_ENABLE_INSTRUCTIONS` for float32 GEMMs), which are read once when
   torch first dispatches: `apply_to_torch` sets them and must run before torch is imported

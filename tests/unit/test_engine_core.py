@@ -134,3 +134,38 @@ def test_the_simulator_and_the_engine_make_the_same_schedule(tiny_llama_gguf):
             continue
         engine.step()
     assert engine_steps == sim_steps
+
+
+def test_a_request_is_one_frozen_validated_value():
+    """EngineRequest and SamplingParams are frozen: no layer changes a request another holds (the engine's
+    derived max_tokens lives on the sequence), and a bad one is refused where it is built."""
+    import dataclasses
+
+    import pytest
+
+    from kvserve.config import InvalidPriority
+    from kvserve.engine.errors import InvalidRequest
+
+    params = SamplingParams(max_tokens=None, stop="END")
+    request = EngineRequest("r", [5, 6, 7], params, "batch", "acme", cache_salt="acme")
+    assert request.prompt_token_ids == (5, 6, 7) and request.priority is Priority.BATCH and params.stop == ("END",)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.params = SamplingParams()  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.max_tokens = 3  # type: ignore[misc]
+    with pytest.raises(InvalidRequest, match="n = 1"):
+        EngineRequest("r", [5], SamplingParams(n=2), resumed_token_ids=[9])
+    with pytest.raises(InvalidRequest):
+        EngineRequest("", [5])
+    with pytest.raises(InvalidPriority):
+        EngineRequest("r", [5], priority="urgent")
+
+    clock = SimClock()
+    core = EngineCore(SchedulerConfig(max_model_len=64), KVCacheManager(16), ScriptedExecutor(clock, {"r": [1] * 64}),
+                      max_model_len=64, model_id="m", clock=clock, stream_outputs=False)
+    core.add_request(request)
+    seq = core.outputs.requests["r"].seqs[0].seq
+    assert seq.max_tokens == 64 - 3 and request.params.max_tokens is None  # what the context leaves, on the sequence
+    while core.has_unfinished_requests():
+        finished = core.step()
+    assert [len(o.outputs[0].token_ids) for o in finished] == [61]

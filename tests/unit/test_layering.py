@@ -37,11 +37,13 @@ RANKS: dict[str, int] = {
 
 # Pure logic: token counts and block ids, prices and windows, arithmetic; no torch.
 TORCH_FREE = [
+    "kvserve.engine.core", "kvserve.engine.request", "kvserve.engine.scheduler_output",
+    "kvserve.engine.output_processor", "kvserve.engine.client",
     "kvserve.engine.scheduler", "kvserve.engine.kv_cache", "kvserve.engine.admission", "kvserve.engine.step_time",
     "kvserve.fleet.routing", "kvserve.service.router",
     "kvserve.metering.prices", "kvserve.metering.money", "kvserve.metering.budgets", "kvserve.metering.rate_limits",
     "kvserve.metering.reports",
-    "kvserve.planning.roofline", "kvserve.planning.memory", "kvserve.planning.search",
+    "kvserve.planning.roofline", "kvserve.planning.memory", "kvserve.planning.search", "kvserve.planning.simulator",
 ]
 
 # Run in the child: import `modules`, recording for each new kvserve (or torch) module the module that imported it.

@@ -228,6 +228,22 @@ def test_prefix_cache_through_scheduler_is_per_salt():
     assert stats.prefix_hit_tokens == 16 and stats.prefix_query_tokens == 60
 
 
+
+def test_snapshots_pool_into_one():
+    """A fleet gateway's view of its pool (SchedulerStats.pooled): counts add up, the estimates are the
+    least loaded replica's, the KV figures are the pools' sums."""
+    busy, idle = Harness(num_blocks=64), Harness(num_blocks=32)
+    for _ in range(3):
+        busy.add(prompt_len=40, max_tokens=8, priority=B)
+    busy.add(prompt_len=16, max_tokens=8)
+    busy.step()
+    idle.add(prompt_len=16, max_tokens=8)
+    a, b = busy.sched.stats(), idle.sched.stats()
+    pool = type(a).pooled([a, b])
+    assert pool.running == a.running + b.running and pool.waiting[B] == a.waiting[B] + b.waiting[B]
+    assert pool.kv.num_device_blocks == 96 and pool.blocks_used == a.blocks_used + b.blocks_used
+    assert pool.ttft_s[I] == min(a.ttft_s[I], b.ttft_s[I]) and pool.num_waiting == a.num_waiting + b.num_waiting
+
 # ---- priority and fairness -----------------------------------------------------------------------
 
 def test_interactive_behind_100_batch_requests_is_scheduled_within_two_steps():

@@ -108,10 +108,10 @@ def test_an_internal_error_is_a_500_with_a_request_id_and_the_server_keeps_servi
             assert await asyncio.to_thread(handle.client.wait_ready, 60)
             real_submit = handle.client.submit
 
-            async def broken_submit(prompt_token_ids, params, **kwargs):
-                if prompt_token_ids[:1] == [13]:
+            async def broken_submit(request):
+                if request.prompt_token_ids[:1] == (13,):
                     raise RuntimeError("a bug in the engine client")
-                return await real_submit(prompt_token_ids, params, **kwargs)
+                return await real_submit(request)
 
             handle.client.submit = broken_submit
             auth = {"Authorization": f"Bearer {token}"}
