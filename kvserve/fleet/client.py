@@ -26,6 +26,7 @@ from typing import Callable
 from kvserve.config import EngineConfig, FleetConfig, ServedModel
 from kvserve.engine.client import EngineHealth, EngineStatus, check_available
 from kvserve.engine.errors import CapacityExhausted, KVServeError, ModelFailed, from_wire
+from kvserve.engine.kv_cache import BlockHash
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.request import EngineRequest
 from kvserve.engine.scheduler import SchedulerStats
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 class FleetStream:
     """One request on the pool: the replica stream it is reading now, and everything it has received."""
 
-    def __init__(self, client: "FleetClient", request: EngineRequest, affinity: str | None,
+    def __init__(self, client: "FleetClient", request: EngineRequest, affinity: BlockHash | None,
                  acc: wire.OutputAccumulator):
         self.client = client
         self.request_id = request.request_id

@@ -110,14 +110,9 @@ def plan(config: ModelConfig, tensor_names, *, device: str = "auto", dtype: str 
     if kv_cache_dtype not in kv_quant.MODES and resolve_dtype(kv_cache_dtype, dev) != dt:
         raise ConfigError(f"kv_cache_dtype = {kv_cache_dtype!r} is not supported: a float KV cache is held in the "
                           f"model's dtype ({str(dt).removeprefix('torch.')}); use auto or int8")
-    native = cpu_kernels.load() if dev.type == "cpu" and dt in (torch.float32, torch.bfloat16) else None
-    packed_gemm = dt == torch.bfloat16 and native is not None and native.fused
-    if dev.type == "cuda":
-        path = "cuda"
-    elif native is None:
-        path = "cpu-torch"
-    else:
-        path = "cpu-fused" if fused and packed_gemm else "cpu-native"
+    per_op = choose(dev, dt)  # the path prepare() starts from; the fused decoder replaces it where it attaches
+    packed_gemm = dt == torch.bfloat16 and per_op.native is not None and per_op.native.fused
+    path = "cpu-fused" if fused and packed_gemm else per_op.name
     if kv_cache_memory:
         kv_memory = kv_cache_memory
     elif dev.type == "cuda":

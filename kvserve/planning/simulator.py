@@ -125,11 +125,10 @@ class SimClock:
 class ClockExecutor:
     """The executor of a simulated engine: a step computes nothing, it advances the clock by its priced time
     (`step_cost(work)`: `.seconds`, `.bound`; `block_copy_s(blocks, across_host)` for block moves) and every
-    sequence that samples gets token `token` (outputs run to their length: the requests ignore EOS)."""
+    sequence that samples gets token 0 (outputs run to their length: the requests ignore EOS)."""
 
-    def __init__(self, clock: SimClock, step_cost: Callable, block_copy_s: Callable[[int, bool], float],
-                 token: int = 0):
-        self.clock, self.step_cost, self.block_copy_s, self.token = clock, step_cost, block_copy_s, token
+    def __init__(self, clock: SimClock, step_cost: Callable, block_copy_s: Callable[[int, bool], float]):
+        self.clock, self.step_cost, self.block_copy_s = clock, step_cost, block_copy_s
         self.steps = 0
         self.busy = 0.0
         self.bound_time: dict[str, float] = {}  # simulated seconds each resource bound, over steps with work
@@ -148,9 +147,9 @@ class ClockExecutor:
             self.busy += seconds
         if out.scheduled:
             self.bound_time[cost.bound] = self.bound_time.get(cost.bound, 0.0) + seconds
-        tokens = {s.seq.seq_id: [self.token] for s in out.scheduled if s.sample}
+        tokens = {s.seq.seq_id: [0] for s in out.scheduled if s.sample}
         for children in out.forks.values():
-            tokens.update((c.seq_id, [self.token]) for c in children)
+            tokens.update((c.seq_id, [0]) for c in children)
         return RunnerOutput(tokens, seconds=seconds)
 
     def _moves_s(self, out: SchedulerOutput) -> float:
