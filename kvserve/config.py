@@ -143,6 +143,7 @@ class Priority(IntEnum):
 
 
 TIER_NAMES = tuple(p.label for p in Priority)
+NUMERICS = ("batch_invariant", "fast")  # EngineConfig.numerics
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half")
 WEIGHT_MODES = ("auto", "bf16", "int8", "int4")  # EngineConfig.weights (models/quant.weight_bits)
 KV_CACHE_DTYPES = ("auto", "int8") + DTYPES  # CacheConfig.kv_cache_dtype: a float one must be the model's dtype
@@ -229,6 +230,10 @@ class EngineConfig:
     weights: str = "auto"
     onednn_weights: bool = True  # CPU + bfloat16: projections use weights pre-reordered into oneDNN's blocked layout
     native_decoder: bool = True  # CPU + bfloat16 + AMX or AVX2: steps run as one native call (models/native_decoder.py)
+    # "batch_invariant": a token's logits are the same bits however its step was made up (batch size, prefill
+    # or decode, chunking, cache hits, preemption, migration); "fast": kernels may pick by shape. Where the
+    # path cannot give it (float32, CUDA) the engine runs "fast" and says so (models/backend.plan).
+    numerics: str = "batch_invariant"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -236,6 +241,7 @@ class EngineConfig:
         _validate(self, dict(
             model=(lambda v: isinstance(v, str) and v != "", "a catalog id, a .gguf path or a checkpoint directory"),
             dtype=(lambda v: v in ("auto",) + DTYPES or not isinstance(v, str), f"one of auto, {', '.join(DTYPES)}"),
+            numerics=(lambda v: v in NUMERICS, f"one of {', '.join(NUMERICS)}"),
             device=(lambda v: v in ("auto", "cpu") or (isinstance(v, str) and v.startswith("cuda")),
                     "auto, cpu, cuda or cuda:N"),
             seed=NONNEG_INT, onednn_weights=BOOL, native_decoder=BOOL,

@@ -64,6 +64,9 @@ class EngineClient(Protocol):
     @property
     def weights(self) -> str | None: ...  # what the model computes from (LLMEngine.weights); None until loaded
 
+    @property
+    def numerics(self) -> str | None: ...  # the numerics in force (LLMEngine.numerics); None until loaded
+
     def start(self) -> "EngineClient": ...
 
     def drain(self) -> None: ...  # stop admitting; running requests go on

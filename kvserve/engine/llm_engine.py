@@ -51,7 +51,8 @@ class LLMEngine:
             header_config, tensor_names = checkpoint_header(path)
             self.plan = backend.plan(header_config, tensor_names, device=config.device, dtype=config.dtype,
                                      kv_cache_dtype=cache_cfg.kv_cache_dtype, kv_cache_memory=cache_cfg.kv_cache_memory,
-                                     native_decoder=config.native_decoder, onednn_weights=config.onednn_weights)
+                                     native_decoder=config.native_decoder, onednn_weights=config.onednn_weights,
+                                     numerics=config.numerics)
             checkpoint = load_checkpoint(path, config.weights, self.plan.dtype)
             self.weights = weights_label(checkpoint, self.plan.quantized_weights, self.plan.dtype)
             info = checkpoint_info(checkpoint, name=model_id or resolved_id)
@@ -62,7 +63,8 @@ class LLMEngine:
             cpu = torch.device("cpu")
             self.plan = backend.Plan(device=cpu, dtype=backend.resolve_dtype(config.dtype, cpu), path="injected",
                                      quantized_weights=False, onednn_weights=False,
-                                     kv_int8=cache_cfg.kv_cache_dtype == "int8", kv_memory=0)
+                                     kv_int8=cache_cfg.kv_cache_dtype == "int8", kv_memory=0,
+                                     numerics=config.numerics)
             self.weights = "injected executor"
         self.device, self.dtype, self.kv_int8 = self.plan.device, self.plan.dtype, self.plan.kv_int8
         self.model_id = model_id or resolved_id
@@ -99,9 +101,12 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self.load_seconds = time.perf_counter() - t0
         built = getattr(getattr(executor, "model", None), "backend", None)
-        log.info("loaded %s (%s, %s, path %s) in %.1fs: %d KV blocks of %d tokens (%s, %d bytes a token), "
-                 "%d host blocks%s", self.model_id, self.dtype, self.device,
-                 built.name if built else "injected executor", self.load_seconds, num_blocks, cache_cfg.block_size,
+        # The numerics in force: the plan's, unless the built model fell back from the fused decoder.
+        self.numerics = self.plan.numerics if built is None or built.invariant else "fast"
+        log.info("loaded %s (%s, %s, path %s, numerics %s) in %.1fs: %d KV blocks of %d tokens (%s, %d bytes a "
+                 "token), %d host blocks%s", self.model_id, self.dtype, self.device,
+                 built.name if built else "injected executor", self.numerics, self.load_seconds, num_blocks,
+                 cache_cfg.block_size,
                  "int8" if self.kv_int8 else str(self.dtype).removeprefix("torch."), self.kv_bytes_per_token,
                  num_host_blocks, "; step-time prior from this machine's calibration" if prior else "")
 

@@ -194,6 +194,7 @@ class FleetClient:
         self.max_replicas = 1  # the pool's autoscaling maximum
         self._max_model_len: int | None = None
         self._weights: str | None = None
+        self._numerics: str | None = None
         self.policy = RoutingPolicy(affinity_blocks=fleet.affinity_blocks, block_size=config.cache.block_size,
                                     load_bound=fleet.load_bound)
         self.streams: dict[str, FleetStream] = {}
@@ -239,6 +240,7 @@ class FleetClient:
         self.max_replicas = entry.get("max_replicas", 1)
         self._max_model_len = desc["max_model_len"]
         self._weights = desc.get("weights")
+        self._numerics = desc.get("numerics")
         if self.status in (EngineStatus.WARMING, EngineStatus.FAILED):
             self.status, self.error = EngineStatus.READY, None
         log.info("model %s now served by pool %s (version %s)", self.model_id, self.pool, self.version)
@@ -273,6 +275,10 @@ class FleetClient:
     @property
     def weights(self) -> str | None:
         return self._weights
+
+    @property
+    def numerics(self) -> str | None:
+        return self._numerics
 
     @property
     def num_inflight(self) -> int:

@@ -100,6 +100,10 @@ class NativeKernels:
         # A prefill chunk's rows attend together: on packed keys (AMX tiles, or AVX-512 BF16 pair dot
         # products), or on AVX2 in row groups that share each widened key and value row.
         self.tile_attention = bool(self._lib.kvserve_tile_attention())
+        self._lib.kvserve_invariant_tile_attention.restype = _I64
+        # Whether those rows get the bits each would get attending alone (AVX2's row groups: the same sums per
+        # query), so the batch-invariant numerics keep them; the packed-key tiles reduce in another order.
+        self.invariant_tile_attention = bool(self._lib.kvserve_invariant_tile_attention())
         self._lib.kvserve_pair_layout.restype = _I64
         # pack_weight's layout: AMX's tiles (AMX or AVX-512 BF16 builds), else k-major per 16 columns (AVX2).
         self.pair_layout = bool(self._lib.kvserve_pair_layout())
@@ -121,7 +125,7 @@ class NativeKernels:
         self._quant_rows = self._lib.kvserve_quant_rows
         self._quant_rows.argtypes, self._quant_rows.restype = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR], None
         self._linear_quant = self._lib.kvserve_linear_quant
-        self._linear_quant.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64]
+        self._linear_quant.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64]
         self._linear_quant.restype = None
         for name in ("kvserve_quantize_kv_rows", "kvserve_dequantize_kv_rows"):
             f = getattr(self._lib, name)
@@ -281,9 +285,10 @@ class NativeKernels:
         return out.view(*ids.shape, k)
 
     def linear_quant(self, x: torch.Tensor, packed: torch.Tensor, bits: int, n: int,
-                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                     out_dtype: torch.dtype = torch.bfloat16, invariant: bool = False) -> torch.Tensor:
         """x [T, K] bf16 times a weight [n, K] packed by pack_quant (bits 4, 8) or pack_weight (bits 0) ->
-        [T, n] in bf16, or in float32 holding the same bf16-rounded values (the LM head's logits)."""
+        [T, n] in bf16, or in float32 holding the same bf16-rounded values (the LM head's logits). `invariant`:
+        each row's values are the same bits whatever T (the batch-invariant numerics, decoder_cpu.cpp's gemm)."""
         if not self.fused:
             raise RuntimeError("the packed GEMM needs AMX or AVX2")
         x = x.contiguous()
@@ -293,7 +298,7 @@ class NativeKernels:
             raise ValueError(f"linear_quant takes bf16 [T, K] and a packed [{n}, K] weight of {bits} bits")
         out = torch.empty((x.shape[0], n), dtype=out_dtype)
         self._linear_quant(x.data_ptr(), x.shape[0], k, packed.data_ptr(), bits, n, out.data_ptr(),
-                           int(out_dtype == torch.float32))
+                           int(out_dtype == torch.float32), int(invariant))
         return out
 
     def forward(self, model_params: ctypes.Structure, layer_params: ctypes.Array, hidden: torch.Tensor,
@@ -350,7 +355,8 @@ class ModelParams(ctypes.Structure):
 
     _fields_ = [(name, _I64) for name in ("num_layers", "hidden", "q_heads", "kv_heads", "head_dim", "intermediate",
                                           "num_blocks", "block_size", "act")] + [
-        ("eps", _F32), ("norm_unit_offset", _I64), ("final_norm", _PTR), ("phase_seconds", _PTR), ("kv_int8", _I64)]
+        ("eps", _F32), ("norm_unit_offset", _I64), ("final_norm", _PTR), ("phase_seconds", _PTR), ("kv_int8", _I64),
+        ("invariant", _I64)]
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -672,7 +672,10 @@ struct WidenedQuery {
 // Scores of P queries against every key of the task.
 template <int C, int P>
 void widened_scores(const Task<bf16>& task, const WidenedQuery* qs) {
-  constexpr bool kSplit = P <= 6;  // two sums per query where the registers allow: shorter FMA chains
+  // One sum per query and key, whatever P: a query's score must not depend on how many queries share the
+  // pass (a decode's group of heads, or a prefill row group), so that every row gets the same bits. A key's
+  // chain is short (hd / 8 FMAs) and the next key's is independent, so the split bought little.
+  constexpr bool kSplit = false;
   alignas(32) float qw[P][2 * C][8];
   for (int p = 0; p < P; ++p)
     for (int c = 0; c < C; ++c)

@@ -42,6 +42,7 @@ struct alignas(64) TileConfig {
 // Tiles: 0-3 accumulators (row block r, column block c at 2r + c), 4-5 A row blocks, 6-7 B column blocks.
 // The config depends only on the rows of the two row blocks; reloaded when they change.
 struct TileState {
+  bool invariant = false;  // batch-invariant numerics (see gemm): a row's sums never depend on the rows beside it
   int rows0 = -1, rows1 = -1;
   void ensure(int r0, int r1) {
     if (r0 == rows0 && r1 == rows1) return;
@@ -174,7 +175,9 @@ inline void store_sums(float* dst, int64_t stride, int64_t offset, bool four) {
 
 #else
 constexpr bool kCompiledWithAmx = false;
-struct TileState {};
+struct TileState {
+  bool invariant = false;  // batch-invariant numerics (see gemm): a row's sums never depend on the rows beside it
+};
 #endif
 
 // The packed weight layout: AMX's tile layout (also what VDPBF16PS reads) where the build has AMX or
@@ -204,7 +207,8 @@ constexpr bool kVectorGemm = true;
 #if defined(__AVX512BF16__)
 constexpr int kRows = 8;  // 16 accumulators (8 rows x 2 column blocks) of 32 registers
 
-template <int R, bool Two>
+// One chain per accumulator in k order whatever R: batch-invariant as it is (Inv changes nothing).
+template <int R, bool Two, bool Inv = false>
 void micro(const bf16* a, int64_t lda, int64_t chunks, const bf16* b0, const bf16* b1, float* c0, float* c1,
            int64_t stride) {
   __m512 acc0[R], acc1[R];
@@ -243,15 +247,17 @@ constexpr int kRows = 5;
 // FMA per k (no chain longer than the FMA latency), and the columns are put back in order once, at the
 // end (store_widened16).
 // Fewer than 3 rows (a decode step of one sequence) would leave too few independent sums to cover the FMA
-// latency: S interleaved sets of accumulators take alternate k, added at the end.
+// latency: S interleaved sets of accumulators take alternate k, added at the end. That makes a row's sum
+// depend on how many rows ride with it, so the batch-invariant numerics (Inv) keep one chain in k order
+// for every R and cover the latency with both column blocks in one pass instead (micro_pair).
 // B as packed (bf16, widened here) or as a panel already widened to fp32 in widen16's order (quantized
 // weights: gemm_quant_bits).
 inline void load_b16(const bf16* p, __m256& w0, __m256& w1) { widen16(p, w0, w1); }
 inline void load_b16(const float* p, __m256& w0, __m256& w1) { w0 = _mm256_loadu_ps(p), w1 = _mm256_loadu_ps(p + 8); }
 
-template <int R, typename B>
+template <int R, typename B, bool Inv = false>
 void micro_block(const float* a, int64_t lda, int64_t k, const B* b, float* c) {
-  constexpr int S = R == 1 ? 4 : R == 2 ? 2 : 1;  // k % 32 == 0
+  constexpr int S = Inv ? 1 : R == 1 ? 4 : R == 2 ? 2 : 1;  // k % 32 == 0
   __m256 lo[S * R], hi[S * R];
 #pragma GCC unroll 8
   for (int i = 0; i < S * R; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
@@ -280,11 +286,41 @@ void micro_block(const float* a, int64_t lda, int64_t k, const B* b, float* c) {
   for (int i = 0; i < R; ++i) store_widened16(lo[i], hi[i], c + i * 16);
 }
 
-template <int R, bool Two, typename B>
+// Both column blocks in one pass, one chain per accumulator (4R of them): what micro_block<R, B, true> sums,
+// for the few rows whose own chains would not cover the FMA latency.
+template <int R, typename B>
+void micro_pair(const float* a, int64_t lda, int64_t k, const B* b0, const B* b1, float* c0, float* c1) {
+  __m256 lo0[R], hi0[R], lo1[R], hi1[R];
+  for (int i = 0; i < R; ++i) lo0[i] = hi0[i] = lo1[i] = hi1[i] = _mm256_setzero_ps();
+  for (int64_t kk = 0; kk < k; ++kk) {
+    __m256 w0, w1;
+    load_b16(b0 + kk * 16, w0, w1);
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      const __m256 x = _mm256_broadcast_ss(a + i * lda + kk);
+      lo0[i] = _mm256_fmadd_ps(x, w0, lo0[i]);
+      hi0[i] = _mm256_fmadd_ps(x, w1, hi0[i]);
+    }
+    load_b16(b1 + kk * 16, w0, w1);
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      const __m256 x = _mm256_broadcast_ss(a + i * lda + kk);
+      lo1[i] = _mm256_fmadd_ps(x, w0, lo1[i]);
+      hi1[i] = _mm256_fmadd_ps(x, w1, hi1[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    store_widened16(lo0[i], hi0[i], c0 + i * 16);
+    store_widened16(lo1[i], hi1[i], c1 + i * 16);
+  }
+}
+
+template <int R, bool Two, bool Inv = false, typename B>
 void micro(const float* a, int64_t lda, int64_t chunks, const B* b0, const B* b1, float* c0, float* c1,
            int64_t) {  // k-major blocks: chunks are consecutive
-  micro_block<R>(a, lda, chunks * 32, b0, c0);
-  if (Two) micro_block<R>(a, lda, chunks * 32, b1, c1);
+  if constexpr (Inv && Two && R <= 3) return micro_pair<R>(a, lda, chunks * 32, b0, b1, c0, c1);
+  micro_block<R, B, Inv>(a, lda, chunks * 32, b0, c0);
+  if (Two) micro_block<R, B, Inv>(a, lda, chunks * 32, b1, c1);
 }
 
 struct RowBlock {  // A's rows widened to fp32 (per thread, once per task and row block)
@@ -298,17 +334,17 @@ struct RowBlock {  // A's rows widened to fp32 (per thread, once per task and ro
 };
 #endif
 
-template <int R, typename A, typename B>
+template <int R, bool Inv = false, typename A, typename B>
 void micro_rows(int rows, A a, int64_t lda, int64_t chunks, const B* b0, const B* b1, bool two, float* c0,
                 float* c1, int64_t stride = 512) {  // stride: elements from one 32-deep chunk of B to the next
   if constexpr (R > 1) {
-    if (rows < R) return micro_rows<R - 1>(rows, a, lda, chunks, b0, b1, two, c0, c1, stride);
+    if (rows < R) return micro_rows<R - 1, Inv>(rows, a, lda, chunks, b0, b1, two, c0, c1, stride);
   }
-  if (two) micro<R, true>(a, lda, chunks, b0, b1, c0, c1, stride);
-  else micro<R, false>(a, lda, chunks, b0, b1, c0, c1, stride);
+  if (two) micro<R, true, Inv>(a, lda, chunks, b0, b1, c0, c1, stride);
+  else micro<R, false, Inv>(a, lda, chunks, b0, b1, c0, c1, stride);
 }
 
-template <typename Epilogue>
+template <bool Inv, typename Epilogue>
 void gemm_vectors(const bf16* a, int64_t m, int64_t k, const bf16* w, int64_t nblocks, Epilogue&& epi) {
   const int64_t chunks = k / 32, tile = 16 * 32;
   const int64_t pairs = (nblocks + 1) / 2;
@@ -335,7 +371,7 @@ void gemm_vectors(const bf16* a, int64_t m, int64_t k, const bf16* w, int64_t nb
         const int64_t nb0 = 2 * pair;
         const bool two = nb0 + 1 < nblocks;
         const bf16* b0 = w + nb0 * chunks * tile;
-        micro_rows<kRows>(rows, rows_a, k, chunks, b0, b0 + chunks * tile, two, c[0], c[1]);
+        micro_rows<kRows, Inv>(rows, rows_a, k, chunks, b0, b0 + chunks * tile, two, c[0], c[1]);
         epi(r, nb0, two, 0, rows, c[0], c[1]);
       }
     }
@@ -650,13 +686,18 @@ struct RowGroups : PrefillChunks {
 // C [m, 16 * nblocks] = A [m, k] (row stride k) x W^T, W packed (see the top), inside a parallel region,
 // on AMX tiles where this process has them, else on the vector units. epi(row0, block0, two, i0, i1,
 // c0, c1) gets rows [i0, i1) of each finished [rows, 16] fp32 block pair (c1 valid when `two`).
+//
+// Batch-invariant numerics (ts.invariant): every output element is one sum in an order fixed by k alone,
+// whatever m, the row's place in the step or the thread count: AMX tiles and VDPBF16PS accumulate that
+// way as they are; AVX2's few-row kernels split k over interleaved sums unless told not to (micro_block).
 template <typename Epilogue>
 void gemm(const bf16* a, int64_t m, int64_t k, const bf16* w, int64_t nblocks, TileState& ts, Epilogue&& epi) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (amx_ready()) return gemm_tiles(a, m, k, w, nblocks, ts, epi);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  gemm_vectors(a, m, k, w, nblocks, epi);
+  if (ts.invariant) gemm_vectors<true>(a, m, k, w, nblocks, epi);
+  else gemm_vectors<false>(a, m, k, w, nblocks, epi);
 #endif
 }
 
@@ -914,25 +955,34 @@ void gemm_pair(const bf16* a, int64_t m, int64_t k, const bf16* b0, bool two, in
   }
 }
 
+// Steps of up to kQuantDirectRows rows multiply the values as read (quant_block); longer ones widen each
+// column pair into a bf16 panel for the GEMM of this CPU. The two round differently (the panel rounds each
+// weight to bf16 first), so under the batch-invariant numerics a row must not change path with the step's
+// size: on AMX every step takes the panel (its tile products stay the fast way for long steps), on
+// AVX-512 BF16 every step multiplies as read, kQuantDirectRows rows at a time.
 template <int Bits, typename Epilogue>
 void gemm_quant_bits(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int64_t nblocks, TileState& ts,
                      Epilogue& epi) {
   const int64_t chunks = k / 32, block_bytes = chunks * quant_chunk_bytes(Bits);
   const int64_t pairs = (nblocks + 1) / 2;
-  if (m <= kQuantDirectRows) {
-    QuantRows rows;
+  const bool direct = ts.invariant ? !amx_ready() : m <= kQuantDirectRows;
+  if (direct) {
+    static thread_local QuantRows rows;
     rows.load(a, m, k);  // quant_block takes the minimums (and int4's offset) off A's chunk sums
     alignas(64) float c[2][kQuantDirectRows * 16];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t pair = 0; pair < pairs; ++pair) {
       const int64_t nb0 = 2 * pair;
       const bool two = nb0 + 1 < nblocks;
-      for (int half = 0; half < (two ? 2 : 1); ++half)
-        for (int64_t r = 0; r < m; r += kQuantRows)
-          quant_rows<kQuantRows, Bits>(static_cast<int>(std::min<int64_t>(kQuantRows, m - r)), a + r * k, k,
-                                       rows.sums.data() + r * chunks, chunks, w + (nb0 + half) * block_bytes,
-                                       c[half] + r * 16);
-      epi(0, nb0, two, 0, static_cast<int>(m), c[0], c[1]);
+      for (int64_t r0 = 0; r0 < m; r0 += kQuantDirectRows) {  // the pair's blocks stay in L1/L2 across passes
+        const int64_t rows_here = std::min(kQuantDirectRows, m - r0);
+        for (int half = 0; half < (two ? 2 : 1); ++half)
+          for (int64_t r = 0; r < rows_here; r += kQuantRows)
+            quant_rows<kQuantRows, Bits>(static_cast<int>(std::min<int64_t>(kQuantRows, rows_here - r)),
+                                         a + (r0 + r) * k, k, rows.sums.data() + (r0 + r) * chunks, chunks,
+                                         w + (nb0 + half) * block_bytes, c[half] + r * 16);
+        epi(r0, nb0, two, 0, static_cast<int>(rows_here), c[0], c[1]);
+      }
     }
     return;
   }
@@ -1185,9 +1235,11 @@ void gemm_quant_panel(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int
 }
 
 template <int Bits, typename Epilogue>
-void gemm_quant_bits(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int64_t nblocks, TileState&,
+void gemm_quant_bits(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int64_t nblocks, TileState& ts,
                      Epilogue& epi) {
-  if (m > kIntRows) return gemm_quant_panel<Bits>(a, m, k, w, nblocks, epi);
+  // The integer path's sums are exact per chunk, so a row's result never depends on the rows beside it; the
+  // fp32 panel rounds otherwise, so the batch-invariant numerics keep every step on integers.
+  if (m > kIntRows && !ts.invariant) return gemm_quant_panel<Bits>(a, m, k, w, nblocks, epi);
   const int64_t chunks = k / 32, block_bytes = chunks * quant_chunk_bytes(Bits);
   const int64_t pairs = (nblocks + 1) / 2;
   const QuantActs acts = quantize_rows(a, m, k);
@@ -1286,6 +1338,8 @@ struct ModelParams {
   const bf16* final_norm;
   double* phase_seconds;  // null, or 9 accumulators: seconds per phase (see mark() below; bench/profile.py)
   int64_t kv_int8;  // the caches hold 8-bit rows (cpu_common.h, quantize_kv_row)
+  int64_t invariant;  // batch-invariant numerics (gemm, gemm_quant_bits); tile chunks are then passed only where
+                    // their rows attend as a row alone does (AVX2's row groups: NativeDecoder)
 };
 
 }  // namespace
@@ -1316,6 +1370,9 @@ extern "C" int64_t kvserve_fused_available() { return amx_ready() || kVectorGemm
 // Whether a prefill chunk's rows attend together (the caller passes the chunks then): on packed keys
 // (TileAttention: AMX tiles, or VDPBF16PS without them), or in row groups sharing widened rows (AVX2).
 extern "C" int64_t kvserve_tile_attention() { return kTileAttention || kWidenedAttention ? 1 : 0; }
+// Whether those rows get the same bits as each would attending alone: AVX2's row groups sum each query
+// as attend_widened does for a decode; the packed-key tiles reduce q.k and p.v in another order.
+extern "C" int64_t kvserve_invariant_tile_attention() { return !kTileAttention && kWidenedAttention ? 1 : 0; }
 
 // 1: weights are packed in the tile layout above; 0: k-major ([N/16][K][16], the AVX2 GEMM's).
 extern "C" int64_t kvserve_pair_layout() { return kPairLayout ? 1 : 0; }
@@ -1437,10 +1494,11 @@ extern "C" int64_t kvserve_quant_bytes(int64_t n, int64_t k, int64_t bits) {
 // kvserve_pack_weight_bf16 (bits 0): bf16, or (out_f32) fp32 holding each value rounded to bf16 as torch's
 // bf16 linear rounds it (the LM head, whose logits the sampler reads in fp32).
 extern "C" void kvserve_linear_quant(const void* x, int64_t m, int64_t k, const void* packed, int64_t bits, int64_t n,
-                                     void* out, int64_t out_f32) {
+                                     void* out, int64_t out_f32, int64_t invariant) {
 #pragma omp parallel
   {
     TileState ts;
+    ts.invariant = invariant != 0;
     const QWeight w{packed, bits};
     if (out_f32) gemm(static_cast<const bf16*>(x), m, k, w, n / 16, ts, StoreTiles<float>{static_cast<float*>(out), n});
     else gemm(static_cast<const bf16*>(x), m, k, w, n / 16, ts, StoreTiles<bf16>{static_cast<bf16*>(out), n});
@@ -1532,6 +1590,7 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
 #pragma omp parallel
   {
     TileState ts;
+    ts.invariant = p.invariant != 0;
     std::vector<float> scores;
     std::vector<bf16> probs;
     Scratch scratch;

@@ -33,6 +33,7 @@ DEFAULT_GPU_KV_FRACTION = 0.5  # of the GPU memory free before the weights arriv
 class Backend:
     name: str
     native: cpu_kernels.NativeKernels | None = None  # the per-op CPU kernels, where they serve
+    invariant: bool = False  # batch-invariant numerics in force (Plan.numerics, on the fused decoder's path)
 
 
 TORCH = Backend("torch")  # a layer's path until a built model hands it its own (unit tests of single layers)
@@ -49,10 +50,31 @@ class Plan:
     onednn_weights: bool  # dense bf16 projections reordered once into oneDNN's layout
     kv_int8: bool  # the KV cache holds 8-bit rows with scales (kv_quant), else the model's dtype
     kv_memory: int  # bytes for the device KV pool
+    numerics: str = "fast"  # "batch_invariant" only on the path that gives it (see numerics_in_force)
 
     @property
     def fused(self) -> bool:
         return self.path == "cpu-fused"
+
+
+# Why a path cannot give batch-invariant numerics, for the log and the docs.
+_NOT_INVARIANT = {
+    "cpu-native": "float32 (and bfloat16 without the fused decoder) runs per op on torch's GEMMs (MKL, oneDNN), "
+                  "which choose their blocking by the step's shape",
+    "cpu-torch": "the torch ops choose their blocking by the step's shape",
+    "cuda": "cuBLAS and SDPA choose kernels by the step's shape; kvserve has no invariant CUDA kernels",
+}
+
+
+def numerics_in_force(requested: str, path: str) -> str:
+    """"batch_invariant" where requested and the path gives it (the fused CPU decoder: decoder_cpu.cpp's gemm
+    with one summation order per element, every row attending as it would alone), else "fast", said once."""
+    if requested != "batch_invariant" or path in ("cpu-fused", "injected"):
+        return requested
+    log.warning("numerics = batch_invariant is not available on the %s path (%s): running with numerics = fast; "
+                "a token's logits may differ in their last bits with the make-up of its step", path,
+                _NOT_INVARIANT.get(path, "no invariant kernels"))
+    return "fast"
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -100,7 +122,7 @@ def onednn_prepack_available() -> bool:
 
 def plan(config: ModelConfig, tensor_names, *, device: str = "auto", dtype: str = "auto",
          kv_cache_dtype: str = "auto", kv_cache_memory: int | None = None, native_decoder: bool = True,
-         onednn_weights: bool = True) -> Plan:
+         onednn_weights: bool = True, numerics: str = "batch_invariant") -> Plan:
     """The one hardware decision for a checkpoint (its header: config and tensor names) and the engine's
     settings: device, dtype (bf16 where the fused decoder serves, see resolve_dtype), path, whether its
     quantized matrices are kept, the KV cache's form and its memory."""
@@ -122,7 +144,8 @@ def plan(config: ModelConfig, tensor_names, *, device: str = "auto", dtype: str 
     return Plan(device=dev, dtype=dt, path=path, quantized_weights=packed_gemm,
                 onednn_weights=onednn_weights and dev.type == "cpu" and dt == torch.bfloat16
                 and onednn_prepack_available(),
-                kv_int8=kv_cache_dtype == "int8", kv_memory=kv_memory)
+                kv_int8=kv_cache_dtype == "int8", kv_memory=kv_memory,
+                numerics=numerics_in_force(numerics, path))
 
 
 def choose(device: torch.device, dtype: torch.dtype) -> Backend:
@@ -143,12 +166,14 @@ def prepare(model, the_plan: Plan) -> Backend:
         model.pack_quantized(backend.native)
     else:
         model.dequantize_weights(the_plan.dtype, the_plan.device)
+    invariant = the_plan.numerics == "batch_invariant"
     if the_plan.fused:
-        if model.attach_native_decoder(backend.native):
+        if model.attach_native_decoder(backend.native, invariant):
             model.pack_dense_lm_head(backend.native)
-            backend = replace(backend, name="cpu-fused")
+            backend = replace(backend, name="cpu-fused", invariant=invariant)
         else:  # the built model is checked again: a layer the header could not show (a norm convention)
-            log.warning("the fused decoder does not take this model; its steps run per op (cpu-native)")
+            log.warning("the fused decoder does not take this model; its steps run per op (cpu-native)%s",
+                        ", with numerics = fast" if invariant else "")
     if the_plan.onednn_weights:
         model.prepack_onednn()
     model.use_backend(backend)

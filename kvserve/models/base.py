@@ -6,6 +6,7 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.models.attention import AttentionMetadata
+from kvserve.models.backend import TORCH
 from kvserve.models.layers import (Embedding, FusedLinear, Linear, QuantizableWeight, RMSNorm, frozen, onednn_linear,
                                    packed_linear, prepack_onednn)
 from kvserve.models.quant import PackedPart, QuantizedMatrix
@@ -22,6 +23,7 @@ class CausalLM(nn.Module):
 
     norm_unit_offset = False
     embedding_scale: float | None = None
+    backend = TORCH  # until use_backend
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -71,17 +73,18 @@ class CausalLM(nn.Module):
         """Float32 logits [T, vocab]: the packed LM head (quantized, or bf16 for the fused decoder) writes them
         directly, each rounded to bf16 as `F.linear(hidden, lm_head).float()` rounds it."""
         if self.lm_head_packed is not None and hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu":
-            return packed_linear([self.lm_head_packed], hidden, torch.float32)
+            return packed_linear([self.lm_head_packed], hidden, torch.float32, self.backend.invariant)
         if self.lm_head_onednn is not None:
             return onednn_linear(hidden, self.lm_head_onednn, None).float()
         return torch.nn.functional.linear(hidden, self.lm_head).float()
 
-    def attach_native_decoder(self, native) -> bool:
+    def attach_native_decoder(self, native, invariant: bool = False) -> bool:
         """Pack the projections for the fused native decoder where it applies (bf16, AMX kernels: see
-        models/backend.prepare); before `prepack_onednn` frees the dense weights. Returns whether it attached."""
+        models/backend.prepare); before `prepack_onednn` frees the dense weights. Returns whether it attached.
+        `invariant`: with the batch-invariant numerics."""
         from kvserve.models.native_decoder import NativeDecoder
 
-        self.native_decoder = NativeDecoder.build(self, native)
+        self.native_decoder = NativeDecoder.build(self, native, invariant)
         return self.native_decoder is not None
 
     def use_backend(self, backend) -> None:

@@ -79,8 +79,9 @@ class NativeDecoder:
     max_attention_keys = 1 << 16  # over rows attending alone: the sum of the keys each attends to
     tile_min_rows = 8  # a chunk this long attends on tiles (below it, packing its keys costs more than it saves)
 
-    def __init__(self, model, native: cpu_kernels.NativeKernels):
+    def __init__(self, model, native: cpu_kernels.NativeKernels, invariant: bool = False):
         self.native = native
+        self.invariant = invariant
         self.model = model
         config = model.config
         first = model.layers[0]
@@ -89,7 +90,7 @@ class NativeDecoder:
             num_layers=len(model.layers), hidden=config.hidden_size, q_heads=config.num_heads,
             kv_heads=config.num_kv_heads, head_dim=config.head_dim, intermediate=config.intermediate_size,
             act=_ACTIVATIONS[first.mlp.activation], eps=norm.eps, norm_unit_offset=int(norm.unit_offset),
-            final_norm=model.norm.weight.data_ptr())
+            final_norm=model.norm.weight.data_ptr(), invariant=int(invariant))
         self._packed = []  # keeps the dense weights' packed copies alive; the table holds their addresses
         self._layers = cpu_kernels.LayerParams * len(model.layers)
         self._static = []
@@ -109,6 +110,12 @@ class NativeDecoder:
                           window=attn.sliding_window or 0, scale=attn.scale)
             self._static.append(fields)
         self.tile_attention = native.tile_attention and config.head_dim % 32 == 0
+        if invariant:
+            # Batch-invariant numerics: a prefill row attends as it would alone (decoding), through the same
+            # kernel, unless its chunk's shared pass gives those bits anyway (AVX2's row groups over a bf16
+            # cache); and every step stays fused, whatever its attention costs (the per-op path rounds otherwise).
+            self.tile_attention = self.tile_attention and native.invariant_tile_attention
+            self.max_attention_keys = self.max_tokens ** 2
         if not native.amx:
             # Rows attending alone (decodes, short chunks) stay fused however many keys they read: on these
             # CPUs the per-op path is no faster at attention and its bf16 projections are slower.
@@ -124,12 +131,13 @@ class NativeDecoder:
         return self.phase_seconds
 
     @classmethod
-    def build(cls, model, native: cpu_kernels.NativeKernels | None) -> "NativeDecoder | None":
+    def build(cls, model, native: cpu_kernels.NativeKernels | None,
+              invariant: bool = False) -> "NativeDecoder | None":
         """The fused decoder for this model on these kernels, or None where it does not apply (see the
-        module docstring)."""
+        module docstring). `invariant`: the batch-invariant numerics (engine setting `numerics`)."""
         if native is None or not native.fused or not cls.supports(model):
             return None
-        return cls(model, native)
+        return cls(model, native, invariant)
 
     @classmethod
     def supports(cls, model) -> bool:
@@ -175,6 +183,7 @@ class NativeDecoder:
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         for rotary in self._rotaries:  # the kernel indexes the cos/sin tables unchecked
             rotary.check_positions(positions, meta.cache)
+        layer_table = self._layer_table(kv_caches)  # first: it reads the cache's form (kv_int8)
         tile_chunks = None
         if meta.prefills:
             tables, lens = self._token_tables(meta), positions + 1
@@ -183,7 +192,6 @@ class NativeDecoder:
         else:
             tables, lens = meta.decode_block_tables, meta.decode_context_lens
         h = h.contiguous()
-        layer_table = self._layer_table(kv_caches)
         shadow = {}
         if self.params.kv_int8 and tile_chunks is not None:
             # The blocks the tile chunks read, once each (dequantized once a layer); their rows of the
@@ -205,7 +213,10 @@ class NativeDecoder:
         return h
 
     def _tiled(self, chunk) -> bool:
-        return self.tile_attention and chunk.query_len >= self.tile_min_rows
+        # An 8-bit cache's row groups read a dequantized copy, where a row alone reads the int8 rows: under the
+        # batch-invariant numerics its rows attend alone.
+        return (self.tile_attention and chunk.query_len >= self.tile_min_rows
+                and not (self.invariant and self.params.kv_int8))
 
     @staticmethod
     def _token_tables(meta: AttentionMetadata) -> torch.Tensor:

@@ -124,6 +124,11 @@ class ModelHandle:
         """The weights' form as loaded (LLMEngine.weights), or the setting until they are."""
         return self.client.weights or self.engine_config.weights
 
+    @property
+    def numerics(self) -> str:
+        """The numerics in force (LLMEngine.numerics), or the setting until the model is loaded."""
+        return self.client.numerics or self.engine_config.numerics
+
     def queue_bound(self, tier: str) -> int:
         return getattr(self.engine_config.scheduler, tier).max_waiting
 

@@ -439,6 +439,9 @@ class ModelCard(BaseModel):
     weights: str | None = None
     # The KV cache's dtype setting: "auto" (the model's dtype) or "int8" (kernels/kv_quant.py).
     kv_cache_dtype: str | None = None
+    # "batch_invariant": a token's logits are the same bits whatever else its step held; "fast": not promised
+    # (the setting until the model is loaded; "fast" where the path cannot give it: float32, CUDA).
+    numerics: str | None = None
 
 
 class ModelList(BaseModel):
