@@ -66,12 +66,12 @@ class _TimedDecoder:
 
 
 def run(model: str, prompts: int, input_len: int, output_len: int, max_seqs: int, dtype: str = "bfloat16",
-        native_decoder: bool = True, weights: str = "auto") -> dict:
+        native_decoder: bool = True, weights: str = "auto", numerics: str = "batch_invariant") -> dict:
     from kvserve import LLM
     from kvserve.engine.sampling import SamplingParams
 
     llm = LLM(model, dtype=dtype, kv_cache_memory="1GiB", max_num_seqs=max_seqs, enable_prefix_caching=False,
-              native_decoder=native_decoder, weights=weights)
+              native_decoder=native_decoder, weights=weights, numerics=numerics)
     engine = llm.engine
     rng = random.Random(0)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
@@ -159,11 +159,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16", help="auto, bfloat16 or float32")
     parser.add_argument("--per-op", action="store_true", help="without the fused decoder (its per-op path)")
     parser.add_argument("--weights", default="auto", help="auto, bf16, int8 or int4 (EngineConfig.weights)")
+    parser.add_argument("--numerics", default="batch_invariant", help="batch_invariant or fast (EngineConfig.numerics)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--markdown", default=None, help="write the page here (docs/bench/cpu/<kind>-profile.md)")
     args = parser.parse_args(argv)
     result = run(args.model, args.prompts, args.input, args.output, args.max_seqs, args.dtype, not args.per_op,
-                 args.weights)
+                 args.weights, args.numerics)
     print(markdown(result))
     if args.json:
         with open(args.json, "w") as f:
@@ -173,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         command = (f"{isa.ENV}={level} " if level else "") + (
             f"python -m benchmarks.profile --model {args.model} --prompts {args.prompts} --input {args.input} "
             f"--output {args.output} --max-seqs {args.max_seqs} --dtype {args.dtype} --weights {args.weights}"
+            f" --numerics {args.numerics}"
             + (" --per-op" if args.per_op else ""))
         Path(args.markdown).write_text(page(result, command))
 

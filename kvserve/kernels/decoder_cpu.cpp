@@ -896,6 +896,79 @@ void quant_rows(int rows, const bf16* a, int64_t lda, const float* sums, int64_t
   quant_block<R, Bits>(a, lda, sums, chunks, b, c);
 }
 
+// The panel's arithmetic without the panel, for decode-sized steps under the batch-invariant numerics: each
+// tile row of a column pair's weights is widened to bf16 as widen_block writes it, in registers, and
+// multiplied at once, one chain per output in k order: the bits the vector micro kernel gives on the panel
+// (gemm_pair), which longer steps take, at about the cost of multiplying as read (quant_block).
+template <int R, bool Two, int Bits>
+void widen_dot(const bf16* a, int64_t lda, int64_t chunks, const uint8_t* b0, const uint8_t* b1, float* c0,
+               float* c1) {
+  const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
+  const __m512i nibble = _mm512_set1_epi32(0x0F);
+  const int64_t cb = quant_chunk_bytes(Bits);
+  __m512 acc0[R], acc1[R];
+  for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+  struct Factors { __m512 s_lo, s_hi, m_lo, m_hi; };
+  const auto factors = [&](const uint8_t* t) {
+    const uint8_t* tail = t + quant_values_bytes(Bits);
+    const __m512 s16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail)));
+    const __m512 m16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 32)));
+    return Factors{_mm512_permutexvar_ps(pairs_lo, s16), _mm512_permutexvar_ps(pairs_hi, s16),
+                   _mm512_permutexvar_ps(pairs_lo, m16), _mm512_permutexvar_ps(pairs_hi, m16)};
+  };
+  const auto weights = [&](const uint8_t* t, const Factors& f, int rr) {  // tile row rr as widen_block's emit
+    __m512i q_lo, q_hi;
+    if constexpr (Bits == 8) {
+      const __m128i* q = reinterpret_cast<const __m128i*>(t + rr * 32);
+      q_lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(q));
+      q_hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1));
+    } else {
+      const __m128i* q = reinterpret_cast<const __m128i*>(t + (rr & 7) * 32);
+      q_lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(q));
+      q_hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(q + 1));
+      if (rr < 8) q_lo = _mm512_and_si512(q_lo, nibble), q_hi = _mm512_and_si512(q_hi, nibble);
+      else q_lo = _mm512_srli_epi32(q_lo, 4), q_hi = _mm512_srli_epi32(q_hi, 4);
+    }
+    const __m512 w_lo = _mm512_fmadd_ps(f.s_lo, _mm512_cvtepi32_ps(q_lo), f.m_lo);
+    const __m512 w_hi = _mm512_fmadd_ps(f.s_hi, _mm512_cvtepi32_ps(q_hi), f.m_hi);
+    return _mm512_cvtne2ps_pbh(w_hi, w_lo);
+  };
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const uint8_t* t0 = b0 + ch * cb;
+    const uint8_t* t1 = Two ? b1 + ch * cb : t0;
+    for (int64_t l = 0; l < cb; l += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(t0 + kQuantPrefetchChunks * cb + l), _MM_HINT_T0);
+      if (Two) _mm_prefetch(reinterpret_cast<const char*>(t1 + kQuantPrefetchChunks * cb + l), _MM_HINT_T0);
+    }
+    const Factors f0 = factors(t0), f1 = Two ? factors(t1) : f0;
+    const uint32_t* ar = reinterpret_cast<const uint32_t*>(a + ch * 32);
+    for (int rr = 0; rr < 16; ++rr) {
+      const __m512bh w0 = weights(t0, f0, rr);
+      const __m512bh w1 = Two ? weights(t1, f1, rr) : w0;
+      for (int i = 0; i < R; ++i) {
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(ar[i * lda / 2 + rr]));
+        acc0[i] = _mm512_dpbf16_ps(acc0[i], x, w0);
+        if (Two) acc1[i] = _mm512_dpbf16_ps(acc1[i], x, w1);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm512_storeu_ps(c0 + i * 16, acc0[i]);
+    if (Two) _mm512_storeu_ps(c1 + i * 16, acc1[i]);
+  }
+}
+
+template <int R, int Bits>
+void widen_dot_rows(int rows, bool two, const bf16* a, int64_t lda, int64_t chunks, const uint8_t* b0,
+                    const uint8_t* b1, float* c0, float* c1) {
+  if constexpr (R > 1) {
+    if (rows < R) return widen_dot_rows<R - 1, Bits>(rows, two, a, lda, chunks, b0, b1, c0, c1);
+  }
+  if (two) widen_dot<R, true, Bits>(a, lda, chunks, b0, b1, c0, c1);
+  else widen_dot<R, false, Bits>(a, lda, chunks, b0, b1, c0, c1);
+}
+
 // C [m, 32] for one column pair of bf16 weights (b0, then b1 when `two`), every row: AMX tiles where this
 // process has them, else the vector micro kernels.
 template <typename Epilogue>
@@ -960,29 +1033,35 @@ void gemm_pair(const bf16* a, int64_t m, int64_t k, const bf16* b0, bool two, in
 // weight to bf16 first), so under the batch-invariant numerics a row must not change path with the step's
 // size: on AMX every step takes the panel (its tile products stay the fast way for long steps), on
 // AVX-512 BF16 every step multiplies as read, kQuantDirectRows rows at a time.
+// Steps of up to kQuantDirectRows rows multiply the values as read (quant_block); longer ones widen each
+// column pair into a bf16 panel for the GEMM of this CPU. The two round differently (the panel rounds each
+// weight to bf16 first), so under the batch-invariant numerics every step gets the panel's bits: long ones
+// from the panel, short ones from widen_dot (the same products in registers) where the GEMM runs on vectors;
+// on AMX the tile products differ from vector ones, so there every step takes the panel.
 template <int Bits, typename Epilogue>
 void gemm_quant_bits(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int64_t nblocks, TileState& ts,
                      Epilogue& epi) {
   const int64_t chunks = k / 32, block_bytes = chunks * quant_chunk_bytes(Bits);
   const int64_t pairs = (nblocks + 1) / 2;
-  const bool direct = ts.invariant ? !amx_ready() : m <= kQuantDirectRows;
-  if (direct) {
-    static thread_local QuantRows rows;
-    rows.load(a, m, k);  // quant_block takes the minimums (and int4's offset) off A's chunk sums
+  if (m <= kQuantDirectRows && !(ts.invariant && amx_ready())) {
+    QuantRows rows;
+    if (!ts.invariant) rows.load(a, m, k);  // quant_block takes the minimums (and int4's offset) off A's chunk sums
     alignas(64) float c[2][kQuantDirectRows * 16];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t pair = 0; pair < pairs; ++pair) {
       const int64_t nb0 = 2 * pair;
       const bool two = nb0 + 1 < nblocks;
-      for (int64_t r0 = 0; r0 < m; r0 += kQuantDirectRows) {  // the pair's blocks stay in L1/L2 across passes
-        const int64_t rows_here = std::min(kQuantDirectRows, m - r0);
+      if (ts.invariant) {
+        widen_dot_rows<kQuantDirectRows, Bits>(static_cast<int>(m), two, a, k, chunks, w + nb0 * block_bytes,
+                                               w + (nb0 + 1) * block_bytes, c[0], c[1]);
+      } else {
         for (int half = 0; half < (two ? 2 : 1); ++half)
-          for (int64_t r = 0; r < rows_here; r += kQuantRows)
-            quant_rows<kQuantRows, Bits>(static_cast<int>(std::min<int64_t>(kQuantRows, rows_here - r)),
-                                         a + (r0 + r) * k, k, rows.sums.data() + (r0 + r) * chunks, chunks,
-                                         w + (nb0 + half) * block_bytes, c[half] + r * 16);
-        epi(r0, nb0, two, 0, static_cast<int>(rows_here), c[0], c[1]);
+          for (int64_t r = 0; r < m; r += kQuantRows)
+            quant_rows<kQuantRows, Bits>(static_cast<int>(std::min<int64_t>(kQuantRows, m - r)), a + r * k, k,
+                                         rows.sums.data() + r * chunks, chunks, w + (nb0 + half) * block_bytes,
+                                         c[half] + r * 16);
       }
+      epi(0, nb0, two, 0, static_cast<int>(m), c[0], c[1]);
     }
     return;
   }

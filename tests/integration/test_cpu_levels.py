@@ -18,7 +18,8 @@ LEVEL_TESTS = ["tests/unit/test_cpu_kernels.py", "tests/unit/test_quant_kernels.
                "tests/unit/test_kv_int8.py",
                "tests/unit/test_native_decoder.py", "tests/unit/test_engine_tiny.py",
                "tests/unit/test_model_parity_tiny.py", "tests/unit/test_sampler.py",
-               "tests/integration/test_engine.py", "tests/integration/test_parity_real.py"]
+               "tests/integration/test_engine.py", "tests/integration/test_parity_real.py",
+               "tests/integration/test_batch_invariance.py"]
 
 
 @pytest.mark.slow

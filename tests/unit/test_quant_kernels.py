@@ -32,14 +32,15 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor, k: int, extra: torch.Ten
     assert worst <= 0, f"off by {worst:.3g} beyond the bound (scale {ref.abs().max().item():.3g})"
 
 
-def _path_error(native, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _path_error(native, x: torch.Tensor, w: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """What a step of x's rows rounds besides the output, by path and build. AVX-512 BF16 and AMX builds:
     short steps multiply the exact weights by the bf16 rows; longer ones the weights rounded to bf16 (a
     panel), off by at most 2^-9 |x| |w|. AVX2 builds: short steps round each 32-deep chunk of a row to
     16-bit integers with a power-of-two scale (off by at most 2^-14 of the chunk's largest |x| per value);
-    longer ones multiply the exact weights in fp32."""
+    longer ones multiply the exact weights in fp32. Under the batch-invariant numerics every step rounds as
+    one path does: AVX-512 BF16 and AMX builds as the panel, AVX2 builds as the short steps."""
     xd, wd = x.double(), w.double().abs()
-    direct = x.shape[0] <= native.quant_direct_rows
+    direct = not native.pair_layout if invariant else x.shape[0] <= native.quant_direct_rows
     if native.pair_layout:
         return 0.0 if direct else 2.0 ** -9 * (xd.abs() @ wd.T)
     if not direct:
@@ -52,16 +53,38 @@ def _path_error(native, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("m,n,k", [(1, 64, 96), (2, 16, 576), (3, 48, 576), (5, 32, 64), (8, 32, 1536),
                                    (9, 64, 576), (16, 48, 256), (17, 32, 96), (33, 80, 128), (70, 16, 256),
                                    (300, 32, 2048)])  # AVX2 panels take rows in passes of 256 at this k
-def test_quantized_linear_matches_its_weights(native, bits, m, n, k):
+@pytest.mark.parametrize("invariant", [False, True])
+def test_quantized_linear_matches_its_weights(native, bits, m, n, k, invariant):
     torch.manual_seed(m * 1000 + n + k + bits)
     qm = quant.quantize(torch.randn(n, k), bits)
     packed = native.pack_quant(qm.values, qm.scales, qm.minimums, bits)
     x = torch.randn(m, k).bfloat16()
     w = qm.dequantize()
-    _assert_close(native.linear_quant(x, packed, bits, n, torch.float32), _reference(x, w), k, _path_error(native, x, w))
-    as_bf16 = native.linear_quant(x, packed, bits, n)
+    out = native.linear_quant(x, packed, bits, n, torch.float32, invariant)
+    _assert_close(out, _reference(x, w), k, _path_error(native, x, w, invariant))
+    as_bf16 = native.linear_quant(x, packed, bits, n, invariant=invariant)
     assert as_bf16.dtype == torch.bfloat16
-    assert torch.equal(as_bf16.float(), native.linear_quant(x, packed, bits, n, torch.float32))
+    assert torch.equal(as_bf16.float(), out)
+
+
+@pytest.mark.parametrize("bits", [0, 8, 4])
+def test_invariant_rows_are_the_same_bits_in_any_step(native, bits):
+    """Batch-invariant numerics: a row's outputs are the same bits alone, among the first m rows of a step
+    or anywhere in it, for dense bf16 (bits 0) and quantized weights, across every path boundary of the
+    fast numerics (decode-sized, AVX2's integer and panel sizes, AVX2's few-row kernels)."""
+    torch.manual_seed(bits)
+    n, k = 96, 576
+    if bits:
+        qm = quant.quantize(torch.randn(n, k), bits)
+        packed = native.pack_quant(qm.values, qm.scales, qm.minimums, bits)
+    else:
+        packed = native.pack_weight(torch.randn(n, k).bfloat16())
+    x = torch.randn(300, k).bfloat16() * torch.logspace(-3, 3, 300).unsqueeze(1).bfloat16()
+    full = native.linear_quant(x, packed, bits, n, torch.float32, True)
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 299):
+        assert torch.equal(native.linear_quant(x[:m], packed, bits, n, torch.float32, True), full[:m]), m
+        assert torch.equal(native.linear_quant(x[m - 1:m + 3], packed, bits, n, torch.float32, True),
+                           full[m - 1:m + 3]), m
 
 
 def test_int4_with_large_offsets_keeps_its_precision(native):
