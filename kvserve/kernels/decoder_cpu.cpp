@@ -917,22 +917,21 @@ void widen_dot(const bf16* a, int64_t lda, int64_t chunks, const uint8_t* b0, co
     return Factors{_mm512_permutexvar_ps(pairs_lo, s16), _mm512_permutexvar_ps(pairs_hi, s16),
                    _mm512_permutexvar_ps(pairs_lo, m16), _mm512_permutexvar_ps(pairs_hi, m16)};
   };
-  const auto weights = [&](const uint8_t* t, const Factors& f, int rr) {  // tile row rr as widen_block's emit
-    __m512i q_lo, q_hi;
-    if constexpr (Bits == 8) {
-      const __m128i* q = reinterpret_cast<const __m128i*>(t + rr * 32);
-      q_lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(q));
-      q_hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1));
-    } else {
-      const __m128i* q = reinterpret_cast<const __m128i*>(t + (rr & 7) * 32);
-      q_lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(q));
-      q_hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(q + 1));
-      if (rr < 8) q_lo = _mm512_and_si512(q_lo, nibble), q_hi = _mm512_and_si512(q_hi, nibble);
-      else q_lo = _mm512_srli_epi32(q_lo, 4), q_hi = _mm512_srli_epi32(q_hi, 4);
-    }
+  // A tile row's 32 values (int32 halves) as widen_block's emit writes them: s * q + m in fp32, then bf16.
+  const auto emit = [](const Factors& f, __m512i q_lo, __m512i q_hi) {
     const __m512 w_lo = _mm512_fmadd_ps(f.s_lo, _mm512_cvtepi32_ps(q_lo), f.m_lo);
     const __m512 w_hi = _mm512_fmadd_ps(f.s_hi, _mm512_cvtepi32_ps(q_hi), f.m_hi);
     return _mm512_cvtne2ps_pbh(w_hi, w_lo);
+  };
+  const auto weights = [&](const uint8_t* t, const Factors& f, int rr) {  // int8: tile row rr
+    const __m128i* q = reinterpret_cast<const __m128i*>(t + rr * 32);
+    return emit(f, _mm512_cvtepi8_epi32(_mm_loadu_si128(q)), _mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
+  };
+  const auto nibble_rows = [&](const uint8_t* t, const Factors& f, int p, __m512bh& lo, __m512bh& hi) {  // int4
+    const __m128i* q = reinterpret_cast<const __m128i*>(t + p * 32);
+    const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(q)), b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(q + 1));
+    lo = emit(f, _mm512_and_si512(b0, nibble), _mm512_and_si512(b1, nibble));
+    hi = emit(f, _mm512_srli_epi32(b0, 4), _mm512_srli_epi32(b1, 4));
   };
   for (int64_t ch = 0; ch < chunks; ++ch) {
     const uint8_t* t0 = b0 + ch * cb;
@@ -943,14 +942,24 @@ void widen_dot(const bf16* a, int64_t lda, int64_t chunks, const uint8_t* b0, co
     }
     const Factors f0 = factors(t0), f1 = Two ? factors(t1) : f0;
     const uint32_t* ar = reinterpret_cast<const uint32_t*>(a + ch * 32);
-    for (int rr = 0; rr < 16; ++rr) {
-      const __m512bh w0 = weights(t0, f0, rr);
-      const __m512bh w1 = Two ? weights(t1, f1, rr) : w0;
+    const auto multiply = [&](int rr, __m512bh w0, __m512bh w1) {
       for (int i = 0; i < R; ++i) {
         const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(ar[i * lda / 2 + rr]));
         acc0[i] = _mm512_dpbf16_ps(acc0[i], x, w0);
         if (Two) acc1[i] = _mm512_dpbf16_ps(acc1[i], x, w1);
       }
+    };
+    if constexpr (Bits == 8) {
+      for (int rr = 0; rr < 16; ++rr) multiply(rr, weights(t0, f0, rr), Two ? weights(t1, f1, rr) : __m512bh{});
+    } else {  // tile rows p and p + 8 share their bytes: widened once, row p + 8 kept until its turn
+      __m512bh later0[8], later1[8];
+      for (int p = 0; p < 8; ++p) {
+        __m512bh w0, w1{};
+        nibble_rows(t0, f0, p, w0, later0[p]);
+        if (Two) nibble_rows(t1, f1, p, w1, later1[p]);
+        multiply(p, w0, w1);
+      }
+      for (int p = 0; p < 8; ++p) multiply(p + 8, later0[p], Two ? later1[p] : __m512bh{});
     }
   }
   for (int i = 0; i < R; ++i) {

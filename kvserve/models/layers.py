@@ -146,6 +146,7 @@ class QuantizableWeight(nn.Module):
     the kernels do not run (models/backend.prepare). A quantized module's dense weight is empty."""
 
     weight: nn.Parameter
+    backend: Backend = TORCH  # until CausalLM.use_backend: its `invariant` picks the packed GEMM's numerics
     gate_up = False  # rows are [gate; up]: packed with the halves' 16-row blocks interleaved
 
     def init_quant(self) -> None:

@@ -228,6 +228,7 @@ def test_models_endpoint(server):
     for key in ("created", "p50_ttft_ms", "inflight", "queue_depth", "weights"):
         assert key in card
     assert card["kv_cache_dtype"] == "auto"
+    assert card["numerics"] == "batch_invariant"  # the default, on the fused decoder every CPU kind runs
     ids = [m.id for m in server.openai().models.list().data]
     assert ids == [MODEL]
 

@@ -303,8 +303,10 @@ def wide_head_checkpoint(request, tmp_path_factory, smollm2_gguf_path):
 
 def _tile_run(ck, dtype, fused: bool, tile_min_rows: int = NativeDecoder.tile_min_rows) -> torch.Tensor:
     """Logits of a mixed batch (fresh prompts, chunks over cached prefixes, decodes) and of a 140-token
-    prompt prefilled in uneven chunks (13 to 50 rows: partial tiles, chunks starting mid-block)."""
-    h = PagedHarness(ck, dtype=dtype)
+    prompt prefilled in uneven chunks (13 to 50 rows: partial tiles, chunks starting mid-block). The tiles'
+    shared pass is the fast numerics' (batch_invariant attends every row as a decode does, or where a tile
+    gives the same bits, as on AVX2, equal to the rows by design)."""
+    h = PagedHarness(ck, dtype=dtype, numerics="fast")
     if fused:
         assert h.model.native_decoder.tile_attention
         h.model.native_decoder.tile_min_rows = tile_min_rows
@@ -323,14 +325,17 @@ def test_prefill_chunks_attended_on_tiles_match_the_per_op_path(wide_head_checkp
     rows = _tile_run(wide_head_checkpoint, torch.bfloat16, True, tile_min_rows=10**9)
     per_op = _tile_run(wide_head_checkpoint, torch.bfloat16, False)
     reference = _tile_run(wide_head_checkpoint, torch.float32, False)
-    assert not torch.equal(tiles, rows), "the chunks must have taken the tile path"
+    if native.invariant_tile_attention:  # AVX2's row groups sum each query's keys as a decode does
+        assert torch.equal(tiles, rows)
+    else:
+        assert not torch.equal(tiles, rows), "the chunks must have taken the tile path"
     assert rel_err(tiles, per_op) <= 2e-2
     assert rel_err(tiles, reference) <= 1.25 * rel_err(per_op, reference) + 1e-3
 
 
 @needs_tiles
 def test_chunks_on_tiles_do_not_count_against_the_row_attention_limit(wide_head_checkpoint):
-    h = PagedHarness(wide_head_checkpoint, dtype=torch.bfloat16)
+    h = PagedHarness(wide_head_checkpoint, dtype=torch.bfloat16, numerics="fast")
     decoder = h.model.native_decoder
     x = torch.zeros(65, wide_head_checkpoint.config.hidden_size, dtype=torch.bfloat16)
     table = torch.zeros(37, dtype=torch.int64)
@@ -364,3 +369,22 @@ def test_auto_dtype_is_bf16_where_the_fused_decoder_will_serve(checkpoint, monke
     the_plan = plan(config, names, device="cpu")
     assert (the_plan.dtype, the_plan.path) == ((torch.bfloat16, "cpu-fused") if fused else (torch.float32, the_plan.path))
     assert plan(config, names, device="cpu", native_decoder=False).path != "cpu-fused"
+
+
+def test_the_numerics_in_force_are_planned_once_and_said(checkpoint, caplog):
+    """batch_invariant (the default) holds on the fused decoder; where the path cannot give it (float32 per op)
+    the plan says fast and the log says why; fast is the fused decoder without it; an unknown value is refused."""
+    from kvserve.config import ConfigError, EngineConfig
+    from kvserve.models.loader import plan_for
+
+    if native is not None and native.fused:
+        h = PagedHarness(checkpoint, dtype=torch.bfloat16)
+        assert h.model.backend.invariant and h.model.native_decoder.invariant and h.model.native_decoder.params.invariant
+        assert plan_for(checkpoint, torch.bfloat16).numerics == "batch_invariant"
+        fast = plan_for(checkpoint, torch.bfloat16, numerics="fast")
+        assert fast.numerics == "fast" and fast.fused
+    with caplog.at_level("WARNING", logger="kvserve.models.backend"):
+        assert plan_for(checkpoint, torch.float32).numerics == "fast"
+    assert "numerics = batch_invariant is not available on the cpu-native path" in caplog.text
+    with pytest.raises(ConfigError, match="numerics"):
+        EngineConfig(model="m", numerics="exact")
