@@ -101,8 +101,8 @@ class NativeKernels:
         # products), or on AVX2 in row groups that share each widened key and value row.
         self.tile_attention = bool(self._lib.kvserve_tile_attention())
         self._lib.kvserve_invariant_tile_attention.restype = _I64
-        # Whether those rows get the bits each would get attending alone (AVX2's row groups: the same sums per
-        # query), so the batch-invariant numerics keep them; the packed-key tiles reduce in another order.
+        # Whether the batch-invariant numerics keep that shared pass: in row groups whose queries sum as each
+        # would attending alone (AVX2, and AVX-512 BF16 in place of its packed-key tiles, which sum otherwise).
         self.invariant_tile_attention = bool(self._lib.kvserve_invariant_tile_attention())
         self._lib.kvserve_pair_layout.restype = _I64
         # pack_weight's layout: AMX's tiles (AMX or AVX-512 BF16 builds), else k-major per 16 columns (AVX2).

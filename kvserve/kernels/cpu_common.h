@@ -654,6 +654,122 @@ void attend_bf16_dp(const Task<bf16>& task, std::vector<int64_t>& rows, std::vec
   for (int64_t g = 0; g < task.group; ++g)
     weigh_values<C, 1>(task.v_head, r, probs.data() + g * n2, n, n2, task.out + g * hd);
 }
+
+// Prefill rows attending together with attend_bf16_dp's arithmetic, query by query, so that each gets the
+// bits it would get attending alone as a decode (the batch-invariant numerics): `count` query vectors (a
+// chunk's consecutive rows, each with the query heads of one kv head) over one range of keys that starts at
+// every row's first key; query j sees the first qs[j].n of them. Each 16 keys are read once into L1 for all
+// queries, and each pair of value rows is loaded and interleaved once for up to four of them.
+struct RowQuery {
+  const bf16* q;  // [hd] as stored
+  int64_t n;      // its keys: the task's first n
+  float* scores;  // [n]
+  uint16_t* probs;  // [n rounded up to even] bf16
+  bf16* out;      // [hd]
+};
+
+// p.v for Q of the queries (weigh_values' sums, each query over its own keys: an odd last key is paired with
+// itself at probability 0, as attend_bf16_dp pairs it).
+template <int C, int Q>
+void weigh_values_rows(const bf16* v_head, const int64_t* rows, const RowQuery* qs) {
+  constexpr int64_t hd = 32 * C;
+  int64_t n = 0;
+  for (int q = 0; q < Q; ++q) n = std::max(n, qs[q].n);
+  __m512 acc[Q][2 * C];
+  for (int q = 0; q < Q; ++q)
+    for (int c = 0; c < 2 * C; ++c) acc[q][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 2) {
+    const bf16* v0 = v_head + rows[i];
+    const bf16* v1 = v_head + rows[i + 1];
+    __m512bh lo[C], hi[C];
+    for (int c = 0; c < C; ++c) {
+      const __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
+      lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+    for (int q = 0; q < Q; ++q) {
+      if (i >= qs[q].n) continue;
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(reinterpret_cast<const uint32_t*>(qs[q].probs)[i / 2]));
+      if (i + 1 == qs[q].n) {  // its last key, odd: paired with itself
+        for (int c = 0; c < C; ++c) {
+          const __m512i a = _mm512_loadu_si512(v0 + 32 * c);
+          acc[q][2 * c] = _mm512_dpbf16_ps(acc[q][2 * c], p, (__m512bh)_mm512_unpacklo_epi16(a, a));
+          acc[q][2 * c + 1] = _mm512_dpbf16_ps(acc[q][2 * c + 1], p, (__m512bh)_mm512_unpackhi_epi16(a, a));
+        }
+        continue;
+      }
+      for (int c = 0; c < C; ++c) {
+        acc[q][2 * c] = _mm512_dpbf16_ps(acc[q][2 * c], p, lo[c]);
+        acc[q][2 * c + 1] = _mm512_dpbf16_ps(acc[q][2 * c + 1], p, hi[c]);
+      }
+    }
+  }
+  for (int q = 0; q < Q; ++q) {
+    bf16* dst = qs[q].out;
+    for (int c = 0; c < C; ++c) {  // back to dimension order, as weigh_values
+      const __m512 l = acc[q][2 * c], h = acc[q][2 * c + 1];
+      const __m512 x = _mm512_shuffle_f32x4(l, h, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m512 y = _mm512_shuffle_f32x4(l, h, _MM_SHUFFLE(3, 2, 3, 2));
+      store16(_mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(3, 1, 2, 0)), dst + 32 * c);
+      store16(_mm512_shuffle_f32x4(y, y, _MM_SHUFFLE(3, 1, 2, 0)), dst + 32 * c + 16);
+    }
+  }
+}
+
+template <int C>
+void attend_bf16_rows(const Task<bf16>& task, RowQuery* qs, int64_t count, std::vector<int64_t>& rows) {
+  const int64_t n = task.n();
+  rows.resize(n + 1);
+  task.for_each_key(task.k_head, [&](int64_t i, const bf16* k) { rows[i] = k - task.k_head; });
+  rows[n] = rows[n - 1];
+  const __m512 scale = _mm512_set1_ps(task.scale);
+  for (int64_t b = 0; b < n; b += 16) {  // q.k, as attend_bf16_dp: one chain a key, hsum16 per 16 keys
+    for (int64_t j = 0; j < count; ++j) {
+      const RowQuery& q = qs[j];
+      if (q.n <= b) continue;
+      const int64_t e = std::min<int64_t>(16, q.n - b);
+      __m512bh qv[C];
+      for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q.q + 32 * c);
+      __m512 part[16];
+      for (int64_t t = 0; t < e; ++t) {
+        const bf16* k = task.k_head + rows[b + t];
+        __m512 a = _mm512_setzero_ps();
+        for (int c = 0; c < C; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+        part[t] = a;
+      }
+      for (int64_t t = e; t < 16; ++t) part[t] = _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(q.scores + b, static_cast<__mmask16>((1u << e) - 1), _mm512_mul_ps(hsum16(part), scale));
+    }
+  }
+  for (int64_t j = 0; j < count; ++j) {  // softmax and bf16 probabilities, as attend_bf16_dp
+    const RowQuery& q = qs[j];
+    softmax_rows(q.scores, 1, q.n);
+    bf16* pg = reinterpret_cast<bf16*>(q.probs);
+    int64_t i = 0;
+    for (; i + 16 <= q.n; i += 16) store16(_mm512_loadu_ps(q.scores + i), pg + i);
+    for (; i < q.n; ++i) store(q.scores[i], pg + i);
+    if (q.n & 1) q.probs[q.n] = 0;
+  }
+  constexpr int kQ = C <= 2 ? 4 : C <= 4 ? 2 : 1;  // weigh_values' register budget
+  for (int64_t j = 0; j < count;) {
+    switch (std::min<int64_t>(kQ, count - j)) {
+      case 4: if constexpr (kQ >= 4) { weigh_values_rows<C, 4>(task.v_head, rows.data(), qs + j), j += 4; break; } [[fallthrough]];
+      case 3: if constexpr (kQ >= 3) { weigh_values_rows<C, 3>(task.v_head, rows.data(), qs + j), j += 3; break; } [[fallthrough]];
+      case 2: if constexpr (kQ >= 2) { weigh_values_rows<C, 2>(task.v_head, rows.data(), qs + j), j += 2; break; } [[fallthrough]];
+      default: weigh_values_rows<C, 1>(task.v_head, rows.data(), qs + j), j += 1; break;
+    }
+  }
+}
+
+// The head dims attend_bf16_dp serves (other ones attend through attend_any, row by row).
+inline bool bf16_dp_head_dim(int64_t hd) { return hd == 64 || hd == 128 || hd == 256; }
+inline void attend_bf16_rows(const Task<bf16>& task, RowQuery* qs, int64_t count, std::vector<int64_t>& rows) {
+  switch (task.hd) {
+    case 64: return attend_bf16_rows<2>(task, qs, count, rows);
+    case 128: return attend_bf16_rows<4>(task, qs, count, rows);
+    default: return attend_bf16_rows<8>(task, qs, count, rows);
+  }
+}
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)

@@ -644,14 +644,27 @@ struct TileAttention : PrefillChunks {
 constexpr bool kTileAttention = false;
 #endif
 
-// ---- prefill attention in row groups (AVX2) ----
-// The same sharing as TileAttention where there is no bf16 arithmetic: a task is a group of consecutive
-// query rows of one prefill chunk with every query head of one kv head, up to 12 query vectors, that
-// share each key and value row as it is widened to fp32 (attend_widened), where attending row by row
-// widens the whole prefix once per token and kv head. Each row keeps its own causal end (and window).
+// ---- prefill attention in row groups (AVX2; AVX-512 BF16 under the batch-invariant numerics) ----
+// A task is a group of consecutive query rows of one prefill chunk with every query head of one kv head,
+// up to kGroupQueries query vectors, that share each key and value row, where attending row by row reads
+// the whole prefix once per token and kv head. Each query sums as a decode's does, so each row gets the bits
+// it would get attending alone. AVX2 (no bf16 arithmetic; the fast numerics too): rows widened to fp32 once
+// for the group (attend_widened), each row keeping its own causal end and window. AVX-512 BF16: the
+// packed-key tiles (TileAttention) reduce q.k and p.v in another order than a decode, so under the
+// batch-invariant numerics chunks take these groups instead (attend_bf16_rows: attend_bf16_dp's sums); a
+// group whose rows start at different keys (a sliding window passed) attends row by row.
 struct RowGroups : PrefillChunks {
+  static constexpr int64_t kGroupQueries = kTileAttention ? 16 : 12;
   static int64_t rows_per_task(int64_t q_heads, int64_t kv_heads) {
-    return std::max<int64_t>(1, 12 / (q_heads / kv_heads));
+    return std::max<int64_t>(1, kGroupQueries / (q_heads / kv_heads));
+  }
+  // Whether this build's groups serve head_dim hd (else the chunk's rows attend alone).
+  static bool serves(int64_t hd) {
+#if defined(__AVX512BF16__)
+    return bf16_dp_head_dim(hd);
+#else
+    return kWidenedAttention && widened_head_dim(hd);
+#endif
   }
 
   void run(int64_t chunk, int64_t head, int64_t group_index, std::vector<float>& scores, Scratch& scratch) const {
@@ -677,6 +690,38 @@ struct RowGroups : PrefillChunks {
                           value_cache + head * head_stride, block_tables + i0 * table_stride, block_size, start, len,
                           scores.data(), nullptr};
     attend_widened(task, scratch.queries.data(), count, hd);
+#elif defined(__AVX512BF16__)
+    const TileChunk& c = chunks[chunk];
+    const int64_t group = q_heads / kv_heads, per_task = rows_per_task(q_heads, kv_heads);
+    const int64_t i0 = c.row0 + group_index * per_task, rows = std::min(per_task, c.row0 + c.rows - i0);
+    const int64_t start = first_key(positions[i0]), len = positions[i0 + rows - 1] + 1;
+    const bf16* kh = key_cache + head * head_stride;
+    const bf16* vh = value_cache + head * head_stride;
+    if (first_key(positions[i0 + rows - 1]) != start) {  // a window passed inside the group: row by row
+      for (int64_t row = i0; row < i0 + rows; ++row) {
+        const int64_t from = first_key(positions[row]), to = positions[row] + 1;
+        scores.resize(group * (to - from));
+        attend(Task<bf16>{nullptr, qkv + row * qkv_width + head * group * hd, scale, group, hd, kh, vh,
+                          block_tables + row * table_stride, block_size, from, to, scores.data(),
+                          out + row * q_heads * hd + head * group * hd},
+               scratch);
+      }
+      return;
+    }
+    const int64_t n = len - start, n2 = (n + 1) & ~int64_t(1), count = rows * group;
+    scores.resize(count * n);
+    scratch.probs.resize(count * n2);
+    static thread_local std::vector<RowQuery> queries;
+    queries.resize(count);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t row = i0 + r, qh = head * group + g, j = r * group + g;
+        queries[j] = {qkv + row * qkv_width + qh * hd, positions[row] + 1 - start, scores.data() + j * n,
+                      scratch.probs.data() + j * n2, out + row * q_heads * hd + qh * hd};
+      }
+    attend_bf16_rows(Task<bf16>{nullptr, nullptr, scale, group, hd, kh, vh, block_tables + i0 * table_stride,
+                                block_size, start, len, nullptr, nullptr},
+                     queries.data(), count, scratch.rows);
 #else
     (void)chunk, (void)head, (void)group_index, (void)scores, (void)scratch;
 #endif
@@ -1037,11 +1082,6 @@ void gemm_pair(const bf16* a, int64_t m, int64_t k, const bf16* b0, bool two, in
   }
 }
 
-// Steps of up to kQuantDirectRows rows multiply the values as read (quant_block); longer ones widen each
-// column pair into a bf16 panel for the GEMM of this CPU. The two round differently (the panel rounds each
-// weight to bf16 first), so under the batch-invariant numerics a row must not change path with the step's
-// size: on AMX every step takes the panel (its tile products stay the fast way for long steps), on
-// AVX-512 BF16 every step multiplies as read, kQuantDirectRows rows at a time.
 // Steps of up to kQuantDirectRows rows multiply the values as read (quant_block); longer ones widen each
 // column pair into a bf16 panel for the GEMM of this CPU. The two round differently (the panel rounds each
 // weight to bf16 first), so under the batch-invariant numerics every step gets the panel's bits: long ones
@@ -1458,9 +1498,10 @@ extern "C" int64_t kvserve_fused_available() { return amx_ready() || kVectorGemm
 // Whether a prefill chunk's rows attend together (the caller passes the chunks then): on packed keys
 // (TileAttention: AMX tiles, or VDPBF16PS without them), or in row groups sharing widened rows (AVX2).
 extern "C" int64_t kvserve_tile_attention() { return kTileAttention || kWidenedAttention ? 1 : 0; }
-// Whether those rows get the same bits as each would attending alone: AVX2's row groups sum each query
-// as attend_widened does for a decode; the packed-key tiles reduce q.k and p.v in another order.
-extern "C" int64_t kvserve_invariant_tile_attention() { return !kTileAttention && kWidenedAttention ? 1 : 0; }
+// Whether the batch-invariant numerics keep that shared pass: in row groups (RowGroups), whose queries sum
+// as each would attending alone, on AVX2 (as in the fast numerics) and on AVX-512 BF16 (where the fast
+// numerics' packed-key tiles reduce q.k and p.v in another order).
+extern "C" int64_t kvserve_invariant_tile_attention() { return kTileAttention || kWidenedAttention ? 1 : 0; }
 
 // 1: weights are packed in the tile layout above; 0: k-major ([N/16][K][16], the AVX2 GEMM's).
 extern "C" int64_t kvserve_pair_layout() { return kPairLayout ? 1 : 0; }
@@ -1638,8 +1679,11 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
   std::vector<int64_t> packed_offsets(num_tile_chunks + 1, 0), untiled;
   std::vector<bool> tiled(m, false);
   std::vector<std::array<int64_t, 3>> pack_tasks, tile_tasks;
+  // Under the batch-invariant numerics chunks attend in row groups (their rows' decode bits), else on this
+  // build's shared pass: packed-key tiles with bf16 arithmetic, row groups on AVX2.
+  const bool grouped = !kTileAttention || p.invariant != 0;
 #if defined(__AVX512BF16__)  // tile attention (kTileAttention)
-  for (int64_t c = 0; c < num_tile_chunks; ++c) {
+  for (int64_t c = 0; c < num_tile_chunks && !grouped; ++c) {
     const int64_t end = TileAttention::end(positions, chunks[c]);
     packed_offsets[c + 1] = packed_offsets[c] + TileAttention::packed_size(end, p.kv_heads, hd);
     for (int64_t kh = 0; kh < p.kv_heads; ++kh) {
@@ -1648,8 +1692,8 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
     }
     std::fill(tiled.begin() + chunks[c].row0, tiled.begin() + chunks[c].row0 + chunks[c].rows, true);
   }
-#else
-  if (kWidenedAttention && widened_head_dim(hd)) {  // else every row attends alone
+#endif
+  if (grouped && RowGroups::serves(hd)) {  // else every row attends alone
     const int64_t per_task = RowGroups::rows_per_task(p.q_heads, p.kv_heads);
     for (int64_t c = 0; c < num_tile_chunks; ++c) {
       for (int64_t kh = 0; kh < p.kv_heads; ++kh)
@@ -1657,7 +1701,6 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
       std::fill(tiled.begin() + chunks[c].row0, tiled.begin() + chunks[c].row0 + chunks[c].rows, true);
     }
   }
-#endif
   for (int64_t i = 0; i < m; ++i)
     if (!tiled[i]) untiled.push_back(i);
   std::vector<bf16> packed(packed_offsets[num_tile_chunks]);
@@ -1757,17 +1800,18 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
         for (size_t task = 0; task < pack_tasks.size(); ++task)
           tiles.pack(pack_tasks[task][0], pack_tasks[task][1], pack_tasks[task][2]);
       }
-#else
-      const RowGroups groups{prefill};
 #endif
+      const RowGroups groups{prefill};
 #pragma omp for schedule(dynamic, 1)
       for (int64_t task = 0; task < num_attention_tasks; ++task) {
         if (task < num_tile_tasks) {
 #if defined(__AVX512BF16__)  // tile attention (kTileAttention)
-          tiles.run(tile_tasks[task][0], tile_tasks[task][1], tile_tasks[task][2], ts, scores, probs);
-#else
-          groups.run(tile_tasks[task][0], tile_tasks[task][1], tile_tasks[task][2], scores, scratch);
+          if (!grouped) {
+            tiles.run(tile_tasks[task][0], tile_tasks[task][1], tile_tasks[task][2], ts, scores, probs);
+            continue;
+          }
 #endif
+          groups.run(tile_tasks[task][0], tile_tasks[task][1], tile_tasks[task][2], scores, scratch);
         } else {
           const int64_t k = task - num_tile_tasks;
           batch.run(untiled[k / p.kv_heads] * p.kv_heads + k % p.kv_heads, scores, scratch);

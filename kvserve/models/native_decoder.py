@@ -14,7 +14,9 @@ products. That is what makes prefix-cache hits cheap: 64 new tokens over a 576-t
 prefix once per 16 tokens, not once per token. Without AMX the same packed keys and values are
 multiplied with AVX-512 BF16's pair dot products (the vector GEMM's micro kernels). On AVX2 a chunk's
 rows attend in groups (with every query head of a kv head, up to 12 query vectors) that share each
-key and value row as it is widened to fp32. Where head_dim % 32 != 0 every row attends alone, and a
+key and value row as it is widened to fp32; under the batch-invariant numerics they do so on AVX-512
+BF16 and AMX too (up to 16 query vectors, each summed as a decode's: the tiles sum in another order).
+Where head_dim % 32 != 0 every row attends alone, and a
 step whose row-by-row attention exceeds
 `max_attention_keys`, or whose batch is too big for the simple tile loops (`max_tokens`), keeps the
 per-op path: SDPA prefill and oneDNN projections.
@@ -111,9 +113,9 @@ class NativeDecoder:
             self._static.append(fields)
         self.tile_attention = native.tile_attention and config.head_dim % 32 == 0
         if invariant:
-            # Batch-invariant numerics: a prefill row attends as it would alone (decoding), through the same
-            # kernel, unless its chunk's shared pass gives those bits anyway (AVX2's row groups over a bf16
-            # cache); and every step stays fused, whatever its attention costs (the per-op path rounds otherwise).
+            # Batch-invariant numerics: a prefill chunk's rows attend in row groups, each query summed as a
+            # decode's (the kernels' RowGroups, where this build has them; the packed-key tiles are off), or
+            # alone; and every step stays fused, whatever its attention costs (the per-op path rounds otherwise).
             self.tile_attention = self.tile_attention and native.invariant_tile_attention
             self.max_attention_keys = self.max_tokens ** 2
         if not native.amx:
