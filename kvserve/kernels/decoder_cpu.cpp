@@ -942,18 +942,20 @@ void quant_rows(int rows, const bf16* a, int64_t lda, const float* sums, int64_t
 }
 
 // The panel's arithmetic without the panel, for decode-sized steps under the batch-invariant numerics: each
-// tile row of a column pair's weights is widened to bf16 as widen_block writes it, in registers, and
+// tile row of NB column blocks' weights is widened to bf16 as widen_block writes it, in registers, and
 // multiplied at once, one chain per output in k order: the bits the vector micro kernel gives on the panel
-// (gemm_pair), which longer steps take, at about the cost of multiplying as read (quant_block).
-template <int R, bool Two, int Bits>
-void widen_dot(const bf16* a, int64_t lda, int64_t chunks, const uint8_t* b0, const uint8_t* b1, float* c0,
-               float* c1) {
+// (gemm_pair), which longer steps take. The chain is VDPBF16PS's latency a tile row, so a single row takes
+// four column blocks (four chains) to keep the units busy where a pair would leave them waiting.
+// c: NB blocks of [R, 16], kQuantDirectRows * 16 apart.
+template <int R, int NB, int Bits>
+void widen_dot(const bf16* a, int64_t lda, int64_t chunks, const uint8_t* b, int64_t block_bytes, float* c) {
   const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
   const __m512i nibble = _mm512_set1_epi32(0x0F);
   const int64_t cb = quant_chunk_bytes(Bits);
-  __m512 acc0[R], acc1[R];
-  for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+  __m512 acc[NB][R];
+  for (int j = 0; j < NB; ++j)
+    for (int i = 0; i < R; ++i) acc[j][i] = _mm512_setzero_ps();
   struct Factors { __m512 s_lo, s_hi, m_lo, m_hi; };
   const auto factors = [&](const uint8_t* t) {
     const uint8_t* tail = t + quant_values_bytes(Bits);
@@ -979,48 +981,53 @@ void widen_dot(const bf16* a, int64_t lda, int64_t chunks, const uint8_t* b0, co
     hi = emit(f, _mm512_srli_epi32(b0, 4), _mm512_srli_epi32(b1, 4));
   };
   for (int64_t ch = 0; ch < chunks; ++ch) {
-    const uint8_t* t0 = b0 + ch * cb;
-    const uint8_t* t1 = Two ? b1 + ch * cb : t0;
-    for (int64_t l = 0; l < cb; l += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(t0 + kQuantPrefetchChunks * cb + l), _MM_HINT_T0);
-      if (Two) _mm_prefetch(reinterpret_cast<const char*>(t1 + kQuantPrefetchChunks * cb + l), _MM_HINT_T0);
+    const uint8_t* t[NB];
+    Factors f[NB];
+    for (int j = 0; j < NB; ++j) {
+      t[j] = b + j * block_bytes + ch * cb;
+      for (int64_t l = 0; l < cb; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(t[j] + kQuantPrefetchChunks * cb + l), _MM_HINT_T0);
+      f[j] = factors(t[j]);
     }
-    const Factors f0 = factors(t0), f1 = Two ? factors(t1) : f0;
     const uint32_t* ar = reinterpret_cast<const uint32_t*>(a + ch * 32);
-    const auto multiply = [&](int rr, __m512bh w0, __m512bh w1) {
+    const auto multiply = [&](int rr, const __m512bh* w) {
       for (int i = 0; i < R; ++i) {
         const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(ar[i * lda / 2 + rr]));
-        acc0[i] = _mm512_dpbf16_ps(acc0[i], x, w0);
-        if (Two) acc1[i] = _mm512_dpbf16_ps(acc1[i], x, w1);
+        for (int j = 0; j < NB; ++j) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], x, w[j]);
       }
     };
     if constexpr (Bits == 8) {
-      for (int rr = 0; rr < 16; ++rr) multiply(rr, weights(t0, f0, rr), Two ? weights(t1, f1, rr) : __m512bh{});
-    } else {  // tile rows p and p + 8 share their bytes: widened once, row p + 8 kept until its turn
-      __m512bh later0[8], later1[8];
-      for (int p = 0; p < 8; ++p) {
-        __m512bh w0, w1{};
-        nibble_rows(t0, f0, p, w0, later0[p]);
-        if (Two) nibble_rows(t1, f1, p, w1, later1[p]);
-        multiply(p, w0, w1);
+      for (int rr = 0; rr < 16; ++rr) {
+        __m512bh w[NB];
+        for (int j = 0; j < NB; ++j) w[j] = weights(t[j], f[j], rr);
+        multiply(rr, w);
       }
-      for (int p = 0; p < 8; ++p) multiply(p + 8, later0[p], Two ? later1[p] : __m512bh{});
+    } else {  // tile rows p and p + 8 share their bytes: widened once, row p + 8 kept until its turn
+      __m512bh later[8][NB];
+      for (int p = 0; p < 8; ++p) {
+        __m512bh w[NB];
+        for (int j = 0; j < NB; ++j) nibble_rows(t[j], f[j], p, w[j], later[p][j]);
+        multiply(p, w);
+      }
+      for (int p = 0; p < 8; ++p) multiply(p + 8, later[p]);
     }
   }
-  for (int i = 0; i < R; ++i) {
-    _mm512_storeu_ps(c0 + i * 16, acc0[i]);
-    if (Two) _mm512_storeu_ps(c1 + i * 16, acc1[i]);
-  }
+  for (int j = 0; j < NB; ++j)
+    for (int i = 0; i < R; ++i) _mm512_storeu_ps(c + j * kQuantDirectRows * 16 + i * 16, acc[j][i]);
 }
 
 template <int R, int Bits>
-void widen_dot_rows(int rows, bool two, const bf16* a, int64_t lda, int64_t chunks, const uint8_t* b0,
-                    const uint8_t* b1, float* c0, float* c1) {
+void widen_dot_rows(int rows, int blocks, const bf16* a, int64_t lda, int64_t chunks, const uint8_t* b,
+                    int64_t block_bytes, float* c) {
   if constexpr (R > 1) {
-    if (rows < R) return widen_dot_rows<R - 1, Bits>(rows, two, a, lda, chunks, b0, b1, c0, c1);
+    if (rows < R) return widen_dot_rows<R - 1, Bits>(rows, blocks, a, lda, chunks, b, block_bytes, c);
   }
-  if (two) widen_dot<R, true, Bits>(a, lda, chunks, b0, b1, c0, c1);
-  else widen_dot<R, false, Bits>(a, lda, chunks, b0, b1, c0, c1);
+  switch (blocks) {
+    case 4: return widen_dot<R, 4, Bits>(a, lda, chunks, b, block_bytes, c);
+    case 3: return widen_dot<R, 3, Bits>(a, lda, chunks, b, block_bytes, c);
+    case 2: return widen_dot<R, 2, Bits>(a, lda, chunks, b, block_bytes, c);
+    default: return widen_dot<R, 1, Bits>(a, lda, chunks, b, block_bytes, c);
+  }
 }
 
 // C [m, 32] for one column pair of bf16 weights (b0, then b1 when `two`), every row: AMX tiles where this
@@ -1092,24 +1099,33 @@ void gemm_quant_bits(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int6
                      Epilogue& epi) {
   const int64_t chunks = k / 32, block_bytes = chunks * quant_chunk_bytes(Bits);
   const int64_t pairs = (nblocks + 1) / 2;
-  if (m <= kQuantDirectRows && !(ts.invariant && amx_ready())) {
+  if (ts.invariant && m <= kQuantDirectRows && !amx_ready()) {
+    // One row: four column blocks a task (widen_dot's chains); more rows: a pair, each row a chain of its own.
+    const int64_t per_task = m == 1 ? 4 : 2, tasks = (nblocks + per_task - 1) / per_task;
+    alignas(64) float c[4][kQuantDirectRows * 16];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t nb0 = task * per_task;
+      const int blocks = static_cast<int>(std::min(per_task, nblocks - nb0));
+      widen_dot_rows<kQuantDirectRows, Bits>(static_cast<int>(m), blocks, a, k, chunks, w + nb0 * block_bytes,
+                                             block_bytes, c[0]);
+      for (int j = 0; j < blocks; j += 2) epi(0, nb0 + j, j + 1 < blocks, 0, static_cast<int>(m), c[j], c[j + 1]);
+    }
+    return;
+  }
+  if (m <= kQuantDirectRows && !ts.invariant) {
     QuantRows rows;
-    if (!ts.invariant) rows.load(a, m, k);  // quant_block takes the minimums (and int4's offset) off A's chunk sums
+    rows.load(a, m, k);  // quant_block takes the minimums (and int4's offset) off A's chunk sums
     alignas(64) float c[2][kQuantDirectRows * 16];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t pair = 0; pair < pairs; ++pair) {
       const int64_t nb0 = 2 * pair;
       const bool two = nb0 + 1 < nblocks;
-      if (ts.invariant) {
-        widen_dot_rows<kQuantDirectRows, Bits>(static_cast<int>(m), two, a, k, chunks, w + nb0 * block_bytes,
-                                               w + (nb0 + 1) * block_bytes, c[0], c[1]);
-      } else {
-        for (int half = 0; half < (two ? 2 : 1); ++half)
-          for (int64_t r = 0; r < m; r += kQuantRows)
-            quant_rows<kQuantRows, Bits>(static_cast<int>(std::min<int64_t>(kQuantRows, m - r)), a + r * k, k,
-                                         rows.sums.data() + r * chunks, chunks, w + (nb0 + half) * block_bytes,
-                                         c[half] + r * 16);
-      }
+      for (int half = 0; half < (two ? 2 : 1); ++half)
+        for (int64_t r = 0; r < m; r += kQuantRows)
+          quant_rows<kQuantRows, Bits>(static_cast<int>(std::min<int64_t>(kQuantRows, m - r)), a + r * k, k,
+                                       rows.sums.data() + r * chunks, chunks, w + (nb0 + half) * block_bytes,
+                                       c[half] + r * 16);
       epi(0, nb0, two, 0, static_cast<int>(m), c[0], c[1]);
     }
     return;

@@ -25,7 +25,8 @@ SECTIONS = {  # section -> (title, what it shows)
     "restart": ("Kill and restart", "SIGKILL of the server under load, then a restart on the same store."),
     "isolation": ("Tenant isolation", "Two tenants on one server: what one can learn of the other's work."),
     "fleet chaos": ("Fleet chaos", "A real local Ray cluster and Serve, SmolLM2 replicas; a replica SIGKILLed "
-                    "every 30 s under W1-shaped load, then the gateway."),
+                    "every 30 s under W1-shaped load, then the gateway; and 12 greedy streams through a replica SIGKILL, "
+                    "against an undisturbed run."),
 }
 
 

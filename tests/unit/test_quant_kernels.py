@@ -73,7 +73,7 @@ def test_invariant_rows_are_the_same_bits_in_any_step(native, bits):
     or anywhere in it, for dense bf16 (bits 0) and quantized weights, across every path boundary of the
     fast numerics (decode-sized, AVX2's integer and panel sizes, AVX2's few-row kernels)."""
     torch.manual_seed(bits)
-    n, k = 96, 576
+    n, k = 112, 576  # 7 column blocks: a lone row's tasks of four and of three
     if bits:
         qm = quant.quantize(torch.randn(n, k), bits)
         packed = native.pack_quant(qm.values, qm.scales, qm.minimums, bits)
@@ -85,6 +85,8 @@ def test_invariant_rows_are_the_same_bits_in_any_step(native, bits):
         assert torch.equal(native.linear_quant(x[:m], packed, bits, n, torch.float32, True), full[:m]), m
         assert torch.equal(native.linear_quant(x[m - 1:m + 3], packed, bits, n, torch.float32, True),
                            full[m - 1:m + 3]), m
+    for i in (5, 150, 299):  # rows alone, of every size of input
+        assert torch.equal(native.linear_quant(x[i:i + 1], packed, bits, n, torch.float32, True), full[i:i + 1]), i
 
 
 def test_int4_with_large_offsets_keeps_its_precision(native):
