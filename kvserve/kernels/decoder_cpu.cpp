@@ -897,7 +897,15 @@ void quant_block(const bf16* a, int64_t lda, const float* sums, int64_t chunks, 
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(c + i * 16, acc[i]);
 }
 
-// One column block's weights as bf16 in the tile layout: w = s * q + m in fp32, rounded to nearest even.
+// A chunk's minimums as the widened weights add them: m for 8-bit values, m - 128 s for 4-bit ones, which are
+// multiplied as 128 + q (what widen_dot gets from q4_rows without a conversion; one rounding, in fp32).
+template <int Bits>
+inline __m512 widen_offset(__m512 s16, __m512 m16) {
+  return Bits == 4 ? _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s16, m16) : m16;
+}
+
+// One column block's weights as bf16 in the tile layout: w = s * q + m in fp32 (for 4-bit values
+// s * (128 + q) + (m - 128 s): widen_offset), rounded to nearest even.
 template <int Bits>
 void widen_block(const uint8_t* b, int64_t chunks, bf16* out) {
   const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
@@ -907,7 +915,8 @@ void widen_block(const uint8_t* b, int64_t chunks, bf16* out) {
     const uint8_t* t = b + ch * cb;
     const uint8_t* tail = t + quant_values_bytes(Bits);
     const __m512 s16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail)));
-    const __m512 m16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 32)));
+    const __m512 m16 = widen_offset<Bits>(
+        s16, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 32))));
     const __m512 s_lo = _mm512_permutexvar_ps(pairs_lo, s16), s_hi = _mm512_permutexvar_ps(pairs_hi, s16);
     const __m512 m_lo = _mm512_permutexvar_ps(pairs_lo, m16), m_hi = _mm512_permutexvar_ps(pairs_hi, m16);
     bf16* o = out + ch * 512;
@@ -922,12 +931,14 @@ void widen_block(const uint8_t* b, int64_t chunks, bf16* out) {
         emit(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)), _mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)), o + rr * 32);
       }
     } else {
-      const __m512i nibble = _mm512_set1_epi32(0x0F);
+      const __m512i nibble = _mm512_set1_epi32(0x0F), offset = _mm512_set1_epi32(128);
       for (int p = 0; p < 8; ++p) {
         const __m128i* q = reinterpret_cast<const __m128i*>(t + p * 32);
         const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(q)), b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(q + 1));
-        emit(_mm512_and_si512(b0, nibble), _mm512_and_si512(b1, nibble), o + p * 32);
-        emit(_mm512_srli_epi32(b0, 4), _mm512_srli_epi32(b1, 4), o + (p + 8) * 32);
+        emit(_mm512_add_epi32(_mm512_and_si512(b0, nibble), offset),
+             _mm512_add_epi32(_mm512_and_si512(b1, nibble), offset), o + p * 32);
+        emit(_mm512_add_epi32(_mm512_srli_epi32(b0, 4), offset), _mm512_add_epi32(_mm512_srli_epi32(b1, 4), offset),
+             o + (p + 8) * 32);
       }
     }
   }
@@ -944,14 +955,21 @@ void quant_rows(int rows, const bf16* a, int64_t lda, const float* sums, int64_t
 // The panel's arithmetic without the panel, for decode-sized steps under the batch-invariant numerics: each
 // tile row of NB column blocks' weights is widened to bf16 as widen_block writes it, in registers, and
 // multiplied at once, one chain per output in k order: the bits the vector micro kernel gives on the panel
-// (gemm_pair), which longer steps take. The chain is VDPBF16PS's latency a tile row, so a single row takes
-// four column blocks (four chains) to keep the units busy where a pair would leave them waiting.
-// c: NB blocks of [R, 16], kQuantDirectRows * 16 apart.
+// (gemm_pair), which longer steps take. The chain is VDPBF16PS's latency a tile row, so a single row of 4-bit
+// weights takes four column blocks (four chains) to keep the units busy.
+// 4-bit rows come from q4_rows (bf16 of 128 + q, no conversion) and go to fp32 by interleaving with zeros,
+// which takes each 128-bit lane's pairs in another order: the scales, minimums and so the sums follow that
+// order of columns (kShuffled), which is put back at the end. c: NB blocks of [R, 16], kQuantDirectRows * 16
+// apart.
 template <int R, int NB, int Bits>
 void widen_dot(const bf16* a, int64_t lda, int64_t chunks, const uint8_t* b, int64_t block_bytes, float* c) {
-  const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
-  const __m512i nibble = _mm512_set1_epi32(0x0F);
+  // 8-bit: each fp32 lane's column in emit's order (the tile row's element pairs). 4-bit: the columns of the
+  // low and high interleaves' lanes, and the column each sum lane then holds.
+  const __m512i pairs_lo = Bits == 4 ? _mm512_set_epi32(13, 13, 12, 12, 9, 9, 8, 8, 5, 5, 4, 4, 1, 1, 0, 0)
+                                     : _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i pairs_hi = Bits == 4 ? _mm512_set_epi32(15, 15, 14, 14, 11, 11, 10, 10, 7, 7, 6, 6, 3, 3, 2, 2)
+                                     : _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
+  const __m512i kShuffled = _mm512_set_epi32(15, 14, 7, 6, 13, 12, 5, 4, 11, 10, 3, 2, 9, 8, 1, 0);
   const int64_t cb = quant_chunk_bytes(Bits);
   __m512 acc[NB][R];
   for (int j = 0; j < NB; ++j)
@@ -960,25 +978,23 @@ void widen_dot(const bf16* a, int64_t lda, int64_t chunks, const uint8_t* b, int
   const auto factors = [&](const uint8_t* t) {
     const uint8_t* tail = t + quant_values_bytes(Bits);
     const __m512 s16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail)));
-    const __m512 m16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 32)));
+    const __m512 m16 = widen_offset<Bits>(
+        s16, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 32))));
     return Factors{_mm512_permutexvar_ps(pairs_lo, s16), _mm512_permutexvar_ps(pairs_hi, s16),
                    _mm512_permutexvar_ps(pairs_lo, m16), _mm512_permutexvar_ps(pairs_hi, m16)};
   };
-  // A tile row's 32 values (int32 halves) as widen_block's emit writes them: s * q + m in fp32, then bf16.
-  const auto emit = [](const Factors& f, __m512i q_lo, __m512i q_hi) {
-    const __m512 w_lo = _mm512_fmadd_ps(f.s_lo, _mm512_cvtepi32_ps(q_lo), f.m_lo);
-    const __m512 w_hi = _mm512_fmadd_ps(f.s_hi, _mm512_cvtepi32_ps(q_hi), f.m_hi);
-    return _mm512_cvtne2ps_pbh(w_hi, w_lo);
+  // A tile row's 32 values (fp32 halves) as widen_block's emit rounds them: s * q + m in fp32, then bf16.
+  const auto emit = [](const Factors& f, __m512 q_lo, __m512 q_hi) {
+    return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(f.s_hi, q_hi, f.m_hi), _mm512_fmadd_ps(f.s_lo, q_lo, f.m_lo));
   };
   const auto weights = [&](const uint8_t* t, const Factors& f, int rr) {  // int8: tile row rr
     const __m128i* q = reinterpret_cast<const __m128i*>(t + rr * 32);
-    return emit(f, _mm512_cvtepi8_epi32(_mm_loadu_si128(q)), _mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
+    return emit(f, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))),
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
   };
-  const auto nibble_rows = [&](const uint8_t* t, const Factors& f, int p, __m512bh& lo, __m512bh& hi) {  // int4
-    const __m128i* q = reinterpret_cast<const __m128i*>(t + p * 32);
-    const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(q)), b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(q + 1));
-    lo = emit(f, _mm512_and_si512(b0, nibble), _mm512_and_si512(b1, nibble));
-    hi = emit(f, _mm512_srli_epi32(b0, 4), _mm512_srli_epi32(b1, 4));
+  const auto halves = [&](const Factors& f, __m512bh x) {  // int4: a q4_rows row, 128 + q in each bf16
+    const __m512i zero = _mm512_setzero_si512();
+    return emit(f, (__m512)_mm512_unpacklo_epi16(zero, (__m512i)x), (__m512)_mm512_unpackhi_epi16(zero, (__m512i)x));
   };
   for (int64_t ch = 0; ch < chunks; ++ch) {
     const uint8_t* t[NB];
@@ -1002,18 +1018,28 @@ void widen_dot(const bf16* a, int64_t lda, int64_t chunks, const uint8_t* b, int
         for (int j = 0; j < NB; ++j) w[j] = weights(t[j], f[j], rr);
         multiply(rr, w);
       }
-    } else {  // tile rows p and p + 8 share their bytes: widened once, row p + 8 kept until its turn
+    } else {  // tile rows p and p + 8 share their bytes: read once, row p + 8 kept until its turn
       __m512bh later[8][NB];
       for (int p = 0; p < 8; ++p) {
         __m512bh w[NB];
-        for (int j = 0; j < NB; ++j) nibble_rows(t[j], f[j], p, w[j], later[p][j]);
+        for (int j = 0; j < NB; ++j) {
+          __m512bh lo;
+          q4_rows(t[j] + p * 32, lo, later[p][j]);
+          w[j] = halves(f[j], lo);
+        }
         multiply(p, w);
       }
-      for (int p = 0; p < 8; ++p) multiply(p + 8, later[p]);
+      for (int p = 0; p < 8; ++p) {
+        __m512bh w[NB];
+        for (int j = 0; j < NB; ++j) w[j] = halves(f[j], later[p][j]);
+        multiply(p + 8, w);
+      }
     }
   }
   for (int j = 0; j < NB; ++j)
-    for (int i = 0; i < R; ++i) _mm512_storeu_ps(c + j * kQuantDirectRows * 16 + i * 16, acc[j][i]);
+    for (int i = 0; i < R; ++i)
+      _mm512_storeu_ps(c + j * kQuantDirectRows * 16 + i * 16,
+                       Bits == 4 ? _mm512_permutexvar_ps(kShuffled, acc[j][i]) : acc[j][i]);
 }
 
 template <int R, int Bits>
@@ -1100,8 +1126,9 @@ void gemm_quant_bits(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int6
   const int64_t chunks = k / 32, block_bytes = chunks * quant_chunk_bytes(Bits);
   const int64_t pairs = (nblocks + 1) / 2;
   if (ts.invariant && m <= kQuantDirectRows && !amx_ready()) {
-    // One row: four column blocks a task (widen_dot's chains); more rows: a pair, each row a chain of its own.
-    const int64_t per_task = m == 1 ? 4 : 2, tasks = (nblocks + per_task - 1) / per_task;
+    // One row of 4-bit weights: four column blocks a task (widen_dot's chains); else a pair (8-bit weights are
+    // twice the bytes, and two streams of them keep a row busy).
+    const int64_t per_task = m == 1 && Bits == 4 ? 4 : 2, tasks = (nblocks + per_task - 1) / per_task;
     alignas(64) float c[4][kQuantDirectRows * 16];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
