@@ -556,14 +556,25 @@ constexpr bool kInt8Attention = false;
 #endif
 
 #if defined(__AVX512BF16__)
-// p.v for G query heads at once: each pair of value rows is loaded and interleaved once for all heads.
-// probs: G rows of n2 bf16 (n2 even); out: G rows of hd.
-template <int C, int G>
-void weigh_values(const bf16* v_head, const int64_t* rows, const uint16_t* probs, int64_t n, int64_t n2, bf16* out) {
+// One query's view of a task's keys (attend_bf16_dp's heads, attend_bf16_rows' rows and heads).
+struct RowQuery {
+  const bf16* q;  // [hd] as stored
+  int64_t n;      // its keys: the task's first n
+  float* scores;  // [n]
+  uint16_t* probs;  // [n rounded up to even] bf16
+  bf16* out;      // [hd]
+};
+
+// p.v for Q queries at once, each over its own first n keys in pairs (an odd last key paired with itself at
+// probability 0): each pair of value rows is loaded and interleaved once for all of them.
+template <int C, int Q>
+void weigh_values_rows(const bf16* v_head, const int64_t* rows, const RowQuery* qs) {
   constexpr int64_t hd = 32 * C;
-  __m512 acc[G][2 * C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < 2 * C; ++c) acc[g][c] = _mm512_setzero_ps();
+  int64_t n = 0;
+  for (int q = 0; q < Q; ++q) n = std::max(n, qs[q].n);
+  __m512 acc[Q][2 * C];
+  for (int q = 0; q < Q; ++q)
+    for (int c = 0; c < 2 * C; ++c) acc[q][c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 2) {
     const bf16* v0 = v_head + rows[i];
     const bf16* v1 = v_head + rows[i + 1];
@@ -574,22 +585,45 @@ void weigh_values(const bf16* v_head, const int64_t* rows, const uint16_t* probs
       lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
       hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
     }
-    for (int g = 0; g < G; ++g) {
-      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(reinterpret_cast<const uint32_t*>(probs + g * n2)[i / 2]));
+    for (int q = 0; q < Q; ++q) {
+      if (i >= qs[q].n) continue;
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(reinterpret_cast<const uint32_t*>(qs[q].probs)[i / 2]));
+      if (i + 1 == qs[q].n) {  // its last key, odd: paired with itself
+        for (int c = 0; c < C; ++c) {
+          const __m512i a = _mm512_loadu_si512(v0 + 32 * c);
+          acc[q][2 * c] = _mm512_dpbf16_ps(acc[q][2 * c], p, (__m512bh)_mm512_unpacklo_epi16(a, a));
+          acc[q][2 * c + 1] = _mm512_dpbf16_ps(acc[q][2 * c + 1], p, (__m512bh)_mm512_unpackhi_epi16(a, a));
+        }
+        continue;
+      }
       for (int c = 0; c < C; ++c) {
-        acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], p, lo[c]);
-        acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], p, hi[c]);
+        acc[q][2 * c] = _mm512_dpbf16_ps(acc[q][2 * c], p, lo[c]);
+        acc[q][2 * c + 1] = _mm512_dpbf16_ps(acc[q][2 * c + 1], p, hi[c]);
       }
     }
   }
-  for (int g = 0; g < G; ++g) {
-    bf16* dst = out + g * hd;
+  for (int q = 0; q < Q; ++q) {
+    bf16* dst = qs[q].out;
     for (int c = 0; c < C; ++c) {  // back to dimension order: [lo.L0 hi.L0 lo.L1 hi.L1], [lo.L2 hi.L2 lo.L3 hi.L3]
-      const __m512 l = acc[g][2 * c], h = acc[g][2 * c + 1];
+      const __m512 l = acc[q][2 * c], h = acc[q][2 * c + 1];
       const __m512 x = _mm512_shuffle_f32x4(l, h, _MM_SHUFFLE(1, 0, 1, 0));
       const __m512 y = _mm512_shuffle_f32x4(l, h, _MM_SHUFFLE(3, 2, 3, 2));
       store16(_mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(3, 1, 2, 0)), dst + 32 * c);
       store16(_mm512_shuffle_f32x4(y, y, _MM_SHUFFLE(3, 1, 2, 0)), dst + 32 * c + 16);
+    }
+  }
+}
+
+// Queries a pass over the values holds: 2 * C sums each.
+template <int C>
+void weigh_values_all(const bf16* v_head, const int64_t* rows, const RowQuery* qs, int64_t count) {
+  constexpr int kQ = C <= 2 ? 4 : C <= 4 ? 2 : 1;
+  for (int64_t j = 0; j < count;) {
+    switch (std::min<int64_t>(kQ, count - j)) {
+      case 4: if constexpr (kQ >= 4) { weigh_values_rows<C, 4>(v_head, rows, qs + j), j += 4; break; } [[fallthrough]];
+      case 3: if constexpr (kQ >= 3) { weigh_values_rows<C, 3>(v_head, rows, qs + j), j += 3; break; } [[fallthrough]];
+      case 2: if constexpr (kQ >= 2) { weigh_values_rows<C, 2>(v_head, rows, qs + j), j += 2; break; } [[fallthrough]];
+      default: weigh_values_rows<C, 1>(v_head, rows, qs + j), j += 1; break;
     }
   }
 }
@@ -643,16 +677,13 @@ void attend_bf16_dp(const Task<bf16>& task, std::vector<int64_t>& rows, std::vec
     for (; i < n; ++i) store(task.scores[g * n + i], pg + i);
     if (n2 != n) probs[g * n2 + n] = 0;
   }
-  const int64_t* r = rows.data();
-  switch (task.group) {  // all heads of the group in one pass over the values where the registers allow
-    case 1: return weigh_values<C, 1>(task.v_head, r, probs.data(), n, n2, task.out);
-    case 2: if (C <= 4) return weigh_values<C, 2>(task.v_head, r, probs.data(), n, n2, task.out); break;
-    case 3: if (C <= 2) return weigh_values<C, 3>(task.v_head, r, probs.data(), n, n2, task.out); break;
-    case 4: if (C <= 2) return weigh_values<C, 4>(task.v_head, r, probs.data(), n, n2, task.out); break;
-    default: break;
+  RowQuery heads[16];  // all heads of the group in one pass over the values where the registers allow
+  for (int64_t g0 = 0; g0 < task.group; g0 += 16) {
+    const int64_t count = std::min<int64_t>(16, task.group - g0);
+    for (int64_t g = 0; g < count; ++g)
+      heads[g] = {nullptr, n, nullptr, probs.data() + (g0 + g) * n2, task.out + (g0 + g) * hd};
+    weigh_values_all<C>(task.v_head, rows.data(), heads, count);
   }
-  for (int64_t g = 0; g < task.group; ++g)
-    weigh_values<C, 1>(task.v_head, r, probs.data() + g * n2, n, n2, task.out + g * hd);
 }
 
 // Prefill rows attending together with attend_bf16_dp's arithmetic, query by query, so that each gets the
@@ -660,62 +691,6 @@ void attend_bf16_dp(const Task<bf16>& task, std::vector<int64_t>& rows, std::vec
 // chunk's consecutive rows, each with the query heads of one kv head) over one range of keys that starts at
 // every row's first key; query j sees the first qs[j].n of them. Each 16 keys are read once into L1 for all
 // queries, and each pair of value rows is loaded and interleaved once for up to four of them.
-struct RowQuery {
-  const bf16* q;  // [hd] as stored
-  int64_t n;      // its keys: the task's first n
-  float* scores;  // [n]
-  uint16_t* probs;  // [n rounded up to even] bf16
-  bf16* out;      // [hd]
-};
-
-// p.v for Q of the queries (weigh_values' sums, each query over its own keys: an odd last key is paired with
-// itself at probability 0, as attend_bf16_dp pairs it).
-template <int C, int Q>
-void weigh_values_rows(const bf16* v_head, const int64_t* rows, const RowQuery* qs) {
-  constexpr int64_t hd = 32 * C;
-  int64_t n = 0;
-  for (int q = 0; q < Q; ++q) n = std::max(n, qs[q].n);
-  __m512 acc[Q][2 * C];
-  for (int q = 0; q < Q; ++q)
-    for (int c = 0; c < 2 * C; ++c) acc[q][c] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 2) {
-    const bf16* v0 = v_head + rows[i];
-    const bf16* v1 = v_head + rows[i + 1];
-    __m512bh lo[C], hi[C];
-    for (int c = 0; c < C; ++c) {
-      const __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
-      lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
-      hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
-    }
-    for (int q = 0; q < Q; ++q) {
-      if (i >= qs[q].n) continue;
-      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(reinterpret_cast<const uint32_t*>(qs[q].probs)[i / 2]));
-      if (i + 1 == qs[q].n) {  // its last key, odd: paired with itself
-        for (int c = 0; c < C; ++c) {
-          const __m512i a = _mm512_loadu_si512(v0 + 32 * c);
-          acc[q][2 * c] = _mm512_dpbf16_ps(acc[q][2 * c], p, (__m512bh)_mm512_unpacklo_epi16(a, a));
-          acc[q][2 * c + 1] = _mm512_dpbf16_ps(acc[q][2 * c + 1], p, (__m512bh)_mm512_unpackhi_epi16(a, a));
-        }
-        continue;
-      }
-      for (int c = 0; c < C; ++c) {
-        acc[q][2 * c] = _mm512_dpbf16_ps(acc[q][2 * c], p, lo[c]);
-        acc[q][2 * c + 1] = _mm512_dpbf16_ps(acc[q][2 * c + 1], p, hi[c]);
-      }
-    }
-  }
-  for (int q = 0; q < Q; ++q) {
-    bf16* dst = qs[q].out;
-    for (int c = 0; c < C; ++c) {  // back to dimension order, as weigh_values
-      const __m512 l = acc[q][2 * c], h = acc[q][2 * c + 1];
-      const __m512 x = _mm512_shuffle_f32x4(l, h, _MM_SHUFFLE(1, 0, 1, 0));
-      const __m512 y = _mm512_shuffle_f32x4(l, h, _MM_SHUFFLE(3, 2, 3, 2));
-      store16(_mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(3, 1, 2, 0)), dst + 32 * c);
-      store16(_mm512_shuffle_f32x4(y, y, _MM_SHUFFLE(3, 1, 2, 0)), dst + 32 * c + 16);
-    }
-  }
-}
-
 template <int C>
 void attend_bf16_rows(const Task<bf16>& task, RowQuery* qs, int64_t count, std::vector<int64_t>& rows) {
   const int64_t n = task.n();
@@ -750,15 +725,7 @@ void attend_bf16_rows(const Task<bf16>& task, RowQuery* qs, int64_t count, std::
     for (; i < q.n; ++i) store(q.scores[i], pg + i);
     if (q.n & 1) q.probs[q.n] = 0;
   }
-  constexpr int kQ = C <= 2 ? 4 : C <= 4 ? 2 : 1;  // weigh_values' register budget
-  for (int64_t j = 0; j < count;) {
-    switch (std::min<int64_t>(kQ, count - j)) {
-      case 4: if constexpr (kQ >= 4) { weigh_values_rows<C, 4>(task.v_head, rows.data(), qs + j), j += 4; break; } [[fallthrough]];
-      case 3: if constexpr (kQ >= 3) { weigh_values_rows<C, 3>(task.v_head, rows.data(), qs + j), j += 3; break; } [[fallthrough]];
-      case 2: if constexpr (kQ >= 2) { weigh_values_rows<C, 2>(task.v_head, rows.data(), qs + j), j += 2; break; } [[fallthrough]];
-      default: weigh_values_rows<C, 1>(task.v_head, rows.data(), qs + j), j += 1; break;
-    }
-  }
+  weigh_values_all<C>(task.v_head, rows.data(), qs, count);
 }
 
 // The head dims attend_bf16_dp serves (other ones attend through attend_any, row by row).

@@ -290,28 +290,26 @@ void micro_block(const float* a, int64_t lda, int64_t k, const B* b, float* c) {
 // for the few rows whose own chains would not cover the FMA latency.
 template <int R, typename B>
 void micro_pair(const float* a, int64_t lda, int64_t k, const B* b0, const B* b1, float* c0, float* c1) {
-  __m256 lo0[R], hi0[R], lo1[R], hi1[R];
-  for (int i = 0; i < R; ++i) lo0[i] = hi0[i] = lo1[i] = hi1[i] = _mm256_setzero_ps();
+  __m256 lo[2][R], hi[2][R];
+  for (int j = 0; j < 2; ++j)
+    for (int i = 0; i < R; ++i) lo[j][i] = hi[j][i] = _mm256_setzero_ps();
+  const B* b[2] = {b0, b1};
   for (int64_t kk = 0; kk < k; ++kk) {
-    __m256 w0, w1;
-    load_b16(b0 + kk * 16, w0, w1);
+#pragma GCC unroll 2
+    for (int j = 0; j < 2; ++j) {  // block 0's k, then block 1's: one chain per element either way
+      __m256 w0, w1;
+      load_b16(b[j] + kk * 16, w0, w1);
 #pragma GCC unroll 4
-    for (int i = 0; i < R; ++i) {
-      const __m256 x = _mm256_broadcast_ss(a + i * lda + kk);
-      lo0[i] = _mm256_fmadd_ps(x, w0, lo0[i]);
-      hi0[i] = _mm256_fmadd_ps(x, w1, hi0[i]);
-    }
-    load_b16(b1 + kk * 16, w0, w1);
-#pragma GCC unroll 4
-    for (int i = 0; i < R; ++i) {
-      const __m256 x = _mm256_broadcast_ss(a + i * lda + kk);
-      lo1[i] = _mm256_fmadd_ps(x, w0, lo1[i]);
-      hi1[i] = _mm256_fmadd_ps(x, w1, hi1[i]);
+      for (int i = 0; i < R; ++i) {
+        const __m256 x = _mm256_broadcast_ss(a + i * lda + kk);
+        lo[j][i] = _mm256_fmadd_ps(x, w0, lo[j][i]);
+        hi[j][i] = _mm256_fmadd_ps(x, w1, hi[j][i]);
+      }
     }
   }
   for (int i = 0; i < R; ++i) {
-    store_widened16(lo0[i], hi0[i], c0 + i * 16);
-    store_widened16(lo1[i], hi1[i], c1 + i * 16);
+    store_widened16(lo[0][i], hi[0][i], c0 + i * 16);
+    store_widened16(lo[1][i], hi[1][i], c1 + i * 16);
   }
 }
 
