@@ -98,12 +98,9 @@ class NativeKernels:
         self.fused = bool(self._lib.kvserve_fused_available())
         self._lib.kvserve_tile_attention.restype = _I64
         # A prefill chunk's rows attend together: on packed keys (AMX tiles, or AVX-512 BF16 pair dot
-        # products), or on AVX2 in row groups that share each widened key and value row.
+        # products), or in row groups that share each key and value row (AVX2; AVX-512 BF16 and AMX under the
+        # batch-invariant numerics, whose queries sum as each would attending alone).
         self.tile_attention = bool(self._lib.kvserve_tile_attention())
-        self._lib.kvserve_invariant_tile_attention.restype = _I64
-        # Whether the batch-invariant numerics keep that shared pass: in row groups whose queries sum as each
-        # would attending alone (AVX2, and AVX-512 BF16 in place of its packed-key tiles, which sum otherwise).
-        self.invariant_tile_attention = bool(self._lib.kvserve_invariant_tile_attention())
         self._lib.kvserve_pair_layout.restype = _I64
         # pack_weight's layout: AMX's tiles (AMX or AVX-512 BF16 builds), else k-major per 16 columns (AVX2).
         self.pair_layout = bool(self._lib.kvserve_pair_layout())

@@ -630,75 +630,29 @@ void weigh_values_all(const bf16* v_head, const int64_t* rows, const RowQuery* q
 
 // bfloat16 with AVX512-BF16: q.k and p.v as bf16 pair dot products (VDPBF16PS) on the rows as stored,
 // no conversions; p is rounded to bf16 as the torch path rounds it. head_dim = 32 * C.
-// The cache rows are scattered 2 KiB blocks, mostly in DRAM: the first head's pass over the keys asks
+// `count` query vectors over one range of keys (the task's), query j over the first qs[j].n of them: a
+// decode's query heads (attend_bf16_dp), or a prefill chunk's consecutive rows with the heads of one kv head
+// (RowGroups, under the batch-invariant numerics). Each query's sums are the same whatever queries share the
+// pass, so a prefill row gets the bits it would get attending alone as a decode. Each 16 keys are read once
+// for all queries, and each pair of value rows is loaded and interleaved once for up to four of them.
+// The cache rows are scattered 2 KiB blocks, mostly in DRAM: the first query's pass over the keys asks
 // for the key lines three blocks ahead and for the value lines (into L2) that p.v reads later.
 template <int C>
-void attend_bf16_dp(const Task<bf16>& task, std::vector<int64_t>& rows, std::vector<uint16_t>& probs) {
+void attend_bf16_rows(const Task<bf16>& task, RowQuery* qs, int64_t count, std::vector<int64_t>& rows) {
   const int64_t n = task.n();
   constexpr int64_t hd = 32 * C, ahead = 48;
   rows.resize(n + 1);
   task.for_each_key(task.k_head, [&](int64_t i, const bf16* k) { rows[i] = k - task.k_head; });
   rows[n] = rows[n - 1];  // the partner of an odd last key (weighted 0)
-  for (int64_t i = 0; i < std::min(n, ahead); ++i)
+  const auto prefetch = [&](int64_t i) {
     for (int64_t off = 0; off < hd * 2; off += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(task.k_head + rows[i]) + off, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(task.v_head + rows[i]) + off, _MM_HINT_T1);
     }
+  };
+  for (int64_t i = 0; i < std::min(n, ahead); ++i) prefetch(i);
   const __m512 scale = _mm512_set1_ps(task.scale);
-  for (int64_t g = 0; g < task.group; ++g) {
-    __m512bh qv[C];
-    for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(task.q_raw + g * hd + 32 * c);
-    float* sg = task.scores + g * n;
-    __m512 part[16];
-    for (int64_t i = 0; i < n; ++i) {
-      const bf16* k = task.k_head + rows[i];
-      if (g == 0 && i + ahead < n)
-        for (int64_t off = 0; off < hd * 2; off += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(task.k_head + rows[i + ahead]) + off, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(task.v_head + rows[i + ahead]) + off, _MM_HINT_T1);
-        }
-      __m512 a = _mm512_setzero_ps();
-      for (int c = 0; c < C; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
-      part[i & 15] = a;
-      if ((i & 15) == 15) _mm512_storeu_ps(sg + i - 15, _mm512_mul_ps(hsum16(part), scale));
-    }
-    if (const int64_t rem = n & 15) {
-      for (int64_t j = rem; j < 16; ++j) part[j] = _mm512_setzero_ps();
-      _mm512_mask_storeu_ps(sg + n - rem, static_cast<__mmask16>((1u << rem) - 1), _mm512_mul_ps(hsum16(part), scale));
-    }
-  }
-  softmax_rows(task.scores, task.group, n);
-  const int64_t n2 = (n + 1) & ~int64_t(1);
-  probs.resize(task.group * n2);
-  for (int64_t g = 0; g < task.group; ++g) {
-    bf16* pg = reinterpret_cast<bf16*>(probs.data() + g * n2);
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) store16(_mm512_loadu_ps(task.scores + g * n + i), pg + i);
-    for (; i < n; ++i) store(task.scores[g * n + i], pg + i);
-    if (n2 != n) probs[g * n2 + n] = 0;
-  }
-  RowQuery heads[16];  // all heads of the group in one pass over the values where the registers allow
-  for (int64_t g0 = 0; g0 < task.group; g0 += 16) {
-    const int64_t count = std::min<int64_t>(16, task.group - g0);
-    for (int64_t g = 0; g < count; ++g)
-      heads[g] = {nullptr, n, nullptr, probs.data() + (g0 + g) * n2, task.out + (g0 + g) * hd};
-    weigh_values_all<C>(task.v_head, rows.data(), heads, count);
-  }
-}
-
-// Prefill rows attending together with attend_bf16_dp's arithmetic, query by query, so that each gets the
-// bits it would get attending alone as a decode (the batch-invariant numerics): `count` query vectors (a
-// chunk's consecutive rows, each with the query heads of one kv head) over one range of keys that starts at
-// every row's first key; query j sees the first qs[j].n of them. Each 16 keys are read once into L1 for all
-// queries, and each pair of value rows is loaded and interleaved once for up to four of them.
-template <int C>
-void attend_bf16_rows(const Task<bf16>& task, RowQuery* qs, int64_t count, std::vector<int64_t>& rows) {
-  const int64_t n = task.n();
-  rows.resize(n + 1);
-  task.for_each_key(task.k_head, [&](int64_t i, const bf16* k) { rows[i] = k - task.k_head; });
-  rows[n] = rows[n - 1];
-  const __m512 scale = _mm512_set1_ps(task.scale);
-  for (int64_t b = 0; b < n; b += 16) {  // q.k, as attend_bf16_dp: one chain a key, hsum16 per 16 keys
+  for (int64_t b = 0; b < n; b += 16) {  // q.k: one chain a key, hsum16 per 16 keys
     for (int64_t j = 0; j < count; ++j) {
       const RowQuery& q = qs[j];
       if (q.n <= b) continue;
@@ -707,6 +661,7 @@ void attend_bf16_rows(const Task<bf16>& task, RowQuery* qs, int64_t count, std::
       for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q.q + 32 * c);
       __m512 part[16];
       for (int64_t t = 0; t < e; ++t) {
+        if (j == 0 && b + t + ahead < n) prefetch(b + t + ahead);
         const bf16* k = task.k_head + rows[b + t];
         __m512 a = _mm512_setzero_ps();
         for (int c = 0; c < C; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
@@ -716,7 +671,7 @@ void attend_bf16_rows(const Task<bf16>& task, RowQuery* qs, int64_t count, std::
       _mm512_mask_storeu_ps(q.scores + b, static_cast<__mmask16>((1u << e) - 1), _mm512_mul_ps(hsum16(part), scale));
     }
   }
-  for (int64_t j = 0; j < count; ++j) {  // softmax and bf16 probabilities, as attend_bf16_dp
+  for (int64_t j = 0; j < count; ++j) {  // an exact softmax in fp32, then bf16 probabilities
     const RowQuery& q = qs[j];
     softmax_rows(q.scores, 1, q.n);
     bf16* pg = reinterpret_cast<bf16*>(q.probs);
@@ -726,6 +681,19 @@ void attend_bf16_rows(const Task<bf16>& task, RowQuery* qs, int64_t count, std::
     if (q.n & 1) q.probs[q.n] = 0;
   }
   weigh_values_all<C>(task.v_head, rows.data(), qs, count);
+}
+
+// A decode (or a row attending alone): the task's query heads, each over all of the task's keys.
+template <int C>
+void attend_bf16_dp(const Task<bf16>& task, std::vector<int64_t>& rows, std::vector<uint16_t>& probs) {
+  constexpr int64_t hd = 32 * C;
+  const int64_t n = task.n(), n2 = (n + 1) & ~int64_t(1);
+  probs.resize(task.group * n2);
+  static thread_local std::vector<RowQuery> heads;
+  heads.resize(task.group);
+  for (int64_t g = 0; g < task.group; ++g)
+    heads[g] = {task.q_raw + g * hd, n, task.scores + g * n, probs.data() + g * n2, task.out + g * hd};
+  attend_bf16_rows<C>(task, heads.data(), task.group, rows);
 }
 
 // The head dims attend_bf16_dp serves (other ones attend through attend_any, row by row).

@@ -1537,12 +1537,9 @@ extern "C" int64_t kvserve_amx_available() { return amx_ready() ? 1 : 0; }
 extern "C" int64_t kvserve_fused_available() { return amx_ready() || kVectorGemm ? 1 : 0; }
 
 // Whether a prefill chunk's rows attend together (the caller passes the chunks then): on packed keys
-// (TileAttention: AMX tiles, or VDPBF16PS without them), or in row groups sharing widened rows (AVX2).
+// (TileAttention: AMX tiles, or VDPBF16PS without them), or in row groups (RowGroups: AVX2, and AVX-512 BF16
+// under the batch-invariant numerics, whose queries sum as each would attending alone).
 extern "C" int64_t kvserve_tile_attention() { return kTileAttention || kWidenedAttention ? 1 : 0; }
-// Whether the batch-invariant numerics keep that shared pass: in row groups (RowGroups), whose queries sum
-// as each would attending alone, on AVX2 (as in the fast numerics) and on AVX-512 BF16 (where the fast
-// numerics' packed-key tiles reduce q.k and p.v in another order).
-extern "C" int64_t kvserve_invariant_tile_attention() { return kTileAttention || kWidenedAttention ? 1 : 0; }
 
 // 1: weights are packed in the tile layout above; 0: k-major ([N/16][K][16], the AVX2 GEMM's).
 extern "C" int64_t kvserve_pair_layout() { return kPairLayout ? 1 : 0; }

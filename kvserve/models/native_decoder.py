@@ -113,10 +113,9 @@ class NativeDecoder:
             self._static.append(fields)
         self.tile_attention = native.tile_attention and config.head_dim % 32 == 0
         if invariant:
-            # Batch-invariant numerics: a prefill chunk's rows attend in row groups, each query summed as a
-            # decode's (the kernels' RowGroups, where this build has them; the packed-key tiles are off), or
-            # alone; and every step stays fused, whatever its attention costs (the per-op path rounds otherwise).
-            self.tile_attention = self.tile_attention and native.invariant_tile_attention
+            # Batch-invariant numerics: the kernels attend a prefill chunk's rows in row groups, each query
+            # summed as a decode's (the packed-key tiles are off), or alone; and every step stays fused,
+            # whatever its attention costs (the per-op path rounds otherwise).
             self.max_attention_keys = self.max_tokens ** 2
         if not native.amx:
             # Rows attending alone (decodes, short chunks) stay fused however many keys they read: on these
