@@ -97,6 +97,11 @@ class ModelConfig:
         return (layer + 1) % self.sliding_window_pattern != 0
 
     @property
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's attention window (None: full attention), as the KV groups see them."""
+        return [self.sliding_window if self.is_sliding(layer) else None for layer in range(self.num_layers)]
+
+    @property
     def kv_bytes_per_token_per_element(self) -> int:
         """K and V elements per token over all layers (multiply by bytes per element)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
@@ -111,11 +116,14 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # "auto": the model's dtype; "int8": int8 rows with a scale each (kernels/kv_quant.py), about half the bytes
     kv_cache_dtype: str = "auto"
+    # KV groups per attention kind (engine/kv_groups.py): sliding-window layers hold only their window's
+    # blocks. False: every layer holds every token's block (the classic paged cache; for comparison).
+    kv_groups: bool = True
 
     def __post_init__(self):
         _validate(self, dict(block_size=POSITIVE_INT, kv_cache_memory=OPTIONAL_POSITIVE_INT,
                              num_gpu_blocks_override=OPTIONAL_POSITIVE_INT, swap_space=NONNEG_INT,
-                             enable_prefix_caching=BOOL,
+                             enable_prefix_caching=BOOL, kv_groups=BOOL,
                              kv_cache_dtype=(lambda v: v in KV_CACHE_DTYPES, f"one of {', '.join(KV_CACHE_DTYPES)}")))
 
 

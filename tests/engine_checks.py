@@ -163,6 +163,13 @@ def drive(engine, requests: list[Req], max_steps: int = 100_000) -> Run:
     return run
 
 
+def blocks_needed(reqs: list[Req], kv) -> tuple[int, int]:
+    """(blocks the whole batch holds decoding its last tokens, the most one sequence holds at once) in `kv`'s
+    pool: its KV groups' blocks (a sliding group holds its window, and its prompt while prefilling it)."""
+    ends = [(len(r.prompt) + r.params.max_tokens, len(r.prompt)) for r in reqs for _ in range(r.params.n)]
+    return sum(kv.blocks_for_tokens(n, 1) for n, _ in ends), max(kv.blocks_for_tokens(n, p) for n, p in ends)
+
+
 def forks_as_singles(output: RequestOutput) -> list[RequestOutput]:
     """An n > 1 request's forks as n one-output requests (fork i seeded seed + i is an n=1 request so
     seeded), for compare_outputs."""

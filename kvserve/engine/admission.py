@@ -39,9 +39,10 @@ def check_fits(config: SchedulerConfig, kv: KVCacheManager, seq: Sequence) -> No
             f"plus max_tokens ({max_tokens}) exceeds it.")
     # K/V is held for every token but the last sampled one.
     kv_tokens = p + (max_tokens - 1 if max_tokens else 0)
-    need = kv.blocks_for_tokens(kv_tokens)
+    # Its peak: the prompt's last chunk, or the last decode (a sliding group holds its window and the chunk).
+    need = max(kv.blocks_for_tokens(p, cfg.max_num_batched_tokens), kv.blocks_for_tokens(kv_tokens, 1))
     if need > kv.num_device_blocks:
-        pool = kv.num_device_blocks * kv.block_size
+        pool = kv.token_capacity
         raise ContextLengthExceeded(
             f"the request needs {kv_tokens} tokens of KV cache ({need} blocks) but the KV cache pool "
             f"holds only {pool} tokens ({kv.num_device_blocks} blocks); shorten the prompt or max_tokens")

@@ -1,6 +1,10 @@
 """Paged KV cache bookkeeping: block tables, reference counts, prefix cache, copy-on-write, swap.
 
-Pure Python: this module hands out block ids; the runner owns the tensors. Every device block is
+Pure Python: this module hands out block ids; the runner owns the tensors. A model's layers form KV
+groups (engine/kv_groups.py): one block table per group and sequence, all drawing blocks ("pages") from
+one pool; a sliding-window group lets go of the blocks its window has passed (NULL_PAGE takes their
+place in the table). Prefix-cache entries are per group: a block's chained hash is the same in every
+group, each group's page holding it is found under (group, hash). Every device block but NULL_PAGE is
 in exactly one of three places:
 
   free     ref 0, no hash                       plain free list (FIFO)
@@ -17,10 +21,12 @@ destination of a COW copy) is not swappable. `take_pending_copies()` closes the 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from kvserve.engine.kv_groups import NULL_PAGE, KVGroup, KVLayout
 from kvserve.engine.request import Sequence
 
 BlockHash = bytes
@@ -61,14 +67,16 @@ class _Block:
     block_id: int
     ref_count: int = 0
     block_hash: BlockHash | None = None
+    group: int = 0  # the KV group whose prefix-cache entry this is (while hashed)
 
 
 @dataclass
 class _SeqBlocks:
-    """One sequence's blocks: on device (`device`) or, while swapped out, on host (`host`)."""
+    """One sequence's blocks, a table per KV group: on device (`device`) or, while swapped out, on host
+    (`host`, None where the device table held NULL_PAGE)."""
 
-    device: list[int] = field(default_factory=list)
-    host: list[int] | None = None
+    device: list[list[int]]
+    host: list[list[int | None]] | None = None
     # Chained hashes of the leading full, computed blocks; kept across swaps to re-register them.
     hashes: list[BlockHash] = field(default_factory=list)
 
@@ -94,21 +102,30 @@ class KVCacheUsage:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
+
 class KVCacheManager:
     """Hands out fixed-size device blocks to sequences on demand and tracks who holds which."""
 
     def __init__(self, num_device_blocks: int, num_host_blocks: int = 0, block_size: int = 16,
-                 enable_prefix_caching: bool = True):
-        if block_size <= 0 or num_device_blocks < 0 or num_host_blocks < 0:
+                 enable_prefix_caching: bool = True, layout: KVLayout | None = None):
+        """`num_device_blocks`: the pool's pages, NULL_PAGE included where the layout slides. `layout`:
+        the model's KV groups (default: one group of full attention, the classic paged cache)."""
+        self.layout = layout or KVLayout((KVGroup((0,), None),))
+        reserved = self.layout.reserved_pages
+        if block_size <= 0 or num_device_blocks < reserved or num_host_blocks < 0:
             raise ValueError("block_size must be positive and block counts non-negative")
         self.block_size = block_size
-        self.num_device_blocks = num_device_blocks
+        self.groups = self.layout.groups
+        self.num_groups = len(self.groups)
+        self.num_pages = num_device_blocks  # the runner's cache tensors hold this many
+        self.num_device_blocks = num_device_blocks - reserved  # blocks sequences can hold
         self.num_host_blocks = num_host_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self._null = NULL_PAGE if reserved else None  # a table entry that holds nothing
         self._blocks = [_Block(i) for i in range(num_device_blocks)]
-        self._free: deque[int] = deque(range(num_device_blocks))
+        self._free: deque[int] = deque(range(reserved, num_device_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
-        self._by_hash: dict[BlockHash, int] = {}
+        self._by_hash: list[dict[BlockHash, int]] = [{} for _ in self.groups]
         self._seqs: dict[int, _SeqBlocks] = {}
         self._host_free: deque[int] = deque(range(num_host_blocks))
         self._host_released: list[int] = []  # freed by swap_in this step; reusable after the step
@@ -130,13 +147,32 @@ class KVCacheManager:
     def num_free_host_blocks(self) -> int:
         return len(self._host_free)
 
-    def blocks_for_tokens(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+    @property
+    def token_capacity(self) -> int:
+        """Tokens the pool holds when every group keeps every block (short sequences)."""
+        return self.num_device_blocks // self.num_groups * self.block_size
 
-    def block_table(self, seq: Sequence) -> list[int]:
-        """A copy of the sequence's device block table (empty when it holds none)."""
+    def blocks_for_tokens(self, num_tokens: int, new_tokens: int | None = None) -> int:
+        """Blocks (over all groups) a sequence of `num_tokens` holds while its last `new_tokens` (default:
+        all) are computed: a sliding group holds only what its window reaches (engine/kv_groups.py)."""
+        if self.num_groups == 1 and self._null is None:
+            return -(-num_tokens // self.block_size)
+        return self.layout.pages_held(num_tokens, self.block_size, new_tokens)
+
+    def block_table(self, seq: Sequence, group: int = 0) -> list[int]:
+        """A copy of the sequence's device block table in one group (empty when it holds none)."""
         state = self._seqs.get(seq.seq_id)
-        return list(state.device) if state is not None else []
+        return list(state.device[group]) if state is not None else []
+
+    def block_tables(self, seq: Sequence) -> list[list[int]]:
+        """Copies of the sequence's device block tables, one per group."""
+        state = self._seqs.get(seq.seq_id)
+        return [list(t) for t in state.device] if state is not None else [[] for _ in self.groups]
+
+    def num_blocks_held(self, seq: Sequence) -> int:
+        """Device blocks the sequence holds now, over all groups."""
+        state = self._seqs.get(seq.seq_id)
+        return len(self._pages(state.device)) if state is not None else 0
 
     def has_blocks(self, seq: Sequence) -> bool:
         return seq.seq_id in self._seqs
@@ -148,55 +184,66 @@ class KVCacheManager:
     # ---- allocation ----------------------------------------------------------------------------
 
     def get_computed_blocks(self, seq: Sequence) -> int:
-        """Start a block-less sequence's table with its longest cached prefix; returns cached tokens.
+        """Start a block-less sequence's tables with its longest cached prefix; returns cached tokens.
 
         Only full blocks count, and never the last token: at least one token must be computed so
-        there are logits to sample from. References are taken at once; the lookup is counted in
-        the hit statistics only when a following allocate_slots admits the sequence.
+        there are logits to sample from. A full-attention group needs every block of the prefix, a
+        sliding group only those its window reaches from the prefix's end. References are taken at
+        once; the lookup is counted in the hit statistics only when a following allocate_slots admits
+        the sequence.
         """
         if seq.seq_id in self._seqs:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
         if not self.enable_prefix_caching:
             return 0
         bs = self.block_size
-        hits: list[int] = []
+        full = [g for g, group in enumerate(self.groups) if group.window is None]
         hashes: list[BlockHash] = []
         for i in range((seq.num_tokens - 1) // bs):
-            h = hash_block(hashes[-1] if hashes else None, token_slice(seq, i * bs, (i + 1) * bs),
-                           seq.cache_salt)
-            bid = self._by_hash.get(h)
-            if bid is None:
+            h = hash_block(hashes[-1] if hashes else None, token_slice(seq, i * bs, (i + 1) * bs), seq.cache_salt)
+            if full and any(h not in self._by_hash[g] for g in full):
                 break
-            hits.append(bid)
             hashes.append(h)
-        for bid in hits:
-            self._touch(bid)
-        self._seqs[seq.seq_id] = _SeqBlocks(device=hits, hashes=hashes)
-        cached = len(hits) * bs
+        n = self._longest_hit(hashes)
+        tables: list[list[int]] = []
+        for g, group in enumerate(self.groups):
+            first = group.first_needed_block(n * bs, bs)
+            table = [self._null] * first + [self._by_hash[g][h] for h in hashes[first:n]]
+            for bid in table[first:]:
+                self._touch(bid)
+            tables.append(table)
+        self._seqs[seq.seq_id] = _SeqBlocks(device=tables, hashes=hashes[:n])
+        cached = n * bs
         self._pending_lookup[seq.seq_id] = (seq.num_tokens, cached)
         return cached
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Make the table cover num_computed_tokens + num_new_tokens; False, untouched, if short.
+        """Make the tables cover num_computed_tokens + num_new_tokens; False, untouched, if short.
 
-        Shared blocks in the range about to be written get private copies first (copy-on-write);
-        the (src, dst) pair is queued for the runner when the block holds computed tokens.
+        First a sliding group lets go of the blocks its window has passed (the chunk starting at
+        num_computed_tokens and every later one never reads them). Shared blocks in the range about to
+        be written get private copies (copy-on-write); the (src, dst) pair is queued for the runner when
+        the block holds computed tokens.
         """
         state = self._seqs.get(seq.seq_id)
         if state is not None and state.host is not None:
             raise ValueError(f"sequence {seq.seq_id} is swapped out; swap_in first")
-        table = state.device if state is not None else []
         start = seq.num_computed_tokens
-        cow = self._shared_in_write_range(table, start, num_new_tokens)
-        grow = max(0, self.blocks_for_tokens(start + num_new_tokens) - len(table))
-        if grow + len(cow) > self.num_free_blocks:
+        if state is not None and self._null is not None:
+            self._drop_passed_blocks(state, start)
+        tables = state.device if state is not None else [[] for _ in self.groups]
+        need = -(-(start + num_new_tokens) // self.block_size)  # the length of every group's table
+        cows = [self._shared_in_write_range(table, start, num_new_tokens) for table in tables]
+        grow = sum(max(0, need - len(table)) for table in tables)
+        if grow + sum(map(len, cows)) > self.num_free_blocks:
             return False
         if state is None:
-            state = self._seqs[seq.seq_id] = _SeqBlocks()
-        for idx in cow:
-            self._copy_on_write(state, idx, keep_contents=idx * self.block_size < start)
-        for _ in range(grow):
-            state.device.append(self._take_free_block())
+            state = self._seqs[seq.seq_id] = _SeqBlocks(device=tables)
+        for table, cow in zip(state.device, cows):
+            for idx in cow:
+                self._copy_on_write(table, idx, keep_contents=idx * self.block_size < start)
+            while len(table) < need:
+                table.append(self._take_free_block())
         self._commit_lookup(seq.seq_id)
         return True
 
@@ -210,12 +257,14 @@ class KVCacheManager:
         if not self.enable_prefix_caching or state is None or state.host is not None:
             return
         bs = self.block_size
-        num_full = min(seq.num_computed_tokens // bs, len(state.device))
+        num_full = min(seq.num_computed_tokens // bs, len(state.device[0]))
         for i in range(len(state.hashes), num_full):
             parent = state.hashes[-1] if state.hashes else None
             h = hash_block(parent, token_slice(seq, i * bs, (i + 1) * bs), seq.cache_salt)
             state.hashes.append(h)
-            self._register(state.device[i], h)
+            for g, table in enumerate(state.device):
+                if table[i] != self._null:
+                    self._register(g, table[i], h)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent; a shared partial block is copied on write."""
@@ -224,9 +273,9 @@ class KVCacheManager:
             raise ValueError(f"parent {parent.seq_id} holds no device blocks")
         if child.seq_id in self._seqs:
             raise ValueError(f"child {child.seq_id} already holds blocks")
-        for bid in p.device:
+        for bid in self._pages(p.device):
             self._blocks[bid].ref_count += 1
-        self._seqs[child.seq_id] = _SeqBlocks(device=list(p.device), hashes=list(p.hashes))
+        self._seqs[child.seq_id] = _SeqBlocks(device=[list(t) for t in p.device], hashes=list(p.hashes))
 
     def free(self, seq: Sequence) -> None:
         """Give back every block the sequence holds (device or host); no-op if it holds none."""
@@ -236,9 +285,9 @@ class KVCacheManager:
         if state is None:
             return
         if state.host is not None:
-            self._host_free.extend(state.host)
+            self._host_free.extend(b for table in state.host for b in table if b is not None)
         else:
-            self._release_table(state.device)
+            self._release_pages(state.device)
 
     # ---- swapping ------------------------------------------------------------------------------
 
@@ -247,20 +296,29 @@ class KVCacheManager:
         state = self._seqs.get(seq.seq_id)
         if state is None or state.host is not None or seq.seq_id in self._swapped_in:
             return False
-        if any(self._blocks[b].ref_count != 1 or b in self._copies for b in state.device):
+        pages = self._pages(state.device)
+        if any(self._blocks[b].ref_count != 1 or b in self._copies for b in pages):
             return False
-        return len(state.device) <= len(self._host_free)
+        return len(pages) <= len(self._host_free)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
         """Move the sequence's blocks to host; returns (device, host) copies for the runner."""
         if not self.can_swap_out(seq):
             raise ValueError(f"sequence {seq.seq_id} cannot be swapped out")
         state = self._seqs[seq.seq_id]
-        host = [self._host_free.popleft() for _ in state.device]
-        mapping = list(zip(state.device, host))
+        mapping: list[tuple[int, int]] = []
+        host: list[list[int | None]] = []
+        for table in state.device:
+            host.append([])
+            for bid in table:
+                if bid == self._null:
+                    host[-1].append(None)
+                else:
+                    host[-1].append(self._host_free.popleft())
+                    mapping.append((bid, host[-1][-1]))
         # The device copies stay valid until the runner reuses them, after the swap-out copies.
-        self._release_table(state.device)
-        state.device, state.host = [], host
+        self._release_pages(state.device)
+        state.device, state.host = [[] for _ in self.groups], host
         return mapping
 
     def can_swap_in(self, seq: Sequence, num_new_tokens: int = 0) -> bool:
@@ -268,7 +326,8 @@ class KVCacheManager:
         state = self._seqs.get(seq.seq_id)
         if state is None or state.host is None:
             return False
-        need = max(len(state.host), self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens))
+        want = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        need = sum(sum(b is not None for b in table) + max(0, want - len(table)) for table in state.host)
         return need <= self.num_free_blocks
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
@@ -277,12 +336,21 @@ class KVCacheManager:
             raise ValueError(f"sequence {seq.seq_id} cannot be swapped in")
         state = self._seqs[seq.seq_id]
         assert state.host is not None
-        device = [self._take_free_block() for _ in state.host]
-        mapping = list(zip(state.host, device))
-        self._host_released.extend(state.host)
+        mapping: list[tuple[int, int]] = []
+        device: list[list[int]] = []
+        for g, table in enumerate(state.host):
+            device.append([])
+            for i, hb in enumerate(table):
+                if hb is None:
+                    device[-1].append(self._null)
+                    continue
+                bid = self._take_free_block()
+                device[-1].append(bid)
+                mapping.append((hb, bid))
+                self._host_released.append(hb)
+                if i < len(state.hashes):
+                    self._register(g, bid, state.hashes[i])
         state.device, state.host = device, None
-        for bid, h in zip(device, state.hashes):
-            self._register(bid, h)
         self._swapped_in.add(seq.seq_id)
         return mapping
 
@@ -317,11 +385,21 @@ class KVCacheManager:
         free, cached = list(self._free), list(self._cached)
         assert len(set(free)) == len(free), "duplicate block in the free list"
         free_set, cached_set = set(free), set(cached)
-        holders = [0] * self.num_device_blocks
+        holders = [0] * self.num_pages
         for state in self._seqs.values():
-            assert state.host is None or not state.device, "sequence on both device and host"
-            assert len(set(state.device)) == len(state.device), "block twice in one table"
-            for bid in state.device:
+            assert state.host is None or not any(state.device), "sequence on both device and host"
+            assert len(state.device) == self.num_groups, "a table per group"
+            if state.host is None:
+                lengths = {len(t) for t in state.device}
+                assert len(lengths) == 1, f"groups' tables differ in length: {lengths}"
+            pages = self._pages(state.device)
+            assert len(set(pages)) == len(pages), "block twice in one sequence's tables"
+            for table, group in zip(state.device, self.groups):
+                first = sum(1 for _ in itertools.takewhile(lambda b: b == self._null, table)) \
+                    if self._null is not None else 0
+                assert all(b != self._null for b in table[first:]), "a NULL_PAGE after a held block"
+                assert group.window is not None or first == 0, "a full-attention group let a block go"
+            for bid in pages:
                 holders[bid] += 1
         pins: dict[int, int] = {}
         for src in self._copies.values():
@@ -330,6 +408,10 @@ class KVCacheManager:
         assert pins == self._pins, "pin counts disagree with pending copies"
         for block in self._blocks:
             bid = block.block_id
+            if bid == self._null:
+                assert block.ref_count == 0 and block.block_hash is None and holders[bid] == 0, "NULL_PAGE in use"
+                assert bid not in free_set and bid not in cached_set, "NULL_PAGE in the pool"
+                continue
             places = (bid in free_set) + (bid in cached_set) + (block.ref_count > 0)
             assert places == 1, f"block {bid} is in {places} places (ref {block.ref_count})"
             assert block.ref_count == holders[bid], \
@@ -339,16 +421,50 @@ class KVCacheManager:
             if bid in cached_set:
                 assert block.block_hash is not None, f"cached block {bid} has no hash"
             if block.block_hash is not None:
-                assert self._by_hash.get(block.block_hash) == bid, f"block {bid} hash not mapped to it"
-        for h, bid in self._by_hash.items():
-            assert self._blocks[bid].block_hash == h, f"hash map points at block {bid} with another hash"
+                assert self._by_hash[block.group].get(block.block_hash) == bid, f"block {bid} hash not mapped to it"
+        for g, by_hash in enumerate(self._by_hash):
+            for h, bid in by_hash.items():
+                block = self._blocks[bid]
+                assert block.block_hash == h and block.group == g, f"hash map points at block {bid} with another hash"
         for dst in self._copies:
             assert self._blocks[dst].ref_count > 0, f"COW destination {dst} is not held"
-        host_held = [b for s in self._seqs.values() if s.host is not None for b in s.host]
+        host_held = [b for s in self._seqs.values() if s.host is not None for t in s.host for b in t if b is not None]
         host_all = list(self._host_free) + self._host_released + host_held
         assert sorted(host_all) == list(range(self.num_host_blocks)), "host blocks lost or duplicated"
 
     # ---- internals -----------------------------------------------------------------------------
+
+    def _pages(self, tables: list[list[int]]) -> list[int]:
+        """The device pages in these tables, NULL_PAGE entries left out."""
+        if self._null is None:
+            return [b for table in tables for b in table]
+        return [b for table in tables for b in table if b != self._null]
+
+    def _longest_hit(self, hashes: list[BlockHash]) -> int:
+        """Cached blocks a new sequence can start from: the most leading blocks (at most len(hashes), whose
+        full groups all hold them) for which every sliding group holds the blocks its window reaches."""
+        n = len(hashes)
+        bs = self.block_size
+        for g, group in enumerate(self.groups):
+            if group.window is None:
+                continue
+            by_hash = self._by_hash[g]
+            run = [0] * (n + 1)  # run[i]: consecutive cached blocks ending at block i - 1
+            for i, h in enumerate(hashes[:n]):
+                run[i + 1] = run[i] + 1 if h in by_hash else 0
+            while n > 0 and run[n] < n - group.first_needed_block(n * bs, bs):
+                n -= 1
+        return n
+
+    def _drop_passed_blocks(self, state: _SeqBlocks, start: int) -> None:
+        """Sliding groups give back the blocks no query from position `start` on reads (NULL_PAGE instead)."""
+        for table, group in zip(state.device, self.groups):
+            first = group.first_needed_block(start, self.block_size)
+            for i in range(min(first, len(table)) - 1, -1, -1):
+                if table[i] == self._null:
+                    break  # everything before it went earlier
+                self._release(table[i])
+                table[i] = self._null
 
     def _shared_in_write_range(self, table: list[int], start: int, num_new_tokens: int) -> list[int]:
         """Indices of blocks the next write touches that another table also holds (these need COW).
@@ -358,14 +474,14 @@ class KVCacheManager:
         if num_new_tokens <= 0:
             return []
         bs = self.block_size
-        last = min(len(table), self.blocks_for_tokens(start + num_new_tokens))
+        last = min(len(table), -(-(start + num_new_tokens) // bs))
         return [i for i in range(start // bs, last)
                 if self._blocks[table[i]].ref_count - self._pins.get(table[i], 0) > 1]
 
-    def _copy_on_write(self, state: _SeqBlocks, idx: int, keep_contents: bool) -> None:
-        src = state.device[idx]
+    def _copy_on_write(self, table: list[int], idx: int, keep_contents: bool) -> None:
+        src = table[idx]
         dst = self._take_free_block()
-        state.device[idx] = dst
+        table[idx] = dst
         if keep_contents:
             self._copies[dst] = src  # our reference on src moves to the pending copy
             self._pins[src] = self._pins.get(src, 0) + 1
@@ -384,7 +500,7 @@ class KVCacheManager:
     def _evict(self, bid: int) -> None:
         block = self._blocks[bid]
         assert block.block_hash is not None
-        del self._by_hash[block.block_hash]
+        del self._by_hash[block.group][block.block_hash]
         block.block_hash = None
 
     def _touch(self, bid: int) -> None:
@@ -413,18 +529,21 @@ class KVCacheManager:
             del self._pins[src]
         self._release(src)
 
-    def _release_table(self, table: list[int]) -> None:
+    def _release_pages(self, tables: list[list[int]]) -> None:
         # Tail first, so the end of a prefix chain is evicted before its beginning.
-        for bid in reversed(table):
-            self._release(bid)
+        for table in tables:
+            for bid in reversed(table):
+                if bid != self._null:
+                    self._release(bid)
 
-    def _register(self, bid: int, block_hash: BlockHash) -> None:
-        """Make a full block findable by hash, unless it already is or another block holds the hash."""
+    def _register(self, group: int, bid: int, block_hash: BlockHash) -> None:
+        """Make a full block findable by hash in its group, unless it already is or another block holds the hash."""
         block = self._blocks[bid]
-        if block.block_hash is not None or block_hash in self._by_hash:
+        by_hash = self._by_hash[group]
+        if block.block_hash is not None or block_hash in by_hash:
             return
-        block.block_hash = block_hash
-        self._by_hash[block_hash] = bid
+        block.block_hash, block.group = block_hash, group
+        by_hash[block_hash] = bid
 
     def _commit_lookup(self, seq_id: int) -> None:
         queried, hit = self._pending_lookup.pop(seq_id, (0, 0))

@@ -17,6 +17,7 @@ from kvserve.config import EngineConfig, TierLimits, engine_config_from_kwargs
 from kvserve.engine.core import EngineCore, Executor, StepStats  # noqa: F401  (StepStats: the step's figures)
 from kvserve.engine.interjection import Interjection
 from kvserve.engine.kv_cache import KVCacheManager
+from kvserve.engine.kv_groups import KVLayout
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.request import EngineRequest, Priority
 from kvserve.engine.runner import ModelRunner
@@ -77,8 +78,12 @@ class LLMEngine:
 
         elem = kv_quant.bytes_per_element(self.model_config.head_dim, self.dtype, self.kv_int8)
         self.kv_bytes_per_token = round(self.model_config.kv_bytes_per_token_per_element * elem)
-        block_bytes = cache_cfg.block_size * self.kv_bytes_per_token
-        num_blocks = cache_cfg.num_gpu_blocks_override or max(1, self.plan.kv_memory // block_bytes)
+        self.kv_layout = KVLayout.for_windows(self.model_config.layer_windows, split=cache_cfg.kv_groups)
+        # A block ("page") holds one group's layers: all of them with one group.
+        block_bytes = cache_cfg.block_size * self.kv_bytes_per_token * self.kv_layout.group_size \
+            // self.model_config.num_layers
+        num_blocks = cache_cfg.num_gpu_blocks_override or max(1 + self.kv_layout.reserved_pages,
+                                                              self.plan.kv_memory // block_bytes)
         num_host_blocks = cache_cfg.swap_space // block_bytes
         if executor is None:
             torch.manual_seed(config.seed)
@@ -89,11 +94,11 @@ class LLMEngine:
                      model.weight_bytes() / 1e9, describe_forms(forms))
             executor = ModelRunner(model, self.model_config, num_blocks, num_host_blocks, cache_cfg.block_size,
                                    self.dtype, self.device, kv_int8=self.kv_int8,
-                                   eos_token_ids=self.tokenizer.eos_token_ids)
+                                   eos_token_ids=self.tokenizer.eos_token_ids, layout=self.kv_layout)
         self.runner = executor
         prior = step_time_prior.model() if step_time_prior is not None and step_time_prior.fits(self.dtype) else None
         self.core = EngineCore(sched_cfg, KVCacheManager(num_blocks, num_host_blocks, cache_cfg.block_size,
-                                                         cache_cfg.enable_prefix_caching),
+                                                         cache_cfg.enable_prefix_caching, self.kv_layout),
                                executor, max_model_len=self.max_model_len, model_id=self.model_id,
                                tokenizer=self.tokenizer, eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
                                clock=clock, step_time=prior)
@@ -103,10 +108,10 @@ class LLMEngine:
         built = getattr(getattr(executor, "model", None), "backend", None)
         # The numerics in force: the plan's, unless the built model fell back from the fused decoder.
         self.numerics = self.plan.numerics if built is None or built.invariant else "fast"
-        log.info("loaded %s (%s, %s, path %s, numerics %s) in %.1fs: %d KV blocks of %d tokens (%s, %d bytes a "
-                 "token), %d host blocks%s", self.model_id, self.dtype, self.device,
+        log.info("loaded %s (%s, %s, path %s, numerics %s) in %.1fs: %d KV blocks of %d tokens and %d layers in %d "
+                 "KV groups (%s, %d bytes a token), %d host blocks%s", self.model_id, self.dtype, self.device,
                  built.name if built else "injected executor", self.numerics, self.load_seconds, num_blocks,
-                 cache_cfg.block_size,
+                 cache_cfg.block_size, self.kv_layout.group_size, self.kv_layout.num_groups,
                  "int8" if self.kv_int8 else str(self.dtype).removeprefix("torch."), self.kv_bytes_per_token,
                  num_host_blocks, "; step-time prior from this machine's calibration" if prior else "")
 

@@ -16,6 +16,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.engine.interjection import Interjection
+from kvserve.engine.kv_groups import KVLayout
 from kvserve.engine.request import Sequence
 from kvserve.engine.sampler import Sampler, SamplingMetadata, make_generator
 from kvserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
@@ -28,14 +29,27 @@ class BatchItem:
 
     token_ids: list[int]  # the tokens computed this step
     start: int  # position of token_ids[0]
-    block_table: list[int]
+    block_table: list[int]  # the first KV group's table
     sample: bool = True
+    group_tables: list[list[int]] | None = None  # every KV group's table, where the runner's layout has several
+
+    def tables(self, num_groups: int) -> list[list[int]]:
+        if self.group_tables is None:
+            if num_groups != 1:
+                raise ValueError(f"the KV layout has {num_groups} groups: give each its table (group_tables)")
+            return [self.block_table]
+        if len(self.group_tables) != num_groups:
+            raise ValueError(f"{len(self.group_tables)} block tables for {num_groups} KV groups")
+        return self.group_tables
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_device_blocks: int, num_host_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device, kv_int8: bool = False,
-                 eos_token_ids: Collection[int] = ()):
+                 eos_token_ids: Collection[int] = (), layout: KVLayout | None = None):
+        """`layout`: the KV groups (engine/kv_groups.py); default one group of every layer. Each of its
+        `group_size` slots is one key and one value tensor of `num_device_blocks` pages, which the slot's
+        layer of every group shares (a page belongs to one group at a time)."""
         self.model = model
         self.sampler = Sampler()
         self.eos_token_ids = set(eos_token_ids)  # banned while a row is under min_tokens
@@ -44,25 +58,32 @@ class ModelRunner:
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
+        self.layout = layout or KVLayout.for_windows([None] * config.num_layers)
+        if sum(len(g.layers) for g in self.layout.groups) != config.num_layers:
+            raise ValueError("the KV layout does not cover the model's layers")
         cache_dtype = torch.uint8 if kv_int8 else dtype  # int8 rows with their scales (kernels/kv_quant.py)
         shape = kv_cache_shape(num_device_blocks, block_size, config.num_kv_heads, config.head_dim, kv_int8)
-        self.kv_caches = [(torch.zeros(shape, dtype=cache_dtype, device=device),
-                           torch.zeros(shape, dtype=cache_dtype, device=device)) for _ in range(config.num_layers)]
+        slots = self.layout.group_size
+        self.kv_slots = [(torch.zeros(shape, dtype=cache_dtype, device=device),
+                          torch.zeros(shape, dtype=cache_dtype, device=device)) for _ in range(slots)]
+        placements = [self.layout.placement(layer) for layer in range(config.num_layers)]
+        self.layer_groups = tuple(g for g, _ in placements)
+        self.kv_caches = [self.kv_slots[slot] for _, slot in placements]  # per layer
         host_shape = kv_cache_shape(num_host_blocks, block_size, config.num_kv_heads, config.head_dim, kv_int8)
         pin = device.type == "cuda"
-        self.host_caches = [(torch.zeros(host_shape, dtype=cache_dtype, pin_memory=pin),
-                             torch.zeros(host_shape, dtype=cache_dtype, pin_memory=pin))
-                            for _ in range(config.num_layers)] if num_host_blocks else []
+        self.host_slots = [(torch.zeros(host_shape, dtype=cache_dtype, pin_memory=pin),
+                            torch.zeros(host_shape, dtype=cache_dtype, pin_memory=pin))
+                           for _ in range(slots)] if num_host_blocks else []
 
     # ---- block movement ------------------------------------------------------------------
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        self._copy_between(pairs, self.kv_caches, self.host_caches)
+        self._copy_between(pairs, self.kv_slots, self.host_slots)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        self._copy_between(pairs, self.host_caches, self.kv_caches)
+        self._copy_between(pairs, self.host_slots, self.kv_slots)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        self._copy_between(pairs, self.kv_caches, self.kv_caches)
+        self._copy_between(pairs, self.kv_slots, self.kv_slots)
 
     @staticmethod
     def _copy_between(pairs, src_caches, dst_caches) -> None:
@@ -90,8 +111,8 @@ class ModelRunner:
         self.copy_blocks(out.blocks_to_copy)
         result = RunnerOutput()
         if out.scheduled:
-            items = [BatchItem(s.seq.token_ids[s.start:s.start + s.num_new_tokens], s.start, s.block_table, s.sample)
-                     for s in out.scheduled]
+            items = [BatchItem(s.seq.token_ids[s.start:s.start + s.num_new_tokens], s.start, s.block_tables[0],
+                               s.sample, s.block_tables) for s in out.scheduled]
             logits = self.forward(items, interjection=interjection)
             if logits is not None:
                 self._sample(out, logits, result)
@@ -139,10 +160,12 @@ class ModelRunner:
         for prompt logprobs and parity checks.
         """
         order = sorted(range(len(items)), key=lambda i: len(items[i].token_ids) != 1 or items[i].start == 0)
-        input_ids, positions, slots, sample_rows = [], [], [], {}
+        num_groups = self.layout.num_groups
+        input_ids, positions, sample_rows = [], [], {}
+        slots: list[list[int]] = [[] for _ in range(num_groups)]
         bs = self.block_size
         num_decodes = 0
-        prefills: list[tuple[int, int, int, list[int]]] = []
+        prefills: list[tuple[int, int, int, list[list[int]]]] = []
         for i in order:
             item = items[i]
             n = len(item.token_ids)
@@ -151,28 +174,37 @@ class ModelRunner:
             input_ids.extend(item.token_ids)
             pos = range(item.start, item.start + n)
             positions.extend(pos)
-            table = item.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            tables = item.tables(num_groups)
+            for group_slots, table in zip(slots, tables):
+                group_slots.extend(table[p // bs] * bs + p % bs for p in pos)
             if is_decode:
                 num_decodes += 1
             else:
-                prefills.append((begin, n, item.start + n, table[: (item.start + n + bs - 1) // bs]))
+                prefills.append((begin, n, item.start + n, [t[: (item.start + n + bs - 1) // bs] for t in tables]))
             if item.sample:
                 sample_rows[i] = begin + n - 1
 
         dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
-                                 num_decode_tokens=num_decodes, interjection=interjection)
-        if num_decodes:
-            dec = [items[i] for i in order[:num_decodes]]
-            lens = [d.start + 1 for d in dec]
-            max_blocks = (max(lens) + bs - 1) // bs
-            tables = [d.block_table[:max_blocks] + [0] * (max_blocks - len(d.block_table[:max_blocks])) for d in dec]
-            meta.decode_block_tables = torch.tensor(tables, dtype=torch.long).to(dev, non_blocking=True)
-            meta.decode_context_lens = torch.tensor(lens, dtype=torch.long).to(dev, non_blocking=True)
-            meta.decode_max_context, meta.decode_min_context = max(lens), min(lens)
-        meta.prefills = [PrefillChunk(begin, n, ctx, torch.tensor(table, dtype=torch.long).to(dev, non_blocking=True))
-                         for begin, n, ctx, table in prefills]
+        dec = [items[i] for i in order[:num_decodes]]
+        lens = [d.start + 1 for d in dec]
+        shared: dict = {}  # masks and rotary tables: the same for every group
+        metas = []
+        for g in range(num_groups):
+            meta = AttentionMetadata(slot_mapping=torch.tensor(slots[g], dtype=torch.long).to(dev, non_blocking=True),
+                                     num_decode_tokens=num_decodes, interjection=interjection, cache=shared)
+            if num_decodes:
+                max_blocks = (max(lens) + bs - 1) // bs
+                tables = [d.tables(num_groups)[g][:max_blocks] for d in dec]
+                tables = [t + [0] * (max_blocks - len(t)) for t in tables]
+                meta.decode_block_tables = torch.tensor(tables, dtype=torch.long).to(dev, non_blocking=True)
+                meta.decode_context_lens = torch.tensor(lens, dtype=torch.long).to(dev, non_blocking=True)
+                meta.decode_max_context, meta.decode_min_context = max(lens), min(lens)
+            meta.prefills = [PrefillChunk(begin, n, ctx, torch.tensor(t[g], dtype=torch.long).to(dev, non_blocking=True))
+                             for begin, n, ctx, t in prefills]
+            metas.append(meta)
+        meta = metas[0]
+        if num_groups > 1:
+            meta.groups, meta.layer_groups = metas, self.layer_groups
         ids = torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
         pos_t = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
         hidden = self.model(ids, pos_t, self.kv_caches, meta)

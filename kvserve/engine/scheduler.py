@@ -283,9 +283,9 @@ class Scheduler:
         return held > 0 and owed > 0 and self._room_for(owed, held)
 
     def _room_for(self, tokens: int, held: int) -> bool:
-        """Free blocks for `tokens` of prompt plus one block for each of `held` sequences, which may need
-        a new block in their next step."""
-        return self.kv.num_free_blocks >= self.kv.blocks_for_tokens(tokens) + held
+        """Free blocks for `tokens` of prompt plus one block a KV group for each of `held` sequences, which
+        may need a new block in their next step."""
+        return self.kv.num_free_blocks >= self.kv.blocks_for_tokens(tokens) + held * self.kv.num_groups
 
     def schedule_interjection(self) -> SchedulerOutput:
         """A step run while the step in flight is suspended between layers (interactive_interjection):
@@ -365,7 +365,7 @@ class Scheduler:
         n = self._num_new_tokens(step, seq)
         if n == 0 or seq.seq_id in step.preempted or len(self._running) >= self.config.max_num_seqs:
             return False
-        if self._exceeds_pool(seq.num_computed_tokens + n):
+        if self._exceeds_pool(seq.num_computed_tokens + n, n):
             self._finish_in_step(step, seq, SequenceStatus.FINISHED_LENGTH)
             return True
 
@@ -434,7 +434,7 @@ class Scheduler:
 
     def _add_scheduled(self, step: _Step, seq: Sequence, n: int) -> None:
         start = seq.num_computed_tokens
-        step.scheduled[seq.seq_id] = ScheduledSequence(seq=seq, num_new_tokens=n, start=start, block_table=[],
+        step.scheduled[seq.seq_id] = ScheduledSequence(seq=seq, num_new_tokens=n, start=start, block_tables=[],
                                                        sample=start + n >= seq.num_tokens)
         step.budget -= n
         step.batch_prefill_budget -= _batch_prefill_tokens(seq, n)
@@ -444,7 +444,7 @@ class Scheduler:
         out = step.out
         out.scheduled = list(step.scheduled.values())
         for ss in out.scheduled:
-            ss.block_table = self.kv.block_table(ss.seq)
+            ss.block_tables = self.kv.block_tables(ss.seq)
         out.blocks_to_copy = self.kv.take_pending_copies()
         out.finished_seq_ids, self._ended = self._ended, []
         if timed:
@@ -511,8 +511,11 @@ class Scheduler:
     def _limits(self, prio: Priority) -> TierLimits:
         return self.config.interactive if prio is Priority.INTERACTIVE else self.config.batch
 
-    def _exceeds_pool(self, num_tokens: int) -> bool:
-        return self.kv.blocks_for_tokens(num_tokens) > self.kv.num_device_blocks
+    def _exceeds_pool(self, num_tokens: int, new_tokens: int | None = None) -> bool:
+        """More blocks than the pool holds for `num_tokens` of which `new_tokens` are computed in one step (default:
+        a prompt prefilled in chunks of max_num_batched_tokens; a sliding group holds its window and the chunk)."""
+        new = self.config.max_num_batched_tokens if new_tokens is None else new_tokens
+        return self.kv.blocks_for_tokens(num_tokens, new) > self.kv.num_device_blocks
 
     def _interactive_waiting(self) -> bool:
         return self._tiers[Priority.INTERACTIVE].num_waiting > 0

@@ -17,8 +17,13 @@ class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int  # tokens computed this step: token_ids[start : start + num_new_tokens]
     start: int  # = seq.num_computed_tokens at schedule time
-    block_table: list[int]  # device block ids covering at least start + num_new_tokens tokens
+    block_tables: list[list[int]]  # per KV group: device block ids covering start + num_new_tokens tokens
     sample: bool  # this step reaches the end of the known tokens, so a next token is sampled
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV group's table (the only one of a model whose layers all attend alike)."""
+        return self.block_tables[0]
 
     @property
     def context_len(self) -> int:

@@ -304,7 +304,9 @@ class NativeKernels:
                 state: torch.Tensor | None = None, stop: ctypes.c_int32 | None = None,
                 shadow_blocks: torch.Tensor | None = None, shadow_tables: torch.Tensor | None = None) -> int:
         """hidden [T, H] bf16 embeddings -> the final-normed hidden states, in place (see decoder_cpu.cpp).
-        Per token: positions, slots, context_lens [T] and block_tables [T, width], all int64. tile_chunks
+        Per token: positions, context_lens [T], and per KV group (a layer reads its LayerParams.kv_group's)
+        slots [G, T] and block_tables [G, T, width] (or [T] and [T, width] for one group), all int64 and
+        contiguous. tile_chunks
         [C, 2] int64: (first row, rows) of the prefill chunks whose rows attend together (packed keys, or
         AVX2 row groups: `tile_attention`, head_dim % 32 == 0; a chunk's rows are consecutive positions of one
         sequence).
@@ -323,10 +325,12 @@ class NativeKernels:
         if state is not None and (state.dtype != torch.bfloat16 or not state.is_contiguous()
                                   or state.numel() != 2 * hidden.numel()):
             raise ValueError("state must be a contiguous bf16 [2, T, H] tensor")
+        if not (block_tables.is_contiguous() and slot_mapping.is_contiguous()):
+            raise ValueError("block_tables and slot_mapping must be contiguous (a group's rows follow the last's)")
         chunks = 0 if tile_chunks is None else tile_chunks.shape[0]
         return self._forward(ctypes.byref(model_params), layer_params, hidden.data_ptr(), hidden.shape[0],
                              positions.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
-                             block_tables.stride(0), context_lens.data_ptr(),
+                             block_tables.stride(-2), context_lens.data_ptr(),
                              tile_chunks.data_ptr() if chunks else None, chunks, first_layer,
                              state.data_ptr() if state is not None else None,
                              ctypes.addressof(stop) if stop is not None else None,  # ignored without state
@@ -344,7 +348,7 @@ class LayerParams(ctypes.Structure):
                    for field in ((name, _PTR), (f"{name}_bits", _I64), (f"{name}_tail", _PTR),
                                  (f"{name}_tail_bits", _I64), (f"{name}_tail_from", _I64))]
                 + [(name, _PTR) for name in ("key_cache", "value_cache", "cos", "sin")]
-                + [("window", _I64), ("scale", _F32)])
+                + [("window", _I64), ("scale", _F32), ("kv_group", _I64)])
 
 
 class ModelParams(ctypes.Structure):

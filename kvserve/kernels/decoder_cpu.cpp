@@ -1498,6 +1498,7 @@ struct LayerParams {
   const float* sin;
   int64_t window;  // 0: none
   float scale;
+  int64_t kv_group;  // its KV group (engine/kv_groups.py): which [m] slots and [m, table_stride] tables it uses
 };
 
 struct ModelParams {
@@ -1683,8 +1684,9 @@ extern "C" void kvserve_dequantize_kv_rows(const void* rows, int64_t n, int64_t 
 }
 
 // hidden [m, H]: in, the token embeddings; out, the final norm of the last residual stream. Per token:
-// positions, slot_mapping, context_lens (keys it attends to, itself included) [m] and its sequence's
-// block table, block_tables [m, table_stride]. tile_chunks [num_tile_chunks, 2]: (first row, rows) of the
+// positions, context_lens (keys it attends to, itself included) [m]; per KV group and token (a layer reads
+// its LayerParams::kv_group's): slot_mapping [groups, m] and its sequence's block table, block_tables
+// [groups, m, table_stride] (shadow_tables likewise). tile_chunks [num_tile_chunks, 2]: (first row, rows) of the
 // prefill chunks attended on tiles (TileAttention; head_dim % 32 == 0); every other row attends alone.
 //
 // Suspension (the engine's interjections): with a `stop` flag, each layer reads the flag (before its down
@@ -1806,11 +1808,13 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
       mark(1);
       const QkvStep<bf16> step{p.q_heads, p.kv_heads, hd, L.cos, L.sin, L.q_norm, L.k_norm, p.eps, unit,
                                L.key_cache, L.value_cache, p.num_blocks * p.block_size, kv_int8};
+      const int64_t* const slots = slot_mapping + L.kv_group * m;
+      const int64_t* const tables = block_tables + L.kv_group * m * table_stride;
 #pragma omp for schedule(dynamic, 4)
-      for (int64_t i = 0; i < m; ++i) step.token(qkv.data() + i * qkv_width, positions[i], slot_mapping[i]);
+      for (int64_t i = 0; i < m; ++i) step.token(qkv.data() + i * qkv_width, positions[i], slots[i]);
       bf16* keys = L.key_cache;
       bf16* values = L.value_cache;
-      const int64_t* chunk_tables = block_tables;
+      const int64_t* chunk_tables = tables;
       int64_t blocks = p.num_blocks;
       if (kv_int8 && num_shadow > 0) {
         const int64_t row = kv_row_bytes(hd), head_bytes = p.num_blocks * p.block_size * row;
@@ -1822,10 +1826,11 @@ extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams
           dequantize_kv_rows(reinterpret_cast<const uint8_t*>(L.key_cache) + from, p.block_size, hd, shadow_k + to);
           dequantize_kv_rows(reinterpret_cast<const uint8_t*>(L.value_cache) + from, p.block_size, hd, shadow_v + to);
         }
-        keys = shadow_k, values = shadow_v, chunk_tables = shadow_tables, blocks = num_shadow;
+        keys = shadow_k, values = shadow_v, chunk_tables = shadow_tables + L.kv_group * m * table_stride;
+        blocks = num_shadow;
       }
       mark(2);
-      const DecodeBatch<bf16> batch{qkv.data(), qkv_width, L.key_cache, L.value_cache, block_tables, table_stride,
+      const DecodeBatch<bf16> batch{qkv.data(), qkv_width, L.key_cache, L.value_cache, tables, table_stride,
                                     context_lens, attn.data(), m, p.q_heads, p.kv_heads, p.num_blocks,
                                     p.block_size, hd, L.window, L.scale, kv_int8};
       const PrefillChunks prefill{qkv.data(), qkv_width, positions, chunk_tables, table_stride, chunks, keys,

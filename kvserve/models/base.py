@@ -60,13 +60,13 @@ class CausalLM(nn.Module):
             return self.native_decoder(h, positions, kv_caches, meta)
         residual = None  # the residual stream; each layer hands back its last branch unadded (see layers)
         interjection = meta.interjection
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if interjection is not None and interjection.flag.value:
                 # Stop here for another step, which runs nested (its own tokens, blocks and metadata; this
                 # step's state is h and residual), then go on: at most one interjection per step.
                 interjection.run()
                 interjection = None
-            h, residual = layer(h, residual, positions, kv_cache, meta)
+            h, residual = layer(h, residual, positions, kv_cache, meta.for_layer(i))
         return self.norm.add_forward(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

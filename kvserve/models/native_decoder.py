@@ -184,22 +184,24 @@ class NativeDecoder:
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         for rotary in self._rotaries:  # the kernel indexes the cos/sin tables unchecked
             rotary.check_positions(positions, meta.cache)
-        layer_table = self._layer_table(kv_caches)  # first: it reads the cache's form (kv_int8)
+        layer_table = self._layer_table(kv_caches, meta.layer_groups)  # first: it reads the cache's form (kv_int8)
+        groups = meta.groups or [meta]
         tile_chunks = None
         if meta.prefills:
-            tables, lens = self._token_tables(meta), positions + 1
+            tables, lens = self._token_tables(groups), positions + 1
             tiled = [(c.query_start, c.query_len) for c in meta.prefills if self._tiled(c)]
             tile_chunks = torch.tensor(tiled, dtype=torch.int64) if tiled else None
         else:
-            tables, lens = meta.decode_block_tables, meta.decode_context_lens
+            tables, lens = torch.stack([g.decode_block_tables for g in groups]), meta.decode_context_lens
+        slots = torch.stack([g.slot_mapping for g in groups]) if meta.groups else meta.slot_mapping
         h = h.contiguous()
         shadow = {}
         if self.params.kv_int8 and tile_chunks is not None:
-            # The blocks the tile chunks read, once each (dequantized once a layer); their rows of the
-            # shadow tables index that list (other rows' entries are never read).
-            blocks = torch.unique(torch.cat([tables[s] for s, _ in tiled]))  # a chunk's rows share one table
+            # The blocks the tile chunks read in any group, once each (dequantized once a layer); their rows of
+            # the shadow tables index that list (other rows' entries are never read).
+            blocks = torch.unique(torch.cat([tables[g, s] for g in range(len(groups)) for s, _ in tiled]))
             shadow = {"shadow_blocks": blocks, "shadow_tables": torch.searchsorted(blocks, tables)}
-        args = (self.params, layer_table, h, positions, meta.slot_mapping, tables, lens, tile_chunks)
+        args = (self.params, layer_table, h, positions, slots, tables, lens, tile_chunks)
         interjection = meta.interjection
         if interjection is None:
             self.native.forward(*args, **shadow)
@@ -220,28 +222,34 @@ class NativeDecoder:
                 and not (self.invariant and self.params.kv_int8))
 
     @staticmethod
-    def _token_tables(meta: AttentionMetadata) -> torch.Tensor:
-        """Each token's row of its sequence's block table: [T, width] int64 (decodes first, then chunks)."""
-        width = max([len(c.block_table) for c in meta.prefills]
-                    + ([meta.decode_block_tables.shape[1]] if meta.num_decode_tokens else []))
-        rows = []
-        if meta.num_decode_tokens:
-            tables = meta.decode_block_tables
-            rows.append(torch.nn.functional.pad(tables, (0, width - tables.shape[1])))
-        for chunk in meta.prefills:
-            table = torch.nn.functional.pad(chunk.block_table, (0, width - len(chunk.block_table)))
-            rows.append(table.expand(chunk.query_len, width))
-        return torch.cat(rows)
+    def _token_tables(groups: list[AttentionMetadata]) -> torch.Tensor:
+        """Each token's row of its sequence's block table in each KV group: [G, T, width] int64 (decodes
+        first, then chunks)."""
+        first = groups[0]
+        width = max([len(c.block_table) for g in groups for c in g.prefills]
+                    + ([first.decode_block_tables.shape[1]] if first.num_decode_tokens else []))
+        out = []
+        for meta in groups:
+            rows = []
+            if meta.num_decode_tokens:
+                tables = meta.decode_block_tables
+                rows.append(torch.nn.functional.pad(tables, (0, width - tables.shape[1])))
+            for chunk in meta.prefills:
+                table = torch.nn.functional.pad(chunk.block_table, (0, width - len(chunk.block_table)))
+                rows.append(table.expand(chunk.query_len, width))
+            out.append(torch.cat(rows))
+        return torch.stack(out)
 
-    def _layer_table(self, kv_caches) -> ctypes.Array:
+    def _layer_table(self, kv_caches, layer_groups: tuple[int, ...] = ()) -> ctypes.Array:
         """The per-layer table (and the cache geometry), rebuilt only when the caches move (they are
-        allocated once per engine)."""
-        key = tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches)
+        allocated once per engine) or the layers' KV groups change."""
+        key = (tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches), layer_groups)
         if key != self._table_key:
             _, self.params.num_blocks, self.params.block_size, _ = kv_caches[0][0].shape
             self.params.kv_int8 = int(kv_quant.is_quantized(kv_caches[0][0]))
+            groups = layer_groups or (0,) * len(kv_caches)
             self._table = self._layers(*[
-                cpu_kernels.LayerParams(key_cache=k, value_cache=v, **fields)
-                for fields, (k, v) in zip(self._static, key)])
+                cpu_kernels.LayerParams(key_cache=k, value_cache=v, kv_group=g, **fields)
+                for fields, (k, v), g in zip(self._static, key[0], groups)])
             self._table_key = key
         return self._table

@@ -20,7 +20,8 @@ import torch
 from kvserve import SamplingParams
 from kvserve.engine.runner import BatchItem
 from kvserve.models.loader import load_checkpoint
-from tests.engine_checks import Req, assert_no_leaks, drive, make_engine, shared_weights, torch_threads
+from tests.engine_checks import (Req, assert_no_leaks, blocks_needed, drive, make_engine, shared_weights,
+                                 torch_threads)
 from tests.parity import PagedHarness
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
@@ -123,8 +124,8 @@ def test_chunked_prefill_at_any_size_gives_the_bits_of_one_chunk(model, requests
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_gives_the_bits_of_no_preemption(model, requests, alone, mode):
-    each = [-(-(len(r.prompt) + MAX_TOKENS) // 16) for r in requests]
-    eng = engine(model, num_gpu_blocks_override=max(max(each) + 1, sum(each) // 2), preemption_mode=mode,
+    total, largest = blocks_needed(requests, engine(model).kv)
+    eng = engine(model, num_gpu_blocks_override=max(largest + 1, total // 2), preemption_mode=mode,
                  swap_space="32MiB", enable_prefix_caching=mode != "swap")
     run = drive(eng, requests)
     assert run.preemptions > 0

@@ -24,8 +24,8 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.config import TierLimits, engine_config_from_kwargs
 from kvserve.engine.errors import CapacityExhausted, ContextLengthExceeded
-from tests.engine_checks import (Req, SeededDrawReplay, assert_no_leaks, compare_outputs, drive, forks_as_singles,
-                                 make_engine, shared_weights, torch_threads)
+from tests.engine_checks import (Req, SeededDrawReplay, assert_no_leaks, blocks_needed, compare_outputs, drive,
+                                 forks_as_singles, make_engine, shared_weights, torch_threads)
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
@@ -103,11 +103,6 @@ def alone(llm, requests):
     return outs
 
 
-def blocks_needed(reqs: list[Req], block_size: int = 16) -> tuple[int, int]:
-    each = [-(-(len(r.prompt) + r.params.max_tokens) // block_size) for r in reqs]
-    return sum(each), max(each)
-
-
 def test_batch_with_prefix_hits_matches_alone(llm, requests, alone):
     run = drive(llm.engine, requests)  # the alone runs left every prompt's full blocks cached
     compare_outputs(alone, run, "batch of 16, prefix-cache hits", requests=requests, logprob_tol=LOGPROB_TOL)
@@ -136,8 +131,8 @@ def test_unchunked_prefill_matches_alone(requests, alone):
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_preemption_matches_alone(requests, alone, mode):
-    total, largest = blocks_needed(requests)
+def test_preemption_matches_alone(llm, requests, alone, mode):
+    total, largest = blocks_needed(requests, llm.engine.kv)
     # Prefix caching off for swap: blocks shared through the cache cannot be swapped out.
     eng = smol(num_gpu_blocks_override=max(largest + 1, total // 2), preemption_mode=mode, swap_space="32MiB",
                enable_prefix_caching=mode != "swap").engine

@@ -19,8 +19,8 @@ import pytest
 from kvserve.config import TierLimits, engine_config_from_kwargs
 from kvserve.engine.request import EngineRequest
 from kvserve.engine.sampling import SamplingParams
-from tests.engine_checks import (Draw, Req, SeededDrawReplay, assert_no_leaks, compare_outputs, drive, forks_as_singles,
-                                 make_engine, shared_weights, torch_threads)
+from tests.engine_checks import (Draw, Req, SeededDrawReplay, assert_no_leaks, blocks_needed, compare_outputs, drive,
+                                 forks_as_singles, make_engine, shared_weights, torch_threads)
 
 MAX_TOKENS = 10
 HOT = 5.0
@@ -76,12 +76,6 @@ def mixed_requests(seed: int = 0) -> list[Req]:
     return reqs
 
 
-def blocks_needed(reqs: list[Req], block_size: int = 16) -> tuple[int, int]:
-    """(blocks for the whole batch at its end, blocks for the largest single sequence)."""
-    each = [-(-(len(r.prompt) + r.params.max_tokens) // block_size) for r in reqs for _ in range(r.params.n)]
-    return sum(each), max(each)
-
-
 @pytest.fixture(scope="module")
 def reference(tiny):
     """Each request alone (one in flight at a time) on one engine with prefix caching on; and that engine."""
@@ -98,6 +92,7 @@ CONDITIONS = {
     "block size 4, budget 40": dict(block_size=4, max_num_batched_tokens=40),
     "swap preemption": dict(preemption_mode="swap", enable_prefix_caching=False),
     "recompute preemption": dict(preemption_mode="recompute"),
+    "every layer holds every block (no KV groups)": dict(kv_groups=False),
 }
 
 
@@ -112,11 +107,11 @@ def test_batch_with_prefix_hits_matches_alone(tiny, reference):
 
 @pytest.mark.parametrize("condition", list(CONDITIONS))
 def test_output_invariance(tiny, reference, condition):
-    reqs, alone, _ = reference
+    reqs, alone, ref_engine = reference
     kwargs = dict(CONDITIONS[condition])
     if "preemption" in condition:
-        total, largest = blocks_needed(reqs)
-        kwargs["num_gpu_blocks_override"] = max(largest + 1, total // 3)
+        total, largest = blocks_needed(reqs, ref_engine.kv)
+        kwargs["num_gpu_blocks_override"] = max(largest + 1, total // 5)
     eng = engine(tiny, **kwargs)
     run = drive(eng, reqs)
     compare_outputs(alone, run, condition, requests=reqs, replay=replay(tiny, reqs))
@@ -205,8 +200,9 @@ def test_forks_under_preemption(tiny):
     rng = random.Random(6)
     reqs = [Req(rand_tokens(rng, 18 + 7 * i), SamplingParams(n=3, temperature=HOT, seed=i, max_tokens=12,
                                                             ignore_eos=True, logprobs=1)) for i in range(6)]
-    ref = drive(engine(tiny), reqs)
-    total, largest = blocks_needed(reqs)
+    ref_engine = engine(tiny)
+    ref = drive(ref_engine, reqs)
+    total, largest = blocks_needed(reqs, ref_engine.kv)
     eng = engine(tiny, num_gpu_blocks_override=max(largest + 1, total // 3), preemption_mode="auto")
     run = drive(eng, reqs)
     assert run.preemptions > 0

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
 from kvserve.engine.kv_cache import KVCacheManager, hash_block, num_blocks_for
+from kvserve.engine.kv_groups import NULL_PAGE, KVLayout
 from kvserve.engine.request import Sequence
 from kvserve.engine.sampling import SamplingParams
 
@@ -281,12 +282,15 @@ class KVMachine(RuleBasedStateMachine):
     """Random allocate/append/fork/free/swap with a fake runner checking contents each step."""
 
     seqs = Bundle("seqs")
+    layout: KVLayout | None = None  # one full-attention group
+    pages, host_pages = 12, 8
 
     def __init__(self):
         super().__init__()
-        self.kv = KVCacheManager(num_device_blocks=12, num_host_blocks=8, block_size=BS)
-        self.dev: list[list[int | None]] = [[None] * BS for _ in range(12)]
-        self.host: list[list[int | None]] = [[None] * BS for _ in range(8)]
+        self.kv = KVCacheManager(num_device_blocks=self.pages, num_host_blocks=self.host_pages, block_size=BS,
+                                 layout=self.layout)
+        self.dev: list[list[int | None]] = [[None] * BS for _ in range(self.pages)]
+        self.host: list[list[int | None]] = [[None] * BS for _ in range(self.host_pages)]
         self.live: dict[int, Sequence] = {}
         self.writes: dict[int, tuple[int, int]] = {}  # seq id -> (start, n) scheduled this step
         self.swap_out_ops: list[tuple[int, int]] = []
@@ -362,10 +366,11 @@ class KVMachine(RuleBasedStateMachine):
             self.dev[dst] = list(self.dev[src])
         for seq_id, (start, n) in self.writes.items():
             seq = self.live[seq_id]
-            table = self.kv.block_table(seq)
             tokens = seq.token_ids
-            for pos in range(start, start + n):
-                self.dev[table[pos // BS]][pos % BS] = tokens[pos]
+            for table in self.kv.block_tables(seq):
+                for pos in range(start, start + n):
+                    assert self.kv.layout.reserved_pages == 0 or table[pos // BS] != NULL_PAGE
+                    self.dev[table[pos // BS]][pos % BS] = tokens[pos]
             seq.num_computed_tokens = start + n
             self.kv.cache_full_blocks(seq)
         self.swap_out_ops, self.swap_in_ops, self.writes = [], [], {}
@@ -375,10 +380,15 @@ class KVMachine(RuleBasedStateMachine):
         for seq in self.live.values():
             if self.kv.is_swapped(seq):
                 continue
-            table = self.kv.block_table(seq)
             tokens = seq.token_ids
-            got = [self.dev[table[p // BS]][p % BS] for p in range(seq.num_computed_tokens)]
-            assert got == tokens[:seq.num_computed_tokens], f"seq {seq.seq_id} reads wrong K/V"
+            end = seq.num_computed_tokens
+            for table, group in zip(self.kv.block_tables(seq), self.kv.groups):
+                # What the next query (at position `end`) and every later one reads in this group.
+                first = 0 if group.window is None else max(0, end - group.window + 1)
+                assert all(self.kv.layout.reserved_pages == 0 or table[p // BS] != NULL_PAGE
+                           for p in range(first, end)), f"seq {seq.seq_id} let go of a block it reads"
+                got = [self.dev[table[p // BS]][p % BS] for p in range(first, end)]
+                assert got == tokens[first:end], f"seq {seq.seq_id} reads wrong K/V"
 
     @invariant()
     def integrity(self):
@@ -397,3 +407,16 @@ class KVMachine(RuleBasedStateMachine):
 KVMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None,
                                        suppress_health_check=[HealthCheck.too_slow])
 TestKVMachine = KVMachine.TestCase
+
+
+class GroupedKVMachine(KVMachine):
+    """The same with KV groups: one full-attention layer and two sliding ones (a window of 6 tokens over
+    blocks of 4), so sliding tables let blocks go while full ones keep them, prefix hits need only a
+    window's blocks, and every page of a step is read back through its own group's table."""
+
+    layout = KVLayout.for_windows([None, 6, 6])
+    pages, host_pages = 30, 20
+
+
+GroupedKVMachine.TestCase.settings = KVMachine.TestCase.settings
+TestGroupedKVMachine = GroupedKVMachine.TestCase
