@@ -165,8 +165,8 @@ def published() -> list[dict]:
         conc = min(MAX_CONCURRENCY, mem.max_sequences(p + o))
         cfg = SchedulerConfig(max_num_seqs=conc, max_num_batched_tokens=8192, max_model_len=max(4096, 2 * (p + o)),
                               interactive=TierLimits.unbounded(), batch=TierLimits.unbounded())
-        sim = Simulator(sm.cost, mem.num_blocks, mem.block_size, cfg, vocab_size=m.vocab_size,
-                        block_copy_s=lambda n, host, sm=sm, mem=mem: sm.block_copy_seconds(n, mem.block_size, host))
+        sim = Simulator(sm.cost, mem.num_blocks, mem.block_size, cfg, vocab_size=m.vocab_size, layout=mem.layout,
+                        block_copy_s=lambda n, host, sm=sm, mem=mem: sm.kv_copy_seconds(n * mem.page_bytes, host))
         t0 = time.process_time()
         res = sim.run(Workload("closed", loops=[ClosedLoop(WAVES * conc, conc, LengthDist(p), LengthDist(o))]))
         cpu = time.process_time() - t0

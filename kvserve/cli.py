@@ -470,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.planning.cli import add_arguments as add_plan_arguments
 
     add_plan_arguments(sub.add_parser("plan", help="capacity planning: the cheapest fleet for a load within SLOs; "
-                                                    "calibrate, simulate, specs"))
+                                                    "calibrate, simulate, specs, context (one long sequence per KV dtype, policy and tier)"))
     _add_bench(sub)
     return parser
 

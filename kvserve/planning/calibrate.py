@@ -244,7 +244,7 @@ def calibrate(model_id: str, config_path: str | None = None, output: str | Path 
     prof.decode_point(1, 64, True)  # warm-up (kernels, allocator), not recorded
     prof.samples.clear()
     cfg = engine.config.scheduler
-    pool_tokens = engine.kv.num_device_blocks * engine.kv.block_size
+    pool_tokens = engine.kv.token_capacity
     for _ in range(PASSES):  # whole passes, so a neighbour's burst on a shared machine hits one pass of a point
         prof.point = 0
         for context, batches, shared in DECODE_POINTS:
@@ -259,11 +259,15 @@ def calibrate(model_id: str, config_path: str | None = None, output: str | Path 
     profile_s = time.perf_counter() - t0
     bandwidth = measure_bandwidth()
     result = fit(point_medians([(features(spec, dtype, dtype, w), s, p) for w, s, p in prof.samples]), bandwidth)
-    kv_pool = engine.kv.num_device_blocks * engine.kv.block_size * engine.kv_bytes_per_token
+    # The pool in pages of the engine's KV groups (engine/kv_groups.py), as search.replica_memory reads it back.
+    layout, layers = engine.kv.layout, engine.model_config.num_layers
+    kv_pool = engine.kv.num_pages * engine.kv.block_size * engine.kv_bytes_per_token * layout.group_size / layers
+    windows = [layout.groups[layout.placement(layer)[0]].window for layer in range(layers)]  # rebuild the layout
     doc = {
         "version": 1, "source": "kvserve plan calibrate", "measured_at": datetime.now(timezone.utc).isoformat(),
         "cpu": _cpu_name(), "cores": os.cpu_count(), "model": model_id, "weight_dtype": dtype, "kv_dtype": dtype,
-        "num_blocks": engine.kv.num_device_blocks, "block_size": engine.kv.block_size, "kv_pool_bytes": kv_pool,
+        "num_blocks": engine.kv.num_pages, "kv_layer_windows": windows,
+        "block_size": engine.kv.block_size, "kv_pool_bytes": kv_pool,
         "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
         "max_model_len": engine.max_model_len, "profile_s": profile_s, "fit": result, "model_spec": asdict(spec),
         "machine": {"name": f"cpu ({_cpu_name()}, {os.cpu_count()} cores)",

@@ -1,17 +1,18 @@
-"""`kvserve plan`: the cheapest fleet for a load within SLOs; `plan calibrate`, `plan simulate`, `plan specs`."""
+"""`kvserve plan`: the cheapest fleet for a load within SLOs; `plan calibrate`, `plan simulate`, `plan specs`,
+`plan prices`, `plan context` (what N-token contexts cost in KV, and where they fit)."""
 from __future__ import annotations
 
 import argparse
 import json
 import re
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 from kvserve.config import Priority
 from kvserve.metering.money import format_money
 from kvserve.metering.prices import (CACHED_INPUT_SHARE, DEFAULT_MARGIN, DEFAULT_UTILIZATION, break_even_price,
                                      list_price)
-from kvserve.planning.memory import DENSE
+from kvserve.planning.memory import DENSE, MemoryPlan
 from kvserve.planning.search import SLO, Load, Plan, PlanResult, Redundancy, plan
 from kvserve.planning.specs import (UnknownSpec, WeightQuality, accelerator_spec, known_accelerators, known_models,
                                     known_weight_quality, model_spec)
@@ -36,6 +37,19 @@ def parse_length(text: str) -> LengthDist:
         return LengthDist(int(mean), float(spread) if spread else 0.0)
     except ValueError:
         raise argparse.ArgumentTypeError(f"a token length looks like 1000 or 1000+-0.2, not {text!r}") from None
+
+
+def parse_tokens(text: str) -> int:
+    """"1000000", "1M", "128k", "1e6"."""
+    t = text.strip().lower().replace("_", "").replace(",", "")
+    scale = {"k": 10**3, "m": 10**6}.get(t[-1:], 1)
+    try:
+        n = float(t[:-1] if scale > 1 else t) * scale
+    except ValueError:
+        n = 0
+    if n < 1 or n != int(n):
+        raise argparse.ArgumentTypeError(f"a token count looks like 1000000, 1M or 128k, not {text!r}")
+    return int(n)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -95,6 +109,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help=f"suggested list prices are break-even x (1 + margin) (default {DEFAULT_MARGIN})")
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(func=cmd_prices)
+    from kvserve.planning.long_context import DISK_GBS, HOST_GBS
+
+    x = sub.add_parser("context", help="KV bytes of one sequence at a context length, full attention against a "
+                                       "sliding window, and how many fit on the devices, in host memory, on disk")
+    x.add_argument("--model", required=True)
+    x.add_argument("--tokens", type=parse_tokens, required=True, help="tokens of one sequence: 1000000, 1M, 128k")
+    x.add_argument("--window", type=int, default=4096,
+                   help="StreamingLLM window: layers without one keep the last W tokens and the sinks (default "
+                        "4096; 0: leave it out)")
+    x.add_argument("--sinks", type=int, default=4, help="leading tokens a StreamingLLM window keeps (default 4)")
+    x.add_argument("--kv-dtypes", default="bf16,fp8", help="KV dtypes (default bf16,fp8)")
+    x.add_argument("--accelerator", default="h100-sxm,h200", help="comma-separated (default h100-sxm,h200)")
+    x.add_argument("--tp", type=int, default=None,
+                   help="devices per replica (default: the fewest that hold the weights, and the fewest that hold "
+                        "one sequence when those hold none)")
+    x.add_argument("--weight-dtype", default="bf16", help="weight dtype (default bf16)")
+    x.add_argument("--host-gib", type=float, default=1024.0, help="host memory for KV, GiB (default 1024)")
+    x.add_argument("--disk-gib", type=float, default=8000.0, help="disk for KV, GiB (default 8000)")
+    x.add_argument("--host-gbs", type=float, default=HOST_GBS,
+                   help=f"host to device bandwidth, GB/s (default {HOST_GBS:g}, about PCIe 5.0 x16: an assumption)")
+    x.add_argument("--disk-gbs", type=float, default=DISK_GBS,
+                   help=f"disk read bandwidth, GB/s (default {DISK_GBS:g}, one NVMe drive: an assumption)")
+    x.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16, the engine's)")
+    x.add_argument("--json", action="store_true")
+    x.set_defaults(func=cmd_context)
 
 
 def _fail(e: Exception) -> int:
@@ -214,6 +253,12 @@ def render(r: PlanResult, model: str, load: Load, slos: list[SLO]) -> str:
     return "\n".join(out)
 
 
+def _memory_dict(mem: MemoryPlan) -> dict:
+    """The memory plan, its KV groups summarized (their layer lists say nothing a reader needs)."""
+    out = {f.name: getattr(mem, f.name) for f in fields(mem) if f.name != "layout"}
+    return out | {"kv_groups": mem.layout.num_groups, "layers_per_page": mem.layout.group_size}
+
+
 def _plan_dict(p: Plan) -> dict:
     c, d = p.candidate, p.candidate.deployment
     return {"accelerator": d.accelerator.name, "tp": d.tp, "weight_dtype": d.weight_dtype, "kv_dtype": d.kv_dtype,
@@ -222,7 +267,7 @@ def _plan_dict(p: Plan) -> dict:
             "cost_per_million_tokens": p.cost_per_million, "headroom": p.headroom, "binds": c.binds,
             "capacity_per_replica_rps": c.capacity_per_s, "throughput_per_replica_rps": c.throughput_per_s,
             "planned_batch": c.batch, "model_ttft_s": c.ttft_s, "model_tpot_s": c.tpot_s,
-            "memory": asdict(c.memory), "redundancy": p.redundancy_notes, "meets_slo": p.meets_slo,
+            "memory": _memory_dict(c.memory), "redundancy": p.redundancy_notes, "meets_slo": p.meets_slo,
             "unreachable": p.unreachable or None,
             "simulation": p.simulation.summary() if p.simulation else None}
 
@@ -374,3 +419,38 @@ def cmd_prices(a) -> int:
     for line in missing:
         print(f"kvserve plan prices: {line}", file=sys.stderr)
     return 0 if rows else 1
+
+
+def render_context(r) -> str:
+    """`plan context` as text: per KV dtype and policy, a sequence's bytes, then what each tier holds."""
+    out = [f"{r.model}: one sequence of {r.tokens:,} tokens (KV in pages of {r.block_size} tokens; "
+           f"{r.weight_dtype} weights)"]
+    for row in r.rows:
+        out += ["", f"{row.kv_dtype} KV, {row.policy}: {row.bytes_per_sequence / 1e9:,.2f} GB a sequence "
+                    f"({row.pages_per_sequence:,} pages of {row.page_bytes / 1e6:,.2f} MB)"]
+        for t in row.tiers:
+            load = "" if t.load_s is None else f"; {t.load_s:,.2f} s to bring one to the device at " \
+                                                f"{t.bandwidth / 1e9:g} GB/s"
+            plural = "" if t.sequences == 1 else "s"
+            out.append(f"  {t.tier:6} {t.where:38} {t.capacity_bytes / 1e9:9,.1f} GB: {t.sequences:7,} "
+                       f"sequence{plural}{load}")
+    out += ["", "Notes:"] + [f"  {n}" for n in r.notes]
+    return "\n".join(out)
+
+
+def cmd_context(a) -> int:
+    """`kvserve plan context`: what N-token contexts cost in KV, and where they fit."""
+    from kvserve.planning.long_context import Tiers, long_context
+    from kvserve.planning.memory import GIB
+
+    try:
+        model = model_spec(a.model)
+        accs = [accelerator_spec(x.strip()) for x in a.accelerator.split(",") if x.strip()]
+        tiers = Tiers(a.host_gib * GIB, a.disk_gib * GIB, a.host_gbs * 1e9, a.disk_gbs * 1e9)
+        r = long_context(model, a.tokens, accs, tuple(d.strip() for d in a.kv_dtypes.split(",") if d.strip()),
+                         window=a.window or None, sinks=a.sinks, tiers=tiers, tp=a.tp, weight_dtype=a.weight_dtype,
+                         block_size=a.block_size)
+    except (UnknownSpec, ValueError) as e:
+        return _fail(e)
+    print(json.dumps(asdict(r), indent=1) if a.json else render_context(r))
+    return 0

@@ -1,10 +1,13 @@
 """Memory arithmetic: parameters, weight bytes, KV bytes per token, and what is left for the KV pool.
 
 Pure Python. Conventions (the same as vLLM's and our engine's):
-- KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x bytes per element. Our KV manager
-  allocates every layer's blocks for every token, sliding-window layers included, so that is what a
-  block costs here; `kv_bytes_at_context` gives the smaller figure an engine that frees blocks behind a
-  sliding window would need (Gemma 3), for the report.
+- KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x bytes per element.
+- The pool is counted as the engine counts it (engine/kv_groups.py, whose rule this module imports rather
+  than restates): layers form KV groups by attention kind, a page is one block of one group, and a
+  sliding-window group holds only the blocks its window still reaches. A model of one kind (Llama) has one
+  group of every layer, so a page is the classic block of every layer. A sequence is counted at its peak
+  while decoding: all its tokens written, the last one being computed (a prefill chunk briefly holds a
+  little more of a sliding group's blocks; only a few sequences prefill at once).
 - Tensor parallelism splits every weight matrix and the KV heads over `tp` devices; KV heads fewer than
   `tp` are replicated (each device holds at least one).
 - Per device, `gpu_memory_utilization` of the memory is the engine's; of that, the weights' shard and a
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.engine.kv_groups import KVLayout
 from kvserve.planning.specs import AcceleratorSpec, ModelSpec
 
 # int8 / int4: weights only, in the format whose quality data/quantization.toml measured (models/quant.py):
@@ -64,17 +68,35 @@ def kv_heads_per_device(m: ModelSpec, tp: int) -> float:
     return max(1.0, m.num_kv_heads / tp)
 
 
+def kv_bytes_per_token_layer(m: ModelSpec, kv_dtype: str, tp: int = 1) -> float:
+    """KV bytes one token holds in one layer on one device."""
+    return 2 * kv_heads_per_device(m, tp) * m.head_dim * dtype_bytes(kv_dtype)
+
+
 def kv_bytes_per_token(m: ModelSpec, kv_dtype: str, tp: int = 1) -> float:
     """KV bytes one token holds on one device (all layers)."""
-    return 2 * m.num_layers * kv_heads_per_device(m, tp) * m.head_dim * dtype_bytes(kv_dtype)
+    return m.num_layers * kv_bytes_per_token_layer(m, kv_dtype, tp)
 
 
-def kv_bytes_at_context(m: ModelSpec, tokens: int, kv_dtype: str) -> float:
-    """KV bytes of one sequence of `tokens` over all devices when sliding layers keep only their window."""
-    per_layer_token = 2 * m.num_kv_heads * m.head_dim * dtype_bytes(kv_dtype)
-    sliding = m.num_sliding_layers
-    window = min(tokens, m.sliding_window or tokens)
-    return per_layer_token * ((m.num_layers - sliding) * tokens + sliding * window)
+def layer_windows(m: ModelSpec) -> list[int | None]:
+    """Each layer's attention window (None: full attention). With a pattern, every pattern-th layer is
+    global (Gemma 3, as ModelConfig.is_sliding); a window without one slides every layer (Mistral v0.1)."""
+    w, p = m.sliding_window, m.sliding_window_pattern
+    return [None if w is None or (p and (layer + 1) % p == 0) else w for layer in range(m.num_layers)]
+
+
+def kv_layout(m: ModelSpec, split: bool = True) -> KVLayout:
+    """The engine's KV groups for this model (`split=False`: one group, every layer holding every token)."""
+    return KVLayout.for_windows(layer_windows(m), split)
+
+
+def kv_bytes_at_context(m: ModelSpec, tokens: int, kv_dtype: str, block_size: int = 16,
+                        layout: KVLayout | None = None) -> float:
+    """KV bytes of one sequence decoding at `tokens`, over all devices: the pages the engine holds for it
+    (`layout`, default the model's groups) at their size."""
+    layout = layout or kv_layout(m)
+    return layout.pages_held(tokens, block_size, new_tokens=1) * \
+        layout.page_bytes(block_size, kv_bytes_per_token_layer(m, kv_dtype))
 
 
 @dataclass(frozen=True)
@@ -86,28 +108,44 @@ class MemoryPlan:
     weight_bytes: float  # per device
     reserve_bytes: float  # per device: runtime + activations
     kv_bytes: float  # per device, the KV pool
-    kv_bytes_per_token: float  # per device
+    kv_bytes_per_token: float  # per device, all layers
     block_size: int
-    num_blocks: int  # the replica's pool (every device holds its heads' share of each block)
+    num_blocks: int  # the replica's pool in pages, reserved ones included (every device holds its heads' share)
+    layout: KVLayout  # the model's KV groups: what a page holds and how many a sequence needs
+    page_bytes: float  # per device: one block of one group
+
+    @property
+    def usable_pages(self) -> int:
+        """Pages sequences can hold (the pool less NULL_PAGE where a group slides)."""
+        return max(0, self.num_blocks - self.layout.reserved_pages)
 
     @property
     def fits(self) -> bool:
-        return self.num_blocks > 0
+        return self.usable_pages > 0
 
     @property
     def kv_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """Tokens the pool holds when every group keeps every block (short sequences), as the engine's
+        KVCacheManager.token_capacity."""
+        return self.usable_pages // self.layout.num_groups * self.block_size
+
+    def pages_per_sequence(self, context_len: int) -> int:
+        """Pages one sequence holds while decoding at `context_len` (see the module docstring)."""
+        return self.layout.pages_held(context_len, self.block_size, new_tokens=1)
 
     def max_sequences(self, context_len: int) -> int:
         """Sequences of `context_len` tokens that fit in the pool at once."""
-        return self.num_blocks // -(-context_len // self.block_size)
+        return self.usable_pages // self.pages_per_sequence(context_len)
 
 
 def memory_plan(m: ModelSpec, acc: AcceleratorSpec, tp: int = 1, weight_dtype: str = "bf16",
                 kv_dtype: str = "bf16", gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int = 8192,
-                block_size: int = 16, runtime_reserve_bytes: float = RUNTIME_RESERVE_BYTES) -> MemoryPlan:
+                block_size: int = 16, runtime_reserve_bytes: float = RUNTIME_RESERVE_BYTES,
+                layout: KVLayout | None = None) -> MemoryPlan:
+    """`layout`: the KV groups the pool serves (default the model's own, as the engine builds them)."""
     if tp < 1:
         raise ValueError("tp must be >= 1")
+    layout = layout or kv_layout(m)
     usable = acc.memory_bytes * gpu_memory_utilization
     weights = weight_bytes(m, weight_dtype) / tp
     widest = max(m.hidden_size, m.intermediate_size * m.experts_per_token / tp)
@@ -115,8 +153,7 @@ def memory_plan(m: ModelSpec, acc: AcceleratorSpec, tp: int = 1, weight_dtype: s
                    + LOGIT_ROWS * m.vocab_size / tp * 4)  # float32 logits, one row per sampled sequence
     reserve = runtime_reserve_bytes + activations
     kv = max(0.0, usable - weights - reserve)
-    per_token = kv_bytes_per_token(m, kv_dtype, tp)
-    blocks = int(kv // (per_token * block_size))
+    page = layout.page_bytes(block_size, kv_bytes_per_token_layer(m, kv_dtype, tp))
     return MemoryPlan(device_bytes=acc.memory_bytes, usable_bytes=usable, weight_bytes=weights,
-                      reserve_bytes=reserve, kv_bytes=kv, kv_bytes_per_token=per_token, block_size=block_size,
-                      num_blocks=blocks)
+                      reserve_bytes=reserve, kv_bytes=kv, kv_bytes_per_token=kv_bytes_per_token(m, kv_dtype, tp),
+                      block_size=block_size, num_blocks=int(kv // page), layout=layout, page_bytes=page)

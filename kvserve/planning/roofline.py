@@ -218,6 +218,9 @@ class StepModel:
         return total
 
     def block_copy_seconds(self, blocks: int, block_size: int, across_host: bool) -> float:
-        """Moving `blocks` KV blocks: within the device (copy-on-write) or to/from host memory (swap)."""
-        nbytes = blocks * block_size * self._kv_token_bytes
+        """Moving `blocks` KV blocks of every layer (see kv_copy_seconds)."""
+        return self.kv_copy_seconds(blocks * block_size * self._kv_token_bytes, across_host)
+
+    def kv_copy_seconds(self, nbytes: float, across_host: bool) -> float:
+        """Moving `nbytes` of KV per device: within the device (copy-on-write) or to/from host memory (swap)."""
         return nbytes / (self._link if across_host else self._bandwidth / 2)

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from kvserve.config import Priority, SchedulerConfig, TierLimits
+from kvserve.engine.kv_groups import KVLayout
 from kvserve.planning.memory import WEIGHT_ONLY, MemoryPlan, memory_plan
 from kvserve.planning.roofline import GPU_EFFICIENCY, Deployment, Efficiency, StepModel, Work
 from kvserve.planning.simulator import SimResult, Simulator, percentile
@@ -133,10 +134,14 @@ def step_model(d: Deployment) -> StepModel:
 def replica_memory(d: Deployment, max_num_batched_tokens: int, block_size: int = 16) -> MemoryPlan:
     c = d.accelerator.calibrated
     if c is not None:  # a measured CPU: the engine's KV pool as calibrated
+        # num_blocks: pages of the engine's KV groups, built from the layers' windows the file records; older
+        # files counted blocks of every layer (one group)
+        layout = KVLayout.for_windows(c.get("kv_layer_windows") or [None] * d.model.num_layers)
+        page = c["kv_pool_bytes"] / c["num_blocks"]
         return MemoryPlan(device_bytes=d.accelerator.memory_bytes, usable_bytes=d.accelerator.memory_bytes,
                           weight_bytes=0.0, reserve_bytes=0.0, kv_bytes=c["kv_pool_bytes"],
-                          kv_bytes_per_token=c["kv_pool_bytes"] / (c["num_blocks"] * c["block_size"]),
-                          block_size=c["block_size"], num_blocks=c["num_blocks"])
+                          kv_bytes_per_token=page / c["block_size"] * d.model.num_layers / layout.group_size,
+                          block_size=c["block_size"], num_blocks=c["num_blocks"], layout=layout, page_bytes=page)
     return memory_plan(d.model, d.accelerator, d.tp, d.weight_dtype, d.kv_dtype,
                        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size)
 
@@ -400,7 +405,7 @@ def replica_simulator(d: Deployment, cfg: SchedulerConfig, seed: int = 0) -> Sim
     mem = replica_memory(d, cfg.max_num_batched_tokens)
     sm = step_model(d)
     return Simulator(sm.cost, mem.num_blocks, mem.block_size, cfg, vocab_size=d.model.vocab_size, seed=seed,
-                     block_copy_s=lambda n, host: sm.block_copy_seconds(n, mem.block_size, host))
+                     block_copy_s=lambda n, host: sm.kv_copy_seconds(n * mem.page_bytes, host), layout=mem.layout)
 
 
 def simulate_replica(d: Deployment, max_num_seqs: int, mem: MemoryPlan, rate: float, load: Load,

@@ -26,6 +26,7 @@ from kvserve.engine.core import EngineCore
 from kvserve.engine.errors import CapacityExhausted, ContextLengthExceeded
 from kvserve.engine.interjection import Interjection
 from kvserve.engine.kv_cache import KVCacheManager
+from kvserve.engine.kv_groups import KVLayout
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.request import EngineRequest
 from kvserve.engine.sampling import SamplingParams
@@ -162,17 +163,19 @@ class ClockExecutor:
 
 class Simulator:
     """One engine replica under a step-time model. `step_cost(work)` returns a StepCost-like object
-    (`.seconds`, `.bound`) for a list of `Work`; `block_copy_s(blocks, across_host)` prices block moves."""
+    (`.seconds`, `.bound`) for a list of `Work`; `block_copy_s(blocks, across_host)` prices block moves.
+    `num_blocks` counts pages of `layout`'s KV groups (default one group of every layer), as the engine's pool."""
 
     def __init__(self, step_cost: Callable, num_blocks: int, block_size: int = 16,
                  scheduler: SchedulerConfig | None = None, enable_prefix_caching: bool = True,
                  num_host_blocks: int = 0, block_copy_s: Callable[[int, bool], float] | None = None,
-                 vocab_size: int = 32000, seed: int = 0, horizon_s: float = float("inf")):
+                 vocab_size: int = 32000, seed: int = 0, horizon_s: float = float("inf"),
+                 layout: KVLayout | None = None):
         self.clock = SimClock()
         self.executor = ClockExecutor(self.clock, step_cost, block_copy_s or (lambda blocks, across_host: 0.0))
         # Default: the engine's, without the TTFT admission bound (as search.engine_scheduler: plans refuse nothing).
         config = scheduler or SchedulerConfig(interactive=TierLimits())
-        self.kv = KVCacheManager(num_blocks, num_host_blocks, block_size, enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, num_host_blocks, block_size, enable_prefix_caching, layout)
         self.core = EngineCore(config, self.kv, self.executor, max_model_len=config.max_model_len, model_id="sim",
                                clock=self.clock, stream_outputs=False)
         self.scheduler = self.core.scheduler
