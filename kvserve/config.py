@@ -119,11 +119,18 @@ class CacheConfig:
     # KV groups per attention kind (engine/kv_groups.py): sliding-window layers hold only their window's
     # blocks. False: every layer holds every token's block (the classic paged cache; for comparison).
     kv_groups: bool = True
+    # The disk tier of the prefix cache (engine/kv_disk.py): evicted prefix blocks are written under this
+    # directory (per model file, dtype, block size and layout) and read back on a hit, across restarts and by
+    # replicas sharing the directory; at most kv_disk_bytes of it. None: no disk tier.
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = 8 << 30
 
     def __post_init__(self):
         _validate(self, dict(block_size=POSITIVE_INT, kv_cache_memory=OPTIONAL_POSITIVE_INT,
                              num_gpu_blocks_override=OPTIONAL_POSITIVE_INT, swap_space=NONNEG_INT,
-                             enable_prefix_caching=BOOL, kv_groups=BOOL,
+                             enable_prefix_caching=BOOL, kv_groups=BOOL, kv_disk_bytes=POSITIVE_INT,
+                             kv_disk_dir=(lambda v: v is None or (isinstance(v, str) and v != ""),
+                                          "a directory path, or unset"),
                              kv_cache_dtype=(lambda v: v in KV_CACHE_DTYPES, f"one of {', '.join(KV_CACHE_DTYPES)}")))
 
 
@@ -284,7 +291,7 @@ def engine_config_from_kwargs(model: str, **kwargs) -> EngineConfig:
     top_names = {f.name for f in fields(EngineConfig)} - {"model", "cache", "scheduler"}
     for key, value in kwargs.items():
         if key in cache_names:
-            if key in ("kv_cache_memory", "swap_space") and value is not None:
+            if key in ("kv_cache_memory", "swap_space", "kv_disk_bytes") and value is not None:
                 try:
                     value = parse_bytes(value)
                 except (ValueError, TypeError):

@@ -12,8 +12,13 @@ in exactly one of three places:
   cached   ref 0, hashed, in the LRU             reusable on a prefix hit, evicted when a fresh
                                                  block is needed and the free list is empty
 
+A lower tier (a `LowerTier`, the disk: engine/kv_disk.py) extends the prefix cache: a cached block
+evicted from the pool is offloaded to it (the runner copies the page out before anything overwrites it),
+and a lookup that runs past the pool's blocks goes on in the tier, whose verified pages are loaded into
+fresh blocks (a page the tier cannot produce intact is a miss: the prefix ends before it).
+
 Block operations reach the runner as lists that it executes at the start of the next step, in the
-order swap-out, swap-in, copy-on-write, forward. The manager keeps that order safe: a COW source
+order offload, swap-out, tier loads, swap-in, copy-on-write, forward. The manager keeps that order safe: a COW source
 stays referenced until the step's copies are taken, host blocks freed by a swap-in are not reused
 until then, and a sequence whose blocks are still being filled this step (swapped in, or the
 destination of a COW copy) is not swappable. `take_pending_copies()` closes the step.
@@ -25,11 +30,34 @@ import itertools
 from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvserve.engine.kv_groups import NULL_PAGE, KVGroup, KVLayout
 from kvserve.engine.request import Sequence
 
 BlockHash = bytes
+
+
+class LowerTier(Protocol):
+    """Where evicted prefix blocks go and come back from: keyed by tier_key, pages as bytes."""
+
+    def contains(self, key: bytes) -> bool: ...
+
+    def get(self, key: bytes) -> bytes | None: ...  # None: not there, or not intact
+
+
+def tier_key(group: int, block_hash: BlockHash) -> bytes:
+    """A block's key in a lower tier: its chained hash (salted per tenant), per KV group."""
+    return block_hash if group == 0 else hashlib.sha256(block_hash + group.to_bytes(4, "little")).digest()
+
+
+@dataclass
+class TierOps:
+    """A step's lower-tier work for the runner: pages to copy out (to offload under their keys) before
+    anything overwrites them, and verified pages to copy into fresh blocks."""
+
+    offload: list[tuple[int, bytes]] = field(default_factory=list)  # (device block, key)
+    load: list[tuple[int, bytes]] = field(default_factory=list)  # (device block, page bytes)
 
 
 def num_blocks_for(memory_bytes: int, block_size: int, kv_bytes_per_token: int) -> int:
@@ -90,7 +118,9 @@ class KVCacheUsage:
     num_host_blocks: int
     used_host_blocks: int
     prefix_query_tokens: int  # tokens looked up in the prefix cache (admitted sequences only)
-    prefix_hit_tokens: int  # of which served from the cache
+    prefix_hit_tokens: int  # of which served from the cache (the pool or the lower tier)
+    tier_hit_tokens: int = 0  # of those, loaded from the lower tier
+    offloaded_blocks: int = 0  # evicted cached blocks handed to the lower tier
 
     @property
     def device_usage(self) -> float:
@@ -107,9 +137,10 @@ class KVCacheManager:
     """Hands out fixed-size device blocks to sequences on demand and tracks who holds which."""
 
     def __init__(self, num_device_blocks: int, num_host_blocks: int = 0, block_size: int = 16,
-                 enable_prefix_caching: bool = True, layout: KVLayout | None = None):
+                 enable_prefix_caching: bool = True, layout: KVLayout | None = None, tier: LowerTier | None = None):
         """`num_device_blocks`: the pool's pages, NULL_PAGE included where the layout slides. `layout`:
-        the model's KV groups (default: one group of full attention, the classic paged cache)."""
+        the model's KV groups (default: one group of full attention, the classic paged cache). `tier`: a
+        lower tier for evicted prefix blocks (with prefix caching only)."""
         self.layout = layout or KVLayout((KVGroup((0,), None),))
         reserved = self.layout.reserved_pages
         if block_size <= 0 or num_device_blocks < reserved or num_host_blocks < 0:
@@ -132,9 +163,15 @@ class KVCacheManager:
         self._copies: dict[int, int] = {}  # pending COW copies, dst -> src (insertion ordered)
         self._pins: dict[int, int] = {}  # COW source -> pending copies reading it (each holds a ref)
         self._swapped_in: set[int] = set()  # seq ids swapped in this step
-        self._pending_lookup: dict[int, tuple[int, int]] = {}  # seq id -> (queried, hit) until admitted
+        self._pending_lookup: dict[int, tuple[int, int, int]] = {}  # seq id -> (queried, hit, from tier) until admitted
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.tier = tier if enable_prefix_caching else None
+        self._tier_ops = TierOps()
+        self._loading: dict[int, int] = {}  # device block -> its index in _tier_ops.load
+        self._tier_tokens: dict[int, int] = {}  # seq id -> prompt tokens its lookup loaded from the tier
+        self.tier_hit_tokens = 0
+        self.offloaded_blocks = 0
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -188,9 +225,10 @@ class KVCacheManager:
 
         Only full blocks count, and never the last token: at least one token must be computed so
         there are logits to sample from. A full-attention group needs every block of the prefix, a
-        sliding group only those its window reaches from the prefix's end. References are taken at
-        once; the lookup is counted in the hit statistics only when a following allocate_slots admits
-        the sequence.
+        sliding group only those its window reaches from the prefix's end. Past the pool's blocks the
+        lookup goes on in the lower tier, whose pages are read (verified) now and loaded into fresh
+        blocks at the start of the step. References are taken at once; the lookup is counted in the hit
+        statistics only when a following allocate_slots admits the sequence.
         """
         if seq.seq_id in self._seqs:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
@@ -198,24 +236,37 @@ class KVCacheManager:
             return 0
         bs = self.block_size
         full = [g for g, group in enumerate(self.groups) if group.window is None]
+        tier = self.tier
         hashes: list[BlockHash] = []
         for i in range((seq.num_tokens - 1) // bs):
             h = hash_block(hashes[-1] if hashes else None, token_slice(seq, i * bs, (i + 1) * bs), seq.cache_salt)
-            if full and any(h not in self._by_hash[g] for g in full):
+            if full and any(h not in self._by_hash[g] and (tier is None or not tier.contains(tier_key(g, h)))
+                            for g in full):
                 break
             hashes.append(h)
-        n = self._longest_hit(hashes)
+        n = self._longest_hit(hashes, self._on_device)
+        loads: dict[tuple[int, int], bytes] = {}
+        if tier is not None and n < len(hashes):
+            n, loads = self._tier_hit(hashes, n)
         tables: list[list[int]] = []
-        for g, group in enumerate(self.groups):
+        for g, group in enumerate(self.groups):  # the pool's hits first: a load's fresh block may evict one
             first = group.first_needed_block(n * bs, bs)
-            table = [self._null] * first + [self._by_hash[g][h] for h in hashes[first:n]]
+            table = [self._null] * first + [self._by_hash[g].get(h, -1) for h in hashes[first:n]]
             for bid in table[first:]:
-                self._touch(bid)
+                if bid >= 0:
+                    self._touch(bid)
             tables.append(table)
+        for (g, i), page in loads.items():
+            tables[g][i] = self._load(g, hashes[i], page)
         self._seqs[seq.seq_id] = _SeqBlocks(device=tables, hashes=hashes[:n])
         cached = n * bs
-        self._pending_lookup[seq.seq_id] = (seq.num_tokens, cached)
+        self._pending_lookup[seq.seq_id] = (seq.num_tokens, cached, len({i for _, i in loads}) * bs)
         return cached
+
+    def tier_tokens(self, seq: Sequence) -> int:
+        """Of the tokens the sequence's last lookup found cached, those loaded from the lower tier (blocks of
+        which some group's page came from there)."""
+        return self._tier_tokens.get(seq.seq_id, 0)
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make the tables cover num_computed_tokens + num_new_tokens; False, untouched, if short.
@@ -281,6 +332,7 @@ class KVCacheManager:
         """Give back every block the sequence holds (device or host); no-op if it holds none."""
         state = self._seqs.pop(seq.seq_id, None)
         self._pending_lookup.pop(seq.seq_id, None)
+        self._tier_tokens.pop(seq.seq_id, None)
         self._swapped_in.discard(seq.seq_id)
         if state is None:
             return
@@ -354,6 +406,13 @@ class KVCacheManager:
         self._swapped_in.add(seq.seq_id)
         return mapping
 
+    def take_tier_ops(self) -> TierOps:
+        """Hand the step's offloads and loads to the scheduler (before take_pending_copies closes the step)."""
+        ops, self._tier_ops = self._tier_ops, TierOps()
+        ops.load = [op for op in ops.load if op is not None]
+        self._loading.clear()
+        return ops
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Hand the step's COW copies (src, dst) to the scheduler and close the step."""
         copies = [(src, dst) for dst, src in self._copies.items()]
@@ -378,6 +437,8 @@ class KVCacheManager:
             used_host_blocks=used_host,
             prefix_query_tokens=self.prefix_query_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens,
+            tier_hit_tokens=self.tier_hit_tokens,
+            offloaded_blocks=self.offloaded_blocks,
         )
 
     def check_integrity(self) -> None:
@@ -440,21 +501,59 @@ class KVCacheManager:
             return [b for table in tables for b in table]
         return [b for table in tables for b in table if b != self._null]
 
-    def _longest_hit(self, hashes: list[BlockHash]) -> int:
-        """Cached blocks a new sequence can start from: the most leading blocks (at most len(hashes), whose
-        full groups all hold them) for which every sliding group holds the blocks its window reaches."""
+    def _on_device(self, g: int, h: BlockHash) -> bool:
+        return h in self._by_hash[g]
+
+    def _on_device_or_tier(self, g: int, h: BlockHash) -> bool:
+        return h in self._by_hash[g] or self.tier.contains(tier_key(g, h))
+
+    def _longest_hit(self, hashes: list[BlockHash], held) -> int:
+        """Cached blocks a new sequence can start from: the most leading blocks (at most len(hashes)) for which
+        every full group holds each block and every sliding group the blocks its window reaches; `held(g, h)`
+        says whether group g has block h."""
         n = len(hashes)
         bs = self.block_size
         for g, group in enumerate(self.groups):
-            if group.window is None:
-                continue
-            by_hash = self._by_hash[g]
             run = [0] * (n + 1)  # run[i]: consecutive cached blocks ending at block i - 1
             for i, h in enumerate(hashes[:n]):
-                run[i + 1] = run[i] + 1 if h in by_hash else 0
+                run[i + 1] = run[i] + 1 if held(g, h) else 0
             while n > 0 and run[n] < n - group.first_needed_block(n * bs, bs):
                 n -= 1
         return n
+
+    def _tier_hit(self, hashes: list[BlockHash], on_device: int) -> tuple[int, dict[tuple[int, int], bytes]]:
+        """The prefix the pool and the lower tier hold together, with the tier's pages read: (blocks, {(group,
+        block index): page}). Where the pool has too few free blocks to load them into, or the tier fails to
+        produce a page intact, the pool's own prefix (`on_device` blocks) stands."""
+        n = self._longest_hit(hashes, self._on_device_or_tier)
+        if n <= on_device:
+            return on_device, {}
+        bs = self.block_size
+        wanted = [(g, i) for g, group in enumerate(self.groups)
+                  for i in range(group.first_needed_block(n * bs, bs), n) if hashes[i] not in self._by_hash[g]]
+        # Room for the loads (device hits taken from the LRU leave the free blocks too). Should the sequence then
+        # find no room for its first chunk, the loaded blocks stay cached: its next lookup finds them in the pool.
+        cached_hits = sum(1 for g, group in enumerate(self.groups)
+                          for i in range(group.first_needed_block(n * bs, bs), n)
+                          if hashes[i] in self._by_hash[g] and self._blocks[self._by_hash[g][hashes[i]]].ref_count == 0)
+        if len(wanted) + cached_hits > self.num_free_blocks:
+            return on_device, {}
+        pages = {}
+        for g, i in wanted:
+            page = self.tier.get(tier_key(g, hashes[i]))
+            if page is None:
+                return on_device, {}
+            pages[g, i] = page
+        return n, pages
+
+    def _load(self, group: int, block_hash: BlockHash, page: bytes) -> int:
+        """A fresh block for a page read from the tier, findable by hash at once (the load runs before the
+        step's copies and forward read it)."""
+        bid = self._take_free_block()
+        self._register(group, bid, block_hash)
+        self._loading[bid] = len(self._tier_ops.load)
+        self._tier_ops.load.append((bid, page))
+        return bid
 
     def _drop_passed_blocks(self, state: _SeqBlocks, start: int) -> None:
         """Sliding groups give back the blocks no query from position `start` on reads (NULL_PAGE instead)."""
@@ -498,9 +597,20 @@ class KVCacheManager:
         return bid
 
     def _evict(self, bid: int) -> None:
+        """Take a cached block out of the prefix cache, to the lower tier unless it has the page already. A
+        block whose load is still pending this step drops the load (the tier has its page)."""
         block = self._blocks[bid]
         assert block.block_hash is not None
         del self._by_hash[block.group][block.block_hash]
+        if self.tier is not None:
+            index = self._loading.pop(bid, None)
+            if index is not None:
+                self._tier_ops.load[index] = None
+            else:
+                key = tier_key(block.group, block.block_hash)
+                if not self.tier.contains(key):
+                    self._tier_ops.offload.append((bid, key))
+                    self.offloaded_blocks += 1
         block.block_hash = None
 
     def _touch(self, bid: int) -> None:
@@ -546,6 +656,9 @@ class KVCacheManager:
         by_hash[block_hash] = bid
 
     def _commit_lookup(self, seq_id: int) -> None:
-        queried, hit = self._pending_lookup.pop(seq_id, (0, 0))
+        queried, hit, from_tier = self._pending_lookup.pop(seq_id, (0, 0, 0))
         self.prefix_query_tokens += queried
         self.prefix_hit_tokens += hit
+        self.tier_hit_tokens += from_tier
+        if seq_id in self._seqs and queried:
+            self._tier_tokens[seq_id] = from_tier

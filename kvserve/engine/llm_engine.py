@@ -17,6 +17,7 @@ from kvserve.config import EngineConfig, TierLimits, engine_config_from_kwargs
 from kvserve.engine.core import EngineCore, Executor, StepStats  # noqa: F401  (StepStats: the step's figures)
 from kvserve.engine.interjection import Interjection
 from kvserve.engine.kv_cache import KVCacheManager
+from kvserve.engine.kv_disk import DiskKVStore, kv_namespace, model_digest
 from kvserve.engine.kv_groups import KVLayout
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.request import EngineRequest, Priority
@@ -60,7 +61,7 @@ class LLMEngine:
         else:
             if info is None or not cache_cfg.num_gpu_blocks_override:
                 raise ValueError("an injected executor needs the model's info and config.cache.num_gpu_blocks_override")
-            resolved_id = config.model
+            resolved_id, path = config.model, None
             cpu = torch.device("cpu")
             self.plan = backend.Plan(device=cpu, dtype=backend.resolve_dtype(config.dtype, cpu), path="injected",
                                      quantized_weights=False, onednn_weights=False,
@@ -96,9 +97,14 @@ class LLMEngine:
                                    self.dtype, self.device, kv_int8=self.kv_int8,
                                    eos_token_ids=self.tokenizer.eos_token_ids, layout=self.kv_layout)
         self.runner = executor
+        self.kv_disk = None
+        if cache_cfg.kv_disk_dir is not None and cache_cfg.enable_prefix_caching and path is not None:
+            self.kv_disk = self._open_kv_disk(cache_cfg, path)
+            executor.tier = self.kv_disk
         prior = step_time_prior.model() if step_time_prior is not None and step_time_prior.fits(self.dtype) else None
         self.core = EngineCore(sched_cfg, KVCacheManager(num_blocks, num_host_blocks, cache_cfg.block_size,
-                                                         cache_cfg.enable_prefix_caching, self.kv_layout),
+                                                         cache_cfg.enable_prefix_caching, self.kv_layout,
+                                                         tier=self.kv_disk),
                                executor, max_model_len=self.max_model_len, model_id=self.model_id,
                                tokenizer=self.tokenizer, eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
                                clock=clock, step_time=prior)
@@ -114,6 +120,23 @@ class LLMEngine:
                  cache_cfg.block_size, self.kv_layout.group_size, self.kv_layout.num_groups,
                  "int8" if self.kv_int8 else str(self.dtype).removeprefix("torch."), self.kv_bytes_per_token,
                  num_host_blocks, "; step-time prior from this machine's calibration" if prior else "")
+
+    def _open_kv_disk(self, cache_cfg, model_path) -> DiskKVStore:
+        """The disk tier for this model file, dtype, block size and KV layout (another of any never hits)."""
+        t0 = time.perf_counter()
+        layout = ";".join(f"{g.window}:{','.join(map(str, g.layers))}" for g in self.kv_layout.groups)
+        dtype = "int8" if self.kv_int8 else str(self.dtype).removeprefix("torch.")
+        namespace = kv_namespace(model_digest(model_path, cache_cfg.kv_disk_dir), dtype, cache_cfg.block_size, layout)
+        store = DiskKVStore(cache_cfg.kv_disk_dir, namespace, self.runner.page_bytes, cache_cfg.kv_disk_bytes)
+        stats = store.stats()
+        log.info("%s KV disk tier at %s: %d pages (%.1f MB) found, budget %.1f GB (opened in %.1fs)", self.model_id,
+                 store.root, stats.entries, stats.bytes / 1e6, cache_cfg.kv_disk_bytes / 1e9, time.perf_counter() - t0)
+        return store
+
+    def close(self) -> None:
+        """Finish what the engine hands off its thread: the disk tier's queued writes."""
+        if self.kv_disk is not None:
+            self.kv_disk.close()
 
     # ---- requests ------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:

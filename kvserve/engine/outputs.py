@@ -58,6 +58,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    num_tier_cached_tokens: int = 0  # of num_cached_tokens, loaded from the disk tier
     metrics: RequestMetrics | None = None
     model: str = ""
     engine_seconds: float = 0.0  # engine time charged to it so far (OutputProcessor.charge)

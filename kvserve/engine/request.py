@@ -106,6 +106,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
+    num_tier_cached_tokens: int = 0  # of those, loaded from the lower tier (the disk)
     num_preemptions: int = 0
     fork_index: int = 0  # 0 for the parent, 1..n-1 for forks
     timings: SequenceTimings = field(default_factory=SequenceTimings)

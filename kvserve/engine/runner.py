@@ -71,6 +71,7 @@ class ModelRunner:
         self.kv_caches = [self.kv_slots[slot] for _, slot in placements]  # per layer
         host_shape = kv_cache_shape(num_host_blocks, block_size, config.num_kv_heads, config.head_dim, kv_int8)
         pin = device.type == "cuda"
+        self.tier = None  # the lower tier evicted pages go to (engine/kv_disk.py), set by the engine
         self.host_slots = [(torch.zeros(host_shape, dtype=cache_dtype, pin_memory=pin),
                             torch.zeros(host_shape, dtype=cache_dtype, pin_memory=pin))
                            for _ in range(slots)] if num_host_blocks else []
@@ -84,6 +85,42 @@ class ModelRunner:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self._copy_between(pairs, self.kv_slots, self.kv_slots)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block of one KV group (every slot's keys and values): a lower tier's page."""
+        k = self.kv_slots[0][0]
+        return 2 * len(self.kv_slots) * k.shape[0] * k.shape[2] * k.shape[3] * k.element_size()
+
+    def offload(self, pairs: list[tuple[int, bytes]]) -> None:
+        """Copy evicted pages out and hand them to the lower tier under their keys (it writes them off this
+        thread; a full queue drops a page, which is only a lost cache entry)."""
+        if not pairs or self.tier is None:
+            return
+        pages = self._pages_out([b for b, _ in pairs])
+        for (_, key), page in zip(pairs, pages):
+            self.tier.put(key, page)
+
+    def load(self, pairs: list[tuple[int, bytes]]) -> None:
+        """Copy pages read (and verified) from the lower tier into their blocks."""
+        if not pairs:
+            return
+        k0 = self.kv_slots[0][0]
+        heads, _, bs, width = k0.shape
+        flat = torch.frombuffer(bytearray(b"".join(page for _, page in pairs)), dtype=torch.uint8)
+        data = flat.view(k0.dtype).view(len(pairs), len(self.kv_slots), 2, heads, bs, width).to(k0.device)
+        dst = torch.tensor([b for b, _ in pairs], dtype=torch.long, device=k0.device)
+        for j, (k, v) in enumerate(self.kv_slots):
+            k.index_copy_(1, dst, data[:, j, 0].transpose(0, 1))
+            v.index_copy_(1, dst, data[:, j, 1].transpose(0, 1))
+
+    def _pages_out(self, blocks: list[int]) -> list[bytes]:
+        """The pages of these blocks as bytes: [slot, key/value, head, token, width] each."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        parts = torch.stack([torch.stack([k.index_select(1, idx), v.index_select(1, idx)]) for k, v in self.kv_slots])
+        # [slots, 2, heads, pages, bs, width] -> [pages, slots, 2, heads, bs, width]
+        flat = parts.permute(3, 0, 1, 2, 4, 5).contiguous().cpu().view(torch.uint8).view(len(blocks), -1)
+        return [bytes(row.numpy()) for row in flat]
 
     @staticmethod
     def _copy_between(pairs, src_caches, dst_caches) -> None:
@@ -106,7 +143,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         for seq_id in out.finished_seq_ids:
             self._generators.pop(seq_id, None)
+        self.offload(out.blocks_to_offload)
         self.swap_out(out.blocks_to_swap_out)
+        self.load(out.blocks_to_load)
         self.swap_in(out.blocks_to_swap_in)
         self.copy_blocks(out.blocks_to_copy)
         result = RunnerOutput()

@@ -413,6 +413,7 @@ class Scheduler:
         if seq.timings.first_scheduled is None:
             seq.timings.first_scheduled = step.now
             seq.num_cached_tokens = cached
+            seq.num_tier_cached_tokens = self.kv.tier_tokens(seq)
         self._start_running(seq)
         self._add_scheduled(step, seq, n)
         return _Admit.OK
@@ -445,6 +446,8 @@ class Scheduler:
         out.scheduled = list(step.scheduled.values())
         for ss in out.scheduled:
             ss.block_tables = self.kv.block_tables(ss.seq)
+        tier_ops = self.kv.take_tier_ops()
+        out.blocks_to_offload, out.blocks_to_load = tier_ops.offload, tier_ops.load
         out.blocks_to_copy = self.kv.take_pending_copies()
         out.finished_seq_ids, self._ended = self._ended, []
         if timed:
@@ -599,6 +602,7 @@ class Scheduler:
             raise ValueError(f"{child!r} does not share the {computed} computed tokens of {parent!r}")
         child.num_computed_tokens = computed
         child.num_cached_tokens = parent.num_cached_tokens
+        child.num_tier_cached_tokens = parent.num_tier_cached_tokens
         child.priority, child.tenant, child.cache_salt = parent.priority, parent.tenant, parent.cache_salt
         child.timings.arrival = parent.timings.arrival
         child.timings.first_scheduled = parent.timings.first_scheduled

@@ -1,8 +1,8 @@
 """The step contract, plain dataclasses so the scheduler and the engine core run without torch:
 scheduler -> executor (`SchedulerOutput`) and executor -> core (`RunnerOutput`).
 
-The executor runs, in this order: swap_out copies, swap_in copies, copy-on-write copies, then one
-forward pass over `scheduled` (flattened), and samples a token for each sequence whose `sample` flag is
+The executor runs, in this order: offloads (pages copied out to the lower tier), swap_out copies, tier
+loads, swap_in copies, copy-on-write copies, then one forward pass over `scheduled` (flattened), and samples a token for each sequence whose `sample` flag is
 set, plus one for each new fork in `forks` (from its parent's row, with the fork's own generator).
 """
 from __future__ import annotations
@@ -37,6 +37,9 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src device, dst device)
+    # The lower tier's (engine/kv_disk.py): pages to copy out first, under their keys, and pages read back
+    blocks_to_offload: list[tuple[int, bytes]] = field(default_factory=list)  # (device, key)
+    blocks_to_load: list[tuple[int, bytes]] = field(default_factory=list)  # (device, page bytes)
     preempted: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)  # finished by the scheduler (queue timeout)
     # Sequences that ended since the previous step: the executor drops what it keeps for them (generators).

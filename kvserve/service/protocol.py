@@ -346,6 +346,8 @@ class ErrorResponse(BaseModel):
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
+    # Of cached_tokens, those read back from the disk tier of the KV cache (the rest were in memory).
+    disk_cached_tokens: int = 0
 
 
 class Usage(BaseModel):
@@ -354,11 +356,12 @@ class Usage(BaseModel):
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
-    def add(self, prompt: int, completion: int, cached: int) -> None:
+    def add(self, prompt: int, completion: int, cached: int, disk_cached: int = 0) -> None:
         self.prompt_tokens += prompt
         self.completion_tokens += completion
         self.total_tokens = self.prompt_tokens + self.completion_tokens
         self.prompt_tokens_details.cached_tokens += cached
+        self.prompt_tokens_details.disk_cached_tokens += min(disk_cached, cached)
 
 
 class TopLogprob(BaseModel):

@@ -278,17 +278,33 @@ def test_lookup_counted_only_when_admitted():
 BS = 4
 
 
+class FakeTier:
+    """A lower tier in memory; a broken entry is listed but cannot be read intact (a corrupt file)."""
+
+    def __init__(self):
+        self.entries: dict[bytes, list] = {}
+        self.broken: set[bytes] = set()
+
+    def contains(self, key: bytes) -> bool:
+        return key in self.entries
+
+    def get(self, key: bytes):
+        return None if key in self.broken else self.entries.get(key)
+
+
 class KVMachine(RuleBasedStateMachine):
     """Random allocate/append/fork/free/swap with a fake runner checking contents each step."""
 
     seqs = Bundle("seqs")
     layout: KVLayout | None = None  # one full-attention group
     pages, host_pages = 12, 8
+    tiered = False
 
     def __init__(self):
         super().__init__()
+        self.tier = FakeTier() if self.tiered else None
         self.kv = KVCacheManager(num_device_blocks=self.pages, num_host_blocks=self.host_pages, block_size=BS,
-                                 layout=self.layout)
+                                 layout=self.layout, tier=self.tier)
         self.dev: list[list[int | None]] = [[None] * BS for _ in range(self.pages)]
         self.host: list[list[int | None]] = [[None] * BS for _ in range(self.host_pages)]
         self.live: dict[int, Sequence] = {}
@@ -357,9 +373,14 @@ class KVMachine(RuleBasedStateMachine):
     @rule()
     def end_step(self):
         """Play the step like the runner: swap-out, swap-in, COW copies, then the forward writes."""
+        tier_ops = self.kv.take_tier_ops()
         copies = self.kv.take_pending_copies()
+        for d, key in tier_ops.offload:
+            self.tier.entries[key] = list(self.dev[d])
         for d, h in self.swap_out_ops:
             self.host[h] = list(self.dev[d])
+        for d, page in tier_ops.load:
+            self.dev[d] = list(page)
         for h, d in self.swap_in_ops:
             self.dev[d] = list(self.host[h])
         for src, dst in copies:
@@ -420,3 +441,62 @@ class GroupedKVMachine(KVMachine):
 
 GroupedKVMachine.TestCase.settings = KVMachine.TestCase.settings
 TestGroupedKVMachine = GroupedKVMachine.TestCase
+
+
+class TieredKVMachine(GroupedKVMachine):
+    """The grouped machine over a small pool with a lower tier: evicted prefix blocks go to the tier, lookups
+    load them back into fresh blocks (read back through the tables like every other block), and entries the
+    tier cannot produce intact end the prefix there."""
+
+    pages, host_pages, tiered = 16, 12, True
+
+    @rule(data=st.data())
+    def break_tier_entry(self, data):
+        if self.tier.entries:
+            self.tier.broken.add(data.draw(st.sampled_from(sorted(self.tier.entries))))
+
+
+TieredKVMachine.TestCase.settings = KVMachine.TestCase.settings
+TestTieredKVMachine = TieredKVMachine.TestCase
+
+
+@pytest.mark.parametrize("windows", [[None], [None, 6, 6]])
+def test_evicted_blocks_come_back_from_the_tier_and_a_broken_page_is_a_miss(windows):
+    tier = FakeTier()
+    layout = KVLayout.for_windows(windows)
+    groups = layout.num_groups
+    kv = KVCacheManager(num_device_blocks=4 * groups + layout.reserved_pages, block_size=4, tier=tier, layout=layout)
+    a = make_seq(list(range(13)))
+    admit(kv, a)
+    compute(kv, a)
+    kv.free(a)  # its 3 full blocks are cached (in every group)
+    b = make_seq([50 + i for i in range(13)])
+    admit(kv, b)  # takes every block: a's are evicted to the tier
+    ops = kv.take_tier_ops()
+    assert len(ops.offload) == 3 * groups and not ops.load
+    for _, key in ops.offload:
+        tier.entries[key] = b"page"
+    compute(kv, b)
+    kv.free(b)
+    kv.take_pending_copies()
+    again = make_seq(list(range(13)))
+    assert kv.get_computed_blocks(again) == 12
+    assert kv.allocate_slots(again, 1)
+    assert kv.tier_tokens(again) == 12
+    # The sliding groups (window 6) load only the blocks a query at position 12 reads: blocks 1 and 2.
+    assert len(kv.take_tier_ops().load) == 3 + 2 * (groups - 1)
+    assert kv.usage().tier_hit_tokens == 12
+    kv.free(again)
+    kv.check_integrity()
+    # One page broken: the lookup stops at the pool's own prefix instead.
+    other = make_seq([50 + i for i in range(13)])
+    admit(kv, other)
+    compute(kv, other)
+    kv.free(other)
+    kv.take_tier_ops()
+    tier.broken.add(next(iter(tier.entries)))
+    third = make_seq(list(range(13)))
+    cached = kv.get_computed_blocks(third)
+    assert cached < 12
+    kv.free(third)
+    kv.check_integrity()

@@ -44,6 +44,7 @@ TORCH_FREE = [
     "kvserve.metering.prices", "kvserve.metering.money", "kvserve.metering.budgets", "kvserve.metering.rate_limits",
     "kvserve.metering.reports",
     "kvserve.planning.roofline", "kvserve.planning.memory", "kvserve.planning.search", "kvserve.planning.simulator",
+    "kvserve.planning.long_context", "kvserve.engine.kv_groups", "kvserve.engine.kv_disk",
 ]
 
 # Run in the child: import `modules`, recording for each new kvserve (or torch) module the module that imported it.

@@ -1,0 +1,194 @@
+"""The disk tier of the prefix cache (engine/kv_disk.py) on real SmolLM2, whose batch-invariant numerics make a
+prompt served from loaded K/V the same bits as one computed afresh, so any wrong page would show.
+
+- Hits: with a pool too small for the prompts, their evicted blocks come back from the disk, and after a
+  restart on the same directory too, with the bits of a miss; another tenant (cache salt) and another block
+  size never hit.
+- Damage under load: while the engine serves the prompts round after round, a thread corrupts, truncates and
+  deletes the tier's files; every output keeps the bits of a miss (a damaged page is a miss), some loads still
+  hit, and the store counts what it found damaged.
+- A kill mid-write: a process serving prompts with the tier is SIGKILLed while its writer is busy; an engine
+  restarted on the directory serves them all with the bits of a miss, and some from the disk.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvserve import SamplingParams
+from tests.engine_checks import make_engine, shared_weights, torch_threads
+from tests.reliability.conftest import scale
+
+pytestmark = [pytest.mark.real_model]
+
+MODEL = "smollm2-135m"
+PROMPTS = scale(6, 16)
+PROMPT_TOKENS = 320
+ROUNDS = scale(3, 8)
+POOL_BLOCKS = 60  # two prompts' blocks: the rest are evicted to the disk
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared():
+    with torch_threads(1), shared_weights():
+        yield
+
+
+def prompts(seed: int = 0, n: int = PROMPTS) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 40000) for _ in range(PROMPT_TOKENS)] for _ in range(n)]
+
+
+def engine(**kwargs):
+    args = dict(dtype="bfloat16", swap_space=0)
+    args.update(kwargs)
+    eng = make_engine(MODEL, **args)
+    assert eng.numerics == "batch_invariant"
+    return eng
+
+
+def serve(eng, prompt: list[int], salt: str | None = None) -> tuple[list, int]:
+    """(the greedy tokens with their logprobs, prompt tokens loaded from the disk)."""
+    eng.add_request(eng.request(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2),
+                                cache_salt=salt))
+    out = None
+    while eng.has_unfinished_requests():
+        for ro in eng.step():
+            if ro.finished:
+                out = ro
+    (o,) = out.outputs
+    return [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs], out.num_tier_cached_tokens
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list]:
+    eng = engine(enable_prefix_caching=False)
+    return [serve(eng, p)[0] for p in prompts()]
+
+
+def test_evicted_prefixes_come_back_from_disk_with_the_same_bits_and_after_a_restart(tmp_path, reference):
+    eng = engine(num_gpu_blocks_override=POOL_BLOCKS, kv_disk_dir=str(tmp_path))
+    for p, want in zip(prompts(), reference):
+        assert serve(eng, p)[0] == want
+    loaded = 0
+    for p, want in zip(prompts(), reference):  # the first ones were evicted: they come back from the disk
+        bits, from_disk = serve(eng, p)
+        assert bits == want
+        loaded += from_disk
+    assert loaded >= PROMPT_TOKENS
+    eng.close()
+    restarted = engine(num_gpu_blocks_override=POOL_BLOCKS, kv_disk_dir=str(tmp_path))
+    first = serve(restarted, prompts()[0])
+    assert first == (reference[0], (PROMPT_TOKENS - 1) // 16 * 16)  # every full block from the disk
+    # Another tenant never hits; nor does another block size (another namespace).
+    assert serve(restarted, prompts()[1], salt="another tenant")[1] == 0
+    restarted.close()
+    other = engine(num_gpu_blocks_override=POOL_BLOCKS, kv_disk_dir=str(tmp_path), block_size=32)
+    assert serve(other, prompts()[1]) == (reference[1], 0)
+    other.close()
+
+
+def _damage(root: Path, stop: threading.Event, counts: dict) -> None:
+    rng = random.Random(7)
+    while not stop.is_set():
+        files = [f for f in root.rglob("*") if f.is_file() and not f.name.endswith(".tmp")]
+        if files:
+            f = rng.choice(files)
+            how = rng.choice(("corrupt", "truncate", "delete"))
+            try:
+                if how == "corrupt":
+                    with open(f, "r+b") as fh:
+                        size = fh.seek(0, 2)
+                        at = rng.randrange(size)
+                        fh.seek(at)
+                        byte = fh.read(1)
+                        fh.seek(at)
+                        fh.write(bytes([byte[0] ^ 0x5A]))
+                elif how == "truncate":
+                    os.truncate(f, rng.randrange(f.stat().st_size))
+                else:
+                    f.unlink()
+                counts[how] += 1
+            except OSError:
+                pass  # the store removed or replaced it meanwhile
+        time.sleep(0.05)
+
+
+def test_damaged_files_under_load_are_only_misses(tmp_path, reference, figures):
+    eng = engine(num_gpu_blocks_override=POOL_BLOCKS, kv_disk_dir=str(tmp_path))
+    counts = {"corrupt": 0, "truncate": 0, "delete": 0}
+    stop = threading.Event()
+    damager = threading.Thread(target=_damage, args=(eng.kv_disk.root, stop, counts), daemon=True)
+    damager.start()
+    loaded = served = 0
+    try:
+        for _ in range(ROUNDS):
+            for p, want in zip(prompts(), reference):
+                bits, from_disk = serve(eng, p)
+                assert bits == want, "a damaged page answered"
+                loaded += from_disk
+                served += 1
+    finally:
+        stop.set()
+        damager.join()
+    stats = eng.kv_disk.stats()
+    eng.close()
+    assert sum(counts.values()) > 0 and loaded > 0
+    assert stats.corrupt + stats.misses > 0
+    figures.record("KV disk tier", "damaged files under load: outputs that differ from a miss", 0,
+                   target="0", ok=True,
+                   detail=f"{served} prompts served in {ROUNDS} rounds while {counts} were done to the files; "
+                          f"{loaded} prompt tokens loaded from the disk, {stats.corrupt} damaged pages found")
+
+
+_CHILD = """
+import random, sys
+sys.path.insert(0, {root!r})
+from kvserve import LLM, SamplingParams
+llm = LLM({model!r}, dtype="bfloat16", swap_space=0, num_gpu_blocks_override={pool}, kv_disk_dir={dir!r})
+eng = llm.engine
+rng = random.Random(0)
+ps = [[rng.randrange(1000, 40000) for _ in range({tokens})] for _ in range({n})]
+print("ready", flush=True)
+while True:
+    for p in ps:
+        eng.add_request(eng.request(p, SamplingParams(temperature=0, max_tokens=1)))
+        while eng.has_unfinished_requests():
+            eng.step()
+"""
+
+
+def test_a_kill_mid_write_leaves_no_bad_hit_after_restart(tmp_path, reference, figures):
+    root = Path(__file__).resolve().parents[2]
+    code = _CHILD.format(root=str(root), model=MODEL, pool=POOL_BLOCKS, dir=str(tmp_path), tokens=PROMPT_TOKENS,
+                         n=PROMPTS)
+    kills = scale(2, 5)
+    for k in range(kills):
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                 text=True)
+        try:
+            assert child.stdout.readline().strip() == "ready"
+            time.sleep(1.0 + 0.7 * k)  # a few prompts in: evictions and writes under way
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+    eng = engine(num_gpu_blocks_override=POOL_BLOCKS, kv_disk_dir=str(tmp_path))
+    found = eng.kv_disk.stats().entries
+    loaded = 0
+    for p, want in zip(prompts(), reference):
+        bits, from_disk = serve(eng, p)
+        assert bits == want, "a page written by the killed process answered wrongly"
+        loaded += from_disk
+    eng.close()
+    assert found > 0 and loaded > 0
+    figures.record("KV disk tier", "killed mid-write, restarted: outputs that differ from a miss", 0, target="0",
+                   ok=True, detail=f"{kills} SIGKILLs of a process writing the tier; {found} pages found after, "
+                                   f"{loaded} prompt tokens loaded from them")

@@ -1,0 +1,369 @@
+"""The disk tier of the KV cache (engine/kv_disk.py): pages survive a restart, stay in their namespace, and
+bad data on disk (flipped bytes, truncation, deletion, a kill mid-write) is a miss, never wrong bytes."""
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvserve.engine.kv_disk import HEADER_BYTES, DiskKVStore, kv_namespace
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = 4096
+FILE = HEADER_BYTES + PAGE
+NS = kv_namespace("model-sha", "bfloat16", 16, "groups=1")
+
+
+def key(i: int) -> bytes:
+    return hashlib.sha256(f"block {i}".encode()).digest()
+
+
+def page(k: bytes, size: int = PAGE) -> bytes:
+    """The one payload ever stored under `k`, so a read can be checked exactly."""
+    return (k * (size // len(k) + 1))[:size]
+
+
+def files(store: DiskKVStore) -> list[Path]:
+    return sorted(p for p in store.root.rglob("*") if p.is_file())
+
+
+def path_of(store: DiskKVStore, k: bytes) -> Path:
+    return store.root / k.hex()[:2] / k.hex()
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = DiskKVStore(tmp_path, NS, PAGE, byte_budget=100 * FILE)
+    yield s
+    s.close()
+
+
+def test_round_trip_through_the_writer(store):
+    assert store.put(key(1), page(key(1)))
+    assert store.put(key(2), bytearray(page(key(2))))
+    assert store.put(key(3), memoryview(page(key(3))))
+    assert store.flush(5)
+    assert store.get_many([key(1), key(2), key(3), key(4)]) == [page(key(1)), page(key(2)), page(key(3)), None]
+    assert store.contains(key(1)) and not store.contains(key(4))
+    s = store.stats()
+    assert (s.entries, s.bytes, s.writes, s.hits, s.misses, s.corrupt) == (3, 3 * FILE, 3, 3, 1, 0)
+    assert s.bytes_written == 3 * FILE and s.bytes_read == 3 * FILE
+    assert path_of(store, key(1)).stat().st_size == FILE
+
+
+def test_a_stored_or_pending_key_is_not_rewritten(store):
+    assert store.write_now(key(1), page(key(1)))
+    assert store.put(key(1), page(key(1)))
+    assert store.write_now(key(1), page(key(1)))
+    store.flush(5)
+    assert store.stats().writes == 1
+
+
+def test_payload_of_the_wrong_length_is_dropped(store):
+    assert not store.put(key(1), b"short")
+    assert not store.write_now(key(2), b"x" * (PAGE + 1))
+    store.flush(5)
+    assert store.stats().dropped_writes == 2 and store.stats().entries == 0
+
+
+def test_bad_arguments_raise(tmp_path, store):
+    with pytest.raises(ValueError):
+        DiskKVStore(tmp_path, NS, 0, FILE)
+    with pytest.raises(ValueError):
+        DiskKVStore(tmp_path, NS, PAGE, FILE - 1)
+    with pytest.raises(ValueError):
+        DiskKVStore(tmp_path, NS, PAGE, FILE, max_pending=0)
+    with pytest.raises(ValueError):
+        store.get(b"too short")
+
+
+def test_restart_finds_pages_and_another_namespace_does_not(tmp_path):
+    with DiskKVStore(tmp_path, NS, PAGE, 100 * FILE) as first:
+        for i in range(5):
+            first.put(key(i), page(key(i)))
+    with DiskKVStore(tmp_path, NS, PAGE, 100 * FILE) as again:
+        assert again.stats().entries == 5
+        assert again.get_many([key(i) for i in range(5)]) == [page(key(i)) for i in range(5)]
+    other_dtype = kv_namespace("model-sha", "float16", 16, "groups=1")
+    with DiskKVStore(tmp_path, other_dtype, PAGE, 100 * FILE) as other:
+        assert other.stats().entries == 0 and other.get(key(0)) is None
+        assert other.root != again.root
+    assert again.root.name == hashlib.sha256(NS.encode()).hexdigest()[:16]
+
+
+def test_a_page_moved_into_another_namespace_is_refused(tmp_path):
+    """Same directory name by accident (or a copied file): the header's namespace digest still refuses it."""
+    with DiskKVStore(tmp_path / "a", NS, PAGE, 100 * FILE) as a:
+        a.write_now(key(1), page(key(1)))
+    other = kv_namespace("other-model", "bfloat16", 16, "groups=1")
+    with DiskKVStore(tmp_path / "b", other, PAGE, 100 * FILE) as b:
+        dest = path_of(b, key(1))
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path_of(a, key(1)), dest)
+    with DiskKVStore(tmp_path / "b", other, PAGE, 100 * FILE) as b:
+        assert b.contains(key(1)) and b.get(key(1)) is None
+        assert b.stats().corrupt == 1 and not dest.exists()
+
+
+@pytest.mark.parametrize("offset", [0, 12, HEADER_BYTES - 1, HEADER_BYTES, FILE - 1],
+                         ids=["magic", "namespace", "crc", "payload-first", "payload-last"])
+def test_one_flipped_byte_is_a_corrupt_miss_and_the_file_goes(store, offset):
+    store.write_now(key(1), page(key(1)))
+    path = path_of(store, key(1))
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert store.get(key(1)) is None
+    assert not path.exists() and not store.contains(key(1))
+    s = store.stats()
+    assert (s.misses, s.corrupt, s.entries) == (1, 1, 0)
+
+
+@pytest.mark.parametrize("size", [0, HEADER_BYTES - 1, HEADER_BYTES, FILE - 1])
+def test_a_truncated_file_is_a_miss(store, size):
+    store.write_now(key(1), page(key(1)))
+    os.truncate(path_of(store, key(1)), size)
+    assert store.get(key(1)) is None and store.stats().corrupt == 1
+    assert not path_of(store, key(1)).exists()
+
+
+def test_a_file_with_bytes_appended_is_a_miss(store):
+    store.write_now(key(1), page(key(1)))
+    with open(path_of(store, key(1)), "ab") as f:
+        f.write(b"\0")
+    assert store.get(key(1)) is None and store.stats().corrupt == 1
+
+
+def test_a_page_copied_under_another_key_is_a_miss(store):
+    store.write_now(key(1), page(key(1)))
+    store.write_now(key(2), page(key(2)))
+    shutil.copy(path_of(store, key(1)), path_of(store, key(2)))
+    assert store.get(key(2)) is None and store.get(key(1)) == page(key(1))
+
+
+def test_a_deleted_file_is_a_plain_miss(store):
+    store.write_now(key(1), page(key(1)))
+    path_of(store, key(1)).unlink()
+    assert store.get(key(1)) is None
+    s = store.stats()
+    assert (s.misses, s.corrupt, s.io_errors, s.entries) == (1, 0, 0, 0)
+    shutil.rmtree(store.root)  # the whole directory, even: a write makes it again
+    assert store.write_now(key(2), page(key(2))) and store.get(key(2)) == page(key(2))
+
+
+def test_open_removes_temp_files_and_wrong_sizes_and_keeps_foreign_files(tmp_path):
+    with DiskKVStore(tmp_path, NS, PAGE, 100 * FILE) as s:
+        s.write_now(key(1), page(key(1)))
+        s.write_now(key(2), page(key(2)))
+        sub = path_of(s, key(1)).parent
+        tmp = sub / f"{key(3).hex()}.123.0.tmp"
+        tmp.write_bytes(b"half a page")
+        os.truncate(path_of(s, key(2)), 100)
+        foreign = s.root / "README"
+        foreign.write_text("operator notes")
+    with DiskKVStore(tmp_path, NS, PAGE, 100 * FILE) as s:
+        assert not tmp.exists() and not path_of(s, key(2)).exists() and foreign.exists()
+        assert s.stats().entries == 1 and s.get(key(1)) == page(key(1))
+
+
+def test_budget_evicts_least_recently_used_and_a_get_makes_recent(tmp_path):
+    with DiskKVStore(tmp_path, NS, PAGE, byte_budget=3 * FILE + FILE // 2) as s:
+        for i in range(3):
+            s.write_now(key(i), page(key(i)))
+        assert s.get(key(0)) == page(key(0))  # 1 is now the oldest
+        s.write_now(key(3), page(key(3)))
+        assert [s.contains(key(i)) for i in range(4)] == [True, False, True, True]
+        assert not path_of(s, key(1)).exists()
+        st = s.stats()
+        assert (st.entries, st.evictions) == (3, 1) and st.bytes <= s.byte_budget
+        assert len(files(s)) == 3
+
+
+def test_restart_keeps_recency_by_mtime_and_a_smaller_budget_evicts_the_oldest(tmp_path):
+    with DiskKVStore(tmp_path, NS, PAGE, 10 * FILE) as s:
+        for i in range(4):
+            s.write_now(key(i), page(key(i)))
+        now = time.time()
+        for age, i in enumerate([2, 0, 3, 1]):  # key 2 newest ... key 1 oldest
+            os.utime(path_of(s, key(i)), (now - 100 * age, now - 100 * age))
+    with DiskKVStore(tmp_path, NS, PAGE, 2 * FILE) as s:
+        assert [s.contains(key(i)) for i in range(4)] == [True, False, True, False]
+        assert s.stats().evictions == 2 and len(files(s)) == 2
+
+
+def test_a_hit_touches_the_file(store):
+    store.write_now(key(1), page(key(1)))
+    path = path_of(store, key(1))
+    os.utime(path, (1_000_000, 1_000_000))
+    store.get(key(1))
+    assert path.stat().st_mtime > 1_000_000
+
+
+def test_put_with_a_full_queue_drops_and_never_waits(tmp_path):
+    s = DiskKVStore(tmp_path, NS, PAGE, 100 * FILE, max_pending=2)
+    release, started = threading.Event(), threading.Event()
+    real = s.write_now
+
+    def slow_disk(k, payload):
+        started.set()
+        release.wait(10)
+        return real(k, payload)
+
+    s.write_now = slow_disk  # the writer thread calls through the instance
+    try:
+        assert s.put(key(1), page(key(1)))
+        assert started.wait(5)
+        t0 = time.monotonic()
+        assert s.put(key(2), page(key(2)))
+        assert not s.put(key(3), page(key(3)))
+        assert s.put(key(1), page(key(1)))  # pending already: not queued twice, not dropped
+        assert time.monotonic() - t0 < 1.0
+        assert not s.flush(0.05)
+        assert s.stats().dropped_writes == 1
+    finally:
+        release.set()
+    assert s.flush(5)
+    assert [s.contains(key(i)) for i in (1, 2, 3)] == [True, True, False]
+    assert s.stats().writes == 2
+    s.close()
+
+
+def test_close_finishes_queued_writes_and_refuses_new_ones(tmp_path):
+    s = DiskKVStore(tmp_path, NS, PAGE, 100 * FILE)
+    for i in range(10):
+        s.put(key(i), page(key(i)))
+    s.close()
+    assert s.stats().entries == 10
+    assert not s.put(key(11), page(key(11)))
+    assert s.get(key(3)) == page(key(3))
+
+
+def test_payload_buffer_reused_after_put_does_not_change_the_page(store):
+    buf = bytearray(page(key(1)))
+    store.put(key(1), buf)
+    buf[:] = b"\0" * PAGE
+    store.flush(5)
+    assert store.get(key(1)) == page(key(1))
+
+
+def test_concurrent_use_under_disk_damage_returns_exact_pages_or_none(tmp_path):
+    """Readers and writers race with eviction (a small budget) and a thread that flips bytes, truncates,
+    deletes and swaps files: every read is the page put under that key, or None; nothing raises."""
+    s = DiskKVStore(tmp_path, NS, PAGE, byte_budget=40 * FILE, max_pending=16)
+    keys = [key(i) for i in range(100)]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    wrong: list[bytes] = []
+    gets = [0, 0]
+
+    def worker(seed: int):
+        rng = random.Random(seed)
+        try:
+            while not stop.is_set():
+                k = rng.choice(keys)
+                op = rng.random()
+                if op < 0.35:
+                    s.put(k, page(k))
+                elif op < 0.45:
+                    s.write_now(k, page(k))
+                else:
+                    got = s.get_many([k]) if op < 0.5 else [s.get(k)]
+                    gets[0] += 1
+                    if got[0] is not None:
+                        gets[1] += 1
+                        if got[0] != page(k):
+                            wrong.append(k)
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+
+    def vandal():
+        rng = random.Random(99)
+        try:
+            while not stop.is_set():
+                found = files(s)
+                if not found:
+                    time.sleep(0.001)
+                    continue
+                p = rng.choice(found)
+                action = rng.randrange(4)
+                try:
+                    if action == 0:
+                        with open(p, "r+b") as f:
+                            size = os.fstat(f.fileno()).st_size
+                            if size:
+                                f.seek(rng.randrange(size))
+                                b = f.read(1)
+                                f.seek(-1, os.SEEK_CUR)
+                                f.write(bytes([b[0] ^ (1 << rng.randrange(8))]))
+                    elif action == 1:
+                        os.truncate(p, rng.randrange(FILE))
+                    elif action == 2:
+                        p.unlink()
+                    else:
+                        shutil.copyfile(rng.choice(found), p)
+                except OSError:
+                    pass  # the store moved it first
+                time.sleep(0.002)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)] + [threading.Thread(target=vandal)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    stop.set()
+    for t in threads:
+        t.join(10)
+    s.flush(5)
+    s.close()
+    assert not errors, errors
+    assert not wrong
+    st = s.stats()
+    assert gets[1] > 0 and st.corrupt > 0 and st.evictions > 0, (gets, st)
+    assert st.entries <= 40 and len([p for p in files(s) if not p.name.endswith(".tmp")]) <= 40
+    with DiskKVStore(tmp_path, NS, PAGE, byte_budget=40 * FILE) as again:
+        for k in keys:
+            assert again.get(k) in (None, page(k))
+
+
+KILLED_WRITER = r"""
+import hashlib, sys
+from kvserve.engine.kv_disk import DiskKVStore
+directory, ns, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+s = DiskKVStore(directory, ns, size, byte_budget=1 << 40)
+for i in range(1_000_000):
+    k = hashlib.sha256(f"block {i}".encode()).digest()
+    s.write_now(k, (k * (size // 32 + 1))[:size])
+    if i == 3:
+        print("writing", flush=True)
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_only_exact_pages(tmp_path):
+    size = 1 << 18  # big enough that a kill lands inside a write often
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(tmp_path), NS, str(size)], cwd=ROOT,
+                            stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert proc.stdout.readline() == b"writing\n"
+        time.sleep(0.3)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        proc.stdout.close()
+    with DiskKVStore(tmp_path, NS, size, byte_budget=1 << 40) as s:
+        written = s.stats().entries
+        assert written >= 4
+        assert not [p for p in s.root.rglob("*.tmp")]
+        for i in range(written + 50):
+            got = s.get(key(i))
+            assert got is None or got == page(key(i), size)
+        assert s.stats().hits == written
