@@ -124,6 +124,11 @@ class CacheConfig:
     # replicas sharing the directory; at most kv_disk_bytes of it. None: no disk tier.
     kv_disk_dir: str | None = None
     kv_disk_bytes: int = 8 << 30
+    # The prefix cache's share per tenant (engine/kv_eviction.py): eviction takes from the tenant with the most
+    # cached blocks per weight (1 unless named here); a tenant's pinned blocks (system prompts) stay while
+    # another tenant has blocks over its pin.
+    kv_tenant_weights: dict = field(default_factory=dict)
+    kv_pinned_blocks: dict = field(default_factory=dict)
 
     def __post_init__(self):
         _validate(self, dict(block_size=POSITIVE_INT, kv_cache_memory=OPTIONAL_POSITIVE_INT,
@@ -131,6 +136,12 @@ class CacheConfig:
                              enable_prefix_caching=BOOL, kv_groups=BOOL, kv_disk_bytes=POSITIVE_INT,
                              kv_disk_dir=(lambda v: v is None or (isinstance(v, str) and v != ""),
                                           "a directory path, or unset"),
+                             kv_tenant_weights=(lambda v: isinstance(v, dict) and all(
+                                 isinstance(k, str) and _is_number(w) and w > 0 for k, w in v.items()),
+                                 "a table of tenant = weight > 0"),
+                             kv_pinned_blocks=(lambda v: isinstance(v, dict) and all(
+                                 isinstance(k, str) and _is_int(n) and n >= 0 for k, n in v.items()),
+                                 "a table of tenant = blocks >= 0"),
                              kv_cache_dtype=(lambda v: v in KV_CACHE_DTYPES, f"one of {', '.join(KV_CACHE_DTYPES)}")))
 
 

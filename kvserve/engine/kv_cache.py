@@ -28,10 +28,11 @@ from __future__ import annotations
 import hashlib
 import itertools
 from array import array
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvserve.engine.kv_eviction import CachedBlocks, KVSharePolicy
 from kvserve.engine.kv_groups import NULL_PAGE, KVGroup, KVLayout
 from kvserve.engine.request import Sequence
 
@@ -44,6 +45,8 @@ class LowerTier(Protocol):
     def contains(self, key: bytes) -> bool: ...
 
     def get(self, key: bytes) -> bytes | None: ...  # None: not there, or not intact
+
+    def stored_bytes(self) -> int: ...
 
 
 def tier_key(group: int, block_hash: BlockHash) -> bytes:
@@ -96,6 +99,7 @@ class _Block:
     ref_count: int = 0
     block_hash: BlockHash | None = None
     group: int = 0  # the KV group whose prefix-cache entry this is (while hashed)
+    tenant: str = "default"  # whose cached block it is (while hashed)
 
 
 @dataclass
@@ -107,6 +111,7 @@ class _SeqBlocks:
     host: list[list[int | None]] | None = None
     # Chained hashes of the leading full, computed blocks; kept across swaps to re-register them.
     hashes: list[BlockHash] = field(default_factory=list)
+    tenant: str = "default"  # whose cache its registered blocks count in (engine/kv_eviction.py)
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,7 @@ class KVCacheUsage:
     prefix_hit_tokens: int  # of which served from the cache (the pool or the lower tier)
     tier_hit_tokens: int = 0  # of those, loaded from the lower tier
     offloaded_blocks: int = 0  # evicted cached blocks handed to the lower tier
+    tier_bytes: int = 0  # what the lower tier holds
 
     @property
     def device_usage(self) -> float:
@@ -137,10 +143,12 @@ class KVCacheManager:
     """Hands out fixed-size device blocks to sequences on demand and tracks who holds which."""
 
     def __init__(self, num_device_blocks: int, num_host_blocks: int = 0, block_size: int = 16,
-                 enable_prefix_caching: bool = True, layout: KVLayout | None = None, tier: LowerTier | None = None):
+                 enable_prefix_caching: bool = True, layout: KVLayout | None = None, tier: LowerTier | None = None,
+                 shares: KVSharePolicy | None = None):
         """`num_device_blocks`: the pool's pages, NULL_PAGE included where the layout slides. `layout`:
         the model's KV groups (default: one group of full attention, the classic paged cache). `tier`: a
-        lower tier for evicted prefix blocks (with prefix caching only)."""
+        lower tier for evicted prefix blocks (with prefix caching only). `shares`: tenants' weights and pins
+        in the prefix cache (engine/kv_eviction.py)."""
         self.layout = layout or KVLayout((KVGroup((0,), None),))
         reserved = self.layout.reserved_pages
         if block_size <= 0 or num_device_blocks < reserved or num_host_blocks < 0:
@@ -155,7 +163,7 @@ class KVCacheManager:
         self._null = NULL_PAGE if reserved else None  # a table entry that holds nothing
         self._blocks = [_Block(i) for i in range(num_device_blocks)]
         self._free: deque[int] = deque(range(reserved, num_device_blocks))
-        self._cached: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
+        self._cached = CachedBlocks(shares)  # evictable: per tenant, oldest first
         self._by_hash: list[dict[BlockHash, int]] = [{} for _ in self.groups]
         self._seqs: dict[int, _SeqBlocks] = {}
         self._host_free: deque[int] = deque(range(num_host_blocks))
@@ -257,8 +265,8 @@ class KVCacheManager:
                     self._touch(bid)
             tables.append(table)
         for (g, i), page in loads.items():
-            tables[g][i] = self._load(g, hashes[i], page)
-        self._seqs[seq.seq_id] = _SeqBlocks(device=tables, hashes=hashes[:n])
+            tables[g][i] = self._load(g, hashes[i], page, seq.tenant)
+        self._seqs[seq.seq_id] = _SeqBlocks(device=tables, hashes=hashes[:n], tenant=seq.tenant)
         cached = n * bs
         self._pending_lookup[seq.seq_id] = (seq.num_tokens, cached, len({i for _, i in loads}) * bs)
         return cached
@@ -289,7 +297,7 @@ class KVCacheManager:
         if grow + sum(map(len, cows)) > self.num_free_blocks:
             return False
         if state is None:
-            state = self._seqs[seq.seq_id] = _SeqBlocks(device=tables)
+            state = self._seqs[seq.seq_id] = _SeqBlocks(device=tables, tenant=seq.tenant)
         for table, cow in zip(state.device, cows):
             for idx in cow:
                 self._copy_on_write(table, idx, keep_contents=idx * self.block_size < start)
@@ -315,7 +323,7 @@ class KVCacheManager:
             state.hashes.append(h)
             for g, table in enumerate(state.device):
                 if table[i] != self._null:
-                    self._register(g, table[i], h)
+                    self._register(g, table[i], h, state.tenant)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent; a shared partial block is copied on write."""
@@ -326,7 +334,8 @@ class KVCacheManager:
             raise ValueError(f"child {child.seq_id} already holds blocks")
         for bid in self._pages(p.device):
             self._blocks[bid].ref_count += 1
-        self._seqs[child.seq_id] = _SeqBlocks(device=[list(t) for t in p.device], hashes=list(p.hashes))
+        self._seqs[child.seq_id] = _SeqBlocks(device=[list(t) for t in p.device], hashes=list(p.hashes),
+                                              tenant=p.tenant)
 
     def free(self, seq: Sequence) -> None:
         """Give back every block the sequence holds (device or host); no-op if it holds none."""
@@ -401,7 +410,7 @@ class KVCacheManager:
                 mapping.append((hb, bid))
                 self._host_released.append(hb)
                 if i < len(state.hashes):
-                    self._register(g, bid, state.hashes[i])
+                    self._register(g, bid, state.hashes[i], state.tenant)
         state.device, state.host = device, None
         self._swapped_in.add(seq.seq_id)
         return mapping
@@ -439,6 +448,7 @@ class KVCacheManager:
             prefix_hit_tokens=self.prefix_hit_tokens,
             tier_hit_tokens=self.tier_hit_tokens,
             offloaded_blocks=self.offloaded_blocks,
+            tier_bytes=self.tier.stored_bytes() if self.tier is not None else 0,
         )
 
     def check_integrity(self) -> None:
@@ -481,6 +491,7 @@ class KVCacheManager:
                 assert block.block_hash is None, f"free block {bid} carries a hash"
             if bid in cached_set:
                 assert block.block_hash is not None, f"cached block {bid} has no hash"
+                assert self._cached.tenant_of(bid) == block.tenant, f"cached block {bid} under another tenant"
             if block.block_hash is not None:
                 assert self._by_hash[block.group].get(block.block_hash) == bid, f"block {bid} hash not mapped to it"
         for g, by_hash in enumerate(self._by_hash):
@@ -546,11 +557,11 @@ class KVCacheManager:
             pages[g, i] = page
         return n, pages
 
-    def _load(self, group: int, block_hash: BlockHash, page: bytes) -> int:
+    def _load(self, group: int, block_hash: BlockHash, page: bytes, tenant: str) -> int:
         """A fresh block for a page read from the tier, findable by hash at once (the load runs before the
         step's copies and forward read it)."""
         bid = self._take_free_block()
-        self._register(group, bid, block_hash)
+        self._register(group, bid, block_hash, tenant)
         self._loading[bid] = len(self._tier_ops.load)
         self._tier_ops.load.append((bid, page))
         return bid
@@ -591,7 +602,7 @@ class KVCacheManager:
         if self._free:
             bid = self._free.popleft()
         else:
-            bid, _ = self._cached.popitem(last=False)
+            bid = self._cached.pop_victim()
             self._evict(bid)
         self._blocks[bid].ref_count = 1
         return bid
@@ -617,7 +628,7 @@ class KVCacheManager:
         """Take a reference on a prefix-hit block, pulling it out of the LRU if it sat there."""
         block = self._blocks[bid]
         if block.ref_count == 0:
-            del self._cached[bid]
+            self._cached.remove(bid)
         block.ref_count += 1
 
     def _release(self, bid: int) -> None:
@@ -629,7 +640,7 @@ class KVCacheManager:
         if src is not None:  # nobody will read this COW destination: drop the copy
             self._unpin(src)
         if block.block_hash is not None:
-            self._cached[bid] = None
+            self._cached.add(bid, block.tenant)
         else:
             self._free.append(bid)
 
@@ -646,13 +657,13 @@ class KVCacheManager:
                 if bid != self._null:
                     self._release(bid)
 
-    def _register(self, group: int, bid: int, block_hash: BlockHash) -> None:
+    def _register(self, group: int, bid: int, block_hash: BlockHash, tenant: str) -> None:
         """Make a full block findable by hash in its group, unless it already is or another block holds the hash."""
         block = self._blocks[bid]
         by_hash = self._by_hash[group]
         if block.block_hash is not None or block_hash in by_hash:
             return
-        block.block_hash, block.group = block_hash, group
+        block.block_hash, block.group, block.tenant = block_hash, group, tenant
         by_hash[block_hash] = bid
 
     def _commit_lookup(self, seq_id: int) -> None:

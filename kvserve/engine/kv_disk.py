@@ -250,6 +250,11 @@ class DiskKVStore:
         with self._lock:
             return key in self._index
 
+    def stored_bytes(self) -> int:
+        """Bytes of the pages stored (whole files, as the budget counts them)."""
+        with self._lock:
+            return len(self._index) * self._file_bytes
+
     def stats(self) -> DiskKVStats:
         with self._lock:
             return DiskKVStats(entries=len(self._index), bytes=len(self._index) * self._file_bytes, **self._counts)

@@ -18,6 +18,7 @@ from kvserve.engine.core import EngineCore, Executor, StepStats  # noqa: F401  (
 from kvserve.engine.interjection import Interjection
 from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.kv_disk import DiskKVStore, kv_namespace, model_digest
+from kvserve.engine.kv_eviction import KVSharePolicy
 from kvserve.engine.kv_groups import KVLayout
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.request import EngineRequest, Priority
@@ -104,7 +105,9 @@ class LLMEngine:
         prior = step_time_prior.model() if step_time_prior is not None and step_time_prior.fits(self.dtype) else None
         self.core = EngineCore(sched_cfg, KVCacheManager(num_blocks, num_host_blocks, cache_cfg.block_size,
                                                          cache_cfg.enable_prefix_caching, self.kv_layout,
-                                                         tier=self.kv_disk),
+                                                         tier=self.kv_disk,
+                                                         shares=KVSharePolicy(cache_cfg.kv_tenant_weights,
+                                                                              cache_cfg.kv_pinned_blocks)),
                                executor, max_model_len=self.max_model_len, model_id=self.model_id,
                                tokenizer=self.tokenizer, eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
                                clock=clock, step_time=prior)

@@ -63,6 +63,8 @@ class LiveModelStats:
     prefix_queries: int  # cumulative tokens looked up
     prefix_hits: int  # cumulative tokens served from the cache
     estimated_ttft_s: dict = field(default_factory=dict)  # tier -> admission's TTFT estimate for a short prompt
+    prefix_disk_hits: int = 0  # of prefix_hits, tokens loaded from the KV cache's disk tier
+    kv_disk_bytes: int = 0  # what the disk tier holds
 
 
 class ServingWindow:
@@ -153,6 +155,11 @@ class ServingWindow:
             "running": live.running if live else 0,
             "kv_cache_used_pct": round(100 * live.kv_usage, 3) if live else 0.0,
             "prefix_cache_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
+            # Since start, from the engine's counters: tokens looked up, and the hits by where they were found.
+            "prefix_cache_lookups": {"tokens": live.prefix_queries,
+                                     "hit_memory": live.prefix_hits - live.prefix_disk_hits,
+                                     "hit_disk": live.prefix_disk_hits} if live else {},
+            "kv_disk_bytes": live.kv_disk_bytes if live else 0,
             "preemptions": sum(s.preempted for s in steps),
             "engine_util": round(min(1.0, busy / span), 4),
             "tokens_per_s": round(sum(s.decode_tokens for s in steps) / span, 3),  # decode (generated) tokens
@@ -180,6 +187,11 @@ class _LiveCollector:
                                    labels=["model_name"])
         queries = CounterMetricFamily("kvserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       labels=["model_name"])
+        disk_hits = CounterMetricFamily("kvserve:prefix_cache_disk_hits",
+                                        "Prompt tokens of the prefix-cache hits loaded from the KV cache's disk tier "
+                                        "(the rest of kvserve:prefix_cache_hits were in memory)", labels=["model_name"])
+        disk_bytes = GaugeMetricFamily("kvserve:kv_disk_bytes", "Bytes the KV cache's disk tier holds",
+                                       labels=["model_name"])
         ttft = GaugeMetricFamily("kvserve:estimated_ttft_seconds",
                                  "Admission's estimate of the time to first token of a short request arriving now "
                                  "(queue wait plus its prefill, from the step-time model): a signal to shed load on",
@@ -191,9 +203,11 @@ class _LiveCollector:
             kv.add_metric([s.model], s.kv_usage)
             hits.add_metric([s.model], s.prefix_hits)
             queries.add_metric([s.model], s.prefix_queries)
+            disk_hits.add_metric([s.model], s.prefix_disk_hits)
+            disk_bytes.add_metric([s.model], s.kv_disk_bytes)
             for tier, seconds in s.estimated_ttft_s.items():
                 ttft.add_metric([s.model, tier], seconds)
-        yield from (running, waiting, kv, hits, queries, ttft)
+        yield from (running, waiting, kv, hits, queries, disk_hits, disk_bytes, ttft)
 
 
 class ServerMetrics:

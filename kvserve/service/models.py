@@ -149,7 +149,8 @@ class ModelHandle:
         if stats is None:
             return LiveModelStats(self.id, 0, waiting, 0.0, 0, 0)
         return LiveModelStats(self.id, stats.running, waiting, stats.kv.device_usage, stats.prefix_query_tokens,
-                              stats.prefix_hit_tokens, {p.label: t for p, t in stats.ttft_s.items()})
+                              stats.prefix_hit_tokens, {p.label: t for p, t in stats.ttft_s.items()},
+                              prefix_disk_hits=stats.kv.tier_hit_tokens, kv_disk_bytes=stats.kv.tier_bytes)
 
     def load(self, tier: str) -> LoadLevel:
         cfg = self.config

@@ -25,7 +25,7 @@ _ids = itertools.count()
 def make_seq(tokens: list[int], salt: str | None = None) -> Sequence:
     n = next(_ids)
     return Sequence(seq_id=n, request_id=f"r{n}", prompt_token_ids=list(tokens), sampling=SamplingParams(),
-                    cache_salt=salt)
+                    cache_salt=salt, tenant=salt or "default")  # the server salts with the tenant
 
 
 def admit(kv: KVCacheManager, seq: Sequence) -> int:
@@ -291,6 +291,9 @@ class FakeTier:
     def get(self, key: bytes):
         return None if key in self.broken else self.entries.get(key)
 
+    def stored_bytes(self) -> int:
+        return len(self.entries)
+
 
 class KVMachine(RuleBasedStateMachine):
     """Random allocate/append/fork/free/swap with a fake runner checking contents each step."""
@@ -500,3 +503,27 @@ def test_evicted_blocks_come_back_from_the_tier_and_a_broken_page_is_a_miss(wind
     assert cached < 12
     kv.free(third)
     kv.check_integrity()
+
+
+def test_a_flooding_tenant_evicts_its_own_cache_first():
+    """Tenant b's cached prefix (3 blocks) survives tenant a's prompts (9 blocks each, in a pool of 24), which
+    take a's own cached blocks; under a plain LRU (every block one tenant's) the same flood evicts b's prefix."""
+    def run(b_tenant: str) -> int:
+        kv = KVCacheManager(num_device_blocks=24, block_size=4)
+        b = make_seq(list(range(13)), salt="b")
+        b.tenant = b_tenant
+        admit(kv, b)
+        compute(kv, b)
+        kv.free(b)
+        for k in range(4):  # a's prompts of 8 blocks, one after another
+            a = make_seq([100 * (k + 1) + i for i in range(33)], salt="a")
+            admit(kv, a)
+            compute(kv, a)
+            kv.free(a)
+        kv.check_integrity()
+        again = make_seq(list(range(13)), salt="b")
+        again.tenant = b_tenant
+        return kv.get_computed_blocks(again)
+
+    assert run("b") == 12
+    assert run("a") == 0  # b's blocks counted as a's: one LRU, oldest out first

@@ -1,0 +1,47 @@
+"""Fair eviction of cached blocks between tenants (engine/kv_eviction.py), pure."""
+from __future__ import annotations
+
+import pytest
+
+from kvserve.engine.kv_eviction import CachedBlocks, KVSharePolicy
+
+
+def test_the_tenant_furthest_over_its_share_loses_its_oldest_block():
+    c = CachedBlocks()
+    for bid in range(6):
+        c.add(bid, "flood")
+    c.add(10, "quiet")
+    c.add(11, "quiet")
+    assert [c.pop_victim() for _ in range(4)] == [0, 1, 2, 3]  # 6:2, then 5:2, 4:2, 3:2: always the flood's oldest
+    assert c.tenants() == {"flood": 2, "quiet": 2}
+    assert c.pop_victim() == 4  # a tie by blocks held: the older oldest block goes (LRU between the two)
+
+
+def test_weights_scale_the_share():
+    c = CachedBlocks(KVSharePolicy(weights={"gold": 4.0}))
+    for bid in range(8):
+        c.add(bid, "gold")
+    for bid in range(10, 13):
+        c.add(bid, "free")
+    assert c.pop_victim() == 10  # 8 / 4 = 2 < 3 / 1
+    c.remove(11)
+    assert 11 not in c and len(c) == 9
+
+
+def test_pinned_blocks_are_kept_while_others_are_over_their_pins():
+    c = CachedBlocks(KVSharePolicy(pinned_blocks={"system": 3}))
+    for bid in range(3):
+        c.add(bid, "system")
+    for bid in range(10, 12):
+        c.add(bid, "other")
+    assert [c.pop_victim() for _ in range(2)] == [10, 11]
+    assert c.pop_victim() == 0  # only pinned blocks left: the oldest overall
+
+
+def test_bad_policies_are_refused():
+    with pytest.raises(ValueError):
+        KVSharePolicy(weights={"t": 0})
+    with pytest.raises(ValueError):
+        KVSharePolicy(pinned_blocks={"t": -1})
+    with pytest.raises(KeyError):
+        CachedBlocks().pop_victim()
