@@ -722,7 +722,7 @@ def main(argv=None) -> int:
 
 # Pages of their own benchmarks, after the CPU kinds: the quantization trade-off (benchmarks.quality --tradeoff),
 # then the platform's (benchmarks.fleet / .metering / .batch / .planning).
-BENCHMARK_PAGES = ("quality-tradeoff", "fleet", "metering", "batch", "planning")
+BENCHMARK_PAGES = ("quality-tradeoff", "kv-memory", "fleet", "metering", "batch", "planning")
 
 
 def with_benchmark_pages(md: str, plots: Path) -> str:
