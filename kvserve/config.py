@@ -91,15 +91,43 @@ class ModelConfig:
     rope_scaling: dict | None = None
     name: str = ""
 
+    # The opt-in sinks + window policy (StreamingLLM) on the layers without a native window: each query attends
+    # to the first `attention_sinks` tokens and the last `policy_window` (EngineConfig.attention_policy).
+    policy_window: int | None = None
+    attention_sinks: int = 0
+
     def is_sliding(self, layer: int) -> bool:
-        if self.sliding_window is None or self.sliding_window_pattern is None:
+        """A native sliding-window layer (Gemma 3's local layers; every layer of a model with a window and no
+        pattern, as Mistral's)."""
+        if self.sliding_window is None:
             return False
+        if self.sliding_window_pattern is None:
+            return True
         return (layer + 1) % self.sliding_window_pattern != 0
+
+    def with_attention_window(self, sinks_window: tuple[int, int] | None) -> "ModelConfig":
+        """This config under the sinks + window policy (sinks, window), or as it is for None."""
+        if sinks_window is None:
+            return self
+        return replace(self, attention_sinks=sinks_window[0], policy_window=sinks_window[1])
+
+    def layer_window(self, layer: int) -> int | None:
+        """The keys a query of this layer attends to, itself included (None: all earlier ones): its native
+        window, else the sinks + window policy's."""
+        return self.sliding_window if self.is_sliding(layer) else self.policy_window
+
+    def layer_sinks(self, layer: int) -> int:
+        """Leading tokens a query of this layer attends to beside its window (the policy's layers only)."""
+        return 0 if self.is_sliding(layer) or self.policy_window is None else self.attention_sinks
 
     @property
     def layer_windows(self) -> list[int | None]:
         """Each layer's attention window (None: full attention), as the KV groups see them."""
-        return [self.sliding_window if self.is_sliding(layer) else None for layer in range(self.num_layers)]
+        return [self.layer_window(layer) for layer in range(self.num_layers)]
+
+    @property
+    def layer_sink_counts(self) -> list[int]:
+        return [self.layer_sinks(layer) for layer in range(self.num_layers)]
 
     @property
     def kv_bytes_per_token_per_element(self) -> int:
@@ -171,6 +199,7 @@ class Priority(IntEnum):
 TIER_NAMES = tuple(p.label for p in Priority)
 NUMERICS = ("batch_invariant", "fast")  # EngineConfig.numerics
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half")
+ATTENTION_POLICIES = ("full", "sinks_window")
 WEIGHT_MODES = ("auto", "bf16", "int8", "int4")  # EngineConfig.weights (models/quant.weight_bits)
 KV_CACHE_DTYPES = ("auto", "int8") + DTYPES  # CacheConfig.kv_cache_dtype: a float one must be the model's dtype
 
@@ -260,8 +289,28 @@ class EngineConfig:
     # or decode, chunking, cache hits, preemption, migration); "fast": kernels may pick by shape. Where the
     # path cannot give it (float32, CUDA) the engine runs "fast" and says so (models/backend.plan).
     numerics: str = "batch_invariant"
+    # "full": every layer attends as the model was trained. "sinks_window" (opt-in, StreamingLLM): layers
+    # without a native window attend to the first attention_sinks tokens and the last attention_window ones and
+    # hold only those blocks, for long contexts in less memory at a measured cost in quality (BENCHMARKS.md);
+    # served op by op (the fused decoder has no sinks), responses say so (x-kvserve-kv-policy).
+    attention_policy: str = "full"
+    attention_sinks: int = 4
+    attention_window: int = 2048
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @property
+    def sinks_window(self) -> tuple[int, int] | None:
+        """(sinks, window) of the sinks + window policy; None for full attention."""
+        return None if self.attention_policy == "full" else (self.attention_sinks, self.attention_window)
+
+    @property
+    def kv_policy_label(self) -> str:
+        """What responses say served them (x-kvserve-kv-policy): "full" (the model's own attention, native
+        windows included) or "sinks=S,window=W"."""
+        if self.attention_policy == "full":
+            return "full"
+        return f"sinks={self.attention_sinks},window={self.attention_window}"
 
     def __post_init__(self):
         _validate(self, dict(
@@ -271,6 +320,8 @@ class EngineConfig:
             device=(lambda v: v in ("auto", "cpu") or (isinstance(v, str) and v.startswith("cuda")),
                     "auto, cpu, cuda or cuda:N"),
             seed=NONNEG_INT, onednn_weights=BOOL, native_decoder=BOOL,
+            attention_policy=(lambda v: v in ATTENTION_POLICIES, f"one of {', '.join(ATTENTION_POLICIES)}"),
+            attention_sinks=NONNEG_INT, attention_window=POSITIVE_INT,
             weights=(lambda v: v in WEIGHT_MODES, f"one of {', '.join(WEIGHT_MODES)}")))
 
 

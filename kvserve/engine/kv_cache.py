@@ -258,11 +258,11 @@ class KVCacheManager:
             n, loads = self._tier_hit(hashes, n)
         tables: list[list[int]] = []
         for g, group in enumerate(self.groups):  # the pool's hits first: a load's fresh block may evict one
-            first = group.first_needed_block(n * bs, bs)
-            table = [self._null] * first + [self._by_hash[g].get(h, -1) for h in hashes[first:n]]
-            for bid in table[first:]:
-                if bid >= 0:
-                    self._touch(bid)
+            table = [self._null] * n
+            for i in group.kept(n * bs, n, bs):
+                table[i] = self._by_hash[g].get(hashes[i], -1)
+                if table[i] >= 0:
+                    self._touch(table[i])
             tables.append(table)
         for (g, i), page in loads.items():
             tables[g][i] = self._load(g, hashes[i], page, seq.tenant)
@@ -466,10 +466,13 @@ class KVCacheManager:
             pages = self._pages(state.device)
             assert len(set(pages)) == len(pages), "block twice in one sequence's tables"
             for table, group in zip(state.device, self.groups):
-                first = sum(1 for _ in itertools.takewhile(lambda b: b == self._null, table)) \
+                sinks = min(group.sink_blocks(self.block_size), len(table))
+                assert self._null is None or self._null not in table[:sinks], "a sink's block let go"
+                rest = table[sinks:]
+                gone = sum(1 for _ in itertools.takewhile(lambda b: b == self._null, rest)) \
                     if self._null is not None else 0
-                assert all(b != self._null for b in table[first:]), "a NULL_PAGE after a held block"
-                assert group.window is not None or first == 0, "a full-attention group let a block go"
+                assert all(b != self._null for b in rest[gone:]), "a NULL_PAGE after a held block"
+                assert group.window is not None or gone == 0, "a full-attention group let a block go"
             for bid in pages:
                 holders[bid] += 1
         pins: dict[int, int] = {}
@@ -528,7 +531,8 @@ class KVCacheManager:
             run = [0] * (n + 1)  # run[i]: consecutive cached blocks ending at block i - 1
             for i, h in enumerate(hashes[:n]):
                 run[i + 1] = run[i] + 1 if held(g, h) else 0
-            while n > 0 and run[n] < n - group.first_needed_block(n * bs, bs):
+            sinks = group.sink_blocks(bs)
+            while n > 0 and (run[n] < n - group.first_needed_block(n * bs, bs) or run[min(sinks, n)] < min(sinks, n)):
                 n -= 1
         return n
 
@@ -541,11 +545,11 @@ class KVCacheManager:
             return on_device, {}
         bs = self.block_size
         wanted = [(g, i) for g, group in enumerate(self.groups)
-                  for i in range(group.first_needed_block(n * bs, bs), n) if hashes[i] not in self._by_hash[g]]
+                  for i in group.kept(n * bs, n, bs) if hashes[i] not in self._by_hash[g]]
         # Room for the loads (device hits taken from the LRU leave the free blocks too). Should the sequence then
         # find no room for its first chunk, the loaded blocks stay cached: its next lookup finds them in the pool.
         cached_hits = sum(1 for g, group in enumerate(self.groups)
-                          for i in range(group.first_needed_block(n * bs, bs), n)
+                          for i in group.kept(n * bs, n, bs)
                           if hashes[i] in self._by_hash[g] and self._blocks[self._by_hash[g][hashes[i]]].ref_count == 0)
         if len(wanted) + cached_hits > self.num_free_blocks:
             return on_device, {}
@@ -570,9 +574,9 @@ class KVCacheManager:
         """Sliding groups give back the blocks no query from position `start` on reads (NULL_PAGE instead)."""
         for table, group in zip(state.device, self.groups):
             first = group.first_needed_block(start, self.block_size)
-            for i in range(min(first, len(table)) - 1, -1, -1):
+            for i in range(min(first, len(table)) - 1, group.sink_blocks(self.block_size) - 1, -1):
                 if table[i] == self._null:
-                    break  # everything before it went earlier
+                    break  # everything before it (to the sinks) went earlier
                 self._release(table[i])
                 table[i] = self._null
 

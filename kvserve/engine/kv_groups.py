@@ -30,24 +30,40 @@ class KVGroup:
 
     layers: tuple[int, ...]
     window: int | None  # tokens a query attends to (itself included); None: every earlier token
+    sinks: int = 0  # leading tokens every query attends to beside its window (StreamingLLM's attention sinks)
 
     def __post_init__(self):
         if not self.layers:
             raise ValueError("a KV group needs at least one layer")
         if self.window is not None and self.window <= 0:
             raise ValueError("a sliding window must be positive")
+        if self.sinks < 0 or (self.sinks and self.window is None):
+            raise ValueError("attention sinks need a window and are >= 0")
+
+    def sink_blocks(self, block_size: int) -> int:
+        """Leading blocks kept for the sinks whatever the window."""
+        return -(-self.sinks // block_size)
 
     def first_needed_block(self, start: int, block_size: int) -> int:
-        """The first block a chunk of queries starting at position `start` (and every later one) reads."""
+        """The first block past the sinks' that a chunk of queries starting at position `start` (and every
+        later one) reads; blocks between the sinks' and this one are never read again."""
         if self.window is None:
             return 0
-        return max(0, start - self.window + 1) // block_size
+        return max(max(0, start - self.window + 1) // block_size, self.sink_blocks(block_size))
+
+    def kept(self, start: int, num_blocks: int, block_size: int) -> list[int]:
+        """Which of a sequence's first `num_blocks` blocks queries from position `start` on read: the sinks'
+        and those from the window's start."""
+        first = self.first_needed_block(start, block_size)
+        return [*range(min(self.sink_blocks(block_size), num_blocks)), *range(first, num_blocks)]
 
     def blocks_held(self, num_tokens: int, block_size: int, new_tokens: int | None = None) -> int:
         """Pages this group holds for a sequence of `num_tokens`, of which the last `new_tokens` (default all)
         are being computed now."""
         new = num_tokens if new_tokens is None else min(new_tokens, num_tokens)
-        return -(-num_tokens // block_size) - self.first_needed_block(num_tokens - new, block_size)
+        total = -(-num_tokens // block_size)
+        first, sinks = self.first_needed_block(num_tokens - new, block_size), self.sink_blocks(block_size)
+        return total if first <= sinks else sinks + total - first
 
 
 @dataclass(frozen=True)
@@ -57,23 +73,31 @@ class KVLayout:
     groups: tuple[KVGroup, ...]
 
     @classmethod
-    def for_windows(cls, windows: Sequence[int | None], split: bool = True) -> "KVLayout":
-        """The layout for layers with these windows (None: full attention). `split=False` keeps one group of
-        every layer whatever the windows (every layer holds every token's block: the memory of a classic
-        paged cache, for comparison)."""
+    def for_windows(cls, windows: Sequence[int | None], split: bool = True,
+                    sinks: Sequence[int] | None = None) -> "KVLayout":
+        """The layout for layers with these windows (None: full attention) and attention sinks (default none).
+        `split=False` keeps one group of every layer whatever the windows (every layer holds every token's
+        block: the memory of a classic paged cache, for comparison)."""
         if not windows:
             raise ValueError("a model needs at least one layer")
-        kinds: dict[int | None, list[int]] = {}
-        for layer, window in enumerate(windows):
-            kinds.setdefault(window, []).append(layer)
+        sinks = list(sinks) if sinks is not None else [0] * len(windows)
+        kinds: dict[tuple[int | None, int], list[int]] = {}
+        for layer, kind in enumerate(zip(windows, sinks)):
+            kinds.setdefault(kind, []).append(layer)
         if len(kinds) == 1 or not split:
-            window = next(iter(kinds)) if len(kinds) == 1 else None
-            return cls((KVGroup(tuple(range(len(windows))), window),))
+            window, sink = next(iter(kinds)) if split else (None, 0)
+            return cls((KVGroup(tuple(range(len(windows))), window, sink),))
         size = math.gcd(*(len(layers) for layers in kinds.values()))
         groups = []
-        for window, layers in sorted(kinds.items(), key=lambda kv: (kv[0] is not None, kv[0] or 0)):
-            groups += [KVGroup(tuple(layers[i:i + size]), window) for i in range(0, len(layers), size)]
+        for (window, sink), layers in sorted(kinds.items(), key=lambda kv: (kv[0][0] is not None, kv[0][0] or 0,
+                                                                            kv[0][1])):
+            groups += [KVGroup(tuple(layers[i:i + size]), window, sink) for i in range(0, len(layers), size)]
         return cls(tuple(groups))
+
+    @classmethod
+    def for_model(cls, config, split: bool = True) -> "KVLayout":
+        """The layout of a ModelConfig's layers (their native windows and the sinks + window policy's)."""
+        return cls.for_windows(config.layer_windows, split, config.layer_sink_counts)
 
     @property
     def num_groups(self) -> int:

@@ -72,7 +72,7 @@ class LLMEngine:
         self.device, self.dtype, self.kv_int8 = self.plan.device, self.plan.dtype, self.plan.kv_int8
         self.model_id = model_id or resolved_id
         self.info = info
-        self.model_config, self.tokenizer = info.config, info.tokenizer
+        self.model_config, self.tokenizer = info.config.with_attention_window(config.sinks_window), info.tokenizer
         sched_cfg = replace(config.scheduler, max_model_len=min(config.scheduler.max_model_len,
                                                                 self.model_config.max_position_embeddings))
         self.config = config = replace(config, scheduler=sched_cfg)
@@ -80,7 +80,7 @@ class LLMEngine:
 
         elem = kv_quant.bytes_per_element(self.model_config.head_dim, self.dtype, self.kv_int8)
         self.kv_bytes_per_token = round(self.model_config.kv_bytes_per_token_per_element * elem)
-        self.kv_layout = KVLayout.for_windows(self.model_config.layer_windows, split=cache_cfg.kv_groups)
+        self.kv_layout = KVLayout.for_model(self.model_config, split=cache_cfg.kv_groups)
         # A block ("page") holds one group's layers: all of them with one group.
         block_bytes = cache_cfg.block_size * self.kv_bytes_per_token * self.kv_layout.group_size \
             // self.model_config.num_layers
@@ -90,7 +90,8 @@ class LLMEngine:
         if executor is None:
             torch.manual_seed(config.seed)
             forms = checkpoint.forms
-            model = build_model(checkpoint, self.plan, max_positions=self.max_model_len, consume=True)
+            model = build_model(checkpoint, self.plan, max_positions=self.max_model_len, consume=True,
+                                attention_window=config.sinks_window)
             del checkpoint
             log.info("%s weights: %s, %.2f GB held (%s)", self.model_id, self.weights,
                      model.weight_bytes() / 1e9, describe_forms(forms))

@@ -98,16 +98,17 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) ->
 
 
 def _decode_mask(meta: AttentionMetadata, num_keys: int, key_offset: int, window: int | None,
-                 device: torch.device) -> torch.Tensor:
-    """Additive float mask [D, 1, S] (broadcast over heads): -inf beyond each context and outside the window."""
-    cache_key = ("mask", num_keys, key_offset, window)
+                 device: torch.device, sinks: int = 0) -> torch.Tensor:
+    """Additive float mask [D, 1, S] (broadcast over heads): -inf beyond each context and outside the window
+    (but for the first `sinks` keys)."""
+    cache_key = ("mask", num_keys, key_offset, window, sinks)
     mask = meta.cache.get(cache_key)
     if mask is None:
         pos = torch.arange(key_offset, key_offset + num_keys, device=device)
         lens = meta.decode_context_lens[:, None]
         invalid = pos[None, :] >= lens
         if window is not None:
-            invalid |= pos[None, :] <= lens - 1 - window
+            invalid |= (pos[None, :] <= lens - 1 - window) & (pos[None, :] >= sinks)
         mask = torch.zeros(invalid.shape, dtype=torch.float32, device=device).masked_fill_(invalid, float("-inf"))
         mask = mask[:, None, :]
         meta.cache[cache_key] = mask
@@ -116,16 +117,18 @@ def _decode_mask(meta: AttentionMetadata, num_keys: int, key_offset: int, window
 
 def _decode_attention(native: "cpu_kernels.NativeKernels | None", query: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                      window: int | None) -> torch.Tensor:
-    """The decodes' attention [D, Hq, hd], by the native kernel or by the torch reference."""
-    if native is not None:
+                      window: int | None, sinks: int = 0) -> torch.Tensor:
+    """The decodes' attention [D, Hq, hd], by the native kernel or by the torch reference (with sinks, which the
+    native kernel does not attend to)."""
+    if native is not None and not sinks:
         return native.decode_attention(query[:meta.num_decode_tokens], key_cache, value_cache,
                                        meta.decode_block_tables, meta.decode_context_lens, scale, window)
-    return _decode_attention_torch(query, key_cache, value_cache, meta, scale, window)
+    return _decode_attention_torch(query, key_cache, value_cache, meta, scale, window, sinks)
 
 
 def _decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                            meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+                            meta: AttentionMetadata, scale: float, window: int | None,
+                            sinks: int = 0) -> torch.Tensor:
     """One gather over the block tables, then masked batched matmuls (any device)."""
     d = meta.num_decode_tokens
     num_kv_heads, _, bs, _ = key_cache.shape
@@ -133,7 +136,7 @@ def _decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_
     group = query.shape[1] // num_kv_heads
     tables = meta.decode_block_tables
     first_block = 0
-    if window is not None and meta.decode_min_context > window + bs:
+    if window is not None and not sinks and meta.decode_min_context > window + bs:
         # Every sequence's window starts past these blocks: skip gathering them.
         first_block = (meta.decode_min_context - window) // bs
         tables = tables[:, first_block:]
@@ -144,14 +147,14 @@ def _decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_
     v = _gather(value_cache, flat, query.dtype).view(num_kv_heads, d, num_keys, head_dim)
     q = query[:d].view(d, num_kv_heads, group, head_dim).transpose(0, 1)  # [Hkv, D, G, hd]
     scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)  # [Hkv, D, G, S]
-    scores += _decode_mask(meta, num_keys, first_block * bs, window, query.device)
+    scores += _decode_mask(meta, num_keys, first_block * bs, window, query.device, sinks)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).transpose(0, 1).reshape(d, num_kv_heads * group, head_dim)
 
 
 def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                        value_cache: torch.Tensor, chunk: PrefillChunk, scale: float,
-                       window: int | None) -> torch.Tensor:
+                       window: int | None, sinks: int = 0) -> torch.Tensor:
     s, n = chunk.query_start, chunk.query_len
     group = query.shape[1] // key.shape[1]
     # SDPA inputs are 4-D ([1, heads, tokens, D]): with 3-D inputs torch's CPU dispatcher skips its flash
@@ -169,7 +172,7 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     kpos = torch.arange(chunk.context_len, device=query.device)[None, :]
     allowed = kpos <= qpos
     if window is not None:
-        allowed &= kpos > qpos - window
+        allowed &= (kpos > qpos - window) | (kpos < sinks)
     return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed, scale=scale,
                                           enable_gqa=group > 1)[0]
 
@@ -177,7 +180,7 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, sliding_window: int | None = None, kv_written: bool = False,
-                    native: "cpu_kernels.NativeKernels | None" = None) -> torch.Tensor:
+                    native: "cpu_kernels.NativeKernels | None" = None, sinks: int = 0) -> torch.Tensor:
     """query [T, Hq, D], key/value [T, Hkv, D] (this step's new tokens) -> output [T, Hq, D].
 
     Writes the new K/V into the cache first (unless the caller's fused kernel did: `kv_written`), then
@@ -191,11 +194,11 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             write_kv(key_cache, value_cache, key, value, meta.slot_mapping)
     d = meta.num_decode_tokens
     if d and not meta.prefills:
-        return _decode_attention(native, query, key_cache, value_cache, meta, scale, sliding_window)
+        return _decode_attention(native, query, key_cache, value_cache, meta, scale, sliding_window, sinks)
     out = torch.empty_like(query)
     if d:
-        out[:d] = _decode_attention(native, query, key_cache, value_cache, meta, scale, sliding_window)
+        out[:d] = _decode_attention(native, query, key_cache, value_cache, meta, scale, sliding_window, sinks)
     for chunk in meta.prefills:
-        o = _prefill_attention(query, key, value, key_cache, value_cache, chunk, scale, sliding_window)
+        o = _prefill_attention(query, key, value, key_cache, value_cache, chunk, scale, sliding_window, sinks)
         out[chunk.query_start:chunk.query_start + chunk.query_len] = o.transpose(0, 1)
     return out

@@ -14,12 +14,11 @@ class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int, rotary: Rotary):
         super().__init__()
         eps, hidden = config.rms_norm_eps, config.hidden_size
-        sliding = config.is_sliding(index)
         self.input_layernorm = RMSNorm(hidden, eps, unit_offset=True)
         self.self_attn = SelfAttention(hidden, config.num_heads, config.num_kv_heads, config.head_dim,
                                        scale=(config.query_pre_attn_scalar or config.head_dim) ** -0.5,
-                                       rotary=rotary, sliding_window=config.sliding_window if sliding else None,
-                                       qk_norm_eps=eps)
+                                       rotary=rotary, sliding_window=config.layer_window(index),
+                                       sinks=config.layer_sinks(index), qk_norm_eps=eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps, unit_offset=True)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, unit_offset=True)
         self.mlp = GatedMLP(hidden, config.intermediate_size, "gelu_tanh")

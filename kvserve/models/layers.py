@@ -292,7 +292,7 @@ class SelfAttention(nn.Module):
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  rotary: "Rotary", sliding_window: int | None = None, qk_norm_eps: float | None = None,
-                 bias: bool = False):
+                 bias: bool = False, sinks: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qkv_proj = FusedLinear(hidden, [num_heads * head_dim, num_kv_heads * head_dim,
@@ -301,6 +301,7 @@ class SelfAttention(nn.Module):
         self.scale = scale
         self.rotary = rotary
         self.sliding_window = sliding_window
+        self.sinks = sinks  # leading tokens attended to beside the window (the sinks + window policy)
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=True)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=True)
@@ -332,7 +333,7 @@ class SelfAttention(nn.Module):
             q, k = self.rotary(positions, q, k, meta.cache)
             written = False
         o = paged_attention(q, k, v, key_cache, value_cache, meta, self.scale, self.sliding_window,
-                            kv_written=written, native=native)
+                            kv_written=written, native=native, sinks=self.sinks)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -10,12 +10,12 @@ from kvserve.models.layers import GatedMLP, RMSNorm, Rotary, SelfAttention
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: Rotary):
+    def __init__(self, config: ModelConfig, index: int, rotary: Rotary):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = SelfAttention(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                                        scale=config.head_dim ** -0.5, rotary=rotary,
-                                       sliding_window=config.sliding_window)
+                                       sliding_window=config.layer_window(index), sinks=config.layer_sinks(index))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, "silu")
 
@@ -38,4 +38,4 @@ class LlamaForCausalLM(CausalLM):
         return Rotary(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
 
     def make_layer(self, index: int) -> nn.Module:
-        return LlamaDecoderLayer(self.config, self.rotary)
+        return LlamaDecoderLayer(self.config, index, self.rotary)

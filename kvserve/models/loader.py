@@ -261,14 +261,15 @@ def plan_for(checkpoint: Checkpoint, dtype: str | torch.dtype = "auto", device: 
 
 
 def build_model(checkpoint: Checkpoint, the_plan: backend.Plan, max_positions: int | None = None,
-                consume: bool = False):
+                consume: bool = False, attention_window: tuple[int, int] | None = None):
     """Instantiate the model on the plan's device in its dtype, load the checkpoint's weights into it and
     prepare it for the plan's path (models/backend.py).
 
     consume: the checkpoint gives up its tensors to the model (an engine's load: each quantized matrix is
-    then freed as soon as it is packed, so the weights are never held twice).
+    then freed as soon as it is packed, so the weights are never held twice). attention_window: (sinks,
+    window) of the sinks + window policy (EngineConfig.attention_policy), else the model's own attention.
     """
-    config = checkpoint.config
+    config = checkpoint.config.with_attention_window(attention_window)
     if max_positions is not None:  # rotary tables only as long as the engine will ever use
         config = replace(config, max_position_embeddings=min(config.max_position_embeddings, max_positions))
     model = model_class(config)(config)

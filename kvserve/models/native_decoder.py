@@ -159,8 +159,8 @@ class NativeDecoder:
                     or any(p.packed is not None and (len(p.packed) > 2 or p.gate_up and not p.interleaved)
                            for p in projections):
                 return False  # biases are not fused; dense weights must still be here to pack
-            if attn.rotary.cos.dtype != torch.float32:
-                return False
+            if attn.rotary.cos.dtype != torch.float32 or attn.sinks:
+                return False  # (the kernels attend to a window without sinks)
             found = [*layer.norm_roles().values(), *(n for n in (attn.q_norm, attn.k_norm) if n is not None)]
             norms |= {(n.eps, n.unit_offset) for n in found}
         return len(norms) == 1  # the kernel takes one eps and one weight convention

@@ -82,6 +82,7 @@ class Call:
         if c is not None:
             h.update(c.handle.load_headers(c.tier, queue_wait_ms, load))
             h["x-kvserve-model-version"] = c.model_version
+            h["x-kvserve-kv-policy"] = c.handle.engine_config.kv_policy_label
             h.update(c.rate_headers)
         return h
 

@@ -517,6 +517,7 @@ def test_client_disconnect_frees_blocks(server):
                       timeout=60) as s:
         assert s.status_code == 200
         rid = s.headers["x-request-id"]
+        assert s.headers["x-kvserve-kv-policy"] == "full"  # the model's own attention served it
         lines = s.iter_lines()  # keep the iterator referenced: dropping it closes the connection
         seen = 0
         while seen < 4:

@@ -409,10 +409,11 @@ class KVMachine(RuleBasedStateMachine):
             for table, group in zip(self.kv.block_tables(seq), self.kv.groups):
                 # What the next query (at position `end`) and every later one reads in this group.
                 first = 0 if group.window is None else max(0, end - group.window + 1)
+                read = sorted({*range(min(group.sinks, end)), *range(first, end)})
                 assert all(self.kv.layout.reserved_pages == 0 or table[p // BS] != NULL_PAGE
-                           for p in range(first, end)), f"seq {seq.seq_id} let go of a block it reads"
-                got = [self.dev[table[p // BS]][p % BS] for p in range(first, end)]
-                assert got == tokens[first:end], f"seq {seq.seq_id} reads wrong K/V"
+                           for p in read), f"seq {seq.seq_id} let go of a block it reads"
+                got = [self.dev[table[p // BS]][p % BS] for p in read]
+                assert got == [tokens[p] for p in read], f"seq {seq.seq_id} reads wrong K/V"
 
     @invariant()
     def integrity(self):
@@ -444,6 +445,17 @@ class GroupedKVMachine(KVMachine):
 
 GroupedKVMachine.TestCase.settings = KVMachine.TestCase.settings
 TestGroupedKVMachine = GroupedKVMachine.TestCase
+
+
+class SinkKVMachine(GroupedKVMachine):
+    """The grouped machine where the sliding groups also keep attention sinks (the first 3 tokens: one block),
+    as the sinks + window policy does: their tables keep the sinks' block, let the middle go, keep the window."""
+
+    layout = KVLayout.for_windows([None, 6, 6], sinks=[0, 3, 3])
+
+
+SinkKVMachine.TestCase.settings = KVMachine.TestCase.settings
+TestSinkKVMachine = SinkKVMachine.TestCase
 
 
 class TieredKVMachine(GroupedKVMachine):

@@ -58,3 +58,16 @@ def test_bad_layouts_are_refused():
         KVGroup((), None)
     with pytest.raises(ValueError):
         KVGroup((0,), 0)
+
+
+def test_sinks_keep_their_blocks_and_the_window_the_rest():
+    g = KVGroup((0,), 512, sinks=4)
+    assert g.sink_blocks(16) == 1
+    assert g.first_needed_block(100, 16) == 1  # the window has not passed the sinks' block
+    assert g.kept(10_000, 625, 16) == [0, *range((10_000 - 511) // 16, 625)]
+    assert g.blocks_held(10_000, 16, new_tokens=1) == 1 + 625 - (9_999 - 511) // 16
+    assert g.blocks_held(20, 16) == 2
+    layout = KVLayout.for_windows([2048] * 30, sinks=[4] * 30)  # SmolLM2 under the policy
+    assert layout.num_groups == 1 and layout.groups[0].sinks == 4
+    with pytest.raises(ValueError):
+        KVGroup((0,), None, sinks=4)
