@@ -561,10 +561,18 @@ class ServerConfig:
     auth_cache_ttl_s: float = 5.0  # a token revoked by another process (the CLI) is refused within this time
     load_high_fraction: float = 0.5  # x-kvserve-load "high" at this fraction of a tier's queue bound
     load_shedding_fraction: float = 0.9  # "shedding" at this fraction
+    # prompt_cache_retention: the longest TTL a tenant may ask for (seconds; a tenant named in
+    # prompt_cache_retention_limits has its own), beyond which the request is refused (400)
+    prompt_cache_max_retention_s: float = 86_400.0
+    prompt_cache_retention_limits: dict = field(default_factory=dict)
     auto: AutoRoutingConfig = field(default_factory=AutoRoutingConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     log_level: str = "info"
+
+    def retention_limit_s(self, tenant: str) -> float:
+        """The longest prompt_cache_retention this tenant may ask for."""
+        return float(self.prompt_cache_retention_limits.get(tenant, self.prompt_cache_max_retention_s))
 
     def __post_init__(self):
         ids = [m.id for m in self.models]
@@ -578,6 +586,9 @@ class ServerConfig:
             max_body_bytes=POSITIVE_INT, default_max_tokens=POSITIVE_INT, metrics_window_s=POSITIVE_NUMBER,
             load_sample_interval_s=POSITIVE_NUMBER, load_history_samples=POSITIVE_INT,
             auth_cache_ttl_s=NONNEG_NUMBER, load_high_fraction=FRACTION, load_shedding_fraction=FRACTION,
+            prompt_cache_max_retention_s=NONNEG_NUMBER,
+            prompt_cache_retention_limits=(lambda v: isinstance(v, dict) and all(
+                isinstance(k, str) and _is_number(x) and x >= 0 for k, x in v.items()), "a table of tenant = seconds"),
             log_level=(lambda v: v in ("critical", "error", "warning", "info", "debug", "trace"),
                        "critical, error, warning, info, debug or trace")))
 

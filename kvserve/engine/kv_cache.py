@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import time
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 from kvserve.engine.kv_eviction import CachedBlocks, KVSharePolicy
 from kvserve.engine.kv_groups import NULL_PAGE, KVGroup, KVLayout
@@ -100,6 +101,7 @@ class _Block:
     block_hash: BlockHash | None = None
     group: int = 0  # the KV group whose prefix-cache entry this is (while hashed)
     tenant: str = "default"  # whose cached block it is (while hashed)
+    retain_until: float = 0.0  # kept in the cache until then (prompt_cache_retention; the manager's clock)
 
 
 @dataclass
@@ -112,6 +114,7 @@ class _SeqBlocks:
     # Chained hashes of the leading full, computed blocks; kept across swaps to re-register them.
     hashes: list[BlockHash] = field(default_factory=list)
     tenant: str = "default"  # whose cache its registered blocks count in (engine/kv_eviction.py)
+    retain_s: float = 0.0  # how long its blocks stay cached after their last use (prompt_cache_retention)
 
 
 @dataclass(frozen=True)
@@ -144,11 +147,11 @@ class KVCacheManager:
 
     def __init__(self, num_device_blocks: int, num_host_blocks: int = 0, block_size: int = 16,
                  enable_prefix_caching: bool = True, layout: KVLayout | None = None, tier: LowerTier | None = None,
-                 shares: KVSharePolicy | None = None):
+                 shares: KVSharePolicy | None = None, clock: Callable[[], float] = time.monotonic):
         """`num_device_blocks`: the pool's pages, NULL_PAGE included where the layout slides. `layout`:
         the model's KV groups (default: one group of full attention, the classic paged cache). `tier`: a
         lower tier for evicted prefix blocks (with prefix caching only). `shares`: tenants' weights and pins
-        in the prefix cache (engine/kv_eviction.py)."""
+        in the prefix cache (engine/kv_eviction.py). `clock`: what retention TTLs are measured on."""
         self.layout = layout or KVLayout((KVGroup((0,), None),))
         reserved = self.layout.reserved_pages
         if block_size <= 0 or num_device_blocks < reserved or num_host_blocks < 0:
@@ -164,6 +167,7 @@ class KVCacheManager:
         self._blocks = [_Block(i) for i in range(num_device_blocks)]
         self._free: deque[int] = deque(range(reserved, num_device_blocks))
         self._cached = CachedBlocks(shares)  # evictable: per tenant, oldest first
+        self._clock = clock
         self._by_hash: list[dict[BlockHash, int]] = [{} for _ in self.groups]
         self._seqs: dict[int, _SeqBlocks] = {}
         self._host_free: deque[int] = deque(range(num_host_blocks))
@@ -266,7 +270,10 @@ class KVCacheManager:
             tables.append(table)
         for (g, i), page in loads.items():
             tables[g][i] = self._load(g, hashes[i], page, seq.tenant)
-        self._seqs[seq.seq_id] = _SeqBlocks(device=tables, hashes=hashes[:n], tenant=seq.tenant)
+        self._seqs[seq.seq_id] = _SeqBlocks(device=tables, hashes=hashes[:n], tenant=seq.tenant,
+                                            retain_s=seq.cache_retention_s)
+        if seq.cache_retention_s:  # a hit renews the retention of what it found
+            self._retain(self._pages(tables), seq.cache_retention_s)
         cached = n * bs
         self._pending_lookup[seq.seq_id] = (seq.num_tokens, cached, len({i for _, i in loads}) * bs)
         return cached
@@ -297,7 +304,8 @@ class KVCacheManager:
         if grow + sum(map(len, cows)) > self.num_free_blocks:
             return False
         if state is None:
-            state = self._seqs[seq.seq_id] = _SeqBlocks(device=tables, tenant=seq.tenant)
+            state = self._seqs[seq.seq_id] = _SeqBlocks(device=tables, tenant=seq.tenant,
+                                                        retain_s=seq.cache_retention_s)
         for table, cow in zip(state.device, cows):
             for idx in cow:
                 self._copy_on_write(table, idx, keep_contents=idx * self.block_size < start)
@@ -324,6 +332,8 @@ class KVCacheManager:
             for g, table in enumerate(state.device):
                 if table[i] != self._null:
                     self._register(g, table[i], h, state.tenant)
+                    if state.retain_s:
+                        self._retain([table[i]], state.retain_s)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent; a shared partial block is copied on write."""
@@ -335,7 +345,7 @@ class KVCacheManager:
         for bid in self._pages(p.device):
             self._blocks[bid].ref_count += 1
         self._seqs[child.seq_id] = _SeqBlocks(device=[list(t) for t in p.device], hashes=list(p.hashes),
-                                              tenant=p.tenant)
+                                              tenant=p.tenant, retain_s=p.retain_s)
 
     def free(self, seq: Sequence) -> None:
         """Give back every block the sequence holds (device or host); no-op if it holds none."""
@@ -353,12 +363,13 @@ class KVCacheManager:
     # ---- swapping ------------------------------------------------------------------------------
 
     def can_swap_out(self, seq: Sequence) -> bool:
-        """Swappable: on device, no block shared, none still being filled this step, host room."""
+        """Swappable: on device, no block shared, none still being filled this step (a COW copy or a tier load),
+        host room."""
         state = self._seqs.get(seq.seq_id)
         if state is None or state.host is not None or seq.seq_id in self._swapped_in:
             return False
         pages = self._pages(state.device)
-        if any(self._blocks[b].ref_count != 1 or b in self._copies for b in pages):
+        if any(self._blocks[b].ref_count != 1 or b in self._copies or b in self._loading for b in pages):
             return False
         return len(pages) <= len(self._host_free)
 
@@ -606,7 +617,7 @@ class KVCacheManager:
         if self._free:
             bid = self._free.popleft()
         else:
-            bid = self._cached.pop_victim()
+            bid = self._cached.pop_victim(self._clock())
             self._evict(bid)
         self._blocks[bid].ref_count = 1
         return bid
@@ -626,7 +637,14 @@ class KVCacheManager:
                 if not self.tier.contains(key):
                     self._tier_ops.offload.append((bid, key))
                     self.offloaded_blocks += 1
-        block.block_hash = None
+        block.block_hash, block.retain_until = None, 0.0
+
+    def _retain(self, blocks: list[int], seconds: float) -> None:
+        """Keep these (held) blocks cached at least `seconds` after now, once they are released."""
+        until = self._clock() + seconds
+        for bid in blocks:
+            block = self._blocks[bid]
+            block.retain_until = max(block.retain_until, until)
 
     def _touch(self, bid: int) -> None:
         """Take a reference on a prefix-hit block, pulling it out of the LRU if it sat there."""
@@ -644,7 +662,7 @@ class KVCacheManager:
         if src is not None:  # nobody will read this COW destination: drop the copy
             self._unpin(src)
         if block.block_hash is not None:
-            self._cached.add(bid, block.tenant)
+            self._cached.add(bid, block.tenant, block.retain_until, self._clock() if block.retain_until else 0.0)
         else:
             self._free.append(bid)
 

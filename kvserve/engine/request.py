@@ -36,6 +36,8 @@ class EngineRequest:
     priority: Priority = Priority.INTERACTIVE
     tenant: str = "default"
     cache_salt: str | None = None  # prefix-cache namespace; the server sets it to the tenant
+    cache_retention_s: float = 0.0  # keep its prompt's cached blocks this long (prompt_cache_retention); 0: LRU
+    cache_key: str | None = None  # prompt_cache_key: a fleet routes requests that share one together
     arrival: float | None = None
     resumed_token_ids: tuple[int, ...] = ()
     prompt: str | None = None
@@ -101,6 +103,7 @@ class Sequence:
     priority: Priority = Priority.INTERACTIVE
     tenant: str = "default"
     cache_salt: str | None = None  # prefix-cache namespace; the server sets it to the tenant
+    cache_retention_s: float = 0.0  # its blocks stay cached at least this long after they were last used
     output_token_ids: list[int] = field(default_factory=list)
     max_tokens: int | None = None  # the request's, or what the context leaves when it set none
     status: SequenceStatus = SequenceStatus.WAITING
@@ -149,7 +152,8 @@ class Sequence:
         """Fork `fork_index` of `request` (0: the parent, which starts with the resumed tokens)."""
         return cls(seq_id=seq_id, request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                    sampling=request.params, priority=request.priority, tenant=request.tenant,
-                   cache_salt=request.cache_salt, max_tokens=max_tokens, fork_index=fork_index,
+                   cache_salt=request.cache_salt, cache_retention_s=request.cache_retention_s,
+                   max_tokens=max_tokens, fork_index=fork_index,
                    output_token_ids=[] if fork_index else list(request.resumed_token_ids))
 
     def append_token(self, token_id: int) -> None:

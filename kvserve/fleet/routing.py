@@ -82,8 +82,13 @@ class RoutingStats:
         self.by_reason[d.reason] = self.by_reason.get(d.reason, 0) + 1
 
 
-def affinity_key(prompt_token_ids: list[int], salt: str | None, policy: RoutingPolicy) -> BlockHash | None:
-    """The chain hash of the prompt's first full blocks (at most policy.affinity_blocks); None if it has none."""
+def affinity_key(prompt_token_ids: list[int], salt: str | None, policy: RoutingPolicy,
+                 cache_key: str | None = None) -> BlockHash | None:
+    """The chain hash of the prompt's first full blocks (at most policy.affinity_blocks); None if it has none.
+    With the request's prompt_cache_key, the hash of that key instead (in the tenant's salt): requests that name
+    one key go to one replica whatever their first blocks, as OpenAI routes on it."""
+    if cache_key is not None:
+        return hashlib.sha256(b"prompt_cache_key\0" + (salt or "").encode() + b"\0" + cache_key.encode()).digest()
     bs = policy.block_size
     full = min(len(prompt_token_ids) // bs, policy.affinity_blocks)
     parent: BlockHash | None = None

@@ -214,6 +214,10 @@ class CompletionService:
     async def _submit(self, c: Completion, prompts: list[list[int]], params: SamplingParams) -> None:
         """One engine request per prompt, submitted together (one engine step applies them all)."""
         handle, max_len = c.handle, c.handle.max_model_len
+        retention, limit = c.req.cache_retention_s, self.config.retention_limit_s(c.tenant)
+        if retention > limit:
+            raise InvalidRequest(f"prompt_cache_retention of {retention:g} s exceeds tenant {c.tenant}'s limit of "
+                                 f"{limit:g} s", param="prompt_cache_retention", code="invalid_value")
         c.request_ids = [f"{c.response_id}-{i}" for i in range(len(prompts))]
         for rid in c.request_ids:
             handle.register(rid, RequestInfo(c.tenant, c.tier, handle.id))
@@ -226,7 +230,8 @@ class CompletionService:
             max_tokens = max(1, min(default_max, max_len - len(ids)))
             return replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
 
-        requests = [EngineRequest(rid, ids, params_for(ids), c.tier, c.tenant, cache_salt=c.tenant)
+        requests = [EngineRequest(rid, ids, params_for(ids), c.tier, c.tenant, cache_salt=c.tenant,
+                                  cache_retention_s=retention, cache_key=c.req.prompt_cache_key)
                     for rid, ids in zip(c.request_ids, prompts)]
         try:
             rate = await self.metering.admit(c.tenant, handle.id, handle.spec.price, c.tier,

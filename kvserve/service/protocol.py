@@ -108,6 +108,12 @@ class _CommonRequest(_Lenient):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # OpenAI's prompt caching: a key that routes requests sharing a prefix together (with the prefix itself),
+    # and how long their prompt's cached prefix is kept: "in_memory" (as the cache's LRU and the tenants' shares
+    # decide) or a TTL such as "24h", "30m", "90s" (within the tenant's limit; the cached blocks of the prompt
+    # are kept at least that long after their last use, before any block not so retained)
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)
+    prompt_cache_retention: str | None = Field(default=None, pattern=r"^(in_memory|[0-9]{1,7}[smhd])$")
     # kvserve extensions
     priority: Tier = "interactive"
     # free-form; metadata.tenant_id must name the token's own tenant (403), request_id is echoed in a header
@@ -124,6 +130,14 @@ class _CommonRequest(_Lenient):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+
+    @property
+    def cache_retention_s(self) -> float:
+        """prompt_cache_retention in seconds (0: "in_memory" or unset)."""
+        v = self.prompt_cache_retention
+        if v is None or v == "in_memory":
+            return 0.0
+        return float(int(v[:-1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[v[-1]])
 
     @field_validator("stop")
     @classmethod

@@ -387,6 +387,9 @@ BAD_CHAT = [
     (chat_body(min_tokens=20, max_tokens=5), "min_tokens"),
     (chat_body(metadata={"tenant_id": 7}), "metadata"),
     (chat_body(max_tokens=100000), None),  # prompt + max_tokens over the context
+    (chat_body(prompt_cache_retention="forever"), "prompt_cache_retention"),
+    (chat_body(prompt_cache_retention="10000d"), "prompt_cache_retention"),  # past the tenant's limit (24 h)
+    (chat_body(prompt_cache_key=7), "prompt_cache_key"),
 ]
 
 
@@ -418,8 +421,10 @@ def test_bad_input_other(server):
     assert_error_schema(server.get("/v1/usage?start_time=yesterday"), 400)
     assert_error_schema(server.get("/v1/nothing-here"), 404)
     assert_error_schema(httpx.get(server.base_url + "/v1/chat/completions", headers=server.headers()), 405)
-    # the server is still fine
+    # the server is still fine, and takes OpenAI's prompt-caching fields
     assert server.post("/v1/chat/completions", chat_body()).status_code == 200
+    r = server.post("/v1/chat/completions", chat_body(prompt_cache_key="support-bot", prompt_cache_retention="24h"))
+    assert r.status_code == 200 or r.json()["error"]["type"] != "invalid_request_error", r.text
 
 
 # ---- idempotency ---------------------------------------------------------------------------------

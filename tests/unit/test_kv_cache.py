@@ -539,3 +539,33 @@ def test_a_flooding_tenant_evicts_its_own_cache_first():
 
     assert run("b") == 12
     assert run("a") == 0  # b's blocks counted as a's: one LRU, oldest out first
+
+
+def test_prompt_cache_retention_keeps_a_prefix_through_a_flood_until_it_expires():
+    now = [0.0]
+    kv = KVCacheManager(num_device_blocks=12, block_size=4, clock=lambda: now[0])
+    kept = make_seq(list(range(13)), salt="t")
+    kept.cache_retention_s = 60.0
+    admit(kv, kept)
+    compute(kv, kept)
+    kv.free(kept)
+
+    def flood(k: int) -> None:
+        a = make_seq([1000 * (k + 1) + i for i in range(33)], salt="t")  # the same tenant: shares don't help
+        admit(kv, a)
+        compute(kv, a)
+        kv.free(a)
+
+    flood(0)
+    now[0] = 30.0
+    flood(1)
+    again = make_seq(list(range(13)), salt="t")
+    assert kv.get_computed_blocks(again) == 12  # retained through both floods
+    kv.free(again)
+    now[0] = 200.0
+    flood(2)
+    flood(3)
+    late = make_seq(list(range(13)), salt="t")
+    assert kv.get_computed_blocks(late) == 0  # expired, then evicted as any block
+    kv.free(late)
+    kv.check_integrity()

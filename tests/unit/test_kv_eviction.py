@@ -45,3 +45,19 @@ def test_bad_policies_are_refused():
         KVSharePolicy(pinned_blocks={"t": -1})
     with pytest.raises(KeyError):
         CachedBlocks().pop_victim()
+
+
+def test_retained_blocks_outlast_the_rest_until_their_time_is_up():
+    c = CachedBlocks()
+    c.add(1, "t", retain_until=100.0, now=0.0)
+    c.add(2, "t")
+    c.add(3, "u")
+    assert c.pop_victim(now=10.0) in (2, 3) and c.pop_victim(now=10.0) in (2, 3)
+    c.add(4, "u")
+    assert c.pop_victim(now=50.0) == 4  # block 1 is still retained
+    c.add(5, "u", retain_until=60.0, now=50.0)
+    assert c.pop_victim(now=55.0) == 5  # only retained ones left: the one expiring first
+    c.add(6, "u")
+    # Expired: back in its tenant's LRU as if just used, so block 6 (older) goes first, then block 1.
+    assert [c.pop_victim(now=101.0), c.pop_victim(now=101.0)] == [6, 1]
+    assert len(c) == 0
