@@ -12,7 +12,7 @@ from kvserve.config import Priority
 from kvserve.metering.money import format_money
 from kvserve.metering.prices import (CACHED_INPUT_SHARE, DEFAULT_MARGIN, DEFAULT_UTILIZATION, break_even_price,
                                      list_price)
-from kvserve.planning.memory import DENSE, MemoryPlan
+from kvserve.planning.memory import DENSE, DISK_GBS, HOST_GBS, MemoryPlan
 from kvserve.planning.search import SLO, Load, Plan, PlanResult, Redundancy, plan
 from kvserve.planning.specs import (UnknownSpec, WeightQuality, accelerator_spec, known_accelerators, known_models,
                                     known_weight_quality, model_spec)
@@ -96,6 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-num-seqs", type=int, default=None)
     s.add_argument("--max-model-len", type=int, default=None,
                    help="tokens a request may hold, prompt and output (default: the model's context length)")
+    s.add_argument("--disk-gib", type=float, default=0.0,
+                   help="a disk tier of this many GiB behind the prefix cache (kv_disk_dir), default none")
+    s.add_argument("--disk-gbs", type=float, default=DISK_GBS, help="its read bandwidth in GB/s (an assumption)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_simulate)
     k = sub.add_parser("specs", help="the models and accelerators the planner knows, with their sources")
@@ -109,7 +112,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help=f"suggested list prices are break-even x (1 + margin) (default {DEFAULT_MARGIN})")
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(func=cmd_prices)
-    from kvserve.planning.long_context import DISK_GBS, HOST_GBS
 
     x = sub.add_parser("context", help="KV bytes of one sequence at a context length, full attention against a "
                                        "sliding window, and how many fit on the devices, in host memory, on disk")
@@ -329,7 +331,7 @@ def cmd_simulate(a) -> int:
     cfg = engine_scheduler(d)
     if a.max_num_seqs:
         cfg = replace(cfg, max_num_seqs=a.max_num_seqs)
-    sim = replica_simulator(d, cfg)
+    sim = replica_simulator(d, cfg, disk_bytes=a.disk_gib * 2 ** 30, disk_bandwidth=a.disk_gbs * 1e9)
     outcome = sim.run(workload)
     result = outcome.summary()
     if a.json:
@@ -337,7 +339,8 @@ def cmd_simulate(a) -> int:
     else:
         print(f"{workload.name} on {d.label} ({model.name}, {d.context_length:,}-token context), simulated: "
               f"{result['steps']} steps, {result['duration_s']:.1f} s, {result['output_tokens_per_s']:.1f} output "
-              f"tokens/s, {result['preemptions']} preemptions, KV peak {result['kv_peak']:.0%}")
+              f"tokens/s, {result['preemptions']} preemptions, KV peak {result['kv_peak']:.0%}, prefix hits "
+              f"{result['prefix_hit_rate']:.0%} ({result['tier_hit_rate']:.0%} from disk)")
         for tier, t in result["tiers"].items():
             print(f"  {tier}: {t['completed']}/{t['submitted']} done, {t['rejected']} refused; TTFT p50 "
                   f"{_ms(t['ttft_s']['p50'])} p99 {_ms(t['ttft_s']['p99'])}; TPOT p50 {_ms(t['tpot_s']['p50'])}")

@@ -19,13 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kvserve.engine.kv_groups import KVLayout
-from kvserve.planning.memory import (GIB, WEIGHT_ONLY, dtype_bytes, kv_bytes_per_token_layer, kv_layout, layer_windows,
-                                     memory_plan)
+from kvserve.planning.memory import (DISK_GBS, GIB, HOST_GBS, WEIGHT_ONLY, dtype_bytes, kv_bytes_per_token_layer,
+                                     kv_layout, layer_windows, memory_plan)
 from kvserve.planning.search import TP_DEGREES
 from kvserve.planning.specs import AcceleratorSpec, ModelSpec
 
-HOST_GBS = 25.0  # host memory to device: about what a PCIe 5.0 x16 link sustains (64 GB/s peak); assumed
-DISK_GBS = 3.0  # disk to host: one NVMe drive's sequential read; assumed
 
 
 @dataclass(frozen=True)

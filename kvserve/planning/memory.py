@@ -29,6 +29,8 @@ DENSE = ("fp32", "bf16", "fp16")  # unquantized: the rest (fp8, int8, int4) carr
 GIB = 1 << 30
 RUNTIME_RESERVE_BYTES = 1.5 * GIB  # CUDA context, cuBLAS/NCCL workspaces (vLLM's profile shows ~1-2 GiB)
 ACTIVATION_FACTOR = 4  # live activation buffers per token of a step, in units of max(hidden, MLP shard)
+HOST_GBS = 25.0  # host memory to device: about what a PCIe 5.0 x16 link sustains (64 GB/s peak); assumed
+DISK_GBS = 3.0  # disk to host: one NVMe drive's sequential read; assumed
 LOGIT_ROWS = 512  # logits are computed for the sampled sequences only (at most max_num_seqs of them)
 
 

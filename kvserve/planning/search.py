@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 from kvserve.config import Priority, SchedulerConfig, TierLimits
 from kvserve.engine.kv_groups import KVLayout
-from kvserve.planning.memory import WEIGHT_ONLY, MemoryPlan, memory_plan
+from kvserve.planning.memory import DISK_GBS, WEIGHT_ONLY, MemoryPlan, memory_plan
 from kvserve.planning.roofline import GPU_EFFICIENCY, Deployment, Efficiency, StepModel, Work
 from kvserve.planning.simulator import SimResult, Simulator, percentile
 from kvserve.planning.specs import AcceleratorSpec, ModelSpec
@@ -400,12 +400,16 @@ def engine_scheduler(d: Deployment) -> SchedulerConfig:
     return SchedulerConfig(**sizes, max_model_len=d.context_length, interactive=TierLimits())
 
 
-def replica_simulator(d: Deployment, cfg: SchedulerConfig, seed: int = 0) -> Simulator:
-    """A simulator of one replica of `d` running the real scheduler with `cfg`."""
+def replica_simulator(d: Deployment, cfg: SchedulerConfig, seed: int = 0, disk_bytes: float = 0.0,
+                      disk_bandwidth: float = DISK_GBS * 1e9) -> Simulator:
+    """A simulator of one replica of `d` running the real scheduler with `cfg`; with `disk_bytes`, a disk tier of
+    that size behind its prefix cache, its pages read back at `disk_bandwidth` bytes/s (an assumption)."""
     mem = replica_memory(d, cfg.max_num_batched_tokens)
     sm = step_model(d)
     return Simulator(sm.cost, mem.num_blocks, mem.block_size, cfg, vocab_size=d.model.vocab_size, seed=seed,
-                     block_copy_s=lambda n, host: sm.kv_copy_seconds(n * mem.page_bytes, host), layout=mem.layout)
+                     block_copy_s=lambda n, host: sm.kv_copy_seconds(n * mem.page_bytes, host), layout=mem.layout,
+                     tier_pages=int(disk_bytes // mem.page_bytes),
+                     tier_load_s=lambda n: n * mem.page_bytes / disk_bandwidth)
 
 
 def simulate_replica(d: Deployment, max_num_seqs: int, mem: MemoryPlan, rate: float, load: Load,

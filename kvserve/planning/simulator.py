@@ -87,6 +87,7 @@ class SimResult:
     kv_timeline: list[tuple[float, float]]  # (time, fraction of KV blocks held)
     prefix_hit_rate: float
     bound_share: dict[str, float]  # share of the busy time each resource bound
+    tier_hit_rate: float = 0.0  # of the prompt tokens looked up, those loaded from the disk tier
 
     @property
     def output_tokens(self) -> int:
@@ -110,7 +111,8 @@ class SimResult:
     def summary(self) -> dict:
         return {"duration_s": self.duration_s, "steps": self.steps, "busy_s": self.busy_s,
                 "output_tokens_per_s": self.output_tokens_per_s, "preemptions": self.preemptions,
-                "prefix_hit_rate": self.prefix_hit_rate, "bound_share": self.bound_share,
+                "prefix_hit_rate": self.prefix_hit_rate, "tier_hit_rate": self.tier_hit_rate,
+                "bound_share": self.bound_share,
                 "kv_peak": max((u for _, u in self.kv_timeline), default=0.0),
                 "tiers": {p.label: t.summary() for p, t in self.tiers.items() if t.submitted}}
 
@@ -123,13 +125,42 @@ class SimClock:
         return self.now
 
 
+class SimulatedTier:
+    """The disk tier of a simulated engine (engine/kv_disk.py's part): which evicted blocks it holds, at most
+    `pages` of them, least recently used out first. No bytes: the executor prices the loads."""
+
+    def __init__(self, pages: int):
+        self.pages = pages
+        self._keys: dict[bytes, None] = {}  # insertion ordered: oldest first
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._keys
+
+    def get(self, key: bytes) -> bytes | None:
+        if key not in self._keys:
+            return None
+        self._keys[key] = self._keys.pop(key)  # now the most recent
+        return b""
+
+    def put(self, key: bytes) -> None:
+        self._keys.pop(key, None)
+        self._keys[key] = None
+        while len(self._keys) > self.pages:
+            del self._keys[next(iter(self._keys))]
+
+    def stored_bytes(self) -> int:
+        return len(self._keys)
+
+
 class ClockExecutor:
     """The executor of a simulated engine: a step computes nothing, it advances the clock by its priced time
     (`step_cost(work)`: `.seconds`, `.bound`; `block_copy_s(blocks, across_host)` for block moves) and every
     sequence that samples gets token 0 (outputs run to their length: the requests ignore EOS)."""
 
-    def __init__(self, clock: SimClock, step_cost: Callable, block_copy_s: Callable[[int, bool], float]):
+    def __init__(self, clock: SimClock, step_cost: Callable, block_copy_s: Callable[[int, bool], float],
+                 tier: SimulatedTier | None = None, tier_load_s: Callable[[int], float] | None = None):
         self.clock, self.step_cost, self.block_copy_s = clock, step_cost, block_copy_s
+        self.tier, self.tier_load_s = tier, tier_load_s or (lambda blocks: 0.0)
         self.steps = 0
         self.busy = 0.0
         self.bound_time: dict[str, float] = {}  # simulated seconds each resource bound, over steps with work
@@ -140,6 +171,9 @@ class ClockExecutor:
         return [Work(s.num_new_tokens, s.start, s.sample) for s in out.scheduled]
 
     def execute(self, out: SchedulerOutput, interjection: Interjection | None = None) -> RunnerOutput:
+        if self.tier is not None:  # offloads are written off the step's thread: they cost the step nothing
+            for _, key in out.blocks_to_offload:
+                self.tier.put(key)
         cost = self.step_cost(self.works(out))
         seconds = cost.seconds + self._moves_s(out)
         self.clock.now += seconds
@@ -158,24 +192,32 @@ class ClockExecutor:
         seconds = self.block_copy_s(swaps, True) if swaps else 0.0
         if out.blocks_to_copy:
             seconds += self.block_copy_s(len(out.blocks_to_copy), False)
+        if out.blocks_to_load:  # pages read back from the disk tier, before the forward
+            seconds += self.tier_load_s(len(out.blocks_to_load))
         return seconds
 
 
 class Simulator:
     """One engine replica under a step-time model. `step_cost(work)` returns a StepCost-like object
     (`.seconds`, `.bound`) for a list of `Work`; `block_copy_s(blocks, across_host)` prices block moves.
-    `num_blocks` counts pages of `layout`'s KV groups (default one group of every layer), as the engine's pool."""
+    `num_blocks` counts pages of `layout`'s KV groups (default one group of every layer), as the engine's pool.
+    `tier_pages`: a disk tier of that many pages behind the pool (evicted prefix blocks go there; a hit loads
+    them back at `tier_load_s(pages)` seconds)."""
 
     def __init__(self, step_cost: Callable, num_blocks: int, block_size: int = 16,
                  scheduler: SchedulerConfig | None = None, enable_prefix_caching: bool = True,
                  num_host_blocks: int = 0, block_copy_s: Callable[[int, bool], float] | None = None,
                  vocab_size: int = 32000, seed: int = 0, horizon_s: float = float("inf"),
-                 layout: KVLayout | None = None):
+                 layout: KVLayout | None = None, tier_pages: int = 0,
+                 tier_load_s: Callable[[int], float] | None = None):
         self.clock = SimClock()
-        self.executor = ClockExecutor(self.clock, step_cost, block_copy_s or (lambda blocks, across_host: 0.0))
+        self.tier = SimulatedTier(tier_pages) if tier_pages else None
+        self.executor = ClockExecutor(self.clock, step_cost, block_copy_s or (lambda blocks, across_host: 0.0),
+                                      self.tier, tier_load_s)
         # Default: the engine's, without the TTFT admission bound (as search.engine_scheduler: plans refuse nothing).
         config = scheduler or SchedulerConfig(interactive=TierLimits())
-        self.kv = KVCacheManager(num_blocks, num_host_blocks, block_size, enable_prefix_caching, layout)
+        self.kv = KVCacheManager(num_blocks, num_host_blocks, block_size, enable_prefix_caching, layout,
+                                 tier=self.tier, clock=self.clock)
         self.core = EngineCore(config, self.kv, self.executor, max_model_len=config.max_model_len, model_id="sim",
                                clock=self.clock, stream_outputs=False)
         self.scheduler = self.core.scheduler
@@ -265,6 +307,8 @@ class Simulator:
         return SimResult(tiers=tiers, duration_s=last_finish - first_arrival, steps=executor.steps, busy_s=busy,
                          preemptions=self.scheduler.stats().num_preemptions, kv_timeline=timeline,
                          prefix_hit_rate=usage.prefix_hit_rate,
+                         tier_hit_rate=usage.tier_hit_tokens / usage.prefix_query_tokens if usage.prefix_query_tokens
+                         else 0.0,
                          bound_share={k: v / busy for k, v in executor.bound_time.items()} if busy else {})
 
     def _submit(self, a: Arrival, lp: ClosedLoop | None, tiers: dict, send_next) -> None:

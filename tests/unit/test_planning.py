@@ -179,6 +179,23 @@ def test_prefix_caching_and_tiers_come_from_the_real_scheduler():
     assert percentile(inter.ttft, 50) < percentile(batch.ttft, 50)
 
 
+def test_the_simulator_models_disk_tier_hits():
+    """8 prefixes of 512 tokens cycled through a pool of about two: without a tier nearly every prefix is gone when
+    it comes back; with one, it loads from there, priced by tier_load_s."""
+    arrivals = [Arrival(i * 2.0, 576, 8, prefix_id=i % 8, prefix_tokens=512) for i in range(48)]
+    loads = []
+
+    def load_s(pages: int) -> float:
+        loads.append(pages)
+        return 0.001 * pages
+
+    small = Simulator(LinearStep(), 80).run(Workload("W4-many", arrivals))
+    tiered = Simulator(LinearStep(), 80, tier_pages=10_000, tier_load_s=load_s).run(Workload("W4-many", arrivals))
+    assert small.prefix_hit_rate < 0.1
+    assert tiered.prefix_hit_rate > 0.7 and tiered.tier_hit_rate > 0.7 and sum(loads) >= 40 * 32
+    assert Simulator(LinearStep(), 80, tier_pages=64).run(Workload("W4-many", arrivals)).prefix_hit_rate < 0.1
+
+
 def test_admission_refusals_count_as_refused():
     cfg = SchedulerConfig(interactive=SchedulerConfig().interactive.__class__(max_waiting=2))
     arrivals = [Arrival(0.0, 512, 32) for _ in range(10)]
