@@ -23,9 +23,7 @@ Writes kv-memory.json and kv-memory.md (a BENCHMARKS.md page) under --out.
 from __future__ import annotations
 
 import argparse
-import datetime
 import inspect
-import json
 import statistics
 import sys
 import textwrap
@@ -334,15 +332,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3, help="prompts (runs) per disk-tier TTFT, medians reported")
     ap.add_argument("--out", default="docs/bench", help="directory for kv-memory.json and kv-memory.md")
     a = ap.parse_args(argv)
-    from benchmarks.offline import machine_info
+    from benchmarks.pages import stamp, write_page
 
     config = _model_config(a.model)
     windows = config.layer_windows
     sliding = sum(w is not None for w in windows)
-    result = {"machine": machine_info(), "model": a.model,
-              "layers": f"{len(windows)} layers, {sliding} sliding (window {config.sliding_window})",
-              "command": "python -m benchmarks.kv_memory" + (" " + " ".join(argv or sys.argv[1:])).rstrip(),
-              "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    result = {**stamp("benchmarks.kv_memory", argv), "model": a.model,
+              "layers": f"{len(windows)} layers, {sliding} sliding (window {config.sliding_window})"}
     _log("allocator")
     result["allocator"] = allocator_rows(config)
     result["fairness"] = fairness_rows()
@@ -351,11 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.disk:
         _log("disk tier")
         result["disk"] = {"model": a.disk_model, **disk_rows(a.disk_model, a.runs, Path(a.disk_dir))}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kv-memory.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "kv-memory.md").write_text(render(result))
-    print(render(result))
+    write_page(a.out, "kv-memory", result, render(result))
     return 0
 
 

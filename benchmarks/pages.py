@@ -1,0 +1,25 @@
+"""A platform benchmark's page: its result as JSON and as the markdown BENCHMARKS.md shows (BENCHMARK_PAGES in
+benchmarks/report.py), written side by side under one directory."""
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from pathlib import Path
+
+
+def stamp(module: str, argv: list[str] | None) -> dict:
+    """Where and how a result was made: the machine, the command line, the time."""
+    from benchmarks.offline import machine_info
+
+    return {"machine": machine_info(), "command": f"python -m {module} " + " ".join(argv or sys.argv[1:]),
+            "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def write_page(directory: str | Path, name: str, result: dict, markdown: str) -> None:
+    """<directory>/<name>.json and <name>.md; the markdown is printed too."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown)
+    print(markdown)
