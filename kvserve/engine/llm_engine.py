@@ -86,6 +86,15 @@ class LLMEngine:
             // self.model_config.num_layers
         num_blocks = cache_cfg.num_gpu_blocks_override or max(1 + self.kv_layout.reserved_pages,
                                                               self.plan.kv_memory // block_bytes)
+        if self.device.type == "cuda" and not cache_cfg.num_gpu_blocks_override:
+            # Each cache tensor stays under 2^31 elements: past that torch's CUDA index kernels (the K/V writes and
+            # gathers of the op-by-op path) take 64-bit paths that cost about the whole tensor per call.
+            row = kv_quant.row_width(self.model_config.head_dim, self.kv_int8)
+            cap = (2 ** 31 - 1) // (cache_cfg.block_size * self.model_config.num_kv_heads * row)
+            if num_blocks > cap:
+                log.info("%s: KV pool capped at %d blocks (of %d that fit): a cache tensor over 2^31 elements is slow "
+                         "to index on CUDA", model_id or resolved_id, cap, num_blocks)
+                num_blocks = cap
         num_host_blocks = cache_cfg.swap_space // block_bytes
         if executor is None:
             torch.manual_seed(config.seed)
