@@ -1,5 +1,6 @@
 """Render a CPU kind's section of BENCHMARKS.md and its plots from a suite session in bench_results/
-(measuring is elsewhere), then BENCHMARKS.md from every kind's section.
+(measuring is elsewhere), then BENCHMARKS.md from every kind's section. A session with W6 also renders W6's
+own page (docs/bench/w6.md and w6.json).
 
   python -m benchmarks.report [--session bench_results/latest] [--markdown BENCHMARKS.md] [--plots docs/bench]
 
@@ -16,6 +17,8 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable
 
+from benchmarks import pages
+from benchmarks.shapes import model_names
 from benchmarks.targets import OVERLOAD_TTFT_S, REPO, VLLM_NO_GGUF
 
 # The CPU kinds the project meets (kernels/isa.py), in the order of their sections in BENCHMARKS.md.
@@ -61,16 +64,20 @@ class Session:
         return [n for n in self._names() if "@" not in n]
 
     def models(self) -> list[str]:
-        """The shape models of the session (the suite's --models other than SmolLM2)."""
+        """The shape models of the session (the suite's --models other than SmolLM2; not W6's model)."""
         names = set(self.meta.get("models", {})) | {n.partition("@")[2] for n in self._names() if "@" in n}
-        return sorted(names)
+        return sorted(names & set(model_names()))
 
     def model_targets(self, model: str) -> list[str]:
         return [n for n in self._names() if n.partition("@")[2] == model]
 
-    def shapes_only(self) -> bool:
-        """A session of shape models alone: it has no SmolLM2 page to render (the last one is kept)."""
-        return bool(self.models()) and not self.targets() and not self.meta.get("jobs")
+    def smollm2_ran(self) -> bool:
+        """Whether the session ran SmolLM2's workloads: a session of shape models or of W6 alone has no SmolLM2
+        page to render (the last one is kept)."""
+        return bool(self.targets()) or any(j.get("workload") != "W6" for j in self.meta.get("jobs", []))
+
+    def w6_targets(self) -> list[str]:
+        return [n for n in self._names() if self.runs(n, "W6-mix") or self.runs(n, "W6-alone")]
 
     def jobs(self, target: str) -> list[str]:
         d = self.root / target
@@ -199,7 +206,8 @@ class Report:
                f"commit `{(g.get('commit') or '?')[:12]}`{' (with uncommitted changes)' if g.get('dirty') else ''}.")
         self.w(f"- Workloads {', '.join(m.get('workloads', []))}, {m.get('runs', '?')} run(s) each with a distinct "
                "seed; tables give the median of the runs and [min-max] when there are several. Workload "
-               "definitions: `shared/WORKLOADS.md`.")
+               "definitions: `shared/WORKLOADS.md`" + ("; W6's in `benchmarks/suite.py`, its figures on its own "
+                                                       "page (W6 below)." if "W6" in m.get("workloads", []) else "."))
         self.w("- Client for every engine: `kvserve bench serve` (streaming, `include_usage`, vLLM's metric "
                "definitions: TTFT = first streamed token chunk, TPOT = (e2e - TTFT)/(output tokens - 1) per request, "
                "ITL = gaps between chunks, throughput = tokens / benchmark duration). Latencies in ms.")
@@ -623,6 +631,119 @@ class LargerModels(Report):
         return "\n".join(self.out) + "\n"
 
 
+# ---- W6: long documents beside interactive work, its own page --------------------------------------------------------
+
+W6_TARGET_MS = 1000.0  # interactive TTFT p99 beside the documents
+
+
+def w6_document_ttfts(runs: list[dict], sizes: list[int]) -> dict[int, list[float]]:
+    """The TTFTs (s) of the completed documents by size, pooled over the runs (a document cut off at the end has
+    none)."""
+    out: dict[int, list[float]] = {n: [] for n in sizes}
+    for r in runs:
+        for tier, n, ttft, err in zip(r.get("tier_of", []), r.get("input_lens", []), r.get("ttfts", []),
+                                      r.get("errors", [])):
+            if tier == "documents" and not err and ttft > 0 and sizes:
+                out[min(sizes, key=lambda size: abs(size - n))].append(ttft)
+    return out
+
+
+def w6_figures(session: Session, t: str, shape: dict) -> dict:
+    """A target's W6 figures, per run (documents' TTFTs pooled by size)."""
+    mix, alone = session.runs(t, "W6-mix"), session.runs(t, "W6-alone")
+    i, d = "tiers.interactive.", "tiers.documents."
+
+    def stream(runs: list[dict]) -> dict:
+        return {"ttft_p50_ms": values(runs, i + "median_ttft_ms"), "ttft_p99_ms": values(runs, i + "p99_ttft_ms"),
+                "tpot_p50_ms": values(runs, i + "median_tpot_ms"), "completed": values(runs, i + "completed"),
+                "failed": values(runs, i + "failed")}
+
+    beside = stream(mix)
+    p99 = med(beside["ttft_p99_ms"])
+    return {"runs": len(mix), "interactive_alone": stream(alone), "interactive_beside_w6": beside,
+            "target_met": None if p99 is None else p99 < W6_TARGET_MS,
+            "documents": {"completed": values(mix, d + "completed"), "cancelled": values(mix, d + "cancelled"),
+                          "failed": values(mix, d + "failed"),
+                          "ttft_s_by_size": {str(n): v for n, v in
+                                             w6_document_ttfts(mix, shape.get("documents") or []).items()},
+                          "tokens_per_s": values(mix, d + "total_token_throughput"),
+                          "output_tokens_per_s": values(mix, d + "output_throughput"),
+                          "tpot_p50_ms": values(mix, d + "median_tpot_ms")}}
+
+
+def w6_page(session: Session) -> tuple[str, dict] | None:
+    """W6's page and its JSON from the session's W6 runs; None without any."""
+    targets = session.w6_targets()
+    if not targets:
+        return None
+    m = session.meta
+    shape = next((j.get("shape") or {} for j in m.get("jobs", []) if j.get("name") == "W6-mix"), {})
+    mach = ((m.get("ceilings") or {}).get("machine")) or {}
+    flags = [f for f in ("avx512f", "avx512_bf16", "amx") if mach.get(f)]
+    infos = {t: (m.get("targets") or {}).get(t, {}) for t in targets}
+    g = m.get("git") or {}
+    data = {"session": session.root.name, "started": m.get("started"), "finished": m.get("finished"),
+            "quick": bool(m.get("quick")),
+            "command": "python -m benchmarks.suite " + " ".join((m.get("argv") or [])[1:]),
+            "commit": g.get("commit"), "dirty": g.get("dirty"),
+            "machine": {"cpu_model": mach.get("cpu_model"), "nproc": mach.get("nproc"), "flags": flags,
+                        "loadavg": mach.get("loadavg")},
+            "shape": shape, "target_ttft_p99_ms": W6_TARGET_MS,
+            "targets": {t: w6_figures(session, t, shape) for t in targets},
+            "server_commands": {t: (infos[t].get("servers") or {}).get("default", {}).get("command") for t in targets},
+            "client_commands": {t: {j: c for j, c in (infos[t].get("commands") or {}).items() if j.startswith("W6")}
+                                for t in targets}}
+    label = {t: TARGET_LABEL.get(t.partition("@")[0], t.partition("@")[0]) for t in targets}
+    out = ["# W6: long documents beside interactive work", ""]
+    if data["quick"]:
+        out += ["**A `--quick` session: tiny sizes to smoke-test the pipeline. The numbers mean nothing.**", ""]
+    out += [f"Measured {m.get('started', '?')} to {m.get('finished', 'not finished')} on {mach.get('cpu_model', '?')} "
+            f"({mach.get('nproc', '?')} CPUs visible; {', '.join(flags) or 'none of avx512f/bf16/amx'}; load average "
+            f"at the start {' '.join(mach.get('loadavg') or []) or '?'}), suite session `{data['session']}`, commit "
+            f"`{(g.get('commit') or '?')[:12]}`{' (with uncommitted changes)' if g.get('dirty') else ''}: "
+            f"`{data['command']}`.", ""]
+    if shape:
+        args = ", ".join(f"{k} = {v}" for k, v in (shape.get("engine_args") or {}).items())
+        out += [f"Model: `{shape.get('model')}` (Gemma 3 270M, Q4_K_M GGUF) served by kvserve with {args}. "
+                f"Documents of {', '.join(map(str, shape['documents']))} tokens in turn (standard-library Python source, then "
+                f"a request to summarize it in one sentence; {shape['document_output']} output tokens, "
+                f"`ignore_eos`), {shape['document_concurrency']} in flight at `priority: batch`, beside W3's "
+                f"interactive stream (chat, ~{shape['interactive_io'][0]} prompt tokens with the template / "
+                f"{shape['interactive_io'][1]} output, {shape['interactive_rate']} request/s, `priority: "
+                f"interactive`) for {shape['duration']} s, the documents in flight then cut off; then the stream "
+                f"alone for {shape['alone_duration']} s. Medians over the runs, [min-max] when there are several.", ""]
+    rows, docs = [], []
+    for t in targets:
+        f = data["targets"][t]
+        for name, key in (("alone", "interactive_alone"), ("beside W6", "interactive_beside_w6")):
+            x = f[key]
+            rows.append([label[t], name, fmt(x["ttft_p50_ms"], 0), fmt(x["ttft_p99_ms"], 0), fmt(x["tpot_p50_ms"]),
+                         fmt(x["completed"], 0), fmt(x["failed"], 0)])
+        for size, ttfts in sorted(f["documents"]["ttft_s_by_size"].items(), key=lambda kv: int(kv[0])):
+            rate = [int(size) / v for v in ttfts]
+            docs.append([label[t], size, str(len(ttfts)), fmt(ttfts), fmt(rate, 0)])
+    out += [table(["target", "interactive stream", "TTFT p50, ms", "TTFT p99, ms", "TPOT p50, ms", "requests / run",
+                   "failed / run"], rows), ""]
+    for t in targets:
+        f = data["targets"][t]
+        p99 = med(f["interactive_beside_w6"]["ttft_p99_ms"])
+        verdict = "no figure" if p99 is None else f"**{'met' if f['target_met'] else 'not met'}** ({p99:.0f} ms)"
+        dd = f["documents"]
+        out.append(f"- {label[t]}: interactive TTFT p99 < {W6_TARGET_MS / 1000:g} s beside W6: {verdict}. Documents "
+                   f"completed per run {fmt(dd['completed'], 0)} (cut off at the end {fmt(dd['cancelled'], 0)}, failed "
+                   f"{fmt(dd['failed'], 0)}); their tokens/s over the run {fmt(dd['tokens_per_s'])} (prompt + output; "
+                   f"output alone {fmt(dd['output_tokens_per_s'], 2)}), their TPOT p50 {fmt(dd['tpot_p50_ms'])} ms.")
+    out += ["", "Documents' time to first token by size, every completed document of every run (those cut off at the "
+                "end have none):", "",
+            table(["target", "document, tokens", "completed", "TTFT, s (median [min-max])",
+                   "prompt tokens/s (size / TTFT)"], docs), ""]
+    for t in targets:
+        out.append(f"- {label[t]} server: `{data['server_commands'][t]}`")
+        for job, cmd in data["client_commands"][t].items():
+            out.append(f"- {label[t]} {job}: `{cmd}`")
+    return "\n".join(out) + "\n", data
+
+
 # ---- plots -----------------------------------------------------------------------------------------------------------
 
 
@@ -721,8 +842,8 @@ def main(argv=None) -> int:
 
 
 # Pages of their own benchmarks, after the CPU kinds: the quantization trade-off (benchmarks.quality --tradeoff),
-# then the platform's (benchmarks.fleet / .metering / .batch / .planning).
-BENCHMARK_PAGES = ("quality-tradeoff", "kv-memory", "fleet", "metering", "batch", "planning")
+# W6's (benchmarks.suite, rendered below), then the platform's (benchmarks.fleet / .metering / .batch / .planning).
+BENCHMARK_PAGES = ("quality-tradeoff", "kv-memory", "long-context", "w6", "fleet", "metering", "batch", "planning")
 
 
 def with_benchmark_pages(md: str, plots: Path) -> str:
@@ -910,7 +1031,7 @@ def render(a: argparse.Namespace) -> int:
     kind_dir = Path(a.plots) / "cpu" / kind
     (Path(a.plots) / "cpu").mkdir(parents=True, exist_ok=True)
     made = []
-    if not session.shapes_only():
+    if session.smollm2_ran():
         made = plots(session, kind_dir)
         page = Report(session, kind_dir, Path(a.markdown)).render()
         (Path(a.plots) / "cpu" / f"{kind}.md").write_text(page)
@@ -920,6 +1041,9 @@ def render(a: argparse.Namespace) -> int:
     for extra in ("profile", "quality"):  # the session's own pages (Suite.kind_pages) replace the kind's
         if (root / f"{extra}.md").exists():
             (Path(a.plots) / "cpu" / f"{kind}-{extra}.md").write_text((root / f"{extra}.md").read_text())
+    w6 = w6_page(session)
+    if w6:
+        pages.write_page(a.plots, "w6", w6[1], w6[0])
     md = assemble(Path(a.plots))
     analysis = Path(a.plots) / "analysis.md"
     if analysis.exists():  # hand-written reading of the numbers (targets, profile), kept across renders

@@ -1,5 +1,5 @@
-"""`make bench`: the workloads of shared/WORKLOADS.md (W1-W5, plus a concurrency sweep) against kvserve,
-and with BENCH_PEERS=1 against vLLM's CPU build, llama.cpp (BF16 and Q4_1) and a Hugging Face
+"""`make bench`: the workloads of shared/WORKLOADS.md (W1-W5, plus a concurrency sweep) and W6 (below) against
+kvserve, and with BENCH_PEERS=1 against vLLM's CPU build, llama.cpp (BF16 and Q4_1) and a Hugging Face
 static-batching baseline, one after the other in the same run.
 
   python -m benchmarks.suite [--workloads W1,W3] [--runs 3] [--quick] [--targets kvserve,vllm]
@@ -9,6 +9,18 @@ Models: SmolLM2-135M (the default) runs every workload against every engine. A r
 Llama-3.2-1B's or Llama-3.1-8B's shape (benchmarks.shapes, at Q4_K_M or Q8_0) runs W1 and W2 at its own
 sizes (SIZES), served as the same GGUF file by kvserve and by llama-server (target llamacpp-gguf); its
 results go to `<target>@<model>/` and the report's "Larger models" section.
+
+W6, long context (defined here, in the style of WORKLOADS.md; kvserve only):
+  | W6 | long documents beside interactive work | Gemma 3 270M (`gemma3-270m`, served at its 32k context:
+  |    | max_model_len = 32768, a 2 GiB KV pool) gets documents of 32000, 8000 and 16000 tokens in turn (standard-
+  |    | library Python source, the client's `document` dataset, closed by "Summarize the code above in one
+  |    | sentence."; 64 output tokens), 2 in flight at `priority: batch` (long, offline-ish work), beside W3's
+  |    | interactive stream (chat, ~64 / 64 tokens, 1 request/s, `priority: interactive`) for 240 s; then that
+  |    | stream alone for 60 s | interactive TTFT p50 and p99 beside the documents against alone (target:
+  |    | p99 < 1 s beside them); the documents' TTFT per size and their tokens/s |
+  Its results go to `kvserve@gemma3-270m/` and the W6 page (docs/bench/w6.md, by benchmarks.report). The peers
+  are not set up for it: vLLM's CPU build reads no GGUF, and llama-server's bench command splits 16k tokens of
+  context over 32 slots.
 
 Every server is started and stopped by the suite on a free loopback port; every workload runs
 `--runs` times with a different seed each time (so no run hits a prefix cache filled by another);
@@ -49,7 +61,7 @@ from benchmarks.shapes import SHAPES, ShapeModel
 from benchmarks.targets import (PEER_TARGETS, REPO, HfStaticTarget, KvserveTarget, RunningServer, Target,
                                    VllmTarget, all_targets, free_port, shell_join)
 
-ALL_WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "SWEEP")
+ALL_WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "SWEEP")
 SWEEP_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 QUICK_SWEEP_CONCURRENCY = (1, 2, 4)
 SMOLLM2 = "smollm2-135m"
@@ -70,6 +82,42 @@ SIZES = {SMOLLM2: Sizes(64, 32, 8), "llama-1b": Sizes(32, 32, 4), "llama-8b": Si
 QUICK_SIZES = Sizes(8, 4, 2)
 
 
+@dataclass(frozen=True)
+class CatalogModel:
+    """A model of kvserve's catalog served as it ships, where the suite serves a shape's file (the same name,
+    model_id and path): W6's Gemma 3 270M."""
+
+    model_id: str
+
+    @property
+    def name(self) -> str:
+        return self.model_id
+
+    @property
+    def path(self) -> Path:
+        from kvserve.models.catalog import resolve_model
+
+        return Path(resolve_model(self.model_id)[1])
+
+    def missing(self) -> str | None:
+        """Why the model cannot be served here (its package is not installed), else None."""
+        from kvserve.models.catalog import ModelSourceError
+
+        try:
+            self.path
+        except ModelSourceError as e:
+            return str(e)
+        return None
+
+
+W6_MODEL = CatalogModel("gemma3-270m")
+# Its whole 32k context (a 32000-token document and its 64 tokens fit); the pool is the CPU default, said aloud:
+# with KV groups a 32k sequence holds about 134 MiB at its peak (docs/bench/kv-memory.md).
+W6_ENGINE_ARGS = {"max_model_len": 32768, "kv_cache_memory": "2GiB"}
+W6_TARGETS = ("kvserve", "fake")
+W6_DOCUMENTS, W6_CONCURRENCY, W6_DURATION, W6_ALONE_DURATION = (32000, 8000, 16000), 2, 240, 60
+
+
 @dataclass
 class Job:
     """One benchmark configuration: a workload (or half of one) with its client arguments."""
@@ -84,14 +132,19 @@ class Job:
     shape: dict = field(default_factory=dict)
 
 
+def _interactive(inp: int, out: int) -> str:
+    """W3's interactive stream, also W6's: chat requests at a steady 1 request/s."""
+    return f"interactive:rate=1,arrival=constant,dataset=chat,input={inp},output={out}"
+
+
 def _random(inp: int, out: int) -> list[str]:
     return ["--dataset-name", "random", "--random-input-len", str(inp), "--random-output-len", str(out),
             "--ignore-eos"]
 
 
 def build_jobs(workloads: list[str], runs: int, quick: bool, model: str = SMOLLM2) -> list[Job]:
-    """The client side of W1-W5 (WORKLOADS.md); --quick shrinks every size for a smoke test. `model`: SmolLM2,
-    or a shape (a key of SHAPES), which runs only SHAPE_WORKLOADS, at its SIZES."""
+    """The client side of W1-W5 (WORKLOADS.md) and W6; --quick shrinks every size for a smoke test. `model`:
+    SmolLM2, or a shape (a key of SHAPES), which runs only SHAPE_WORKLOADS, at its SIZES."""
     q = quick
     io_ = (32, 16) if q else (256, 128)
     sizes = QUICK_SIZES if q else SIZES[model]
@@ -111,7 +164,7 @@ def build_jobs(workloads: list[str], runs: int, quick: bool, model: str = SMOLLM
     if "W3" in workloads:
         dur = 8 if q else 60
         batch_c, batch_io, inter_io = (2, (64, 64), (40, 16)) if q else (16, (256, 256), (64, 64))
-        inter = (f"interactive:rate=1,arrival=constant,dataset=chat,input={inter_io[0]},output={inter_io[1]}")
+        inter = _interactive(*inter_io)
         flood = f"batch:concurrency={batch_c},input={batch_io[0]},output={batch_io[1]},drain=0"
         common = ["--ignore-eos", "--duration", str(dur), "--goodput-ttft-ms", "1000"]
         shape = {"duration": dur, "batch_concurrency": batch_c, "batch_io": batch_io, "interactive_io": inter_io,
@@ -131,6 +184,20 @@ def build_jobs(workloads: list[str], runs: int, quick: bool, model: str = SMOLLM
         # the rate (3x what W1 sustained on the same target) is filled in at run time
         jobs.append(Job("W5", "W5", "overload", _random(*io_) + ["--duration", str(dur), "--goodput-ttft-ms", "1000"],
                         500, runs, shape={"input": io_[0], "output": io_[1], "duration": dur, "rate_factor": 3}))
+    if "W6" in workloads:
+        dur, alone, docs, doc_out, inter_io = ((20, 8, (2048, 512, 1024), 16, (40, 16)) if q else
+                                               (W6_DURATION, W6_ALONE_DURATION, W6_DOCUMENTS, 64, (64, 64)))
+        documents = (f"documents:priority=batch,concurrency={W6_CONCURRENCY},dataset=document,"
+                     f"inputs={'/'.join(map(str, docs))},output={doc_out},drain=0")
+        common = ["--ignore-eos", "--goodput-ttft-ms", "1000"]
+        shape = {"model": W6_MODEL.model_id, "engine_args": W6_ENGINE_ARGS, "duration": dur, "alone_duration": alone,
+                 "documents": list(docs), "document_output": doc_out, "document_concurrency": W6_CONCURRENCY,
+                 "interactive_io": inter_io, "interactive_rate": 1}
+        jobs.append(Job("W6-mix", "W6", "long_context", common + ["--duration", str(dur), "--mix",
+                                                                  f"{documents};{_interactive(*inter_io)}"],
+                        800, runs, shape=shape))
+        jobs.append(Job("W6-alone", "W6", "long_context", common + ["--duration", str(alone), "--mix",
+                                                                    _interactive(*inter_io)], 850, runs, shape=shape))
     if "SWEEP" in workloads:
         for c in (QUICK_SWEEP_CONCURRENCY if q else SWEEP_CONCURRENCY):
             n = max(4 if q else 8, 2 * c)
@@ -297,7 +364,8 @@ class Suite:
         self.save_meta()
 
     def client_argv(self, t: Target, server: RunningServer, extra: list[str]) -> list[str]:
-        argv = ["--base-url", server.base_url, "--model", t.model_id, "--tokenizer", "smollm2-135m",
+        tokenizer = t.model.model_id if isinstance(t.model, CatalogModel) else SMOLLM2  # shapes: SmolLM2's vocabulary
+        argv = ["--base-url", server.base_url, "--model", t.model_id, "--tokenizer", tokenizer,
                 "--priority-style", t.priority_style]
         if t.connection_close:
             argv.append("--connection-close")
@@ -439,12 +507,28 @@ class Suite:
                           command=shell_join(["python", "-m", "benchmarks.suite", *sys.argv[1:]]),
                           copy_bytes_per_s=(self.meta.get("ceilings") or {}).get("copy_bytes_per_s"))
         self.save_meta()
+        w6 = [j for j in jobs if j.workload == "W6"]
+        jobs = [j for j in jobs if j.workload != "W6"]
         targets = all_targets(self.args.targets, engine_args=dict(self.args.engine_arg), model=model)
-        self.log(f"{model.name if model else SMOLLM2}: targets {', '.join(t.name for t in targets)}; "
-                 f"jobs {', '.join(j.name for j in jobs) or 'none (shapes run W1 and W2 only)'}")
-        if not jobs:
-            return
-        missing = self.ensure_model(model) if model else None
+        if jobs or not w6:
+            self.log(f"{model.name if model else SMOLLM2}: targets {', '.join(t.name for t in targets)}; "
+                     f"jobs {', '.join(j.name for j in jobs) or 'none (shapes run W1 and W2 only)'}")
+        if jobs:
+            self.run_targets(targets, jobs, self.ensure_model(model) if model else None)
+        if w6:
+            self.run_w6(w6)
+
+    def run_w6(self, jobs: list[Job]) -> None:
+        """W6 on its model at its whole context, on the targets of W6_TARGETS among --targets; --engine-arg
+        applies as far as W6_ENGINE_ARGS leaves it."""
+        names = [n for n in self.args.targets if n in W6_TARGETS]
+        targets = all_targets(names, engine_args={**dict(self.args.engine_arg), **W6_ENGINE_ARGS}, model=W6_MODEL)
+        self.log(f"W6 on {W6_MODEL.model_id}: targets {', '.join(t.name for t in targets) or 'none (kvserve only)'}; "
+                 f"jobs {', '.join(j.name for j in jobs)}")
+        self.run_targets(targets, jobs, W6_MODEL.missing())
+
+    def run_targets(self, targets: list[Target], jobs: list[Job], missing: str | None = None) -> None:
+        """Each target through `jobs`, or skipped with `missing` (the model file is not there) or its reason."""
         for t in targets:
             if missing and not isinstance(t, VllmTarget):  # vLLM would not load the file anyway: its own reason
                 self.skip(t, missing)
@@ -455,7 +539,7 @@ class Suite:
                 self.run_target(t, jobs)
             except Exception as e:  # noqa: BLE001 - one target failing must not lose the others
                 self.log(f"{t.name}: FAILED: {type(e).__name__}: {e}")
-                self.meta["targets"][t.name]["status"] = f"failed: {e}"[:2000]
+                self.meta["targets"].setdefault(t.name, {})["status"] = f"failed: {e}"[:2000]
                 self.save_meta()
 
     def run(self) -> int:

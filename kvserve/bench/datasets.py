@@ -1,9 +1,13 @@
-"""Prompt generators for the load generator: random, shared-prefix and chat.
+"""Prompt generators for the load generator: random, shared-prefix, chat and document.
 
 Like vLLM's random dataset, prompts are random token ids (special tokens excluded) decoded to text
 with the model's tokenizer, then re-encoded and trimmed or topped up until the text encodes to the
 wanted length, so that the server, re-tokenizing the text, sees about that many tokens. With
 `token_prompts` the ids themselves are sent (to /v1/completions), and the length is exact.
+
+The document dataset (long-context work, W6) is real text instead: a passage of the standard library's own
+Python source (DOCUMENT_MODULES, fixed for a Python version, no download) from an offset drawn from
+(seed, i), cut so that it and the question after it (DOCUMENT_QUESTION) encode to the wanted length.
 
 Prompt i of a dataset depends only on (seed, i), so a time-bounded run can draw as many as it needs
 and two runs with the same seed send the same prompts. Give every run its own seed when prompts must
@@ -18,8 +22,13 @@ from typing import Any
 
 import numpy as np
 
-DATASETS = ("random", "shared-prefix", "chat")
+DATASETS = ("random", "shared-prefix", "chat", "document")
 CHAT_DATASETS = ("chat",)
+# The document dataset's text: about 200k tokens of source (Gemma 3 or SmolLM2), so a 32k-token document can
+# start at any of some 170k offsets, and documents that start apart share no prefix-cache block.
+DOCUMENT_MODULES = ("typing", "inspect", "argparse", "subprocess", "asyncio.base_events", "dataclasses", "threading",
+                    "collections", "pathlib", "email.message", "json.decoder")
+DOCUMENT_QUESTION = "\n\nQuestion: Summarize the code above in one sentence.\nAnswer:"
 
 
 def load_tokenizer(spec: str):
@@ -39,6 +48,15 @@ def load_tokenizer(spec: str):
     return Tokenizer.from_gguf(path)
 
 
+def document_text() -> str:
+    """DOCUMENT_MODULES' sources, each under a header line."""
+    import importlib
+    import inspect
+
+    return "".join(f"# ---- {name} ----\n{inspect.getsource(importlib.import_module(name))}\n"
+                   for name in DOCUMENT_MODULES)
+
+
 @dataclass
 class Prompt:
     """One request's input: text (or token ids) or chat messages, and its length in tokens."""
@@ -54,16 +72,19 @@ class PromptSource:
 
     def __init__(self, tokenizer: Any, dataset: str = "random", *, input_len: int = 1024, output_len: int = 128,
                  prefix_len: int = 0, range_ratio: float = 0.0, seed: int = 0, token_prompts: bool = False,
-                 max_retry: int = 10):
+                 max_retry: int = 10, input_lens: tuple[int, ...] = ()):
         if dataset not in DATASETS:
             raise ValueError(f"unknown dataset {dataset!r}; one of {', '.join(DATASETS)}")
         if not 0.0 <= range_ratio < 1.0:
             raise ValueError("range ratio must be in [0, 1)")
+        if input_lens and (range_ratio or min(input_lens) < 1):
+            raise ValueError("input lengths to cycle over must be >= 1, and take no range ratio")
         if dataset == "chat" and token_prompts:
             raise ValueError("token prompts go to /v1/completions; the chat dataset sends messages")
         self.tok = tokenizer
         self.dataset = dataset
         self.input_len = int(input_len)
+        self.input_lens = tuple(int(n) for n in input_lens)  # prompt i: input_lens[i % n] tokens, if given
         self.output_len = int(output_len)
         self.prefix_len = int(prefix_len)
         self.range_ratio = float(range_ratio)
@@ -100,6 +121,8 @@ class PromptSource:
         return text, ids
 
     def _lens(self, i: int) -> tuple[int, int]:
+        if self.input_lens:
+            return self.input_lens[i % len(self.input_lens)], self.output_len
         if self.range_ratio == 0:
             return self.input_len, self.output_len
         rng = self._rng(2, i)
@@ -124,10 +147,43 @@ class PromptSource:
         """Tokens the chat template adds around one user message (system prompt, role markers, ...)."""
         return len(self.tok.encode_chat([{"role": "user", "content": ""}]))
 
+    @cached_property
+    def document_ids(self) -> list[int]:
+        """The document text's tokens, repeated until the longest document fits with room to spare."""
+        ids = self.tok.encode(document_text(), add_special_tokens=False)
+        need = max(self.input_lens or (self.input_len,)) + 256
+        return ids * (1 + need // len(ids))
+
+    def _document(self, i: int, input_len: int, output_len: int) -> Prompt:
+        """A passage of the document text from an offset drawn from (seed, i), then the question: input_len
+        tokens in all, as the server encodes the text (BOS included)."""
+        question = self.tok.encode(DOCUMENT_QUESTION, add_special_tokens=False)
+        corpus = self.document_ids
+        body = max(input_len - len(question) - (0 if self.token_prompts else self.num_special), 1)
+        start = int(self._rng(3, i).integers(0, len(corpus) - body))
+        if self.token_prompts:
+            ids = corpus[start:start + body] + question
+            return Prompt(ids, None, len(ids), output_len)
+        tried = set()
+        for _ in range(self.max_retry + 1):  # a cut can merge or split tokens at its edges: move the end,
+            tried.add(body)                  # or the start where moving the end goes back and forth
+            text = self.tok.decode(corpus[start:start + body]) + DOCUMENT_QUESTION
+            n = len(self.tok.encode(text, add_special_tokens=True))
+            if n == input_len:
+                break
+            body += input_len - n
+            if body in tried:
+                start += 1
+        else:
+            self.mismatches += 1
+        return Prompt(text, None, n, output_len)
+
     # -- the prompts ---------------------------------------------------------------------------------------------
 
     def prompt(self, i: int) -> Prompt:
         input_len, output_len = self._lens(i)
+        if self.dataset == "document":
+            return self._document(i, input_len, output_len)
         rng = self._rng(0, i)
         if self.dataset == "chat":
             body = max(input_len - self.chat_overhead, 1)

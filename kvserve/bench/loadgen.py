@@ -55,6 +55,7 @@ class TierSpec:
     name: str = "default"
     dataset: str = "random"
     input_len: int = 1024
+    input_lens: tuple[int, ...] = ()  # prompt i takes input_lens[i % n] tokens instead of input_len, if given
     output_len: int = 128
     prefix_len: int = 0
     range_ratio: float = 0.0
@@ -99,6 +100,7 @@ _MIX_KEYS = {
     "rate": ("request_rate", float), "request_rate": ("request_rate", float),
     "arrival": ("arrival", str), "burstiness": ("burstiness", float),
     "input": ("input_len", int), "input_len": ("input_len", int),
+    "inputs": ("input_lens", lambda v: tuple(int(x) for x in v.split("/"))),  # e.g. inputs=32000/8000/16000
     "output": ("output_len", int), "output_len": ("output_len", int),
     "prefix": ("prefix_len", int), "prefix_len": ("prefix_len", int),
     "range_ratio": ("range_ratio", float),
@@ -190,7 +192,8 @@ class LoadGenerator:
         self.tok = tokenizer
         self.sources = {t.name: PromptSource(tokenizer, t.dataset, input_len=t.input_len, output_len=t.output_len,
                                              prefix_len=t.prefix_len, range_ratio=t.range_ratio, seed=t.seed,
-                                             token_prompts=t.token_prompts) for t in self.tiers}
+                                             token_prompts=t.token_prompts, input_lens=t.input_lens)
+                        for t in self.tiers}
         self.prompts: dict[str, list[Prompt]] = {t.name: [] for t in self.tiers}
         self.records: list[RequestRecord] = []
         self.t0 = 0.0
@@ -402,7 +405,8 @@ class LoadGenerator:
         t = replace(self.tiers[0], name="warmup", seed=self.tiers[0].seed ^ 0x7A11, num_prompts=n,
                     request_rate=math.inf, drain=True)
         self.sources["warmup"] = PromptSource(self.tok, t.dataset, input_len=t.input_len, output_len=t.output_len,
-                                              prefix_len=t.prefix_len, seed=t.seed, token_prompts=t.token_prompts)
+                                              prefix_len=t.prefix_len, seed=t.seed, token_prompts=t.token_prompts,
+                                              input_lens=t.input_lens)
         self.prompts["warmup"] = [self.sources["warmup"].prompt(i) for i in range(n)]
         saved = self.records
         self.records = []
@@ -536,7 +540,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     d.add_argument("--tokenizer", default=None,
                    help="catalog id (smollm2-135m), .gguf file or HF directory (default: --model)")
     d.add_argument("--random-input-len", type=int, default=1024,
-                   help="prompt tokens (random, chat), or the unique suffix for shared-prefix")
+                   help="prompt tokens (random, chat, document), or the unique suffix for shared-prefix")
     d.add_argument("--random-output-len", type=int, default=128, help="max_tokens of every request")
     d.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths drawn uniformly in [len*(1-r), len*(1+r)]")
@@ -560,7 +564,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                     help="seconds: stop sending new requests after this (requests in flight finish)")
     ld.add_argument("--mix", default=None, metavar="SPEC",
                     help="tiers sent together: 'NAME:key=v,...;NAME:...'; keys concurrency, rate, arrival, "
-                         "burstiness, input, output, prefix, num, dataset, priority, endpoint, drain, token_prompts")
+                         "burstiness, input, inputs (lengths cycled over, e.g. 32000/8000/16000), output, prefix, "
+                         "num, dataset, priority, endpoint, drain, token_prompts")
     ld.add_argument("--priority", default=None,
                     help="priority field of every request (interactive|batch, or an int for vLLM)")
     ld.add_argument("--priority-style", choices=["string", "int", "none"], default="string",
