@@ -27,6 +27,10 @@ SECTIONS = {  # section -> (title, what it shows)
     "fleet chaos": ("Fleet chaos", "A real local Ray cluster and Serve, SmolLM2 replicas; a replica SIGKILLed "
                     "every 30 s under W1-shaped load, then the gateway; and 12 greedy streams through a replica SIGKILL, "
                     "against an undisturbed run."),
+    "kv disk tier": ("KV disk tier", "The prefix cache's disk tier under damage: a thread corrupts, truncates and "
+                     "deletes its files while SmolLM2 serves (batch-invariant numerics, so a wrong page would show "
+                     "in the bits); a process writing it is SIGKILLed, and an engine restarted on the directory serves "
+                     "the same prompts."),
 }
 
 

@@ -143,7 +143,7 @@ def test_damaged_files_under_load_are_only_misses(tmp_path, reference, figures):
     eng.close()
     assert sum(counts.values()) > 0 and loaded > 0
     assert stats.corrupt + stats.misses > 0
-    figures.record("KV disk tier", "damaged files under load: outputs that differ from a miss", 0,
+    figures.record("kv disk tier", "damaged files under load: outputs that differ from a miss", 0,
                    target="0", ok=True,
                    detail=f"{served} prompts served in {ROUNDS} rounds while {counts} were done to the files; "
                           f"{loaded} prompt tokens loaded from the disk, {stats.corrupt} damaged pages found")
@@ -189,6 +189,6 @@ def test_a_kill_mid_write_leaves_no_bad_hit_after_restart(tmp_path, reference, f
         loaded += from_disk
     eng.close()
     assert found > 0 and loaded > 0
-    figures.record("KV disk tier", "killed mid-write, restarted: outputs that differ from a miss", 0, target="0",
+    figures.record("kv disk tier", "killed mid-write, restarted: outputs that differ from a miss", 0, target="0",
                    ok=True, detail=f"{kills} SIGKILLs of a process writing the tier; {found} pages found after, "
                                    f"{loaded} prompt tokens loaded from them")
