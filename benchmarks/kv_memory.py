@@ -125,7 +125,7 @@ def real_rows(model: str, tokens: int) -> dict:
                     final = ro
             for seq in eng.scheduler._running:
                 peak = max(peak, eng.kv.num_blocks_held(seq))
-        page = eng.kv_bytes_per_token * eng.kv.block_size * eng.kv_layout.group_size // eng.model_config.num_layers
+        page = eng.kv_page_bytes
         gaps = [b - a for a, b in zip(stamps, stamps[1:])]
         out[label] = {"peak_bytes": peak * page, "ttft_s": first - t0, "tpot_ms": 1000 * statistics.median(gaps),
                       "pool_pages": eng.kv.num_device_blocks}

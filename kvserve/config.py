@@ -67,6 +67,15 @@ FRACTION = (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]")
 BOOL = (lambda v: isinstance(v, bool), "true or false")
 
 
+def sliding_layer(layer: int, window: int | None, pattern: int | None) -> bool:
+    """Whether a layer attends through its model's sliding window: with a pattern every pattern-th layer is
+    global (Gemma 3: 6), without one every layer slides (Mistral v0.1); no window, none does. The one rule
+    for the engine (ModelConfig) and the planner (planning/memory.py's ModelSpec)."""
+    if window is None:
+        return False
+    return not pattern or (layer + 1) % pattern != 0
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture hyperparameters, read from GGUF metadata or a HF config.json."""
@@ -97,13 +106,8 @@ class ModelConfig:
     attention_sinks: int = 0
 
     def is_sliding(self, layer: int) -> bool:
-        """A native sliding-window layer (Gemma 3's local layers; every layer of a model with a window and no
-        pattern, as Mistral's)."""
-        if self.sliding_window is None:
-            return False
-        if self.sliding_window_pattern is None:
-            return True
-        return (layer + 1) % self.sliding_window_pattern != 0
+        """A native sliding-window layer (see sliding_layer)."""
+        return sliding_layer(layer, self.sliding_window, self.sliding_window_pattern)
 
     def with_attention_window(self, sinks_window: tuple[int, int] | None) -> "ModelConfig":
         """This config under the sinks + window policy (sinks, window), or as it is for None."""

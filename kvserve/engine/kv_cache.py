@@ -141,7 +141,6 @@ class KVCacheUsage:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
-
 class KVCacheManager:
     """Hands out fixed-size device blocks to sequences on demand and tracks who holds which."""
 
@@ -204,8 +203,6 @@ class KVCacheManager:
     def blocks_for_tokens(self, num_tokens: int, new_tokens: int | None = None) -> int:
         """Blocks (over all groups) a sequence of `num_tokens` holds while its last `new_tokens` (default:
         all) are computed: a sliding group holds only what its window reaches (engine/kv_groups.py)."""
-        if self.num_groups == 1 and self._null is None:
-            return -(-num_tokens // self.block_size)
         return self.layout.pages_held(num_tokens, self.block_size, new_tokens)
 
     def block_table(self, seq: Sequence, group: int = 0) -> list[int]:
@@ -248,17 +245,16 @@ class KVCacheManager:
             return 0
         bs = self.block_size
         full = [g for g, group in enumerate(self.groups) if group.window is None]
-        tier = self.tier
+        held = self._on_device if self.tier is None else self._on_device_or_tier
         hashes: list[BlockHash] = []
         for i in range((seq.num_tokens - 1) // bs):
             h = hash_block(hashes[-1] if hashes else None, token_slice(seq, i * bs, (i + 1) * bs), seq.cache_salt)
-            if full and any(h not in self._by_hash[g] and (tier is None or not tier.contains(tier_key(g, h)))
-                            for g in full):
+            if not all(held(g, h) for g in full):
                 break
             hashes.append(h)
         n = self._longest_hit(hashes, self._on_device)
         loads: dict[tuple[int, int], bytes] = {}
-        if tier is not None and n < len(hashes):
+        if self.tier is not None and n < len(hashes):
             n, loads = self._tier_hit(hashes, n)
         tables: list[list[int]] = []
         for g, group in enumerate(self.groups):  # the pool's hits first: a load's fresh block may evict one
@@ -298,7 +294,7 @@ class KVCacheManager:
         if state is not None and self._null is not None:
             self._drop_passed_blocks(state, start)
         tables = state.device if state is not None else [[] for _ in self.groups]
-        need = -(-(start + num_new_tokens) // self.block_size)  # the length of every group's table
+        need = self._blocks_covering(start + num_new_tokens)  # the length of every group's table
         cows = [self._shared_in_write_range(table, start, num_new_tokens) for table in tables]
         grow = sum(max(0, need - len(table)) for table in tables)
         if grow + sum(map(len, cows)) > self.num_free_blocks:
@@ -398,7 +394,7 @@ class KVCacheManager:
         state = self._seqs.get(seq.seq_id)
         if state is None or state.host is None:
             return False
-        want = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        want = self._blocks_covering(seq.num_computed_tokens + num_new_tokens)
         need = sum(sum(b is not None for b in table) + max(0, want - len(table)) for table in state.host)
         return need <= self.num_free_blocks
 
@@ -480,8 +476,7 @@ class KVCacheManager:
                 sinks = min(group.sink_blocks(self.block_size), len(table))
                 assert self._null is None or self._null not in table[:sinks], "a sink's block let go"
                 rest = table[sinks:]
-                gone = sum(1 for _ in itertools.takewhile(lambda b: b == self._null, rest)) \
-                    if self._null is not None else 0
+                gone = sum(1 for _ in itertools.takewhile(lambda b: b == self._null, rest))
                 assert all(b != self._null for b in rest[gone:]), "a NULL_PAGE after a held block"
                 assert group.window is not None or gone == 0, "a full-attention group let a block go"
             for bid in pages:
@@ -520,10 +515,12 @@ class KVCacheManager:
 
     # ---- internals -----------------------------------------------------------------------------
 
+    def _blocks_covering(self, num_tokens: int) -> int:
+        """The length of a table that covers `num_tokens` positions."""
+        return -(-num_tokens // self.block_size)
+
     def _pages(self, tables: list[list[int]]) -> list[int]:
         """The device pages in these tables, NULL_PAGE entries left out."""
-        if self._null is None:
-            return [b for table in tables for b in table]
         return [b for table in tables for b in table if b != self._null]
 
     def _on_device(self, g: int, h: BlockHash) -> bool:
@@ -555,13 +552,17 @@ class KVCacheManager:
         if n <= on_device:
             return on_device, {}
         bs = self.block_size
-        wanted = [(g, i) for g, group in enumerate(self.groups)
-                  for i in group.kept(n * bs, n, bs) if hashes[i] not in self._by_hash[g]]
-        # Room for the loads (device hits taken from the LRU leave the free blocks too). Should the sequence then
-        # find no room for its first chunk, the loaded blocks stay cached: its next lookup finds them in the pool.
-        cached_hits = sum(1 for g, group in enumerate(self.groups)
-                          for i in group.kept(n * bs, n, bs)
-                          if hashes[i] in self._by_hash[g] and self._blocks[self._by_hash[g][hashes[i]]].ref_count == 0)
+        wanted: list[tuple[int, int]] = []  # (group, block index) of the pages to read from the tier
+        cached_hits = 0  # the pool's hits now in the LRU: taking them leaves fewer free blocks too
+        for g, group in enumerate(self.groups):
+            for i in group.kept(n * bs, n, bs):
+                bid = self._by_hash[g].get(hashes[i])
+                if bid is None:
+                    wanted.append((g, i))
+                else:
+                    cached_hits += self._blocks[bid].ref_count == 0
+        # Should the sequence then find no room for its first chunk, the loaded blocks stay cached: its next
+        # lookup finds them in the pool.
         if len(wanted) + cached_hits > self.num_free_blocks:
             return on_device, {}
         pages = {}
@@ -599,7 +600,7 @@ class KVCacheManager:
         if num_new_tokens <= 0:
             return []
         bs = self.block_size
-        last = min(len(table), -(-(start + num_new_tokens) // bs))
+        last = min(len(table), self._blocks_covering(start + num_new_tokens))
         return [i for i in range(start // bs, last)
                 if self._blocks[table[i]].ref_count - self._pins.get(table[i], 0) > 1]
 

@@ -240,10 +240,6 @@ class DiskKVStore:
                 _remove(path)
         return None
 
-    def get_many(self, keys) -> list[bytes | None]:
-        """`get` for each key, in order."""
-        return [self.get(key) for key in keys]
-
     def contains(self, key: bytes) -> bool:
         """Whether the index holds `key` (no disk access; a pending write is not held yet)."""
         key = _check_key(key)

@@ -64,10 +64,6 @@ class CachedBlocks:
     def tenant_of(self, bid: int) -> str:
         return self._tenant_of[bid]
 
-    def held(self, tenant: str) -> int:
-        lru = self._by_tenant.get(tenant)
-        return len(lru) if lru is not None else 0
-
     def tenants(self) -> dict[str, int]:
         """Cached blocks per tenant."""
         return {t: len(lru) for t, lru in self._by_tenant.items()}

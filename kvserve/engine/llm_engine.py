@@ -82,8 +82,8 @@ class LLMEngine:
         self.kv_bytes_per_token = round(self.model_config.kv_bytes_per_token_per_element * elem)
         self.kv_layout = KVLayout.for_model(self.model_config, split=cache_cfg.kv_groups)
         # A block ("page") holds one group's layers: all of them with one group.
-        block_bytes = cache_cfg.block_size * self.kv_bytes_per_token * self.kv_layout.group_size \
-            // self.model_config.num_layers
+        self.kv_page_bytes = block_bytes = cache_cfg.block_size * self.kv_bytes_per_token * \
+            self.kv_layout.group_size // self.model_config.num_layers
         num_blocks = cache_cfg.num_gpu_blocks_override or max(1 + self.kv_layout.reserved_pages,
                                                               self.plan.kv_memory // block_bytes)
         if self.device.type == "cuda" and not cache_cfg.num_gpu_blocks_override:

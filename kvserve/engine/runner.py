@@ -240,9 +240,10 @@ class ModelRunner:
         if num_decodes:
             max_blocks = (max(lens) + bs - 1) // bs
             flat = array("q")
+            dec_tables = [d.tables(num_groups) for d in dec]
             for g in range(num_groups):
-                for d in dec:
-                    table = d.tables(num_groups)[g][:max_blocks]
+                for tables in dec_tables:
+                    table = tables[g][:max_blocks]
                     flat.extend(table)
                     flat.extend([0] * (max_blocks - len(table)))
             decode_t = _long_tensor(flat, (num_groups, num_decodes, max_blocks), dev)

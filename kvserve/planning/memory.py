@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.config import sliding_layer
 from kvserve.engine.kv_groups import KVLayout
 from kvserve.planning.specs import AcceleratorSpec, ModelSpec
 
@@ -84,7 +85,7 @@ def layer_windows(m: ModelSpec) -> list[int | None]:
     """Each layer's attention window (None: full attention). With a pattern, every pattern-th layer is
     global (Gemma 3, as ModelConfig.is_sliding); a window without one slides every layer (Mistral v0.1)."""
     w, p = m.sliding_window, m.sliding_window_pattern
-    return [None if w is None or (p and (layer + 1) % p == 0) else w for layer in range(m.num_layers)]
+    return [w if sliding_layer(layer, w, p) else None for layer in range(m.num_layers)]
 
 
 def kv_layout(m: ModelSpec, split: bool = True) -> KVLayout:

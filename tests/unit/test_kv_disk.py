@@ -52,7 +52,7 @@ def test_round_trip_through_the_writer(store):
     assert store.put(key(2), bytearray(page(key(2))))
     assert store.put(key(3), memoryview(page(key(3))))
     assert store.flush(5)
-    assert store.get_many([key(1), key(2), key(3), key(4)]) == [page(key(1)), page(key(2)), page(key(3)), None]
+    assert [store.get(key(i)) for i in (1, 2, 3, 4)] == [page(key(1)), page(key(2)), page(key(3)), None]
     assert store.contains(key(1)) and not store.contains(key(4))
     s = store.stats()
     assert (s.entries, s.bytes, s.writes, s.hits, s.misses, s.corrupt) == (3, 3 * FILE, 3, 3, 1, 0)
@@ -92,7 +92,7 @@ def test_restart_finds_pages_and_another_namespace_does_not(tmp_path):
             first.put(key(i), page(key(i)))
     with DiskKVStore(tmp_path, NS, PAGE, 100 * FILE) as again:
         assert again.stats().entries == 5
-        assert again.get_many([key(i) for i in range(5)]) == [page(key(i)) for i in range(5)]
+        assert [again.get(key(i)) for i in range(5)] == [page(key(i)) for i in range(5)]
     other_dtype = kv_namespace("model-sha", "float16", 16, "groups=1")
     with DiskKVStore(tmp_path, other_dtype, PAGE, 100 * FILE) as other:
         assert other.stats().entries == 0 and other.get(key(0)) is None
@@ -276,7 +276,7 @@ def test_concurrent_use_under_disk_damage_returns_exact_pages_or_none(tmp_path):
                 elif op < 0.45:
                     s.write_now(k, page(k))
                 else:
-                    got = s.get_many([k]) if op < 0.5 else [s.get(k)]
+                    got = [s.get(k)]
                     gets[0] += 1
                     if got[0] is not None:
                         gets[1] += 1

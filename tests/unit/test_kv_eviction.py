@@ -6,34 +6,31 @@ import pytest
 from kvserve.engine.kv_eviction import CachedBlocks, KVSharePolicy
 
 
+def cached(blocks: dict[str, range], policy: KVSharePolicy | None = None) -> CachedBlocks:
+    """Blocks made evictable tenant after tenant, in order (so each tenant's first is its oldest)."""
+    c = CachedBlocks(policy)
+    for tenant, bids in blocks.items():
+        for bid in bids:
+            c.add(bid, tenant)
+    return c
+
+
 def test_the_tenant_furthest_over_its_share_loses_its_oldest_block():
-    c = CachedBlocks()
-    for bid in range(6):
-        c.add(bid, "flood")
-    c.add(10, "quiet")
-    c.add(11, "quiet")
+    c = cached({"flood": range(6), "quiet": range(10, 12)})
     assert [c.pop_victim() for _ in range(4)] == [0, 1, 2, 3]  # 6:2, then 5:2, 4:2, 3:2: always the flood's oldest
     assert c.tenants() == {"flood": 2, "quiet": 2}
     assert c.pop_victim() == 4  # a tie by blocks held: the older oldest block goes (LRU between the two)
 
 
 def test_weights_scale_the_share():
-    c = CachedBlocks(KVSharePolicy(weights={"gold": 4.0}))
-    for bid in range(8):
-        c.add(bid, "gold")
-    for bid in range(10, 13):
-        c.add(bid, "free")
+    c = cached({"gold": range(8), "free": range(10, 13)}, KVSharePolicy(weights={"gold": 4.0}))
     assert c.pop_victim() == 10  # 8 / 4 = 2 < 3 / 1
     c.remove(11)
     assert 11 not in c and len(c) == 9
 
 
 def test_pinned_blocks_are_kept_while_others_are_over_their_pins():
-    c = CachedBlocks(KVSharePolicy(pinned_blocks={"system": 3}))
-    for bid in range(3):
-        c.add(bid, "system")
-    for bid in range(10, 12):
-        c.add(bid, "other")
+    c = cached({"system": range(3), "other": range(10, 12)}, KVSharePolicy(pinned_blocks={"system": 3}))
     assert [c.pop_victim() for _ in range(2)] == [10, 11]
     assert c.pop_victim() == 0  # only pinned blocks left: the oldest overall
 
