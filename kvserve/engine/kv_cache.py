@@ -546,32 +546,39 @@ class KVCacheManager:
 
     def _tier_hit(self, hashes: list[BlockHash], on_device: int) -> tuple[int, dict[tuple[int, int], bytes]]:
         """The prefix the pool and the lower tier hold together, with the tier's pages read: (blocks, {(group,
-        block index): page}). Where the pool has too few free blocks to load them into, or the tier fails to
-        produce a page intact, the pool's own prefix (`on_device` blocks) stands."""
-        n = self._longest_hit(hashes, self._on_device_or_tier)
-        if n <= on_device:
-            return on_device, {}
+        block index): page}). A page the tier cannot produce intact ends the prefix before its block (the tier
+        drops it); where the pool has too few free blocks to load the pages into, the pool's own prefix
+        (`on_device` blocks) stands."""
         bs = self.block_size
-        wanted: list[tuple[int, int]] = []  # (group, block index) of the pages to read from the tier
-        cached_hits = 0  # the pool's hits now in the LRU: taking them leaves fewer free blocks too
-        for g, group in enumerate(self.groups):
-            for i in group.kept(n * bs, n, bs):
-                bid = self._by_hash[g].get(hashes[i])
-                if bid is None:
-                    wanted.append((g, i))
-                else:
-                    cached_hits += self._blocks[bid].ref_count == 0
-        # Should the sequence then find no room for its first chunk, the loaded blocks stay cached: its next
-        # lookup finds them in the pool.
-        if len(wanted) + cached_hits > self.num_free_blocks:
-            return on_device, {}
-        pages = {}
-        for g, i in wanted:
-            page = self.tier.get(tier_key(g, hashes[i]))
-            if page is None:
+        read: dict[tuple[int, int], bytes] = {}
+        while True:
+            n = self._longest_hit(hashes, self._on_device_or_tier)
+            if n <= on_device:
                 return on_device, {}
-            pages[g, i] = page
-        return n, pages
+            wanted: list[tuple[int, int]] = []  # (group, block index) of the pages to read from the tier
+            cached_hits = 0  # the pool's hits now in the LRU: taking them leaves fewer free blocks too
+            for g, group in enumerate(self.groups):
+                for i in group.kept(n * bs, n, bs):
+                    bid = self._by_hash[g].get(hashes[i])
+                    if bid is None:
+                        wanted.append((g, i))
+                    else:
+                        cached_hits += self._blocks[bid].ref_count == 0
+            # Should the sequence then find no room for its first chunk, the loaded blocks stay cached: its next
+            # lookup finds them in the pool.
+            if len(wanted) + cached_hits > self.num_free_blocks:
+                return on_device, {}
+            bad = None
+            for g, i in wanted:
+                if (g, i) not in read:
+                    page = self.tier.get(tier_key(g, hashes[i]))
+                    if page is None:
+                        bad = i
+                        break
+                    read[g, i] = page
+            if bad is None:
+                return n, {key: read[key] for key in wanted}
+            hashes = hashes[:bad]
 
     def _load(self, group: int, block_hash: BlockHash, page: bytes, tenant: str) -> int:
         """A fresh block for a page read from the tier, findable by hash at once (the load runs before the
