@@ -20,7 +20,8 @@ class TierQueue(Protocol):
     """One tier's queued work, as the scheduler counts it."""
 
     num_waiting: int
-    prompt_tokens: int  # uncomputed tokens of waiting sequences
+    prompt_tokens: int  # prompt tokens waiting sequences have to compute (cached ones left out)
+    load_s: float  # seconds their prefix-cache hits in the lower tier take to read back
     output_tokens: int  # expected output tokens of waiting sequences
 
 
@@ -50,13 +51,15 @@ def check_fits(config: SchedulerConfig, kv: KVCacheManager, seq: Sequence) -> No
 
 def estimates(config: SchedulerConfig, model: StepTimeModel, running: list[Sequence], ahead: list[TierQueue],
               own_prompt_tokens: int, seat_holders: list[Sequence] | None = None,
-              turn_s: float = 0.0) -> tuple[float, float]:
-    """(queue wait, time to first token) of a request arriving now with `own_prompt_tokens`, behind the
-    queues `ahead` (its tier's and those above it), from one pass over the running batch. Two parts, each
-    timed by the step-time model (fixed + per decode + per prefill token):
+              turn_s: float = 0.0, own_load_s: float = 0.0) -> tuple[float, float]:
+    """(queue wait, time to first token) of a request arriving now with `own_prompt_tokens` to compute and
+    `own_load_s` of lower-tier reads, behind the queues `ahead` (its tier's and those above it), from one
+    pass over the running batch. Two parts, each timed by the step-time model (fixed + per decode + per
+    prefill token):
     - the prompt tokens ahead of it (running sequences still prefilling, then those queued in its tier
       and above; for the TTFT, its own after them), prefilled in chunks of max_num_batched_tokens
-      less the running decodes, each chunk's step also decoding those;
+      less the running decodes, each chunk's step also decoding those; a prefix-cache hit is not computed:
+      one in the pool costs nothing, one in the lower tier its read time (the queues' and its own);
     - the wait for a seat: when the running sequences plus those queued ahead fill max_num_seqs,
       it starts only as running sequences finish. A running sequence has max_tokens minus what it
       has generated left (EXPECTED_OUTPUT_TOKENS without max_tokens; an upper bound when EOS
@@ -73,8 +76,10 @@ def estimates(config: SchedulerConfig, model: StepTimeModel, running: list[Seque
     owed = sum(s.num_uncomputed_tokens for s in running if s.is_prefill)
     tokens = owed + sum(t.prompt_tokens for t in ahead)
     budget = config.max_num_batched_tokens
-    queue_prefill = turn_s + model.prefill_seconds(tokens, num_running, budget)
-    ttft_prefill = turn_s + model.prefill_seconds(tokens + own_prompt_tokens, num_running, budget)
+    loads = max(0.0, sum(t.load_s for t in ahead))
+    queue_prefill = turn_s + loads + model.prefill_seconds(tokens, num_running, budget)
+    ttft_prefill = turn_s + loads + own_load_s + model.prefill_seconds(tokens + own_prompt_tokens, num_running,
+                                                                        budget)
     waiting = sum(t.num_waiting for t in ahead)
     need = waiting + 1 - (config.max_num_seqs - len(holders))
     if need <= 0 or not holders:

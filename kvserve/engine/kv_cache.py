@@ -49,6 +49,19 @@ class LowerTier(Protocol):
 
     def stored_bytes(self) -> int: ...
 
+    def load_seconds(self, pages: int) -> float | None: ...  # reading `pages` back, as measured; None: unknown
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """What a prefix lookup would find now (admission's estimates): prompt tokens whose blocks the pool holds,
+    the tokens after them that the lower tier holds, and the seconds reading those back takes (None until the
+    tier has measured a read)."""
+
+    pool_tokens: int = 0
+    tier_tokens: int = 0
+    tier_load_s: float | None = 0.0
+
 
 def tier_key(group: int, block_hash: BlockHash) -> bytes:
     """A block's key in a lower tier: its chained hash (salted per tenant), per KV group."""
@@ -244,14 +257,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return 0
         bs = self.block_size
-        full = [g for g, group in enumerate(self.groups) if group.window is None]
-        held = self._on_device if self.tier is None else self._on_device_or_tier
-        hashes: list[BlockHash] = []
-        for i in range((seq.num_tokens - 1) // bs):
-            h = hash_block(hashes[-1] if hashes else None, token_slice(seq, i * bs, (i + 1) * bs), seq.cache_salt)
-            if not all(held(g, h) for g in full):
-                break
-            hashes.append(h)
+        hashes = self._held_prefix_hashes(seq)
         n = self._longest_hit(hashes, self._on_device)
         loads: dict[tuple[int, int], bytes] = {}
         if self.tier is not None and n < len(hashes):
@@ -273,6 +279,21 @@ class KVCacheManager:
         cached = n * bs
         self._pending_lookup[seq.seq_id] = (seq.num_tokens, cached, len({i for _, i in loads}) * bs)
         return cached
+
+    def cached_prefix(self, seq: Sequence) -> CachedPrefix:
+        """What get_computed_blocks would find for a block-less sequence now, without taking anything. The tier's
+        part is an estimate: a page may yet be found damaged, or the pool short of blocks to load it into."""
+        if not self.enable_prefix_caching or seq.seq_id in self._seqs:
+            return CachedPrefix()
+        hashes = self._held_prefix_hashes(seq)
+        on_device = self._longest_hit(hashes, self._on_device)
+        n = on_device if self.tier is None else self._longest_hit(hashes, self._on_device_or_tier)
+        if n == on_device:
+            return CachedPrefix(on_device * self.block_size)
+        bs = self.block_size
+        pages = sum(hashes[i] not in self._by_hash[g] for g, group in enumerate(self.groups)
+                    for i in group.kept(n * bs, n, bs))
+        return CachedPrefix(on_device * bs, (n - on_device) * bs, self.tier.load_seconds(pages))
 
     def tier_tokens(self, seq: Sequence) -> int:
         """Of the tokens the sequence's last lookup found cached, those loaded from the lower tier (blocks of
@@ -522,6 +543,25 @@ class KVCacheManager:
     def _pages(self, tables: list[list[int]]) -> list[int]:
         """The device pages in these tables, NULL_PAGE entries left out."""
         return [b for table in tables for b in table if b != self._null]
+
+    def _held_prefix_hashes(self, seq: Sequence) -> list[BlockHash]:
+        """Chained hashes of the sequence's leading full blocks (never the one with its last token: that token
+        is computed, for logits) as long as every full-attention group holds them, in the pool or the tier.
+        Memoized on the sequence: a full block's tokens never change, and a waiting sequence is looked up again
+        every step until it is admitted."""
+        bs = self.block_size
+        memo = seq.block_hashes
+        full = [g for g, group in enumerate(self.groups) if group.window is None]
+        held = self._on_device if self.tier is None else self._on_device_or_tier
+        n = 0
+        for i in range((seq.num_tokens - 1) // bs):
+            if i == len(memo):
+                memo.append(hash_block(memo[-1] if memo else None, token_slice(seq, i * bs, (i + 1) * bs),
+                                       seq.cache_salt))
+            if not all(held(g, memo[i]) for g in full):
+                break
+            n = i + 1
+        return memo[:n]
 
     def _on_device(self, g: int, h: BlockHash) -> bool:
         return h in self._by_hash[g]

@@ -27,6 +27,7 @@ import json
 import os
 import struct
 import threading
+import time
 import zlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass, fields
@@ -38,6 +39,8 @@ KEY_BYTES = 32  # a block hash: sha256 digest (kv_cache.hash_block)
 _HEADER = struct.Struct("<8sHH32s32sQI")
 HEADER_BYTES = _HEADER.size
 _TMP_SUFFIX = ".tmp"
+# Weight of the newest read in the moving average of a page read's time (admission's load estimates).
+READ_TIME_WEIGHT = 0.1
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -136,6 +139,7 @@ class DiskKVStore:
         self._pending: set[bytes] = set()  # queued or being written
         self._closed = False
         self._counts = {f.name: 0 for f in fields(DiskKVStats) if f.name not in ("entries", "bytes")}
+        self._read_s: float | None = None  # seconds one verified page read takes (moving average)
         self.root.mkdir(parents=True, exist_ok=True)
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
@@ -212,6 +216,7 @@ class DiskKVStore:
                 return None
         path = self._path(key)
         failure = None
+        started = time.perf_counter()
         try:
             payload = self._read(path, key)
             if payload is None:
@@ -221,7 +226,9 @@ class DiskKVStore:
         except OSError:
             payload, failure = None, "io_errors"
         if payload is not None:
+            took = time.perf_counter() - started
             with self._lock:
+                self._read_s = took if self._read_s is None else self._read_s + READ_TIME_WEIGHT * (took - self._read_s)
                 self._counts["hits"] += 1
                 self._counts["bytes_read"] += self._file_bytes
                 if key in self._index:
@@ -245,6 +252,11 @@ class DiskKVStore:
         key = _check_key(key)
         with self._lock:
             return key in self._index
+
+    def load_seconds(self, pages: int) -> float | None:
+        """Seconds reading `pages` back takes, from the reads measured so far; None before the first."""
+        with self._lock:
+            return None if self._read_s is None else pages * self._read_s
 
     def stored_bytes(self) -> int:
         """Bytes of the pages stored (whole files, as the budget counts them)."""

@@ -112,6 +112,8 @@ class Sequence:
     num_tier_cached_tokens: int = 0  # of those, loaded from the lower tier (the disk)
     num_preemptions: int = 0
     fork_index: int = 0  # 0 for the parent, 1..n-1 for forks
+    # Chained prefix-cache hashes of its leading full blocks, as far as lookups went (the KV manager's memo).
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
     timings: SequenceTimings = field(default_factory=SequenceTimings)
 
     def __post_init__(self) -> None:

@@ -89,7 +89,8 @@ class _Tier:
     preempted: deque[Sequence] = field(default_factory=deque)  # earliest arrival first
     by_tenant: dict[str, deque[Sequence]] = field(default_factory=dict)  # only non-empty deques
     num_waiting: int = 0
-    prompt_tokens: int = 0  # uncomputed tokens of waiting sequences (admission bound)
+    prompt_tokens: int = 0  # prompt tokens waiting sequences have to compute (admission: _prompt_work)
+    load_s: float = 0.0  # seconds their lower-tier hits take to read back (admission's estimates)
     output_tokens: int = 0  # expected output tokens of waiting sequences (wait estimate)
     served: dict[str, float] = field(default_factory=dict)  # VTC counter per tenant
     live: dict[str, int] = field(default_factory=dict)  # unfinished sequences per active tenant
@@ -98,6 +99,7 @@ class _Tier:
 @dataclass
 class _SeqState:
     queued_prompt_tokens: int = 0  # what this sequence added to its tier's counters while waiting
+    queued_load_s: float = 0.0
     queued_output_tokens: int = 0
     decode_steps: int = 0  # tokens sampled since last admitted or swapped in (batch quantum)
 
@@ -174,7 +176,19 @@ class Scheduler:
         token: its queue wait, then its own prefill, chunked beside the running decodes."""
         return self._estimates(tier, prompt_tokens)[1]
 
-    def _estimates(self, tier: Priority, own_prompt_tokens: int) -> tuple[float, float]:
+    def _prompt_work(self, seq: Sequence) -> tuple[int, float]:
+        """(tokens to compute, seconds of lower-tier reads) of a waiting sequence, as admission counts it: its
+        prefix found in the pool costs nothing, the part found in the lower tier its measured read time (a
+        recompute until the tier has measured a read)."""
+        owed = seq.num_uncomputed_tokens
+        if self.kv.has_blocks(seq):
+            return owed, 0.0
+        hit = self.kv.cached_prefix(seq)
+        if hit.tier_load_s is None:
+            return owed - hit.pool_tokens, 0.0
+        return owed - hit.pool_tokens - hit.tier_tokens, hit.tier_load_s
+
+    def _estimates(self, tier: Priority, own_prompt_tokens: int, own_load_s: float = 0.0) -> tuple[float, float]:
         """Admission's estimates with what this scheduler's policy adds: interactive work takes batch seats
         (_take_batch_seat), and after an interactive step alone the next step is the batch tier's."""
         ahead = [t for prio, t in self._tiers.items() if prio <= tier]
@@ -185,7 +199,7 @@ class Scheduler:
                                 self._tiers[Priority.BATCH].prompt_tokens)
             turn = self.step_time.predict(len(self._running), batch_prefill)
         return admission.estimates(self.config, self.step_time, self._running, ahead, own_prompt_tokens,
-                                   holders, turn)
+                                   holders, turn, own_load_s)
 
     @property
     def tokens_per_s(self) -> float:
@@ -197,8 +211,9 @@ class Scheduler:
         """The tier's bounds; the wait bounds count what the request has waited since its arrival stamp (the
         server stamps it on submission, so the step in flight when it came counts)."""
         waited = max(0.0, self._clock() - min(s.timings.arrival for s in seqs))
-        tokens = sum(s.num_prompt_tokens for s in seqs)
-        wait, ttft = (waited + e for e in self._estimates(prio, tokens))
+        work = [self._prompt_work(s) for s in seqs]
+        tokens = sum(t for t, _ in work)
+        wait, ttft = (waited + e for e in self._estimates(prio, tokens, sum(load for _, load in work)))
         admission.check_tier_bounds(prio.label, self._limits(prio), self._tiers[prio], len(seqs), tokens,
                                     wait, ttft)
 
@@ -716,12 +731,13 @@ class Scheduler:
 
     def _count_waiting(self, tier: _Tier, seq: Sequence) -> None:
         st = self._state[seq.seq_id]
-        st.queued_prompt_tokens = seq.num_uncomputed_tokens
+        st.queued_prompt_tokens, st.queued_load_s = self._prompt_work(seq)
         max_tokens = seq.max_tokens
         expected = EXPECTED_OUTPUT_TOKENS if max_tokens is None else min(max_tokens, EXPECTED_OUTPUT_TOKENS)
         st.queued_output_tokens = expected
         tier.num_waiting += 1
         tier.prompt_tokens += st.queued_prompt_tokens
+        tier.load_s += st.queued_load_s
         tier.output_tokens += st.queued_output_tokens
 
     def _dequeue(self, seq: Sequence) -> None:
@@ -737,6 +753,7 @@ class Scheduler:
         st = self._state[seq.seq_id]
         tier.num_waiting -= 1
         tier.prompt_tokens -= st.queued_prompt_tokens
+        tier.load_s -= st.queued_load_s
         tier.output_tokens -= st.queued_output_tokens
 
     def _remove_from_queues(self, seq: Sequence) -> None:

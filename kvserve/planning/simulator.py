@@ -129,8 +129,9 @@ class SimulatedTier:
     """The disk tier of a simulated engine (engine/kv_disk.py's part): which evicted blocks it holds, at most
     `pages` of them, least recently used out first. No bytes: the executor prices the loads."""
 
-    def __init__(self, pages: int):
+    def __init__(self, pages: int, load_s: Callable[[int], float] = lambda pages: 0.0):
         self.pages = pages
+        self.load_s = load_s
         self._keys: dict[bytes, None] = {}  # insertion ordered: oldest first
 
     def contains(self, key: bytes) -> bool:
@@ -151,6 +152,9 @@ class SimulatedTier:
     def stored_bytes(self) -> int:
         return len(self._keys)
 
+    def load_seconds(self, pages: int) -> float:
+        return self.load_s(pages)
+
 
 class ClockExecutor:
     """The executor of a simulated engine: a step computes nothing, it advances the clock by its priced time
@@ -158,9 +162,9 @@ class ClockExecutor:
     sequence that samples gets token 0 (outputs run to their length: the requests ignore EOS)."""
 
     def __init__(self, clock: SimClock, step_cost: Callable, block_copy_s: Callable[[int, bool], float],
-                 tier: SimulatedTier | None = None, tier_load_s: Callable[[int], float] | None = None):
+                 tier: SimulatedTier | None = None):
         self.clock, self.step_cost, self.block_copy_s = clock, step_cost, block_copy_s
-        self.tier, self.tier_load_s = tier, tier_load_s or (lambda blocks: 0.0)
+        self.tier = tier
         self.steps = 0
         self.busy = 0.0
         self.bound_time: dict[str, float] = {}  # simulated seconds each resource bound, over steps with work
@@ -193,7 +197,7 @@ class ClockExecutor:
         if out.blocks_to_copy:
             seconds += self.block_copy_s(len(out.blocks_to_copy), False)
         if out.blocks_to_load:  # pages read back from the disk tier, before the forward
-            seconds += self.tier_load_s(len(out.blocks_to_load))
+            seconds += self.tier.load_seconds(len(out.blocks_to_load))
         return seconds
 
 
@@ -211,9 +215,10 @@ class Simulator:
                  layout: KVLayout | None = None, tier_pages: int = 0,
                  tier_load_s: Callable[[int], float] | None = None):
         self.clock = SimClock()
-        self.tier = SimulatedTier(tier_pages) if tier_pages else None
+        tier_load_s = tier_load_s or (lambda pages: 0.0)
+        self.tier = SimulatedTier(tier_pages, tier_load_s) if tier_pages else None
         self.executor = ClockExecutor(self.clock, step_cost, block_copy_s or (lambda blocks, across_host: 0.0),
-                                      self.tier, tier_load_s)
+                                      self.tier)
         # Default: the engine's, without the TTFT admission bound (as search.engine_scheduler: plans refuse nothing).
         config = scheduler or SchedulerConfig(interactive=TierLimits())
         self.kv = KVCacheManager(num_blocks, num_host_blocks, block_size, enable_prefix_caching, layout,

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
-from kvserve.engine.kv_cache import KVCacheManager, hash_block, num_blocks_for
+from kvserve.engine.kv_cache import CachedPrefix, KVCacheManager, hash_block, num_blocks_for
 from kvserve.engine.kv_groups import NULL_PAGE, KVLayout
 from kvserve.engine.request import Sequence
 from kvserve.engine.sampling import SamplingParams
@@ -80,7 +80,10 @@ def test_prefix_hit_returns_cached_tokens_and_never_the_last_token():
     assert admit(kv, a) == 0
     compute(kv, a)
     b = make_seq(prompt + [99], salt="t1")
+    assert kv.cached_prefix(b) == CachedPrefix(pool_tokens=8)
+    assert kv.cached_prefix(make_seq(prompt + [99], salt="t2")) == CachedPrefix()
     assert admit(kv, b) == 8
+    assert kv.cached_prefix(b) == CachedPrefix()  # it holds blocks now: no lookup left to make
     assert kv.block_table(b)[:2] == kv.block_table(a)[:2]
     # A prompt of exactly two full blocks may reuse only the first: the last token must be computed.
     c = make_seq(prompt[:8], salt="t1")
@@ -294,6 +297,9 @@ class FakeTier:
     def stored_bytes(self) -> int:
         return len(self.entries)
 
+    def load_seconds(self, pages: int) -> float:
+        return 0.001 * pages
+
 
 class KVMachine(RuleBasedStateMachine):
     """Random allocate/append/fork/free/swap with a fake runner checking contents each step."""
@@ -495,11 +501,14 @@ def test_evicted_blocks_come_back_from_the_tier_and_a_broken_page_is_a_miss(wind
     kv.free(b)
     kv.take_pending_copies()
     again = make_seq(list(range(13)))
+    # What a lookup would find, as admission's estimates see it (nothing taken): the tier's pages and their read.
+    pages = 3 + 2 * (groups - 1)
+    assert kv.cached_prefix(again) == CachedPrefix(pool_tokens=0, tier_tokens=12, tier_load_s=pytest.approx(0.001 * pages))
     assert kv.get_computed_blocks(again) == 12
     assert kv.allocate_slots(again, 1)
     assert kv.tier_tokens(again) == 12
     # The sliding groups (window 6) load only the blocks a query at position 12 reads: blocks 1 and 2.
-    assert len(kv.take_tier_ops().load) == 3 + 2 * (groups - 1)
+    assert len(kv.take_tier_ops().load) == pages
     assert kv.usage().tier_hit_tokens == 12
     kv.free(again)
     kv.check_integrity()

@@ -7,6 +7,7 @@ invariants.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from collections import Counter
 from collections.abc import Callable
 
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvserve.config import PreemptionMode, SchedulerConfig, TierLimits
 from kvserve.engine.errors import CapacityExhausted, ContextLengthExceeded
-from kvserve.engine.kv_cache import KVCacheManager
+from kvserve.engine.kv_cache import KVCacheManager, hash_block, tier_key
 from kvserve.engine.request import Priority, Sequence, SequenceStatus, SequenceTimings
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler
@@ -36,9 +37,9 @@ class FakeClock:
 
 class Harness:
     def __init__(self, *, num_blocks: int = 256, host_blocks: int = 0, block_size: int = 4,
-                 prefix_caching: bool = True, **config):
+                 prefix_caching: bool = True, tier=None, **config):
         self.clock = FakeClock()
-        self.kv = KVCacheManager(num_blocks, host_blocks, block_size, prefix_caching)
+        self.kv = KVCacheManager(num_blocks, host_blocks, block_size, prefix_caching, tier=tier)
         # No TTFT bound unless a test sets one: the shipped bound would refuse the queues these tests build.
         config.setdefault("interactive", TierLimits())
         self.config = SchedulerConfig(**config)
@@ -435,6 +436,65 @@ def test_admission_ttft_bound_counts_the_requests_own_prefill():
     assert h.sched.stats().ttft_s[I] == pytest.approx(0.06 + 0.201)
 
 
+class MeasuredTier:
+    """A lower tier in memory whose page reads take `read_s` each (None: none measured yet)."""
+
+    def __init__(self, read_s: float | None):
+        self.pages: dict[bytes, bytes] = {}
+        self.read_s = read_s
+
+    def contains(self, key: bytes) -> bool:
+        return key in self.pages
+
+    def get(self, key: bytes) -> bytes | None:
+        return self.pages.get(key)
+
+    def stored_bytes(self) -> int:
+        return len(self.pages)
+
+    def load_seconds(self, pages: int) -> float | None:
+        return None if self.read_s is None else pages * self.read_s
+
+
+def test_admission_counts_a_prefix_in_the_pool_as_no_prefill():
+    """A repeat of a cached 1000-token prompt computes its last 4 tokens: inside a TTFT bound that the
+    same prompt uncached (four chunks, 1.2 s) is refused by."""
+    h = Harness(max_num_batched_tokens=256)
+    h.sched.step_time = FixedStepTime(fixed_s=0.05, per_decode_s=0.0, per_prefill_token_s=0.001)
+    prompt = list(range(1000))
+    h.add(tokens=prompt, max_tokens=1)
+    h.run()
+    h.sched.config = replace(h.config, interactive=TierLimits(max_ttft_s=0.5))
+    with pytest.raises(CapacityExhausted) as err:
+        h.add(tokens=[5000 + t for t in prompt])
+    assert err.value.reason == "ttft"
+    h.add(tokens=prompt)
+    assert h.sched._tiers[I].prompt_tokens == 4 and h.sched._tiers[I].load_s == 0.0
+
+
+@pytest.mark.parametrize("read_s", [None, 1e-4])
+def test_admission_counts_a_lower_tier_hit_as_its_read_time(read_s):
+    """A prompt whose 249 full blocks the lower tier holds: counted as their read (249 x read_s) and 4 tokens
+    to compute, inside the bound; while the tier has measured no read, as a recompute, refused."""
+    tier = MeasuredTier(read_s)
+    h = Harness(max_num_batched_tokens=256, tier=tier, interactive=TierLimits(max_ttft_s=0.5))
+    h.sched.step_time = FixedStepTime(fixed_s=0.05, per_decode_s=0.0, per_prefill_token_s=0.001)
+    prompt = list(range(1000))
+    parent = None
+    for i in range(249):
+        parent = hash_block(parent, prompt[4 * i:4 * i + 4], None)
+        tier.pages[tier_key(0, parent)] = b"page"
+    if read_s is None:
+        with pytest.raises(CapacityExhausted) as err:
+            h.add(tokens=prompt)
+        assert err.value.reason == "ttft"
+        return
+    h.add(tokens=prompt)
+    queued = h.sched._tiers[I]
+    assert queued.prompt_tokens == 4 and queued.load_s == pytest.approx(249 * read_s)
+    assert h.sched.estimated_queue_wait(I) == pytest.approx(249 * read_s + 0.05 + 0.004)
+
+
 def test_scheduler_times_each_step_until_the_next_one_starts():
     """A step is timed from its schedule() to the next: the engine's work between steps counts. The last
     step before the engine idles is timed to its end."""
@@ -805,8 +865,9 @@ def test_interactive_estimates_count_batch_seats_as_free_and_the_batch_turn_afte
     h.add(prompt_len=16, max_tokens=4, priority=I)
     out = h.step()  # the interactive prompt runs alone; the next step is the batch tier's turn
     assert [s.seq.priority for s in out.scheduled] == [I]
-    requeued = h.sched._tiers[B].prompt_tokens  # the batch sequence whose seat it took, to recompute
-    assert requeued == 9
+    # The batch sequence whose seat it took, to recompute: of its 9 tokens, 8 are in the prefix cache.
+    requeued = h.sched._tiers[B].prompt_tokens
+    assert requeued == 1
     turn = model.predict(2, requeued)  # the batch step: its decode and the requeued prompt
     assert h.sched.estimated_ttft(I, 16) == pytest.approx(turn + model.prefill_seconds(16, 2, 64))
 
