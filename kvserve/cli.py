@@ -340,12 +340,16 @@ def cmd_usage(args: argparse.Namespace) -> int:
     if args.csv:
         sys.stdout.write(reports.to_csv(page))
         return 0
-    table = [("BUCKET (UTC)", "TENANT", "MODEL", "TIER", "REQUESTS", "INPUT", "CACHED", "OUTPUT", "CHARGED",
-              "COST", "ENGINE S")]
+    table = [("BUCKET (UTC)", "TENANT", "MODEL", "TIER", "REQUESTS", "INPUT", "CACHED", "FROM DISK", "FROM HOST",
+              "OUTPUT", "CHARGED", "COST", "ENGINE S")]
     fmt = "%Y-%m-%d %H:%M" if width < 86400 else "%Y-%m-%d"
-    for r in reports.flat(page):
-        table.append((time.strftime(fmt, time.gmtime(r[0])), r[2] or "-", r[3] or "-", r[4] or "-", str(r[5]),
-                      str(r[6]), str(r[7]), str(r[8]), format_money(r[9]), format_money(r[10]), f"{r[11]:.2f}"))
+    for row in reports.flat(page):
+        r = dict(zip(reports.COLUMNS, row))
+        table.append((time.strftime(fmt, time.gmtime(r["start_time"])), r["tenant"] or "-", r["model"] or "-",
+                      r["tier"] or "-", str(r["num_model_requests"]), str(r["input_tokens"]),
+                      str(r["input_cached_tokens"]), str(r["input_disk_cached_tokens"]),
+                      str(r["input_host_cached_tokens"]), str(r["output_tokens"]), format_money(r["amount_usd"]),
+                      format_money(r["cost_usd"]), f"{r['engine_seconds']:.2f}"))
     if len(table) == 1:
         print("no usage in this range")
         return 0

@@ -156,6 +156,10 @@ class CacheConfig:
     # replicas sharing the directory; at most kv_disk_bytes of it. None: no disk tier.
     kv_disk_dir: str | None = None
     kv_disk_bytes: int = 8 << 30
+    # The host-memory tier (engine/kv_host.py), for CUDA: evicted prefix blocks are kept in this many bytes of
+    # host memory before they go to the disk tier (when there is one). 0: none. On a CPU the pool is host
+    # memory already: give the pool the memory instead.
+    kv_host_bytes: int = 0
     # The prefix cache's share per tenant (engine/kv_eviction.py): eviction takes from the tenant with the most
     # cached blocks per weight (1 unless named here); a tenant's pinned blocks (system prompts) stay while
     # another tenant has blocks over its pin.
@@ -166,6 +170,7 @@ class CacheConfig:
         _validate(self, dict(block_size=POSITIVE_INT, kv_cache_memory=OPTIONAL_POSITIVE_INT,
                              num_gpu_blocks_override=OPTIONAL_POSITIVE_INT, swap_space=NONNEG_INT,
                              enable_prefix_caching=BOOL, kv_groups=BOOL, kv_disk_bytes=POSITIVE_INT,
+                             kv_host_bytes=NONNEG_INT,
                              kv_disk_dir=(lambda v: v is None or (isinstance(v, str) and v != ""),
                                           "a directory path, or unset"),
                              kv_tenant_weights=(lambda v: isinstance(v, dict) and all(
@@ -357,7 +362,7 @@ def engine_config_from_kwargs(model: str, **kwargs) -> EngineConfig:
     top_names = {f.name for f in fields(EngineConfig)} - {"model", "cache", "scheduler"}
     for key, value in kwargs.items():
         if key in cache_names:
-            if key in ("kv_cache_memory", "swap_space", "kv_disk_bytes") and value is not None:
+            if key in ("kv_cache_memory", "swap_space", "kv_disk_bytes", "kv_host_bytes") and value is not None:
                 try:
                     value = parse_bytes(value)
                 except (ValueError, TypeError):

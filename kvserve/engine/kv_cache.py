@@ -41,15 +41,18 @@ BlockHash = bytes
 
 
 class LowerTier(Protocol):
-    """Where evicted prefix blocks go and come back from: keyed by tier_key, pages as bytes."""
+    """Where evicted prefix blocks go and come back from: keyed by tier_key, pages as bytes. One or more
+    levels: "host" (engine/kv_host.py, on CUDA), "disk" (engine/kv_disk.py)."""
 
     def contains(self, key: bytes) -> bool: ...
 
+    def level(self, key: bytes) -> str | None: ...  # the level holding the page; None: not held
+
     def get(self, key: bytes) -> bytes | None: ...  # None: not there, or not intact
 
-    def stored_bytes(self) -> int: ...
+    def level_bytes(self) -> dict[str, int]: ...  # bytes each level holds
 
-    def load_seconds(self, pages: int) -> float | None: ...  # reading `pages` back, as measured; None: unknown
+    def load_seconds(self, keys: list[bytes]) -> float | None: ...  # reading them back, as measured; None: unknown
 
 
 @dataclass(frozen=True)
@@ -141,8 +144,9 @@ class KVCacheUsage:
     prefix_query_tokens: int  # tokens looked up in the prefix cache (admitted sequences only)
     prefix_hit_tokens: int  # of which served from the cache (the pool or the lower tier)
     tier_hit_tokens: int = 0  # of those, loaded from the lower tier
+    host_hit_tokens: int = 0  # of those, from its host-memory level (the rest from the disk)
     offloaded_blocks: int = 0  # evicted cached blocks handed to the lower tier
-    tier_bytes: int = 0  # what the lower tier holds
+    tier_bytes: dict[str, int] = field(default_factory=dict)  # what each level of the lower tier holds
 
     @property
     def device_usage(self) -> float:
@@ -187,14 +191,16 @@ class KVCacheManager:
         self._copies: dict[int, int] = {}  # pending COW copies, dst -> src (insertion ordered)
         self._pins: dict[int, int] = {}  # COW source -> pending copies reading it (each holds a ref)
         self._swapped_in: set[int] = set()  # seq ids swapped in this step
-        self._pending_lookup: dict[int, tuple[int, int, int]] = {}  # seq id -> (queried, hit, from tier) until admitted
+        # seq id -> (queried, hit, from the tier, from its host level) until admitted
+        self._pending_lookup: dict[int, tuple[int, int, int, int]] = {}
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.tier = tier if enable_prefix_caching else None
         self._tier_ops = TierOps()
         self._loading: dict[int, int] = {}  # device block -> its index in _tier_ops.load
-        self._tier_tokens: dict[int, int] = {}  # seq id -> prompt tokens its lookup loaded from the tier
+        self._tier_tokens: dict[int, tuple[int, int]] = {}  # seq id -> prompt tokens loaded from the tier, its host
         self.tier_hit_tokens = 0
+        self.host_hit_tokens = 0
         self.offloaded_blocks = 0
 
     # ---- queries -------------------------------------------------------------------------------
@@ -259,7 +265,7 @@ class KVCacheManager:
         bs = self.block_size
         hashes = self._held_prefix_hashes(seq)
         n = self._longest_hit(hashes, self._on_device)
-        loads: dict[tuple[int, int], bytes] = {}
+        loads: dict[tuple[int, int], tuple[bytes, str]] = {}
         if self.tier is not None and n < len(hashes):
             n, loads = self._tier_hit(hashes, n)
         tables: list[list[int]] = []
@@ -270,14 +276,18 @@ class KVCacheManager:
                 if table[i] >= 0:
                     self._touch(table[i])
             tables.append(table)
-        for (g, i), page in loads.items():
+        from_disk: set[int] = set()  # blocks of which some group's page came from below host memory
+        for (g, i), (page, level) in loads.items():
             tables[g][i] = self._load(g, hashes[i], page, seq.tenant)
+            if level != "host":
+                from_disk.add(i)
         self._seqs[seq.seq_id] = _SeqBlocks(device=tables, hashes=hashes[:n], tenant=seq.tenant,
                                             retain_s=seq.cache_retention_s)
         if seq.cache_retention_s:  # a hit renews the retention of what it found
             self._retain(self._pages(tables), seq.cache_retention_s)
         cached = n * bs
-        self._pending_lookup[seq.seq_id] = (seq.num_tokens, cached, len({i for _, i in loads}) * bs)
+        loaded = {i for _, i in loads}
+        self._pending_lookup[seq.seq_id] = (seq.num_tokens, cached, len(loaded) * bs, len(loaded - from_disk) * bs)
         return cached
 
     def cached_prefix(self, seq: Sequence) -> CachedPrefix:
@@ -291,14 +301,14 @@ class KVCacheManager:
         if n == on_device:
             return CachedPrefix(on_device * self.block_size)
         bs = self.block_size
-        pages = sum(hashes[i] not in self._by_hash[g] for g, group in enumerate(self.groups)
-                    for i in group.kept(n * bs, n, bs))
-        return CachedPrefix(on_device * bs, (n - on_device) * bs, self.tier.load_seconds(pages))
+        keys = [tier_key(g, hashes[i]) for g, group in enumerate(self.groups) for i in group.kept(n * bs, n, bs)
+                if hashes[i] not in self._by_hash[g]]
+        return CachedPrefix(on_device * bs, (n - on_device) * bs, self.tier.load_seconds(keys))
 
-    def tier_tokens(self, seq: Sequence) -> int:
-        """Of the tokens the sequence's last lookup found cached, those loaded from the lower tier (blocks of
-        which some group's page came from there)."""
-        return self._tier_tokens.get(seq.seq_id, 0)
+    def tier_tokens(self, seq: Sequence) -> tuple[int, int]:
+        """Of the tokens the sequence's last lookup found cached: those loaded from the lower tier (blocks of
+        which some group's page came from there), and of them those whose every page came from its host level."""
+        return self._tier_tokens.get(seq.seq_id, (0, 0))
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make the tables cover num_computed_tokens + num_new_tokens; False, untouched, if short.
@@ -475,8 +485,9 @@ class KVCacheManager:
             prefix_query_tokens=self.prefix_query_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens,
             tier_hit_tokens=self.tier_hit_tokens,
+            host_hit_tokens=self.host_hit_tokens,
             offloaded_blocks=self.offloaded_blocks,
-            tier_bytes=self.tier.stored_bytes() if self.tier is not None else 0,
+            tier_bytes=self.tier.level_bytes() if self.tier is not None else {},
         )
 
     def check_integrity(self) -> None:
@@ -584,13 +595,14 @@ class KVCacheManager:
                 n -= 1
         return n
 
-    def _tier_hit(self, hashes: list[BlockHash], on_device: int) -> tuple[int, dict[tuple[int, int], bytes]]:
+    def _tier_hit(self, hashes: list[BlockHash],
+                  on_device: int) -> tuple[int, dict[tuple[int, int], tuple[bytes, str]]]:
         """The prefix the pool and the lower tier hold together, with the tier's pages read: (blocks, {(group,
-        block index): page}). A page the tier cannot produce intact ends the prefix before its block (the tier
+        block index): (page, the level it came from)}). A page the tier cannot produce intact ends the prefix before its block (the tier
         drops it); where the pool has too few free blocks to load the pages into, the pool's own prefix
         (`on_device` blocks) stands."""
         bs = self.block_size
-        read: dict[tuple[int, int], bytes] = {}
+        read: dict[tuple[int, int], tuple[bytes, str]] = {}
         while True:
             n = self._longest_hit(hashes, self._on_device_or_tier)
             if n <= on_device:
@@ -611,11 +623,13 @@ class KVCacheManager:
             bad = None
             for g, i in wanted:
                 if (g, i) not in read:
-                    page = self.tier.get(tier_key(g, hashes[i]))
+                    key = tier_key(g, hashes[i])
+                    level = self.tier.level(key)
+                    page = self.tier.get(key)
                     if page is None:
                         bad = i
                         break
-                    read[g, i] = page
+                    read[g, i] = (page, level)
             if bad is None:
                 return n, {key: read[key] for key in wanted}
             hashes = hashes[:bad]
@@ -737,9 +751,10 @@ class KVCacheManager:
         by_hash[block_hash] = bid
 
     def _commit_lookup(self, seq_id: int) -> None:
-        queried, hit, from_tier = self._pending_lookup.pop(seq_id, (0, 0, 0))
+        queried, hit, from_tier, from_host = self._pending_lookup.pop(seq_id, (0, 0, 0, 0))
         self.prefix_query_tokens += queried
         self.prefix_hit_tokens += hit
         self.tier_hit_tokens += from_tier
+        self.host_hit_tokens += from_host
         if seq_id in self._seqs and queried:
-            self._tier_tokens[seq_id] = from_tier
+            self._tier_tokens[seq_id] = (from_tier, from_host)

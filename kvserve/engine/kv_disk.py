@@ -253,10 +253,17 @@ class DiskKVStore:
         with self._lock:
             return key in self._index
 
-    def load_seconds(self, pages: int) -> float | None:
-        """Seconds reading `pages` back takes, from the reads measured so far; None before the first."""
+    def load_seconds(self, keys: list[bytes]) -> float | None:
+        """Seconds reading these pages back takes, from the reads measured so far; None before the first."""
         with self._lock:
-            return None if self._read_s is None else pages * self._read_s
+            return None if self._read_s is None else len(keys) * self._read_s
+
+    def level(self, key: bytes) -> str | None:
+        """"disk" where the index holds `key` (kv_cache.LowerTier's level)."""
+        return "disk" if self.contains(key) else None
+
+    def level_bytes(self) -> dict[str, int]:
+        return {"disk": self.stored_bytes()}
 
     def stored_bytes(self) -> int:
         """Bytes of the pages stored (whole files, as the budget counts them)."""

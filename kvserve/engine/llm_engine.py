@@ -18,6 +18,7 @@ from kvserve.engine.core import EngineCore, Executor, StepStats  # noqa: F401  (
 from kvserve.engine.interjection import Interjection
 from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.kv_disk import DiskKVStore, kv_namespace, model_digest
+from kvserve.engine.kv_host import HostKVStore
 from kvserve.engine.kv_eviction import KVSharePolicy
 from kvserve.engine.kv_groups import KVLayout
 from kvserve.engine.outputs import RequestOutput
@@ -108,14 +109,22 @@ class LLMEngine:
                                    self.dtype, self.device, kv_int8=self.kv_int8,
                                    eos_token_ids=self.tokenizer.eos_token_ids, layout=self.kv_layout)
         self.runner = executor
-        self.kv_disk = None
+        self.kv_disk = self.kv_host = None
         if cache_cfg.kv_disk_dir is not None and cache_cfg.enable_prefix_caching and path is not None:
             self.kv_disk = self._open_kv_disk(cache_cfg, path)
-            executor.tier = self.kv_disk
+        if cache_cfg.kv_host_bytes and cache_cfg.enable_prefix_caching:
+            if self.device.type == "cpu":
+                log.warning("%s: kv_host_bytes on a CPU keeps copies of evicted blocks in the memory the pool "
+                            "could hold them in; a larger kv_cache_memory does the same without the copies",
+                            self.model_id)
+            self.kv_host = HostKVStore(executor.page_bytes, cache_cfg.kv_host_bytes, below=self.kv_disk)
+        tier = self.kv_host or self.kv_disk
+        if tier is not None:
+            executor.tier = tier
         prior = step_time_prior.model() if step_time_prior is not None and step_time_prior.fits(self.dtype) else None
         self.core = EngineCore(sched_cfg, KVCacheManager(num_blocks, num_host_blocks, cache_cfg.block_size,
                                                          cache_cfg.enable_prefix_caching, self.kv_layout,
-                                                         tier=self.kv_disk,
+                                                         tier=tier,
                                                          shares=KVSharePolicy(cache_cfg.kv_tenant_weights,
                                                                               cache_cfg.kv_pinned_blocks)),
                                executor, max_model_len=self.max_model_len, model_id=self.model_id,

@@ -59,7 +59,8 @@ class RequestState:
                              prompt_token_ids=self.prompt_token_ids,
                              outputs=[replace(s.output) for s in self.seqs], finished=self.finished,
                              num_cached_tokens=parent.num_cached_tokens,
-                             num_tier_cached_tokens=parent.num_tier_cached_tokens, metrics=metrics, model=model,
+                             num_tier_cached_tokens=parent.num_tier_cached_tokens,
+                             num_host_cached_tokens=parent.num_host_cached_tokens, metrics=metrics, model=model,
                              engine_seconds=self.engine_seconds)
 
 

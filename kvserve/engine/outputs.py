@@ -58,7 +58,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    num_tier_cached_tokens: int = 0  # of num_cached_tokens, loaded from the disk tier
+    num_tier_cached_tokens: int = 0  # of num_cached_tokens, loaded from the lower tier (host memory or disk)
+    num_host_cached_tokens: int = 0  # of those, from host memory (the rest from the disk)
     metrics: RequestMetrics | None = None
     model: str = ""
     engine_seconds: float = 0.0  # engine time charged to it so far (OutputProcessor.charge)

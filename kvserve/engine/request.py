@@ -109,7 +109,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
-    num_tier_cached_tokens: int = 0  # of those, loaded from the lower tier (the disk)
+    num_tier_cached_tokens: int = 0  # of those, loaded from the lower tier (host memory or disk)
+    num_host_cached_tokens: int = 0  # of those, from its host-memory level
     num_preemptions: int = 0
     fork_index: int = 0  # 0 for the parent, 1..n-1 for forks
     # Chained prefix-cache hashes of its leading full blocks, as far as lookups went (the KV manager's memo).

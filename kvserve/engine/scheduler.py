@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -73,7 +73,12 @@ class SchedulerStats:
         def per_tier(name: str, combine=sum):
             return {p: combine(getattr(s, name).get(p, 0) for s in stats) for p in Priority}
 
-        kv = KVCacheUsage(**{f: sum(getattr(s.kv, f) for s in stats) for f in KVCacheUsage.__dataclass_fields__})
+        def pool(values: list):  # counts add; per-level byte tables add level by level
+            if values and isinstance(values[0], dict):
+                return dict(sum((Counter(v) for v in values), Counter()))
+            return sum(values)
+
+        kv = KVCacheUsage(**{f: pool([getattr(s.kv, f) for s in stats]) for f in KVCacheUsage.__dataclass_fields__})
         return cls(waiting=per_tier("waiting"), waiting_prompt_tokens=per_tier("waiting_prompt_tokens"),
                    running=total("running"), swapped=total("swapped"), blocks_used=total("blocks_used"),
                    blocks_cached=total("blocks_cached"), blocks_free=total("blocks_free"),
@@ -428,7 +433,7 @@ class Scheduler:
         if seq.timings.first_scheduled is None:
             seq.timings.first_scheduled = step.now
             seq.num_cached_tokens = cached
-            seq.num_tier_cached_tokens = self.kv.tier_tokens(seq)
+            seq.num_tier_cached_tokens, seq.num_host_cached_tokens = self.kv.tier_tokens(seq)
         self._start_running(seq)
         self._add_scheduled(step, seq, n)
         return _Admit.OK
@@ -618,6 +623,7 @@ class Scheduler:
         child.num_computed_tokens = computed
         child.num_cached_tokens = parent.num_cached_tokens
         child.num_tier_cached_tokens = parent.num_tier_cached_tokens
+        child.num_host_cached_tokens = parent.num_host_cached_tokens
         child.priority, child.tenant, child.cache_salt = parent.priority, parent.tenant, parent.cache_salt
         child.timings.arrival = parent.timings.arrival
         child.timings.first_scheduled = parent.timings.first_scheduled

@@ -32,6 +32,7 @@ def page(rows: list[dict[str, Any]], start: float, end: float, width: str, group
         results = [dict({"object": "organization.usage.completions.result",
                          "input_tokens": r["input_tokens"], "input_cached_tokens": r["input_cached_tokens"],
                          "input_disk_cached_tokens": r["input_disk_cached_tokens"],
+                         "input_host_cached_tokens": r["input_host_cached_tokens"],
                          "output_tokens": r["output_tokens"], "num_model_requests": r["requests"],
                          "amount": {"value": round(r["amount"], 9), "currency": "usd"},
                          "cost": {"value": round(r["cost"], 9), "currency": "usd"},
@@ -73,8 +74,8 @@ def served_break_even(price: ModelPrice, usage_page: dict[str, Any], model: str)
 
 
 COLUMNS = ("start_time", "end_time", "tenant", "model", "tier", "num_model_requests", "input_tokens",
-           "input_cached_tokens", "input_disk_cached_tokens", "output_tokens", "amount_usd", "cost_usd",
-           "engine_seconds")
+           "input_cached_tokens", "input_disk_cached_tokens", "input_host_cached_tokens", "output_tokens",
+           "amount_usd", "cost_usd", "engine_seconds")
 
 
 def flat(p: dict[str, Any]) -> list[tuple]:
@@ -84,7 +85,7 @@ def flat(p: dict[str, Any]) -> list[tuple]:
         for r in b["results"]:
             out.append((b["start_time"], b["end_time"], r["tenant"], r["model"], r["tier"], r["num_model_requests"],
                         r["input_tokens"], r["input_cached_tokens"], r["input_disk_cached_tokens"],
-                        r["output_tokens"], r["amount"]["value"],
+                        r["input_host_cached_tokens"], r["output_tokens"], r["amount"]["value"],
                         r["cost"]["value"], r["engine_seconds"]))
     return out
 

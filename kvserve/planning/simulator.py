@@ -149,11 +149,14 @@ class SimulatedTier:
         while len(self._keys) > self.pages:
             del self._keys[next(iter(self._keys))]
 
-    def stored_bytes(self) -> int:
-        return len(self._keys)
+    def level(self, key: bytes) -> str | None:
+        return "disk" if key in self._keys else None
 
-    def load_seconds(self, pages: int) -> float:
-        return self.load_s(pages)
+    def level_bytes(self) -> dict[str, int]:
+        return {"disk": len(self._keys)}
+
+    def load_seconds(self, keys: list[bytes]) -> float:
+        return self.load_s(len(keys))
 
 
 class ClockExecutor:
@@ -197,7 +200,7 @@ class ClockExecutor:
         if out.blocks_to_copy:
             seconds += self.block_copy_s(len(out.blocks_to_copy), False)
         if out.blocks_to_load:  # pages read back from the disk tier, before the forward
-            seconds += self.tier.load_seconds(len(out.blocks_to_load))
+            seconds += self.tier.load_s(len(out.blocks_to_load))
         return seconds
 
 

@@ -64,7 +64,9 @@ class LiveModelStats:
     prefix_hits: int  # cumulative tokens served from the cache
     estimated_ttft_s: dict = field(default_factory=dict)  # tier -> admission's TTFT estimate for a short prompt
     prefix_disk_hits: int = 0  # of prefix_hits, tokens loaded from the KV cache's disk tier
+    prefix_host_hits: int = 0  # of prefix_hits, tokens loaded from its host-memory tier (CUDA)
     kv_disk_bytes: int = 0  # what the disk tier holds
+    kv_host_bytes: int = 0  # what the host-memory tier holds
 
 
 class ServingWindow:
@@ -157,9 +159,11 @@ class ServingWindow:
             "prefix_cache_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
             # Since start, from the engine's counters: tokens looked up, and the hits by where they were found.
             "prefix_cache_lookups": {"tokens": live.prefix_queries,
-                                     "hit_memory": live.prefix_hits - live.prefix_disk_hits,
+                                     "hit_memory": live.prefix_hits - live.prefix_disk_hits - live.prefix_host_hits,
+                                     "hit_host": live.prefix_host_hits,
                                      "hit_disk": live.prefix_disk_hits} if live else {},
             "kv_disk_bytes": live.kv_disk_bytes if live else 0,
+            "kv_host_bytes": live.kv_host_bytes if live else 0,
             "preemptions": sum(s.preempted for s in steps),
             "engine_util": round(min(1.0, busy / span), 4),
             "tokens_per_s": round(sum(s.decode_tokens for s in steps) / span, 3),  # decode (generated) tokens
@@ -192,6 +196,11 @@ class _LiveCollector:
                                         "(the rest of kvserve:prefix_cache_hits were in memory)", labels=["model_name"])
         disk_bytes = GaugeMetricFamily("kvserve:kv_disk_bytes", "Bytes the KV cache's disk tier holds",
                                        labels=["model_name"])
+        host_hits = CounterMetricFamily("kvserve:prefix_cache_host_hits",
+                                        "Prompt tokens of the prefix-cache hits loaded from the KV cache's host-memory "
+                                        "tier (CUDA)", labels=["model_name"])
+        host_bytes = GaugeMetricFamily("kvserve:kv_host_bytes", "Bytes the KV cache's host-memory tier holds",
+                                       labels=["model_name"])
         ttft = GaugeMetricFamily("kvserve:estimated_ttft_seconds",
                                  "Admission's estimate of the time to first token of a short request arriving now "
                                  "(queue wait plus its prefill, from the step-time model): a signal to shed load on",
@@ -205,9 +214,11 @@ class _LiveCollector:
             queries.add_metric([s.model], s.prefix_queries)
             disk_hits.add_metric([s.model], s.prefix_disk_hits)
             disk_bytes.add_metric([s.model], s.kv_disk_bytes)
+            host_hits.add_metric([s.model], s.prefix_host_hits)
+            host_bytes.add_metric([s.model], s.kv_host_bytes)
             for tier, seconds in s.estimated_ttft_s.items():
                 ttft.add_metric([s.model, tier], seconds)
-        yield from (running, waiting, kv, hits, queries, disk_hits, disk_bytes, ttft)
+        yield from (running, waiting, kv, hits, queries, disk_hits, disk_bytes, host_hits, host_bytes, ttft)
 
 
 class ServerMetrics:

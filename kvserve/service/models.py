@@ -89,7 +89,9 @@ class ModelHandle:
         price = self.spec.price
         return UsageRecord(request_id=out.request_id, tenant=info.tenant, model=self.id, tier=info.tier,
                            prompt_tokens=out.num_prompt_tokens, cached_prompt_tokens=cached,
-                           disk_cached_prompt_tokens=min(out.num_tier_cached_tokens, cached),
+                           disk_cached_prompt_tokens=min(out.num_tier_cached_tokens - out.num_host_cached_tokens,
+                                                         cached),
+                           host_cached_prompt_tokens=min(out.num_host_cached_tokens, cached),
                            completion_tokens=out.num_completion_tokens,
                            queue_ms=ms(m.queue_time if m else None), ttft_ms=ms(m.ttft if m else None),
                            e2e_ms=ms(m.e2e if m else None), status=_status_of(reason), finish_reason=reason,
@@ -151,7 +153,10 @@ class ModelHandle:
             return LiveModelStats(self.id, 0, waiting, 0.0, 0, 0)
         return LiveModelStats(self.id, stats.running, waiting, stats.kv.device_usage, stats.prefix_query_tokens,
                               stats.prefix_hit_tokens, {p.label: t for p, t in stats.ttft_s.items()},
-                              prefix_disk_hits=stats.kv.tier_hit_tokens, kv_disk_bytes=stats.kv.tier_bytes)
+                              prefix_disk_hits=stats.kv.tier_hit_tokens - stats.kv.host_hit_tokens,
+                              prefix_host_hits=stats.kv.host_hit_tokens,
+                              kv_disk_bytes=stats.kv.tier_bytes.get("disk", 0),
+                              kv_host_bytes=stats.kv.tier_bytes.get("host", 0))
 
     def load(self, tier: str) -> LoadLevel:
         cfg = self.config

@@ -360,8 +360,10 @@ class ErrorResponse(BaseModel):
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
-    # Of cached_tokens, those read back from the disk tier of the KV cache (the rest were in memory).
+    # Of cached_tokens, those read back from the KV cache's disk tier, and those from its host-memory tier (on
+    # CUDA); the rest were in the engine's pool.
     disk_cached_tokens: int = 0
+    host_cached_tokens: int = 0
 
 
 class Usage(BaseModel):
@@ -370,12 +372,13 @@ class Usage(BaseModel):
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
-    def add(self, prompt: int, completion: int, cached: int, disk_cached: int = 0) -> None:
+    def add(self, prompt: int, completion: int, cached: int, disk_cached: int = 0, host_cached: int = 0) -> None:
         self.prompt_tokens += prompt
         self.completion_tokens += completion
         self.total_tokens = self.prompt_tokens + self.completion_tokens
         self.prompt_tokens_details.cached_tokens += cached
         self.prompt_tokens_details.disk_cached_tokens += min(disk_cached, cached)
+        self.prompt_tokens_details.host_cached_tokens += min(host_cached, cached)
 
 
 class TopLogprob(BaseModel):

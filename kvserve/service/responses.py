@@ -58,7 +58,7 @@ def usage_of(finals: list[RequestOutput]) -> p.Usage:
     u = p.Usage()
     for out in finals:
         u.add(out.num_prompt_tokens, out.num_completion_tokens, min(out.num_cached_tokens, out.num_prompt_tokens),
-              out.num_tier_cached_tokens)
+              out.num_tier_cached_tokens - out.num_host_cached_tokens, out.num_host_cached_tokens)
     return u
 
 

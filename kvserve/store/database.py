@@ -293,11 +293,14 @@ MIGRATIONS: list[tuple[int, str]] = [
     (
         10,
         """
-        -- Of a request's cached prompt tokens, those read back from the KV cache's disk tier (the rest were in
-        -- the engine's memory), in the ledger and its roll-ups.
+        -- Of a request's cached prompt tokens, those read back from the KV cache's disk tier and those from its
+        -- host-memory tier (the rest were in the engine's pool), in the ledger and its roll-ups.
         ALTER TABLE usage_records ADD COLUMN disk_cached_prompt_tokens INTEGER NOT NULL DEFAULT 0;
+        ALTER TABLE usage_records ADD COLUMN host_cached_prompt_tokens INTEGER NOT NULL DEFAULT 0;
         ALTER TABLE usage_hourly ADD COLUMN disk_cached_prompt_tokens INTEGER NOT NULL DEFAULT 0;
+        ALTER TABLE usage_hourly ADD COLUMN host_cached_prompt_tokens INTEGER NOT NULL DEFAULT 0;
         ALTER TABLE usage_daily ADD COLUMN disk_cached_prompt_tokens INTEGER NOT NULL DEFAULT 0;
+        ALTER TABLE usage_daily ADD COLUMN host_cached_prompt_tokens INTEGER NOT NULL DEFAULT 0;
         """,
     ),
 ]

@@ -41,6 +41,7 @@ class UsageRecord:
     price: float | None = None  # dollars charged (list price of its tokens)
     cost: float | None = None  # dollars its engine time cost
     disk_cached_prompt_tokens: int = 0  # of cached_prompt_tokens, read back from the KV cache's disk tier
+    host_cached_prompt_tokens: int = 0  # of cached_prompt_tokens, from its host-memory tier
 
     def validate(self) -> None:
         for name in ("request_id", "tenant", "model", "status"):
@@ -49,14 +50,15 @@ class UsageRecord:
                 raise ValueError(f"UsageRecord.{name} must be a non-empty string, got {v!r}")
         if self.tier not in TIERS:
             raise ValueError(f"UsageRecord.tier must be one of {TIERS}, got {self.tier!r}")
-        for name in ("prompt_tokens", "cached_prompt_tokens", "disk_cached_prompt_tokens", "completion_tokens"):
+        for name in ("prompt_tokens", "cached_prompt_tokens", "disk_cached_prompt_tokens", "host_cached_prompt_tokens",
+                     "completion_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"UsageRecord.{name} must be an int >= 0, got {v!r}")
         if self.cached_prompt_tokens > self.prompt_tokens:
             raise ValueError("UsageRecord.cached_prompt_tokens exceeds prompt_tokens")
-        if self.disk_cached_prompt_tokens > self.cached_prompt_tokens:
-            raise ValueError("UsageRecord.disk_cached_prompt_tokens exceeds cached_prompt_tokens")
+        if self.disk_cached_prompt_tokens + self.host_cached_prompt_tokens > self.cached_prompt_tokens:
+            raise ValueError("UsageRecord's disk and host cached prompt tokens exceed cached_prompt_tokens")
 
 
 _COLUMNS = [f.name for f in fields(UsageRecord)]
@@ -69,12 +71,13 @@ NOW_SLACK_S = 5.0
 
 def _rollup_sql(table: str, col: str) -> str:
     return (f"INSERT INTO {table} ({col}, tenant, model, tier, requests, prompt_tokens, cached_prompt_tokens,"
-            " disk_cached_prompt_tokens, completion_tokens, price, cost, engine_s)"
-            " VALUES (?, ?, ?, ?, 1, ?, ?, ?, ?, ?, ?, ?)"
+            " disk_cached_prompt_tokens, host_cached_prompt_tokens, completion_tokens, price, cost, engine_s)"
+            " VALUES (?, ?, ?, ?, 1, ?, ?, ?, ?, ?, ?, ?, ?)"
             f" ON CONFLICT ({col}, tenant, model, tier) DO UPDATE SET requests = {table}.requests + 1,"
             f" prompt_tokens = {table}.prompt_tokens + excluded.prompt_tokens,"
             f" cached_prompt_tokens = {table}.cached_prompt_tokens + excluded.cached_prompt_tokens,"
             f" disk_cached_prompt_tokens = {table}.disk_cached_prompt_tokens + excluded.disk_cached_prompt_tokens,"
+            f" host_cached_prompt_tokens = {table}.host_cached_prompt_tokens + excluded.host_cached_prompt_tokens,"
             f" completion_tokens = {table}.completion_tokens + excluded.completion_tokens,"
             f" price = {table}.price + excluded.price, cost = {table}.cost + excluded.cost,"
             f" engine_s = {table}.engine_s + excluded.engine_s")
@@ -87,7 +90,8 @@ def _rollup_row(row: tuple, width: int) -> tuple:
     """A roll-up upsert's values for one usage row (as _row made it)."""
     r = dict(zip(_COLUMNS, row))
     return ((r["created_at"] // width) * float(width), r["tenant"], r["model"], r["tier"], r["prompt_tokens"],
-            r["cached_prompt_tokens"], r["disk_cached_prompt_tokens"], r["completion_tokens"], r["price"] or 0.0,
+            r["cached_prompt_tokens"], r["disk_cached_prompt_tokens"], r["host_cached_prompt_tokens"],
+            r["completion_tokens"], r["price"] or 0.0,
             r["cost"] or 0.0, r["engine_s"] or 0.0)
 
 
@@ -95,6 +99,7 @@ _SUMS = ("COUNT(*) AS requests,"
          " COALESCE(SUM(prompt_tokens), 0) AS prompt_tokens,"
          " COALESCE(SUM(cached_prompt_tokens), 0) AS cached_prompt_tokens,"
          " COALESCE(SUM(disk_cached_prompt_tokens), 0) AS disk_cached_prompt_tokens,"
+         " COALESCE(SUM(host_cached_prompt_tokens), 0) AS host_cached_prompt_tokens,"
          " COALESCE(SUM(completion_tokens), 0) AS completion_tokens,"
          " COALESCE(SUM(prompt_tokens + completion_tokens), 0) AS total_tokens")
 
@@ -145,8 +150,8 @@ class UsageLedger:
 
         ``group_by=None``: one row (zeros when there is no usage). ``"model"``/``"day"``: one row
         per group, ordered by the key, with the key under ``"model"``/``"day"``.
-        Each row has requests, prompt_tokens, cached_prompt_tokens, disk_cached_prompt_tokens, completion_tokens,
-        total_tokens.
+        Each row has requests, prompt_tokens, cached_prompt_tokens, disk_cached_prompt_tokens,
+        host_cached_prompt_tokens, completion_tokens, total_tokens.
         """
         if not isinstance(tenant, str) or not tenant:
             raise ValueError("usage_totals needs a tenant name")
@@ -192,6 +197,7 @@ class UsageLedger:
         sql = (f"SELECT CAST(({t} - ?) / ? AS INTEGER) AS bucket{cols}, {count} AS requests,"
                " SUM(prompt_tokens) AS input_tokens, SUM(cached_prompt_tokens) AS input_cached_tokens,"
                " SUM(disk_cached_prompt_tokens) AS input_disk_cached_tokens,"
+               " SUM(host_cached_prompt_tokens) AS input_host_cached_tokens,"
                " SUM(completion_tokens) AS output_tokens, COALESCE(SUM(price), 0) AS amount,"
                " COALESCE(SUM(cost), 0) AS cost, COALESCE(SUM(engine_s), 0) AS engine_seconds"
                f" FROM {table} WHERE {where} GROUP BY 1{cols} ORDER BY 1{cols}")

@@ -60,8 +60,7 @@ def engine(**kwargs):
     return eng
 
 
-def serve(eng, prompt: list[int], salt: str | None = None) -> tuple[list, int]:
-    """(the greedy tokens with their logprobs, prompt tokens loaded from the disk)."""
+def serve_output(eng, prompt: list[int], salt: str | None = None):
     eng.add_request(eng.request(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2),
                                 cache_salt=salt))
     out = None
@@ -69,8 +68,19 @@ def serve(eng, prompt: list[int], salt: str | None = None) -> tuple[list, int]:
         for ro in eng.step():
             if ro.finished:
                 out = ro
+    return out
+
+
+def bits(out) -> list:
+    """The greedy tokens with their logprobs."""
     (o,) = out.outputs
-    return [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs], out.num_tier_cached_tokens
+    return [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs]
+
+
+def serve(eng, prompt: list[int], salt: str | None = None) -> tuple[list, int]:
+    """(the greedy tokens with their logprobs, prompt tokens loaded from the disk)."""
+    out = serve_output(eng, prompt, salt)
+    return bits(out), out.num_tier_cached_tokens
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +109,27 @@ def test_evicted_prefixes_come_back_from_disk_with_the_same_bits_and_after_a_res
     other = engine(num_gpu_blocks_override=POOL_BLOCKS, kv_disk_dir=str(tmp_path), block_size=32)
     assert serve(other, prompts()[1]) == (reference[1], 0)
     other.close()
+
+
+@pytest.mark.parametrize("with_disk", [False, True])
+def test_evicted_prefixes_come_back_from_host_memory_and_below_it_from_disk(tmp_path, reference, with_disk):
+    """The host-memory tier (CUDA's, run here on the CPU: the same code moves the pages) holds two prompts'
+    pages: the last evicted come back from it, with the bits of a miss; with a disk tier below it, the earlier
+    ones come back from the disk, and the responses say which level each token came from."""
+    disk = dict(kv_disk_dir=str(tmp_path)) if with_disk else {}
+    page_bytes = engine(num_gpu_blocks_override=POOL_BLOCKS).runner.page_bytes
+    eng = engine(num_gpu_blocks_override=POOL_BLOCKS, kv_host_bytes=2 * (PROMPT_TOKENS // 16) * page_bytes, **disk)
+    for p, want in zip(prompts(), reference):
+        assert bits(serve_output(eng, p)) == want
+    host = tier = 0
+    for p, want in reversed(list(zip(prompts(), reference))):  # newest first: the pool's, host memory's, the disk's
+        out = serve_output(eng, p)
+        assert bits(out) == want
+        tier += out.num_tier_cached_tokens
+        host += out.num_host_cached_tokens
+    eng.close()
+    assert host >= PROMPT_TOKENS // 2
+    assert (tier - host > 0) == with_disk  # below host memory: the disk, or nothing
 
 
 def _damage(root: Path, stop: threading.Event, counts: dict) -> None:

@@ -294,11 +294,15 @@ class FakeTier:
     def get(self, key: bytes):
         return None if key in self.broken else self.entries.get(key)
 
-    def stored_bytes(self) -> int:
-        return len(self.entries)
 
-    def load_seconds(self, pages: int) -> float:
-        return 0.001 * pages
+    def load_seconds(self, keys: list[bytes]) -> float:
+        return 0.001 * len(keys)
+
+    def level(self, key: bytes) -> str | None:
+        return "disk" if key in self.entries else None
+
+    def level_bytes(self) -> dict[str, int]:
+        return {"disk": len(self.entries)}
 
 
 class KVMachine(RuleBasedStateMachine):
@@ -506,7 +510,7 @@ def test_evicted_blocks_come_back_from_the_tier_and_a_broken_page_is_a_miss(wind
     assert kv.cached_prefix(again) == CachedPrefix(pool_tokens=0, tier_tokens=12, tier_load_s=pytest.approx(0.001 * pages))
     assert kv.get_computed_blocks(again) == 12
     assert kv.allocate_slots(again, 1)
-    assert kv.tier_tokens(again) == 12
+    assert kv.tier_tokens(again) == (12, 0)  # all from the disk level
     # The sliding groups (window 6) load only the blocks a query at position 12 reads: blocks 1 and 2.
     assert len(kv.take_tier_ops().load) == pages
     assert kv.usage().tier_hit_tokens == 12

@@ -48,7 +48,7 @@ def store(tmp_path):
 
 
 def test_round_trip_through_the_writer(store):
-    assert store.load_seconds(10) is None  # no read measured yet: admission counts a recompute
+    assert store.load_seconds([key(1)] * 10) is None  # no read measured yet: admission counts a recompute
     assert store.put(key(1), page(key(1)))
     assert store.put(key(2), bytearray(page(key(2))))
     assert store.put(key(3), memoryview(page(key(3))))
@@ -59,8 +59,9 @@ def test_round_trip_through_the_writer(store):
     assert (s.entries, s.bytes, s.writes, s.hits, s.misses, s.corrupt) == (3, 3 * FILE, 3, 3, 1, 0)
     assert s.bytes_written == 3 * FILE and s.bytes_read == 3 * FILE
     assert path_of(store, key(1)).stat().st_size == FILE
-    one = store.load_seconds(1)
-    assert one > 0 and store.load_seconds(10) == pytest.approx(10 * one)
+    one = store.load_seconds([key(1)])
+    assert one > 0 and store.load_seconds([key(1)] * 10) == pytest.approx(10 * one)
+    assert (store.level(key(1)), store.level(key(4))) == ("disk", None)
 
 
 def test_a_stored_or_pending_key_is_not_rewritten(store):

@@ -449,11 +449,14 @@ class MeasuredTier:
     def get(self, key: bytes) -> bytes | None:
         return self.pages.get(key)
 
-    def stored_bytes(self) -> int:
-        return len(self.pages)
+    def level(self, key: bytes) -> str | None:
+        return "disk" if key in self.pages else None
 
-    def load_seconds(self, pages: int) -> float | None:
-        return None if self.read_s is None else pages * self.read_s
+    def level_bytes(self) -> dict[str, int]:
+        return {"disk": len(self.pages)}
+
+    def load_seconds(self, keys: list[bytes]) -> float | None:
+        return None if self.read_s is None else len(keys) * self.read_s
 
 
 def test_admission_counts_a_prefix_in_the_pool_as_no_prefill():

@@ -277,13 +277,13 @@ def test_usage_totals_tenant_isolation(store):
     store.record_usage(rec(3, tenant="b", prompt_tokens=1000, cached_prompt_tokens=0))
     [a] = store.usage_totals("a")
     assert a == {"requests": 2, "prompt_tokens": 20, "cached_prompt_tokens": 8, "disk_cached_prompt_tokens": 3,
-                 "completion_tokens": 12, "total_tokens": 32}
+                 "host_cached_prompt_tokens": 0, "completion_tokens": 12, "total_tokens": 32}
     assert store.usage_totals("b")[0]["prompt_tokens"] == 1000
     assert store.usage_totals("nobody") == [{"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0,
-                                              "disk_cached_prompt_tokens": 0, "completion_tokens": 0,
-                                              "total_tokens": 0}]
+                                              "disk_cached_prompt_tokens": 0, "host_cached_prompt_tokens": 0,
+                                              "completion_tokens": 0, "total_tokens": 0}]
     with pytest.raises(ValueError):  # more from the disk than cached at all
-        store.record_usage(rec(9, tenant="a", disk_cached_prompt_tokens=5))
+        store.record_usage(rec(9, tenant="a", disk_cached_prompt_tokens=3, host_cached_prompt_tokens=2))
     assert store.usage_totals("a", group_by="model") == [dict(a, model="m1")]
     # same request id in another tenant is a different request; a repeat in the same tenant is ignored
     assert store.record_usage(rec(1, tenant="b"))

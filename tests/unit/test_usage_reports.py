@@ -20,7 +20,8 @@ T0 = 1_780_000_000.0 - (1_780_000_000.0 % DAY)  # a UTC midnight
 
 def rec(rid, tenant, model, tier, t, prompt=10, out=5, price=0.001, cost=0.0002, engine=0.5):
     return UsageRecord(request_id=rid, tenant=tenant, model=model, tier=tier, prompt_tokens=prompt,
-                       cached_prompt_tokens=2, disk_cached_prompt_tokens=1, completion_tokens=out, created_at=t,
+                       cached_prompt_tokens=2, disk_cached_prompt_tokens=1, host_cached_prompt_tokens=1,
+                       completion_tokens=out, created_at=t,
                        price=price, cost=cost, engine_s=engine)
 
 
@@ -37,8 +38,8 @@ def test_buckets_group_and_page(store_target):
         assert (first["start_time"], first["end_time"]) == (int(T0), int(T0 + DAY))
         r = first["results"][0]
         assert (r["tenant"], r["model"], r["tier"], r["num_model_requests"], r["input_tokens"],
-                r["input_cached_tokens"], r["input_disk_cached_tokens"], r["output_tokens"]) == (
-            "acme", "m1", None, 1, 10, 2, 1, 5)
+                r["input_cached_tokens"], r["input_disk_cached_tokens"], r["input_host_cached_tokens"],
+                r["output_tokens"]) == ("acme", "m1", None, 1, 10, 2, 1, 1, 5)
         assert r["amount"] == {"value": 0.001, "currency": "usd"} and r["engine_seconds"] == 0.5
         only = reports.page(store.usage.buckets(T0, T0 + 3 * DAY, DAY, [], "acme"), T0, T0 + 3 * DAY, "1d", [], 2)
         assert [b["results"][0]["num_model_requests"] if b["results"] else 0 for b in only["data"]] == [2, 0]
