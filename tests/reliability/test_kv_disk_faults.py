@@ -1,8 +1,8 @@
 """The disk tier of the prefix cache (engine/kv_disk.py) on real SmolLM2, whose batch-invariant numerics make a
 prompt served from loaded K/V the same bits as one computed afresh, so any wrong page would show.
 
-- Hits: with a pool too small for the prompts, their evicted blocks come back from the disk, and after a
-  restart on the same directory too, with the bits of a miss; another tenant (cache salt) and another block
+- Hits: with a pool too small for the prompts, their evicted blocks come back from the disk, in a second replica
+  started on the same directory while the first serves, and after a restart too, with the bits of a miss; another tenant (cache salt) and another block
   size never hit.
 - Damage under load: while the engine serves the prompts round after round, a thread corrupts, truncates and
   deletes the tier's files; every output keeps the bits of a miss (a damaged page is a miss), and once the damage
@@ -99,6 +99,11 @@ def test_evicted_prefixes_come_back_from_disk_with_the_same_bits_and_after_a_res
         assert bits == want
         loaded += from_disk
     assert loaded >= PROMPT_TOKENS
+    # A second replica started on the same directory while the first serves starts warm.
+    assert eng.kv_disk.flush(30)
+    replica = engine(num_gpu_blocks_override=POOL_BLOCKS, kv_disk_dir=str(tmp_path))
+    assert serve(replica, prompts()[0]) == (reference[0], (PROMPT_TOKENS - 1) // 16 * 16)
+    replica.close()
     eng.close()
     restarted = engine(num_gpu_blocks_override=POOL_BLOCKS, kv_disk_dir=str(tmp_path))
     first = serve(restarted, prompts()[0])
