@@ -271,6 +271,11 @@ class SchedulerConfig:
     # a layer, not the rest of the flood's step. At most once per step, with the same room rule; only
     # where a step can stop between layers (the fused CPU decoder).
     interactive_interjection: bool = True
+    # Speculative decoding (engine/speculation.py): decodes draft up to num_speculative_tokens tokens (n-gram
+    # prompt lookup, then the tenant's recent outputs), lengths chosen per step by the controller, verified
+    # exactly in one chunk. Off by default until its benchmarks show it never slows a loaded server here.
+    speculative_decoding: bool = False
+    num_speculative_tokens: int = 8
 
     def __post_init__(self):
         _validate(self, dict(
@@ -280,7 +285,8 @@ class SchedulerConfig:
             interactive=(lambda v: isinstance(v, TierLimits), "a table of TierLimits fields"),
             batch=(lambda v: isinstance(v, TierLimits), "a table of TierLimits fields"),
             batch_decode_quantum=NONNEG_INT, interactive_batch_prefill_tokens=NONNEG_INT,
-            interactive_prefill_alone=BOOL, interactive_interjection=BOOL))
+            interactive_prefill_alone=BOOL, interactive_interjection=BOOL, speculative_decoding=BOOL,
+            num_speculative_tokens=POSITIVE_INT))
 
 
 @dataclass(frozen=True)

@@ -170,5 +170,12 @@ class EngineCore:
         logprobs = result.logprobs
         for seq in order:
             lps = logprobs.get(seq.seq_id)
-            for i, tok in enumerate(tokens[seq.seq_id]):
+            new = tokens[seq.seq_id]
+            if len(new) > 1:  # a verified draft: each token's stop checks see only the tokens before it
+                del seq.output_token_ids[len(seq.output_token_ids) - len(new) + 1:]
+            for i, tok in enumerate(new):
+                if i:
+                    if seq.is_finished:  # a stop before the end of the draft: the rest is dropped
+                        break
+                    seq.append_token(tok)
                 self.outputs.process_token(seq_states[seq.seq_id], tok, lps[i] if lps else None, touched)

@@ -387,6 +387,19 @@ class KVCacheManager:
         else:
             self._release_pages(state.device)
 
+    def release_tail(self, seq: Sequence) -> None:
+        """Give back the blocks past those the sequence's tokens cover: after a verified draft, the slots of the
+        drafts the target rejected (never hashed: only computed tokens' blocks are)."""
+        state = self._seqs.get(seq.seq_id)
+        if state is None or state.host is not None:
+            return
+        keep = self._blocks_covering(seq.num_tokens)
+        for table in state.device:
+            while len(table) > keep:
+                bid = table.pop()
+                if bid != self._null:
+                    self._release(bid)
+
     # ---- swapping ------------------------------------------------------------------------------
 
     def can_swap_out(self, seq: Sequence) -> bool:

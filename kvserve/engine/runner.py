@@ -33,6 +33,7 @@ class BatchItem:
     block_table: list[int]  # the first KV group's table
     sample: bool = True
     group_tables: list[list[int]] | None = None  # every KV group's table, where the runner's layout has several
+    num_logits: int = 1  # rows of logits when sampled: the last ones (a verified draft's chunk: all of them)
 
     def tables(self, num_groups: int) -> list[list[int]]:
         if self.group_tables is None:
@@ -158,8 +159,8 @@ class ModelRunner:
         self.copy_blocks(out.blocks_to_copy)
         result = RunnerOutput()
         if out.scheduled:
-            items = [BatchItem(s.seq.token_ids[s.start:s.start + s.num_new_tokens], s.start, s.block_tables[0],
-                               s.sample, s.block_tables) for s in out.scheduled]
+            items = [BatchItem(s.token_ids, s.start, s.block_tables[0], s.sample, s.block_tables,
+                               1 + len(s.draft_token_ids)) for s in out.scheduled]
             logits = self.forward(items, interjection=interjection)
             if logits is not None:
                 self._sample(out, logits, result)
@@ -167,26 +168,53 @@ class ModelRunner:
         return result
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor, result: RunnerOutput) -> None:
-        """One token per sampled row; a parent that forks gives its row to each of its forks too."""
+        """One token per sampled row; a parent that forks gives its row to each of its forks too. A verified
+        draft's chunk samples each of its rows as decoding would (its outputs so far being the drafts before
+        the row) and keeps the drafts the samples equal, then the first sample that differs (or the one after
+        the last draft): the tokens are the sampler's own draws, so greedy gives the bits decoding gives and
+        random sampling its distribution. A seeded row's generator is then set where decoding those tokens
+        would have left it."""
         rows: list[int] = []
         seqs: list[Sequence] = []
-        for i, s in enumerate(x for x in out.scheduled if x.sample):
-            rows.append(i)
-            seqs.append(s.seq)
+        outputs: list[list[int]] = []
+        spans: list[tuple[Sequence, int, list[int]]] = []  # (sequence, its first row, its drafts)
+        row = 0
+        for s in (x for x in out.scheduled if x.sample):
+            draft = s.draft_token_ids
+            if draft:
+                spans.append((s.seq, len(seqs), draft))
+            for i in range(len(draft) + 1):
+                rows.append(row + i)
+                seqs.append(s.seq)
+                outputs.append(s.seq.output_token_ids + draft[:i] if i else s.seq.output_token_ids)
+            row += len(draft) + 1
             for child in out.forks.get(s.seq.seq_id, ()):
-                rows.append(i)
+                rows.append(row - 1)
                 seqs.append(child)
-        if len(rows) != logits.shape[0]:
+                outputs.append(child.output_token_ids)
+        if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        md = SamplingMetadata.build([s.sampling for s in seqs], [s.output_token_ids for s in seqs],
-                                    [s.prompt_token_ids for s in seqs], [self._generator(s) for s in seqs],
-                                    self.eos_token_ids, device=logits.device)
+        generators = [self._generator(s) for s in seqs]
+        rewind = {id(g): g.get_state() for (seq, first, _) in spans if (g := generators[first]) is not None}
+        md = SamplingMetadata.build([s.sampling for s in seqs], outputs, [s.prompt_token_ids for s in seqs],
+                                    generators, self.eos_token_ids, device=logits.device)
         sampled = self.sampler(logits, md)
-        logprobs = sampled.logprobs
-        for j, (seq, token) in enumerate(zip(seqs, sampled.tolist())):
+        tokens, logprobs = sampled.tolist(), sampled.logprobs
+        for j, (seq, token) in enumerate(zip(seqs, tokens)):
             result.token_ids[seq.seq_id] = [token]
             if logprobs and logprobs[j] is not None:
                 result.logprobs[seq.seq_id] = [logprobs[j]]
+        for seq, first, draft in spans:
+            n = 0
+            while n < len(draft) and tokens[first + n] == draft[n]:
+                n += 1
+            result.token_ids[seq.seq_id] = tokens[first:first + n + 1]
+            if logprobs and logprobs[first] is not None:
+                result.logprobs[seq.seq_id] = logprobs[first:first + n + 1]
+            g = generators[first]
+            if g is not None and n < len(draft):
+                g.set_state(rewind[id(g)])
+                self.sampler.skip_draws(g, n + 1, self.config.vocab_size)
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.sampling.seed is None:
@@ -201,7 +229,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, items: list[BatchItem], all_logits: bool = False,
                 interjection: Interjection | None = None) -> torch.Tensor | None:
-        """Forward a batch of items; logits for the items with sample=True, in their given order.
+        """Forward a batch of items; logits for the items with sample=True (their last num_logits rows), in
+        their given order.
 
         all_logits=True returns logits for every token instead (items' tokens in their given order),
         for prompt logprobs and parity checks.
@@ -229,7 +258,7 @@ class ModelRunner:
             else:
                 prefills.append((begin, n, item.start + n, [t[: (item.start + n + bs - 1) // bs] for t in tables]))
             if item.sample:
-                sample_rows[i] = begin + n - 1
+                sample_rows[i] = range(begin + n - item.num_logits, begin + n)
 
         dev = self.device
         dec = [items[i] for i in order[:num_decodes]]
@@ -273,7 +302,7 @@ class ModelRunner:
                 offset += len(items[i].token_ids)
             rows = torch.cat([torch.arange(starts[i], starts[i] + len(items[i].token_ids)) for i in range(len(items))])
             return self.model.compute_logits(hidden.index_select(0, rows.to(dev)))
-        wanted = [sample_rows[i] for i in range(len(items)) if items[i].sample]
+        wanted = [r for i in range(len(items)) if items[i].sample for r in sample_rows[i]]
         if not wanted:
             return None
         rows = torch.tensor(wanted, dtype=torch.long, device=dev)

@@ -41,6 +41,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per token; 0 = only the sampled token's
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    speculation: bool = True  # False: never drafted for (where the server speculates: engine/speculation.py)
 
     def __post_init__(self) -> None:
         stop = self.stop

@@ -13,7 +13,7 @@ import enum
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvserve.config import PreemptionMode, SchedulerConfig, TierLimits
 from kvserve.engine import admission
@@ -21,6 +21,7 @@ from kvserve.engine.admission import EXPECTED_OUTPUT_TOKENS
 from kvserve.engine.kv_cache import KVCacheManager, KVCacheUsage
 from kvserve.engine.request import Priority, Sequence, SequenceStatus
 from kvserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from kvserve.engine.speculation import Candidate, DrafterStats, Speculator
 from kvserve.engine.step_time import StepTimeModel
 
 # Virtual-time fair queuing weights (VTC's defaults): a generated token costs about two prompt tokens.
@@ -58,6 +59,10 @@ class SchedulerStats:
     queue_wait_s: dict[Priority, float]  # estimated wait for a request arriving now
     ttft_s: dict[Priority, float]  # estimated time to first token of a one-token prompt arriving now
     kv: KVCacheUsage
+    # Speculative decoding since start, per drafter; the controller's mean draft length over the decodes it
+    # last drafted for (0: none).
+    drafts: dict[str, DrafterStats] = field(default_factory=dict)
+    draft_length: float = 0.0
 
     @property
     def num_waiting(self) -> int:
@@ -84,7 +89,11 @@ class SchedulerStats:
                    blocks_cached=total("blocks_cached"), blocks_free=total("blocks_free"),
                    num_preemptions=total("num_preemptions"), prefix_query_tokens=total("prefix_query_tokens"),
                    prefix_hit_tokens=total("prefix_hit_tokens"), tokens_per_s=total("tokens_per_s"),
-                   queue_wait_s=per_tier("queue_wait_s", min), ttft_s=per_tier("ttft_s", min), kv=kv)
+                   queue_wait_s=per_tier("queue_wait_s", min), ttft_s=per_tier("ttft_s", min), kv=kv,
+                   drafts={name: DrafterStats(*(sum(getattr(s.drafts[name], f) for s in stats if name in s.drafts)
+                                                for f in ("proposed", "accepted", "drafts")))
+                           for name in {n for s in stats for n in s.drafts}},
+                   draft_length=sum(s.draft_length for s in stats) / max(1, sum(s.draft_length > 0 for s in stats)))
 
 
 @dataclass
@@ -148,6 +157,8 @@ class Scheduler:
         self._requests: dict[str, list[Sequence]] = {}
         self._num_preemptions = 0
         self.step_time = step_time or StepTimeModel()  # learned from every step; admission estimates use it
+        # Drafts for decodes (speculative decoding), sized by its controller from the step-time model.
+        self.speculator = Speculator(config.num_speculative_tokens) if config.speculative_decoding else None
         self._step_started: float | None = None
         self._cycle: tuple[int, int, float] | None = None  # (decodes, prefill tokens, started) of the last step
         self._alone_last = False  # the last step was interactive prefill alone (or an interjection)
@@ -287,7 +298,40 @@ class Scheduler:
                 if seq.status is RUNNING:
                     self._schedule_running_seq(step, seq)
             self._schedule_waiting(step, Priority.BATCH)
+        if self.speculator is not None:
+            self._speculate(step)
         return self._close_step(step)
+
+    def _speculate(self, step: _Step) -> None:
+        """Drafts for the step's decodes where the controller expects them to pay for their rows, within the
+        step's token budget and the pool's blocks (a draft never preempts or waits: short of blocks, none).
+        A draft stays within max_tokens and the model's context, so every token it can bring is wanted."""
+        decodes = [ss for ss in step.scheduled.values()
+                   if ss.num_new_tokens == 1 and ss.sample and ss.seq.num_output_tokens and not ss.seq.is_prefill]
+        candidates: list[Candidate] = []
+        for ss in decodes:
+            seq = ss.seq
+            if not seq.sampling.speculation:
+                continue
+            left = self.config.max_model_len - seq.num_tokens
+            if seq.max_tokens is not None:
+                left = min(left, seq.max_tokens - seq.num_output_tokens)
+            cap = left - 1
+            c = self.speculator.propose(seq.seq_id, seq.tenant, seq.token_ids, cap)
+            if c is not None:
+                candidates.append(c)
+        if not candidates:
+            self.speculator.last_lengths = {}
+            return
+        prefill = sum(ss.num_new_tokens for ss in step.scheduled.values()) - len(decodes)
+        lengths = self.speculator.plan(candidates, self.step_time, len(decodes), prefill, step.budget)
+        for c in candidates:
+            k = lengths.get(c.seq_id, 0)
+            ss = step.scheduled[c.seq_id]
+            if k and self.kv.allocate_slots(ss.seq, 1 + k):
+                ss.num_new_tokens = 1 + k
+                ss.draft_token_ids = list(c.proposal[:k])
+                step.budget -= k
 
     def _interactive_prefill_alone(self) -> bool:
         """Whether this step is for interactive work only: an interactive prompt is owed prefill, batch
@@ -560,12 +604,19 @@ class Scheduler:
             seq = ss.seq
             if seq.status is not RUNNING:
                 continue
-            seq.num_computed_tokens = ss.start + ss.num_new_tokens
-            if ss.sample and seq.seq_id in sampled:
-                for token in sampled[seq.seq_id]:
-                    seq.append_token(token)
-                    self._record_token(seq, now)
+            got = sampled.get(seq.seq_id) if ss.sample else None
+            if ss.draft_token_ids and got:
+                # Its last token and the accepted drafts are computed; the token sampled after them is not.
+                seq.num_computed_tokens = ss.start + len(got)
+                self.speculator.observe(seq.seq_id, len(ss.draft_token_ids), len(got) - 1)
+            else:
+                seq.num_computed_tokens = ss.start + ss.num_new_tokens
+            for token in got or ():
+                seq.append_token(token)
+                self._record_token(seq, now)
             self.kv.cache_full_blocks(seq)
+            if ss.draft_token_ids:
+                self.kv.release_tail(seq)  # the rejected drafts' slots
         decode = sum(1 for ss in output.scheduled if ss.num_new_tokens == 1)
         if self._interjection is not None and output is self._interjection[0]:
             started = self._interjection[1]
@@ -641,6 +692,8 @@ class Scheduler:
             self._remove_from_queues(seq)
             self._untrack(seq)
         self.kv.free(seq)
+        if self.speculator is not None:
+            self.speculator.finish(seq.seq_id, seq.tenant, seq.output_token_ids)
         seq.status = status
         seq.timings.finished = self._clock()
         self._ended.append(seq.seq_id)
@@ -675,6 +728,9 @@ class Scheduler:
             queue_wait_s={prio: e[0] for prio, e in estimates.items()},
             ttft_s={prio: e[1] for prio, e in estimates.items()},
             kv=usage,
+            drafts={} if self.speculator is None else {n: replace(s) for n, s in self.speculator.stats.items()},
+            draft_length=0.0 if self.speculator is None or not self.speculator.last_lengths else
+            sum(self.speculator.last_lengths.values()) / len(self.speculator.last_lengths),
         )
 
     def _finish_in_step(self, step: _Step, seq: Sequence, status: SequenceStatus) -> None:

@@ -19,6 +19,16 @@ class ScheduledSequence:
     start: int  # = seq.num_computed_tokens at schedule time
     block_tables: list[list[int]]  # per KV group: device block ids covering start + num_new_tokens tokens
     sample: bool  # this step reaches the end of the known tokens, so a next token is sampled
+    # A decode's drafted tokens (speculative decoding): computed after its last token in the same chunk
+    # (num_new_tokens = 1 + len), each row sampled; the runner returns the drafts the samples agreed with and the
+    # sample after them.
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this step computes: the sequence's, then its drafts."""
+        known = self.num_new_tokens - len(self.draft_token_ids)
+        return self.seq.token_ids[self.start:self.start + known] + self.draft_token_ids
 
     @property
     def block_table(self) -> list[int]:

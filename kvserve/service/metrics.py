@@ -67,6 +67,8 @@ class LiveModelStats:
     prefix_host_hits: int = 0  # of prefix_hits, tokens loaded from its host-memory tier (CUDA)
     kv_disk_bytes: int = 0  # what the disk tier holds
     kv_host_bytes: int = 0  # what the host-memory tier holds
+    drafts: dict = field(default_factory=dict)  # drafter name -> DrafterStats (speculative decoding, since start)
+    draft_length: float = 0.0  # the controller's current mean draft length
 
 
 class ServingWindow:
@@ -164,6 +166,11 @@ class ServingWindow:
                                      "hit_disk": live.prefix_disk_hits} if live else {},
             "kv_disk_bytes": live.kv_disk_bytes if live else 0,
             "kv_host_bytes": live.kv_host_bytes if live else 0,
+            # Speculative decoding since start, per drafter, and the controller's current mean draft length.
+            "speculation": {"drafters": {name: {"proposed": d.proposed, "accepted": d.accepted, "drafts": d.drafts,
+                                                "mean_accepted_length": round(d.accepted / d.drafts, 4) if d.drafts
+                                                else 0.0} for name, d in live.drafts.items()},
+                            "draft_length": round(live.draft_length, 3)} if live else {},
             "preemptions": sum(s.preempted for s in steps),
             "engine_util": round(min(1.0, busy / span), 4),
             "tokens_per_s": round(sum(s.decode_tokens for s in steps) / span, 3),  # decode (generated) tokens
@@ -201,6 +208,14 @@ class _LiveCollector:
                                         "tier (CUDA)", labels=["model_name"])
         host_bytes = GaugeMetricFamily("kvserve:kv_host_bytes", "Bytes the KV cache's host-memory tier holds",
                                        labels=["model_name"])
+        proposed = CounterMetricFamily("kvserve:spec_draft_tokens", "Tokens drafted for speculative decoding",
+                                       labels=["model_name", "drafter"])
+        accepted = CounterMetricFamily("kvserve:spec_accepted_tokens",
+                                       "Drafted tokens the target model accepted", labels=["model_name", "drafter"])
+        drafts = CounterMetricFamily("kvserve:spec_drafts", "Drafts verified (accepted tokens / drafts: the mean "
+                                     "accepted length)", labels=["model_name", "drafter"])
+        draft_length = GaugeMetricFamily("kvserve:spec_draft_length", "The speculation controller's mean draft "
+                                         "length over the decodes it last drafted for", labels=["model_name"])
         ttft = GaugeMetricFamily("kvserve:estimated_ttft_seconds",
                                  "Admission's estimate of the time to first token of a short request arriving now "
                                  "(queue wait plus its prefill, from the step-time model): a signal to shed load on",
@@ -216,9 +231,15 @@ class _LiveCollector:
             disk_bytes.add_metric([s.model], s.kv_disk_bytes)
             host_hits.add_metric([s.model], s.prefix_host_hits)
             host_bytes.add_metric([s.model], s.kv_host_bytes)
+            for name, d in s.drafts.items():
+                proposed.add_metric([s.model, name], d.proposed)
+                accepted.add_metric([s.model, name], d.accepted)
+                drafts.add_metric([s.model, name], d.drafts)
+            draft_length.add_metric([s.model], s.draft_length)
             for tier, seconds in s.estimated_ttft_s.items():
                 ttft.add_metric([s.model, tier], seconds)
-        yield from (running, waiting, kv, hits, queries, disk_hits, disk_bytes, host_hits, host_bytes, ttft)
+        yield from (running, waiting, kv, hits, queries, disk_hits, disk_bytes, host_hits, host_bytes, proposed, accepted,
+                    drafts, draft_length, ttft)
 
 
 class ServerMetrics:

@@ -156,7 +156,8 @@ class ModelHandle:
                               prefix_disk_hits=stats.kv.tier_hit_tokens - stats.kv.host_hit_tokens,
                               prefix_host_hits=stats.kv.host_hit_tokens,
                               kv_disk_bytes=stats.kv.tier_bytes.get("disk", 0),
-                              kv_host_bytes=stats.kv.tier_bytes.get("host", 0))
+                              kv_host_bytes=stats.kv.tier_bytes.get("host", 0),
+                              drafts=stats.drafts, draft_length=stats.draft_length)
 
     def load(self, tier: str) -> LoadLevel:
         cfg = self.config

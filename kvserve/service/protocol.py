@@ -130,6 +130,9 @@ class _CommonRequest(_Lenient):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # kvserve: false keeps this request out of speculative decoding (where the server runs it). Outputs are the
+    # same either way (greedy bit for bit, sampling in distribution); only speed differs.
+    speculation: bool = True
 
     @property
     def cache_retention_s(self) -> float:
@@ -197,6 +200,7 @@ class _CommonRequest(_Lenient):
             logprobs=self.num_logprobs(),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            speculation=self.speculation,
         )
 
 

@@ -582,3 +582,20 @@ def test_prompt_cache_retention_keeps_a_prefix_through_a_flood_until_it_expires(
     assert kv.get_computed_blocks(late) == 0  # expired, then evicted as any block
     kv.free(late)
     kv.check_integrity()
+
+
+def test_release_tail_gives_back_the_blocks_past_the_tokens():
+    """After a verified draft: the rejected drafts' slots (blocks past the sequence's tokens) go back."""
+    kv = KVCacheManager(num_device_blocks=8, block_size=4)
+    s = make_seq(list(range(5)))
+    admit(kv, s)
+    compute(kv, s)
+    assert kv.allocate_slots(s, 9)  # its next token and 8 drafts: 14 positions, 4 blocks
+    assert kv.num_blocks_held(s) == 4
+    s.output_token_ids += [7, 8]  # two tokens came of it
+    s.num_computed_tokens = 6
+    kv.release_tail(s)
+    assert kv.num_blocks_held(s) == 2 and kv.num_free_blocks == 6
+    kv.check_integrity()
+    kv.free(s)
+    assert all_blocks_back(kv)

@@ -1,0 +1,143 @@
+"""What speculative decoding (engine/speculation.py) does to decode speed, in process, on a real model: the same
+requests with it off and on, side by side, runs interleaved, medians of the runs.
+
+  python -m benchmarks.speculation [--model smollm2-135m] [--runs 3] [--out docs/bench]
+
+Workloads (greedy, `ignore_eos`, 96 output tokens; W7's kind of grounded work beside open text):
+- grounded: copy or lightly edit a given passage (the fixed license text of benchmarks/data/long_text.txt, cut
+  in passages), answer from a given context, continue a code file that repeats its own pattern; at
+  concurrency 1 and 8;
+- open: open-ended prompts (stories, explanations) with nothing to copy; at concurrency 1 and 32.
+A concurrency of c submits c requests at once and runs them to the end. Per request, TPOT = (finish - first
+token) / (tokens - 1); the figures are the median TPOT and the output tokens per second of the whole batch, and
+the ratio off / on (above 1: speculation faster). Writes speculation.json and speculation.md under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import kvserve  # noqa: F401  (first: it caps torch's CPU dispatch at KVSERVE_CPU_ISA's level)
+
+from benchmarks.pages import stamp, write_page
+
+TEXT = Path(__file__).parent / "data" / "long_text.txt"
+OUTPUT_TOKENS = 96
+CASES = (("grounded", 1), ("grounded", 8), ("open", 1), ("open", 32))
+OPEN = ["Write a short story about a lighthouse keeper who finds a strange bottle.",
+        "Explain why the sky is blue to a ten-year-old.", "What are three good habits for a healthy life?",
+        "Describe a walk through a forest in autumn.", "Give advice to someone starting their first job.",
+        "Why do people enjoy music?", "Tell me about the history of bicycles.", "What makes a good friend?"]
+
+
+def _log(msg: str) -> None:
+    print(f"[speculation] {msg}", file=sys.stderr, flush=True)
+
+
+def grounded_prompts(n: int) -> list[str]:
+    """Copy, edit, answer-from-context and code-continuation tasks over fixed text."""
+    words = TEXT.read_text().split()
+    out = []
+    for i in range(n):
+        passage = " ".join(words[300 * i:300 * i + 120])
+        kind = i % 4
+        if kind == 0:
+            out.append(f"Copy the following text exactly.\n\nText: {passage}\n\nCopy: ")
+        elif kind == 1:
+            out.append(f"Rewrite the text with every 'License' replaced by 'Licence'.\n\nText: {passage}\n\n"
+                       "Rewritten: ")
+        elif kind == 2:
+            out.append(f"Context: {passage}\n\nQuote the sentence of the context that mentions the word 'work'.\n"
+                       "Quote: ")
+        else:
+            funcs = "".join(f"def get_{w}(record):\n    return record['{w}']\n\n\n" for w in words[300 * i:300 * i + 8]
+                            if w.isalpha())
+            out.append(funcs + "def get_")
+    return out
+
+
+def _prompts(kind: str, c: int) -> list[str]:
+    return grounded_prompts(c) if kind == "grounded" else [OPEN[i % len(OPEN)] for i in range(c)]
+
+
+def run_case(engine, tok, prompts: list[str]) -> dict:
+    from kvserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    t0 = time.perf_counter()
+    for p in prompts:
+        engine.add_request(engine.request(tok.encode(p), params))
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [ro for ro in engine.step() if ro.finished]
+    wall = time.perf_counter() - t0
+    tpots = [(ro.metrics.finished_time - ro.metrics.first_token_time) / (len(ro.outputs[0].token_ids) - 1)
+             for ro in finals]
+    tokens = sum(len(ro.outputs[0].token_ids) for ro in finals)
+    return {"tpot_p50_ms": 1000 * statistics.median(tpots), "tokens_per_s": tokens / wall}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--out", default="docs/bench")
+    args = ap.parse_args(argv)
+    from kvserve.config import TierLimits, engine_config_from_kwargs
+    from kvserve.engine.llm_engine import LLMEngine
+
+    engines = {}
+    for spec in (False, True):  # admission unbounded: each case submits its whole batch at once
+        engines[spec] = LLMEngine(engine_config_from_kwargs(
+            args.model, dtype="bfloat16", max_num_seqs=64, speculative_decoding=spec,
+            interactive=TierLimits.unbounded(), batch=TierLimits.unbounded()))
+    tok = engines[False].tokenizer
+    for eng in engines.values():  # warm up: kernels, the step-time model
+        run_case(eng, tok, _prompts("open", 4))
+    raw: dict[str, dict[str, list[dict]]] = {}
+    for r in range(args.runs):
+        for kind, c in CASES:
+            for spec in ((False, True) if r % 2 == 0 else (True, False)):  # alternate which goes first
+                res = run_case(engines[spec], tok, _prompts(kind, c))
+                raw.setdefault(f"{kind} c={c}", {}).setdefault("on" if spec else "off", []).append(res)
+                _log(f"run {r} {kind} c={c} {'on' if spec else 'off'}: {res}")
+    stats = engines[True].scheduler.speculator.stats
+    rows = {}
+    for case, by in raw.items():
+        med = {k: {m: statistics.median(x[m] for x in v) for m in ("tpot_p50_ms", "tokens_per_s")}
+               for k, v in by.items()}
+        rows[case] = {**med, "tpot_speedup": med["off"]["tpot_p50_ms"] / med["on"]["tpot_p50_ms"],
+                      "throughput_ratio": med["on"]["tokens_per_s"] / med["off"]["tokens_per_s"], "runs": by}
+    result = {**stamp("benchmarks.speculation", argv), "model": args.model, "output_tokens": OUTPUT_TOKENS,
+              "runs": args.runs, "cases": rows,
+              "drafters": {n: {"proposed": s.proposed, "accepted": s.accepted, "drafts": s.drafts}
+                           for n, s in stats.items()}}
+    write_page(args.out, "speculation", result, markdown(result))
+
+
+def markdown(r: dict) -> str:
+    m = r["machine"]
+    out = ["## Speculative decoding", "",
+           f"`{r['command']}` on {m.get('cpu_model', '?')} ({m.get('nproc', '?')} CPUs), {r['when']}: "
+           f"{r['model']} in bfloat16, in process, greedy, {r['output_tokens']} output tokens a request; the same "
+           f"requests with speculation off and on, {r['runs']} runs interleaved, medians. Grounded: copy, edit, "
+           "quote from a given passage, continue a repetitive code file (W7's kind); open: open-ended prompts "
+           "(W1/W2's kind). Speed-up = TPOT p50 off / on; throughput = output tokens/s on / off.", "",
+           "| workload | TPOT p50 off (ms) | TPOT p50 on (ms) | speed-up | tok/s off | tok/s on | throughput |",
+           "|---|---|---|---|---|---|---|"]
+    for case, x in r["cases"].items():
+        out.append(f"| {case} | {x['off']['tpot_p50_ms']:.1f} | {x['on']['tpot_p50_ms']:.1f} | "
+                   f"{x['tpot_speedup']:.2f}x | {x['off']['tokens_per_s']:.1f} | {x['on']['tokens_per_s']:.1f} | "
+                   f"{x['throughput_ratio']:.2f}x |")
+    d = r["drafters"]
+    out += ["", "Drafts over the whole run (speculation on): " + "; ".join(
+        f"{n}: {s['proposed']} tokens proposed, {s['accepted']} accepted "
+        f"({s['accepted'] / s['proposed']:.0%})" if s["proposed"] else f"{n}: none" for n, s in d.items()) + ".", ""]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    main()

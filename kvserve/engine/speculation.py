@@ -1,0 +1,258 @@
+"""Speculative decoding's pure half: the drafters, each sequence's acceptance, and the controller that sizes drafts.
+
+A drafted token costs a row of the step (the target scores the sequence's last token and its k drafts as one
+chunk, engine/runner.py) and pays off only when the target agrees. Both drafters here propose point masses (a
+draft is a token, not a distribution), so verification is sampling each row of the chunk as decoding would and
+keeping the drafts while the samples equal them: the tokens that come out are the target's own samples, greedy
+or random, whatever was drafted.
+
+- `NgramDrafter` (prompt lookup): the latest earlier place where the sequence's last n tokens (n from max_n
+  down to min_n) occurred in its prompt and output; it proposes what followed there. Indexed incrementally, so a
+  step costs the tokens appended since the last one, not a scan of the context.
+- `SuffixDrafter`: the same match over a bounded cache of recent outputs of the sequence's tenant (another
+  tenant's text never drafts yours): agent loops and repeated tasks continue what earlier answers said.
+
+The controller (`Speculator.plan`) chooses each sequence's draft length per step, 0 included, to maximise the
+expected tokens per second of step time: with a sequence's acceptance rate a (a moving average of accepted over
+proposed, per drafter), the i-th drafted token adds a^i expected tokens and the step-time model's cost of one
+more row. Draft rows are added best first while their tokens per second beat the step's own (the decodes' one
+token each over the predicted step time): at low load steps are short of rows and drafts run long; as the batch
+fills, each row costs more than the tokens it is likely to bring and drafts shorten, then stop. No torch, no I/O.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+# Acceptance of a drafter that has not been measured yet, and the weight of each new observation.
+PRIOR_ACCEPTANCE = 0.5
+ACCEPTANCE_WEIGHT = 0.2
+
+
+class StepCost(Protocol):
+    def predict(self, decodes: int, prefill_tokens: int = 0) -> float: ...
+
+
+class NgramIndex:
+    """For each n-gram size, where each n-gram of a token list last ended (the position its continuation starts),
+    extended as the list grows; a lookup finds the latest occurrence before the list's own end."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.sizes = range(max_n, min_n - 1, -1)  # longest first: the more specific match
+        self._where: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self._indexed = 0  # positions below this are indexed
+
+    def extend(self, tokens: list[int]) -> None:
+        """Index every continuation position up to len(tokens) - 1 (the list's end has no continuation yet)."""
+        end = len(tokens) - 1
+        for p in range(max(self._indexed, 1), end + 1):
+            for n in self.sizes:
+                if p >= n:
+                    self._where[n][tuple(tokens[p - n:p])] = p
+        self._indexed = max(self._indexed, end + 1)
+
+    def continuation(self, tokens: list[int], suffix: list[int]) -> int | None:
+        """Where, in the indexed list, the longest matching n-gram ending `suffix` was last followed; None."""
+        for n in self.sizes:
+            if len(suffix) >= n:
+                p = self._where[n].get(tuple(suffix[-n:]))
+                if p is not None:
+                    return p
+        return None
+
+
+class NgramDrafter:
+    """Prompt lookup: the continuation of the latest earlier occurrence of the sequence's last n tokens."""
+
+    name = "ngram"
+
+    def __init__(self, min_n: int = 2, max_n: int = 4):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self._index: dict[int, NgramIndex] = {}  # seq id -> its index
+
+    def propose(self, seq_id: int, tokens: list[int], k: int) -> list[int]:
+        index = self._index.get(seq_id)
+        if index is None:
+            index = self._index[seq_id] = NgramIndex(self.min_n, self.max_n)
+        index.extend(tokens)
+        p = index.continuation(tokens, tokens[-self.max_n:])
+        return [] if p is None else tokens[p:p + k]
+
+    def forget(self, seq_id: int) -> None:
+        self._index.pop(seq_id, None)
+
+
+class SuffixDrafter:
+    """Matches the sequence's last tokens in its tenant's recent outputs (at most `max_tokens` tokens of them per
+    tenant, oldest out first) and proposes what followed there."""
+
+    name = "suffix"
+
+    def __init__(self, max_tokens: int = 65536, min_n: int = 3, max_n: int = 8):
+        if max_tokens <= 0 or not 1 <= min_n <= max_n:
+            raise ValueError("need max_tokens > 0 and 1 <= min_n <= max_n")
+        self.max_tokens, self.min_n, self.max_n = max_tokens, min_n, max_n
+        self._tenants: dict[str, _TenantOutputs] = {}
+
+    def add_output(self, tenant: str, tokens: list[int]) -> None:
+        """Remember a finished output (its last max_tokens tokens at most)."""
+        if len(tokens) <= self.min_n:
+            return
+        cache = self._tenants.setdefault(tenant, _TenantOutputs())
+        cache.add(tokens[-self.max_tokens:], self.min_n, self.max_n)
+        while cache.tokens > self.max_tokens:
+            cache.drop_oldest(self.min_n, self.max_n)
+
+    def propose(self, tenant: str, tokens: list[int], k: int) -> list[int]:
+        cache = self._tenants.get(tenant)
+        if cache is None:
+            return []
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if len(tokens) >= n:
+                hit = cache.where.get(tuple(tokens[-n:]))
+                if hit is not None:
+                    out, p = hit
+                    return cache.outputs[out][p:p + k]
+        return []
+
+
+@dataclass
+class _TenantOutputs:
+    outputs: OrderedDict[int, list[int]] = field(default_factory=OrderedDict)  # id -> tokens, oldest first
+    where: dict[tuple[int, ...], tuple[int, int]] = field(default_factory=dict)  # n-gram -> (output id, next pos)
+    tokens: int = 0
+    next_id: int = 0
+
+    def add(self, tokens: list[int], min_n: int, max_n: int) -> None:
+        oid, self.next_id = self.next_id, self.next_id + 1
+        self.outputs[oid] = tokens
+        self.tokens += len(tokens)
+        for p in range(min_n, len(tokens)):
+            for n in range(min_n, min(max_n, p) + 1):
+                self.where[tuple(tokens[p - n:p])] = (oid, p)
+
+    def drop_oldest(self, min_n: int, max_n: int) -> None:
+        oid, tokens = self.outputs.popitem(last=False)
+        self.tokens -= len(tokens)
+        for p in range(min_n, len(tokens)):
+            for n in range(min_n, min(max_n, p) + 1):
+                key = tuple(tokens[p - n:p])
+                if self.where.get(key, (None,))[0] == oid:
+                    del self.where[key]
+
+
+@dataclass
+class Acceptance:
+    """A moving average of the fraction of drafted tokens the target accepted."""
+
+    rate: float = PRIOR_ACCEPTANCE
+    proposed: int = 0
+    accepted: int = 0
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        if proposed:
+            self.rate += ACCEPTANCE_WEIGHT * (accepted / proposed - self.rate)
+            self.proposed += proposed
+            self.accepted += accepted
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A decoding sequence that may draft: its id, the drafter's proposal (at most its cap) and acceptance."""
+
+    seq_id: int
+    proposal: tuple[int, ...]
+    acceptance: float
+
+
+@dataclass
+class DrafterStats:
+    """Totals per drafter since start (the server's metrics)."""
+
+    proposed: int = 0
+    accepted: int = 0
+    drafts: int = 0  # verification chunks
+
+
+def plan_draft_lengths(candidates: list[Candidate], step: StepCost, decodes: int, prefill_tokens: int,
+                       budget: int) -> dict[int, int]:
+    """Each candidate's draft length (those left out: 0) maximising the step's expected tokens per second: draft
+    rows best first (a candidate's i-th row brings acceptance^i tokens), each while what it brings per second of
+    the cost of one more row beats the step's tokens per second so far; at most `budget` rows in all."""
+    seconds = step.predict(decodes, prefill_tokens)
+    row_s = max(step.predict(decodes, prefill_tokens + 1) - seconds, 1e-9)
+    tokens = float(max(decodes, 1))
+    # (-gain, row, tie-break, candidate): ties go to the earlier candidate
+    heap = [(-c.acceptance, 1, j, c) for j, c in enumerate(candidates) if c.proposal and c.acceptance > 0]
+    heapq.heapify(heap)
+    lengths: dict[int, int] = {}
+    while heap and budget > 0:
+        neg_gain, i, j, c = heapq.heappop(heap)
+        gain = -neg_gain
+        if gain / row_s <= tokens / seconds:
+            break  # the best row left brings fewer tokens per second than the step already makes
+        lengths[c.seq_id] = i
+        tokens += gain
+        seconds += row_s
+        budget -= 1
+        if i < len(c.proposal):
+            heapq.heappush(heap, (-gain * c.acceptance, i + 1, j, c))
+    return lengths
+
+
+class Speculator:
+    """The drafters, each sequence's acceptance per drafter, and the step's draft plan (the scheduler's part)."""
+
+    def __init__(self, max_draft: int = 8, ngram: NgramDrafter | None = None, suffix: SuffixDrafter | None = None):
+        if max_draft < 1:
+            raise ValueError(f"max_draft must be at least 1, got {max_draft}")
+        self.max_draft = max_draft
+        self.ngram = ngram or NgramDrafter()
+        self.suffix = suffix or SuffixDrafter()
+        self.stats = {self.ngram.name: DrafterStats(), self.suffix.name: DrafterStats()}
+        self._acceptance: dict[tuple[int, str], Acceptance] = {}
+        self._drafter_of: dict[int, str] = {}  # seq id -> the drafter of its draft in flight
+        self.last_lengths: dict[int, int] = {}  # the last plan: seq id -> draft length (0s left out)
+
+    def propose(self, seq_id: int, tenant: str, tokens: list[int], cap: int) -> Candidate | None:
+        """A sequence's best proposal now: the n-gram drafter's, else its tenant's earlier outputs'."""
+        cap = min(cap, self.max_draft)
+        if cap <= 0:
+            return None
+        for name, draft in ((self.ngram.name, lambda: self.ngram.propose(seq_id, tokens, cap)),
+                            (self.suffix.name, lambda: self.suffix.propose(tenant, tokens, cap))):
+            proposal = draft()
+            if proposal:
+                self._drafter_of[seq_id] = name
+                acc = self._acceptance.get((seq_id, name))
+                return Candidate(seq_id, tuple(proposal), PRIOR_ACCEPTANCE if acc is None else acc.rate)
+        return None
+
+    def plan(self, candidates: list[Candidate], step: StepCost, decodes: int, prefill_tokens: int,
+             budget: int) -> dict[int, int]:
+        self.last_lengths = plan_draft_lengths(candidates, step, decodes, prefill_tokens, budget)
+        return self.last_lengths
+
+    def observe(self, seq_id: int, proposed: int, accepted: int) -> None:
+        """A verified draft: `accepted` of its `proposed` tokens were the target's."""
+        name = self._drafter_of.get(seq_id)
+        if name is None:
+            return
+        self._acceptance.setdefault((seq_id, name), Acceptance()).observe(proposed, accepted)
+        s = self.stats[name]
+        s.proposed += proposed
+        s.accepted += accepted
+        s.drafts += 1
+
+    def finish(self, seq_id: int, tenant: str, output: list[int]) -> None:
+        """A sequence ended: its output joins its tenant's suffix cache; its state goes."""
+        self.suffix.add_output(tenant, output)
+        self.ngram.forget(seq_id)
+        self._drafter_of.pop(seq_id, None)
+        self.last_lengths.pop(seq_id, None)
+        for name in self.stats:
+            self._acceptance.pop((seq_id, name), None)
