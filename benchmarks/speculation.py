@@ -8,7 +8,8 @@ Workloads (greedy, `ignore_eos`, 96 output tokens; W7's kind of grounded work be
   in passages), answer from a given context, continue a code file that repeats its own pattern; at
   concurrency 1 and 8;
 - open: open-ended prompts (stories, explanations) with nothing to copy; at concurrency 1 and 32.
-A concurrency of c submits c requests at once and runs them to the end. Per request, TPOT = (finish - first
+A concurrency of c submits c requests at once and runs them to the end; the suffix drafter's cache of outputs starts
+empty in each case (the runs repeat the same prompts, whose earlier outputs would draft them word for word). Per request, TPOT = (finish - first
 token) / (tokens - 1); the figures are the median TPOT and the output tokens per second of the whole batch, and
 the ratio off / on (above 1: speculation faster). Writes speculation.json and speculation.md under --out.
 """
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     from kvserve.config import TierLimits, engine_config_from_kwargs
     from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine.speculation import SuffixDrafter
 
     engines = {}
     for spec in (False, True):  # admission unbounded: each case submits its whole batch at once
@@ -101,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in range(args.runs):
         for kind, c in CASES:
             for spec in ((False, True) if r % 2 == 0 else (True, False)):  # alternate which goes first
+                if spec:  # the same prompts' earlier outputs would draft themselves: each case starts cold
+                    engines[spec].scheduler.speculator.suffix = SuffixDrafter()
                 res = run_case(engines[spec], tok, _prompts(kind, c))
                 raw.setdefault(f"{kind} c={c}", {}).setdefault("on" if spec else "off", []).append(res)
                 _log(f"run {r} {kind} c={c} {'on' if spec else 'off'}: {res}")

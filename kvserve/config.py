@@ -276,6 +276,8 @@ class SchedulerConfig:
     # exactly in one chunk. Off by default until its benchmarks show it never slows a loaded server here.
     speculative_decoding: bool = False
     num_speculative_tokens: int = 8
+    # False: every proposal is drafted whole, whatever the load (a static draft length, as other engines have it).
+    speculative_controller: bool = True
 
     def __post_init__(self):
         _validate(self, dict(
@@ -286,7 +288,7 @@ class SchedulerConfig:
             batch=(lambda v: isinstance(v, TierLimits), "a table of TierLimits fields"),
             batch_decode_quantum=NONNEG_INT, interactive_batch_prefill_tokens=NONNEG_INT,
             interactive_prefill_alone=BOOL, interactive_interjection=BOOL, speculative_decoding=BOOL,
-            num_speculative_tokens=POSITIVE_INT))
+            num_speculative_tokens=POSITIVE_INT, speculative_controller=BOOL))
 
 
 @dataclass(frozen=True)

@@ -158,9 +158,11 @@ class Scheduler:
         self._num_preemptions = 0
         self.step_time = step_time or StepTimeModel()  # learned from every step; admission estimates use it
         # Drafts for decodes (speculative decoding), sized by its controller from the step-time model.
-        self.speculator = Speculator(config.num_speculative_tokens) if config.speculative_decoding else None
+        self.speculator = Speculator(config.num_speculative_tokens, adaptive=config.speculative_controller) \
+            if config.speculative_decoding else None
         self._step_started: float | None = None
-        self._cycle: tuple[int, int, float] | None = None  # (decodes, prefill tokens, started) of the last step
+        # (decodes, prefill tokens (draft rows included), draft rows, tokens sampled, started) of the last step
+        self._cycle: tuple[int, int, int, int, float] | None = None
         self._alone_last = False  # the last step was interactive prefill alone (or an interjection)
         self._interjection: tuple[SchedulerOutput, float] | None = None  # (its output, its start) while it runs
         self._ended: list[int] = []  # seq ids finished since the last step was scheduled (SchedulerOutput)
@@ -324,7 +326,8 @@ class Scheduler:
             self.speculator.last_lengths = {}
             return
         prefill = sum(ss.num_new_tokens for ss in step.scheduled.values()) - len(decodes)
-        lengths = self.speculator.plan(candidates, self.step_time, len(decodes), prefill, step.budget)
+        lengths = self.speculator.plan(candidates, prefill * self.step_time.per_prefill_token_s, len(decodes),
+                                       step.budget)
         for c in candidates:
             k = lengths.get(c.seq_id, 0)
             ss = step.scheduled[c.seq_id]
@@ -600,11 +603,13 @@ class Scheduler:
         in it are ignored). Sequences finished or aborted while the step ran are skipped.
         """
         now = self._clock()
+        emitted = 0
         for ss in output.scheduled:
             seq = ss.seq
             if seq.status is not RUNNING:
                 continue
             got = sampled.get(seq.seq_id) if ss.sample else None
+            emitted += len(got or ())
             if ss.draft_token_ids and got:
                 # Its last token and the accepted drafts are computed; the token sampled after them is not.
                 seq.num_computed_tokens = ss.start + len(got)
@@ -617,15 +622,18 @@ class Scheduler:
             self.kv.cache_full_blocks(seq)
             if ss.draft_token_ids:
                 self.kv.release_tail(seq)  # the rejected drafts' slots
-        decode = sum(1 for ss in output.scheduled if ss.num_new_tokens == 1)
+        # A verified draft is a decode plus its draft rows; the step-time model counts the rows as prefill.
+        drafted = sum(len(ss.draft_token_ids) for ss in output.scheduled)
+        decode = sum(1 for ss in output.scheduled if ss.num_new_tokens - len(ss.draft_token_ids) == 1)
+        prefill = output.num_batched_tokens - decode  # prompt tokens and draft rows
         if self._interjection is not None and output is self._interjection[0]:
             started = self._interjection[1]
             self._interjection = None
-            self.step_time.observe(decode, output.num_batched_tokens - decode, now - started)
+            self.step_time.observe(decode, prefill, now - started)
             if self._step_started is not None:  # the suspended step: its time excludes the interjection's
                 self._step_started += now - started
         else:
-            self._end_step_timing(output.num_batched_tokens - decode, decode, now)
+            self._end_step_timing(prefill, decode, drafted, emitted, now)
 
     def _record_token(self, seq: Sequence, now: float) -> None:
         t = seq.timings
@@ -635,19 +643,21 @@ class Scheduler:
         t.token_times.append(now)
         self._state[seq.seq_id].decode_steps += 1
 
-    def _end_step_timing(self, prefill: int, decode: int, now: float) -> None:
+    def _end_step_timing(self, prefill: int, decode: int, drafted: int, emitted: int, now: float) -> None:
         """Time the step just finished from its schedule() to the next one: what the engine does between
         steps (sampling, detokenizing, delivering, admitting) delays the next token as much as the forward
         does. When its last sequence finishes the engine idles next, so finish() times it instead."""
         started, self._step_started = self._step_started, None
         if started is not None and now > started:
-            self._cycle = (decode, prefill, started)
+            self._cycle = (decode, prefill, drafted, emitted, started)
 
     def _observe_cycle(self, now: float) -> None:
         if self._cycle is not None:
-            decode, prefill, started = self._cycle
+            decode, prefill, drafted, emitted, started = self._cycle
             self._cycle = None
             self.step_time.observe(decode, prefill, now - started)
+            if self.speculator is not None and prefill == drafted:  # decodes and drafts only
+                self.speculator.observe_step(decode, drafted, emitted, now - started)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -693,7 +703,7 @@ class Scheduler:
             self._untrack(seq)
         self.kv.free(seq)
         if self.speculator is not None:
-            self.speculator.finish(seq.seq_id, seq.tenant, seq.output_token_ids)
+            self.speculator.finish(seq.seq_id, seq.tenant, seq.prompt_token_ids, seq.output_token_ids)
         seq.status = status
         seq.timings.finished = self._clock()
         self._ended.append(seq.seq_id)

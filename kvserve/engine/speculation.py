@@ -14,25 +14,29 @@ or random, whatever was drafted.
 
 The controller (`Speculator.plan`) chooses each sequence's draft length per step, 0 included, to maximise the
 expected tokens per second of step time: with a sequence's acceptance rate a (a moving average of accepted over
-proposed, per drafter), the i-th drafted token adds a^i expected tokens and the step-time model's cost of one
-more row. Draft rows are added best first while their tokens per second beat the step's own (the decodes' one
-token each over the predicted step time): at low load steps are short of rows and drafts run long; as the batch
-fills, each row costs more than the tokens it is likely to bring and drafts shorten, then stop. No torch, no I/O.
+proposed, per drafter; before its first draft, the drafter's over every sequence), the i-th drafted token adds a^i expected tokens and costs a draft row, priced by a
+step-time model of its own fitted on the steps that only decode and verify (engine/step_time.py's fit: fixed +
+per sequence + per draft row), since a draft row turns a decode into a chunk and costs what prompt rows do not.
+Draft rows are added best first while their tokens per second beat the step's own (the decodes' one token each
+over the predicted step time): at low load steps are short of rows and drafts run long; as the batch fills, each
+row costs more than the tokens it is likely to bring and drafts shorten, then stop. No torch, no I/O.
 """
 from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Protocol
 
+from kvserve.engine.step_time import StepTimeModel
+
+# Draft rows in a step, typically (the scale of the row-price fit's feature).
+DRAFT_ROWS_SCALE = 32.0
+# The guard: the weight of a step in its moving rates, and how often it steps the other way to keep both current.
+RATE_WEIGHT = 0.1
+EXPLORE_EVERY = 16
 # Acceptance of a drafter that has not been measured yet, and the weight of each new observation.
 PRIOR_ACCEPTANCE = 0.5
 ACCEPTANCE_WEIGHT = 0.2
-
-
-class StepCost(Protocol):
-    def predict(self, decodes: int, prefill_tokens: int = 0) -> float: ...
 
 
 class NgramIndex:
@@ -178,13 +182,13 @@ class DrafterStats:
     drafts: int = 0  # verification chunks
 
 
-def plan_draft_lengths(candidates: list[Candidate], step: StepCost, decodes: int, prefill_tokens: int,
+def plan_draft_lengths(candidates: list[Candidate], seconds: float, row_s: float, decodes: int,
                        budget: int) -> dict[int, int]:
-    """Each candidate's draft length (those left out: 0) maximising the step's expected tokens per second: draft
-    rows best first (a candidate's i-th row brings acceptance^i tokens), each while what it brings per second of
-    the cost of one more row beats the step's tokens per second so far; at most `budget` rows in all."""
-    seconds = step.predict(decodes, prefill_tokens)
-    row_s = max(step.predict(decodes, prefill_tokens + 1) - seconds, 1e-9)
+    """Each candidate's draft length (those left out: 0) maximising the step's expected tokens per second, for a
+    step of `seconds` making a token per decode where a draft row costs `row_s`: rows best first (a candidate's
+    i-th row brings acceptance^i tokens), each while what it brings per second beats the step's tokens per
+    second so far; at most `budget` rows in all."""
+    row_s = max(row_s, 1e-9)
     tokens = float(max(decodes, 1))
     # (-gain, row, tie-break, candidate): ties go to the earlier candidate
     heap = [(-c.acceptance, 1, j, c) for j, c in enumerate(candidates) if c.proposal and c.acceptance > 0]
@@ -204,19 +208,58 @@ def plan_draft_lengths(candidates: list[Candidate], step: StepCost, decodes: int
     return lengths
 
 
+def batch_bucket(decodes: int) -> int:
+    """Batch sizes the guard compares alike: 1, 2-3, 4-7, 8-15, ..."""
+    return max(decodes, 1).bit_length()
+
+
+@dataclass
+class RateGuard:
+    """The measured tokens per second of steps with drafts and without, at one batch size (moving averages):
+    drafts stop where they measured slower, with every EXPLORE_EVERY-th step the other way so both rates stay
+    current (a step without drafts while drafting, one with while not)."""
+
+    drafted: float | None = None
+    plain: float | None = None
+    steps: int = 0
+
+    def allow_drafts(self) -> bool:
+        self.steps += 1
+        explore = self.steps % EXPLORE_EVERY == 0
+        if self.drafted is None or self.plain is None:
+            return self.drafted is None or not explore  # measure drafting first, then a plain step now and then
+        return (self.drafted >= self.plain) != explore
+
+    def observe(self, drafted: bool, tokens_per_s: float) -> None:
+        old = self.drafted if drafted else self.plain
+        new = tokens_per_s if old is None else old + RATE_WEIGHT * (tokens_per_s - old)
+        if drafted:
+            self.drafted = new
+        else:
+            self.plain = new
+
+
 class Speculator:
     """The drafters, each sequence's acceptance per drafter, and the step's draft plan (the scheduler's part)."""
 
-    def __init__(self, max_draft: int = 8, ngram: NgramDrafter | None = None, suffix: SuffixDrafter | None = None):
+    def __init__(self, max_draft: int = 8, ngram: NgramDrafter | None = None, suffix: SuffixDrafter | None = None,
+                 adaptive: bool = True):
+        """`adaptive` False: every proposal drafted whole (a static length, as other engines have it)."""
         if max_draft < 1:
             raise ValueError(f"max_draft must be at least 1, got {max_draft}")
         self.max_draft = max_draft
+        self.adaptive = adaptive
         self.ngram = ngram or NgramDrafter()
         self.suffix = suffix or SuffixDrafter()
         self.stats = {self.ngram.name: DrafterStats(), self.suffix.name: DrafterStats()}
-        self._acceptance: dict[tuple[int, str], Acceptance] = {}
+        self._acceptance: dict[tuple[int, str], Acceptance] = {}  # per sequence and drafter
+        # Per drafter over every sequence: a sequence's prior before its own first draft.
+        self._drafter_acceptance = {name: Acceptance() for name in self.stats}
         self._drafter_of: dict[int, str] = {}  # seq id -> the drafter of its draft in flight
         self.last_lengths: dict[int, int] = {}  # the last plan: seq id -> draft length (0s left out)
+        # Steps of decodes and drafts: seconds ~ fixed + per sequence + per draft row (the controller's row price).
+        self.cost = StepTimeModel(prefill_scale=DRAFT_ROWS_SCALE)
+        self._guards: dict[int, RateGuard] = {}  # batch-size bucket -> its measured rates
 
     def propose(self, seq_id: int, tenant: str, tokens: list[int], cap: int) -> Candidate | None:
         """A sequence's best proposal now: the n-gram drafter's, else its tenant's earlier outputs'."""
@@ -228,29 +271,55 @@ class Speculator:
             proposal = draft()
             if proposal:
                 self._drafter_of[seq_id] = name
-                acc = self._acceptance.get((seq_id, name))
-                return Candidate(seq_id, tuple(proposal), PRIOR_ACCEPTANCE if acc is None else acc.rate)
+                acc = self._acceptance.get((seq_id, name)) or self._drafter_acceptance[name]
+                return Candidate(seq_id, tuple(proposal), acc.rate)
         return None
 
-    def plan(self, candidates: list[Candidate], step: StepCost, decodes: int, prefill_tokens: int,
-             budget: int) -> dict[int, int]:
-        self.last_lengths = plan_draft_lengths(candidates, step, decodes, prefill_tokens, budget)
+    def plan(self, candidates: list[Candidate], prompt_seconds: float, decodes: int, budget: int) -> dict[int, int]:
+        """Draft lengths for a step of `decodes` decodes (and prompt rows costing `prompt_seconds`), unless steps
+        with drafts have measured fewer tokens per second than steps without at this batch size (the guard)."""
+        if not self.adaptive:
+            self.last_lengths = {}
+            for c in candidates:
+                k = min(len(c.proposal), budget)
+                if k:
+                    self.last_lengths[c.seq_id] = k
+                    budget -= k
+            return self.last_lengths
+        guard = self._guards.setdefault(batch_bucket(decodes), RateGuard())
+        if not guard.allow_drafts():
+            self.last_lengths = {}
+            return self.last_lengths
+        seconds = self.cost.predict(decodes, 0) + prompt_seconds
+        row_s = self.cost.predict(decodes, 1) - self.cost.predict(decodes, 0)
+        self.last_lengths = plan_draft_lengths(candidates, seconds, row_s, decodes, budget)
         return self.last_lengths
+
+    def observe_step(self, sequences: int, draft_rows: int, tokens: int, seconds: float) -> None:
+        """A step of decodes and verified drafts only (no prompt tokens) that gave `tokens` tokens: the price of a
+        draft row, learned apart from prompt prefill (whose long chunks cost another price per row), and the
+        guard's rates with and without drafts at this batch size."""
+        self.cost.observe(sequences, draft_rows, seconds)
+        self._guards.setdefault(batch_bucket(sequences), RateGuard()).observe(draft_rows > 0, tokens / seconds)
 
     def observe(self, seq_id: int, proposed: int, accepted: int) -> None:
         """A verified draft: `accepted` of its `proposed` tokens were the target's."""
         name = self._drafter_of.get(seq_id)
         if name is None:
             return
-        self._acceptance.setdefault((seq_id, name), Acceptance()).observe(proposed, accepted)
+        self._acceptance.setdefault((seq_id, name), Acceptance(self._drafter_acceptance[name].rate)).observe(
+            proposed, accepted)
+        self._drafter_acceptance[name].observe(proposed, accepted)
         s = self.stats[name]
         s.proposed += proposed
         s.accepted += accepted
         s.drafts += 1
 
-    def finish(self, seq_id: int, tenant: str, output: list[int]) -> None:
-        """A sequence ended: its output joins its tenant's suffix cache; its state goes."""
-        self.suffix.add_output(tenant, output)
+    def finish(self, seq_id: int, tenant: str, prompt: list[int], output: list[int]) -> None:
+        """A sequence ended: its output, after the end of its prompt (so the same prompt again matches from its
+        first output token), joins its tenant's suffix cache; its state goes."""
+        if output:
+            self.suffix.add_output(tenant, prompt[-self.suffix.max_n:] + output)
         self.ngram.forget(seq_id)
         self._drafter_of.pop(seq_id, None)
         self.last_lengths.pop(seq_id, None)

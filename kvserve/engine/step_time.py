@@ -101,6 +101,10 @@ class StepTimeModel:
     per_decode_s: float = 1 / 500
     per_prefill_token_s: float = 1 / 4000
     window: int = 64  # steps the fit covers
+    # The features' typical sizes (they scale to order one, so the fit stays well conditioned and the ridge
+    # weighs each coefficient alike): decodes a step, prefill tokens a step.
+    decode_scale: float = DECODE_SCALE
+    prefill_scale: float = PREFILL_SCALE
     observations: int = 0
     _prior: tuple[float, float, float] = field(init=False, repr=False)
     _steps: deque = field(init=False, repr=False)
@@ -108,13 +112,12 @@ class StepTimeModel:
     _xty: list[float] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._prior = (self.fixed_s, self.per_decode_s * DECODE_SCALE, self.per_prefill_token_s * PREFILL_SCALE)
+        self._prior = (self.fixed_s, self.per_decode_s * self.decode_scale, self.per_prefill_token_s * self.prefill_scale)
         self._steps = deque(maxlen=self.window)
         self._xtx, self._xty = [[0.0] * 3 for _ in range(3)], [0.0] * 3
 
-    @staticmethod
-    def _features(decodes: int, prefill_tokens: int) -> tuple[float, float, float]:
-        return 1.0, decodes / DECODE_SCALE, prefill_tokens / PREFILL_SCALE
+    def _features(self, decodes: int, prefill_tokens: int) -> tuple[float, float, float]:
+        return 1.0, decodes / self.decode_scale, prefill_tokens / self.prefill_scale
 
     def observe(self, decodes: int, prefill_tokens: int, seconds: float) -> None:
         """Fold in one step that ran `decodes` single-token sequences and `prefill_tokens` in `seconds`."""
@@ -146,7 +149,7 @@ class StepTimeModel:
         if theta is None or min(theta) < 0:
             theta = self._nonnegative(a, b)
         self.fixed_s, self.per_decode_s, self.per_prefill_token_s = (
-            theta[0], theta[1] / DECODE_SCALE, theta[2] / PREFILL_SCALE)
+            theta[0], theta[1] / self.decode_scale, theta[2] / self.prefill_scale)
 
     @staticmethod
     def _nonnegative(a: list[list[float]], b: list[float]) -> list[float]:

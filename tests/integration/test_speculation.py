@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from kvserve import SamplingParams
 from tests.engine_checks import Req, assert_no_leaks, blocks_needed, drive, make_engine, shared_weights, torch_threads
@@ -35,7 +36,9 @@ def model(request):
 
 
 def engine(model: str, **kwargs):
-    args = dict(dtype="bfloat16", kv_cache_memory="64MiB", swap_space="16MiB")
+    # Static draft lengths: every proposal is verified, whatever this machine's speed (the controller, which
+    # may turn drafts off where they cost more than they bring, is tested on its own).
+    args = dict(dtype="bfloat16", kv_cache_memory="64MiB", swap_space="16MiB", speculative_controller=False)
     args.update(kwargs)
     eng = make_engine(model, **args)
     assert eng.numerics == "batch_invariant"
@@ -77,7 +80,7 @@ def test_speculation_under_preemption_gives_the_bits_of_decoding(model, requests
     eng = engine(model, speculative_decoding=True, num_gpu_blocks_override=max(largest + 2, total // 2),
                  preemption_mode=mode, swap_space="32MiB", enable_prefix_caching=mode != "swap")
     run = drive(eng, requests)
-    assert run.preemptions > 0
+    assert run.preemptions > 0 and accepted(eng) > 0
     assert bits(run) == reference
     assert_no_leaks(eng)
 
@@ -86,7 +89,7 @@ def test_speculation_with_chunked_prefill_and_prefix_hits_gives_the_bits_of_deco
     eng = engine(model, speculative_decoding=True, max_num_batched_tokens=32)
     drive(eng, requests)
     run = drive(eng, requests)  # the prompts' blocks are cached now
-    assert sum(ro.num_cached_tokens for ro in run.outputs) > 0 and run.chunked_prefills > 0
+    assert sum(ro.num_cached_tokens for ro in run.outputs) > 0 and run.chunked_prefills > 0 and accepted(eng) > 0
     assert bits(run) == reference
     assert_no_leaks(eng)
 
@@ -97,3 +100,56 @@ def test_a_request_that_opts_out_is_never_drafted_for(model, requests):
     drive(eng, off)
     assert all(s.proposed == 0 for s in eng.scheduler.speculator.stats.values())
     assert_no_leaks(eng)
+
+
+def test_the_controller_keeps_the_bits_of_decoding(model, requests, reference):
+    eng = engine(model, speculative_decoding=True, speculative_controller=True)
+    assert bits(drive(eng, requests)) == reference
+    assert_no_leaks(eng)
+
+
+# chi-square critical values at p = 0.001, by degrees of freedom
+CHI2_CRIT = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88}
+
+
+def chi_square(a: list[int], b: list[int]) -> tuple[float, int]:
+    """Two samples of tokens: the 2 x k contingency statistic (tokens expected fewer than 5 times pooled) and
+    its degrees of freedom."""
+    counts: dict[int, list[int]] = {}
+    for i, sample in enumerate((a, b)):
+        for t in sample:
+            counts.setdefault(t, [0, 0])[i] += 1
+    n = [len(a), len(b)]
+    total = sum(n)
+    cells, other = [], [0, 0]
+    for c in counts.values():
+        if sum(c) * min(n) / total < 5:
+            other = [other[0] + c[0], other[1] + c[1]]
+        else:
+            cells.append(c)
+    if sum(other):
+        cells.append(other)
+    stat = sum((c[i] - sum(c) * n[i] / total) ** 2 / (sum(c) * n[i] / total) for c in cells for i in (0, 1))
+    return stat, len(cells) - 1
+
+
+def test_unseeded_sampling_with_drafts_keeps_the_distribution(tiny_llama_gguf):
+    """A tiny model, top-4 sampling from the default generator: each of the first four output tokens is
+    distributed as without speculation (chi-square, p > 0.001) while many drafts (from earlier outputs of the
+    same prompt) are accepted and many rejected."""
+    torch.manual_seed(0)
+    prompt = list(range(100, 116))
+    params = SamplingParams(temperature=1.0, top_k=4, max_tokens=4, ignore_eos=True)
+    args = dict(dtype="float32", num_gpu_blocks_override=256, max_num_seqs=64)
+    plain = make_engine(tiny_llama_gguf, **args)
+    spec = make_engine(tiny_llama_gguf, speculative_decoding=True, speculative_controller=False, **args)
+    drive(spec, [Req(prompt, params)] * 40)  # earlier outputs: the suffix drafter's text
+    n = 1000
+    base = accepted(spec)
+    a = drive(plain, [Req(prompt, params)] * n).tokens
+    b = drive(spec, [Req(prompt, params)] * n).tokens
+    stats = spec.scheduler.speculator.stats["suffix"]
+    assert accepted(spec) - base > n // 2 and stats.proposed - stats.accepted > n // 10
+    for pos in range(4):
+        stat, dof = chi_square([t[0][pos] for t in a], [t[0][pos] for t in b])
+        assert dof >= 1 and stat < CHI2_CRIT[min(dof, 9)], f"output token {pos}: chi2 {stat:.1f} with {dof} dof"

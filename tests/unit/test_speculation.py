@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.engine.speculation import Candidate, NgramDrafter, Speculator, SuffixDrafter, plan_draft_lengths
+from kvserve.engine.speculation import (Candidate, NgramDrafter, RateGuard, Speculator, SuffixDrafter,
+                                       plan_draft_lengths)
 
 
 def test_ngram_drafter_proposes_what_followed_the_latest_earlier_match():
@@ -30,7 +31,7 @@ def test_suffix_drafter_drafts_from_the_same_tenants_outputs_only():
 
 def test_speculator_prefers_the_sequences_own_context_and_learns_acceptance():
     s = Speculator(max_draft=4)
-    s.finish(99, "a", [1, 2, 3, 4, 5, 6])
+    s.finish(99, "a", [1, 2], [3, 4, 5, 6])  # the prompt's end, then the output
     c = s.propose(0, "a", [1, 2, 3], cap=8)
     assert c.proposal == (4, 5, 6) and c.acceptance == pytest.approx(0.5)  # from the tenant's output; a prior
     s.observe(0, 3, 0)
@@ -42,30 +43,41 @@ def test_speculator_prefers_the_sequences_own_context_and_learns_acceptance():
     assert s.stats["suffix"].proposed == 6 and s.stats["suffix"].accepted == 0
 
 
-class Affine:
-    def __init__(self, fixed: float, per_decode: float, per_token: float):
-        self.fixed, self.per_decode, self.per_token = fixed, per_decode, per_token
-
-    def predict(self, decodes: int, prefill_tokens: int = 0) -> float:
-        return self.fixed + self.per_decode * decodes + self.per_token * prefill_tokens
-
-
 def test_controller_drafts_long_when_steps_are_short_of_rows_and_stops_when_they_are_full():
-    # One decode, a step of 20 ms where a row costs 0.5 ms: even a draft accepted 30% of the time pays for rows.
-    step = Affine(fixed=0.02, per_decode=0.001, per_token=0.0005)
+    # One decode in a 20 ms step where a row costs 0.5 ms: even a draft accepted 30% of the time pays for rows.
     lone = [Candidate(0, tuple(range(8)), 0.9)]
-    assert plan_draft_lengths(lone, step, decodes=1, prefill_tokens=0, budget=100) == {0: 8}
+    assert plan_draft_lengths(lone, seconds=0.02, row_s=0.0005, decodes=1, budget=100) == {0: 8}
     weak = [Candidate(0, tuple(range(8)), 0.3)]
-    assert 1 <= plan_draft_lengths(weak, step, 1, 0, 100)[0] < 8
+    assert 1 <= plan_draft_lengths(weak, 0.02, 0.0005, 1, 100)[0] < 8
     # 64 decodes in a 0.1 s step (640 tokens/s): a row must bring more than 0.32 tokens.
     busy = [Candidate(i, tuple(range(8)), 0.3) for i in range(64)]
-    assert plan_draft_lengths(busy, step, decodes=64, prefill_tokens=0, budget=1000) == {}
+    assert plan_draft_lengths(busy, 0.1, 0.0005, decodes=64, budget=1000) == {}
     good = [Candidate(i, tuple(range(8)), 0.9) for i in range(64)]
-    lengths = plan_draft_lengths(good, step, 64, 0, 1000)
+    lengths = plan_draft_lengths(good, 0.1, 0.0005, 64, 1000)
     assert lengths and max(lengths.values()) < 8  # shortened: later rows bring too little
-    assert plan_draft_lengths(lone, step, 1, 0, budget=3) == {0: 3}  # the token budget bounds the rows
+    assert plan_draft_lengths(lone, 0.02, 0.0005, 1, budget=3) == {0: 3}  # the token budget bounds the rows
 
 
 def test_controller_never_drafts_what_cannot_be_accepted():
-    step = Affine(0.02, 0.001, 0.0005)
-    assert plan_draft_lengths([Candidate(0, (), 0.9), Candidate(1, (5,), 0.0)], step, 2, 0, 100) == {}
+    assert plan_draft_lengths([Candidate(0, (), 0.9), Candidate(1, (5,), 0.0)], 0.02, 0.0005, 2, 100) == {}
+
+
+def test_the_row_price_is_learned_from_decode_and_verify_steps():
+    s = Speculator()
+    for seqs, rows in ((8, 0), (8, 16), (8, 32), (4, 8), (16, 0), (16, 24)) * 12:
+        s.observe_step(seqs, rows, seqs, 0.005 + 0.0003 * seqs + 0.0004 * rows)
+    assert s.cost.predict(8, 1) - s.cost.predict(8, 0) == pytest.approx(0.0004, rel=0.05)
+
+
+def test_the_guard_stops_drafts_that_measured_slower_and_keeps_checking():
+    g = RateGuard()
+    assert g.allow_drafts()  # nothing measured: draft, to measure it
+    g.observe(True, 800.0)
+    allowed = [g.allow_drafts() for _ in range(32)]
+    assert allowed.count(False) == 2  # a plain step now and then, to measure that too
+    g.observe(False, 1000.0)  # plain steps were faster
+    allowed = [g.allow_drafts() for _ in range(32)]
+    assert allowed.count(True) == 2  # drafts only to check again
+    for _ in range(30):
+        g.observe(True, 1500.0)  # drafting got faster (say the acceptance rose)
+    assert sum(g.allow_drafts() for _ in range(32)) == 30
