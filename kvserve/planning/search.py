@@ -97,6 +97,7 @@ class Candidate:
     binds: str  # what stops a larger batch
     throughput_per_s: float  # requests/s at the replica's largest batch, ignoring latency (batch tier)
     misses: float = 1.0  # 1 when the SLOs are met; else how far the best point is above them (ratio)
+    draft: int = 0  # the draft length speculative decoding runs at that batch (0: none)
 
 
 @dataclass
@@ -146,25 +147,60 @@ def replica_memory(d: Deployment, max_num_batched_tokens: int, block_size: int =
                        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size)
 
 
-def steady_state(sm: StepModel, b: int, prompt: int, output: int, chunk: int) -> tuple[float, float, float]:
-    """(requests/s, TPOT, TTFT) of a replica decoding `b` sequences (see the module docstring)."""
+@dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding as a plan assumes it: each drafted token accepted with probability `acceptance`
+    (measured by benchmarks.speculation on this project's CPUs for n-gram drafts of grounded work; on a GPU an
+    assumption the plan states), drafts of up to `max_draft` tokens, the length chosen per batch size as the
+    engine's controller does: the one with the least step time per token."""
+
+    acceptance: float
+    max_draft: int = 8
+
+    def __post_init__(self):
+        if not 0 <= self.acceptance < 1 or self.max_draft < 1:
+            raise ValueError("speculation needs 0 <= acceptance < 1 and max_draft >= 1")
+
+    def tokens(self, draft: int) -> float:
+        """Expected tokens a verify step gives a sequence: its accepted drafts and the token after them."""
+        a = self.acceptance
+        return (1 - a ** (draft + 1)) / (1 - a)
+
+
+def decode_draft(sm: StepModel, b: int, ctx: int, spec: Speculation | None) -> tuple[int, float, float]:
+    """(draft length, step seconds, tokens a sequence gets a step) of `b` sequences decoding at context `ctx`:
+    without speculation a token a step; with it, the draft length with the least seconds per token."""
+    options = [0] if spec is None else range(spec.max_draft + 1)
+    best = None
+    for k in options:
+        s = sm.seconds([Work(1 + k, ctx)] * b)
+        e = 1.0 if spec is None else spec.tokens(k)
+        if best is None or s / e < best[1] / best[2]:
+            best = (k, s, e)
+    return best
+
+
+def steady_state(sm: StepModel, b: int, prompt: int, output: int, chunk: int,
+                 spec: Speculation | None = None) -> tuple[float, float, float, int]:
+    """(requests/s, TPOT, TTFT, draft length) of a replica decoding `b` sequences (see the module docstring;
+    with speculation a decode step gives each sequence E tokens, so a request needs D / E of them)."""
     ctx = prompt + output // 2
-    decodes = [Work(1, ctx)] * b
-    s = sm.seconds(decodes)
+    draft, s, per_step = decode_draft(sm, b, ctx, spec)
+    decodes = [Work(1 + draft, ctx)] * b
     t_p, start = 0.0, 0
     while start < prompt:  # the prompt's chunks, each riding along a decode step
         n = min(chunk, prompt - start)
         t_p += sm.seconds([Work(n, start, start + n >= prompt)] + decodes) - s
         start += n
-    lam = b / (output * s + b * t_p)
+    lam = b / (output / per_step * s + b * t_p)
     busy = lam * t_p
-    tpot = s / (1 - busy) if busy < 1 else math.inf
+    tpot = s / per_step / (1 - busy) if busy < 1 else math.inf
     ttft = s / 2 + t_p + s * math.ceil(prompt / chunk)
-    return lam, tpot, ttft
+    return lam, tpot, ttft, draft
 
 
 def evaluate(d: Deployment, max_num_seqs: int, load: Load, slos: list[SLO], chunk: int,
-             utilization: float) -> Candidate:
+             utilization: float, spec: Speculation | None = None) -> Candidate:
     mem = replica_memory(d, chunk)
     sm = step_model(d)
     p, o = load.prompt.mean, load.output.mean
@@ -180,10 +216,10 @@ def evaluate(d: Deployment, max_num_seqs: int, load: Load, slos: list[SLO], chun
     failed = ""  # the SLO the first batch past the best one missed
     b = 1
     while b <= top:
-        lam, tpot, ttft = steady_state(sm, b, p, o, chunk)
+        lam, tpot, ttft, draft = steady_state(sm, b, p, o, chunk, spec)
         miss = max(tpot / tpot_slo, ttft / ttft_slo)
         if miss <= 1:
-            best = (lam, b, ttft, tpot)
+            best = (lam, b, ttft, tpot, draft)
         elif best is None:
             if miss < closest[0]:
                 closest = (miss, b, ttft, tpot)
@@ -193,18 +229,18 @@ def evaluate(d: Deployment, max_num_seqs: int, load: Load, slos: list[SLO], chun
         if b == top:
             break
         b = min(top, b + 1 if b < 16 else b + b // 16)  # finer steps where they matter, always ending at top
-    throughput = steady_state(sm, top, p, o, chunk)[0]
+    throughput = steady_state(sm, top, p, o, chunk, spec)[0]
     if best is None:
         which = "TPOT" if closest[3] > tpot_slo else "TTFT"
         bound = sm.decode_step(1, p + o // 2).bound
         return Candidate(d, max_num_seqs, mem, 0.0, closest[1], closest[2], closest[3],
                          f"{which} even at batch {closest[1]} ({bound}-bound)", throughput, closest[0])
-    lam, b, ttft, tpot = best
+    lam, b, ttft, tpot, draft = best
     if not failed:
         binds = "KV memory" if kv_seqs <= max_num_seqs else "max_num_seqs"
     else:
         binds = f"the {failed} SLO ({sm.decode_step(b, p + o // 2).bound}-bound steps)"
-    return Candidate(d, max_num_seqs, mem, lam * utilization, b, ttft, tpot, binds, throughput)
+    return Candidate(d, max_num_seqs, mem, lam * utilization, b, ttft, tpot, binds, throughput, draft=draft)
 
 
 def redundancy(replicas: int, r: Redundancy) -> tuple[int, list[str]]:
@@ -279,6 +315,7 @@ class PlanResult:
     per_accelerator: list[Plan]  # the cheapest plan on each accelerator, cheapest first
     searched: int  # configurations evaluated
     seconds: float
+    speculation: Speculation | None = None  # what the steady states assumed of it
 
 
 def _configs(d: Deployment, max_num_batched_tokens: int) -> tuple[int, tuple[int, ...]]:
@@ -292,9 +329,10 @@ def _configs(d: Deployment, max_num_batched_tokens: int) -> tuple[int, tuple[int
 def plan(model: ModelSpec, accelerators: list[AcceleratorSpec], load: Load, slos: list[SLO],
          red: Redundancy = Redundancy(), dtypes=DTYPES, max_num_batched_tokens: int = 8192,
          simulate: bool = True, sim_seconds: float = 30.0, seed: int = 0,
-         max_model_len: int | None = None) -> PlanResult:
+         max_model_len: int | None = None, speculation: Speculation | None = None) -> PlanResult:
     """The cheapest plan on each accelerator (simulated when `simulate`), and the cheapest of those; each
-    replica serves `max_model_len` tokens a request (None: the model's context length). A load whose mean
+    replica serves `max_model_len` tokens a request (None: the model's context length). With `speculation`
+    the steady state assumes it and the simulator's check is skipped (its executor drafts nothing). A load whose mean
     request (prompt + output) is past that context, so that more than half its requests would be refused
     (lengths are symmetric about their means), is a ValueError: no fleet serves it."""
     context = Deployment(model, accelerators[0], max_model_len=max_model_len).context_length if accelerators else 0
@@ -309,15 +347,15 @@ def plan(model: ModelSpec, accelerators: list[AcceleratorSpec], load: Load, slos
         evaluated = []
         for d in candidates(model, [acc], dtypes, max_model_len):
             chunk, seqs = _configs(d, max_num_batched_tokens)
-            evaluated += [evaluate(d, s, load, slos, chunk, UTILIZATION) for s in seqs]
+            evaluated += [evaluate(d, s, load, slos, chunk, UTILIZATION, speculation) for s in seqs]
         searched += len(evaluated)
         p = _best(evaluated, load, slos, red)
-        if simulate and p.meets_slo:
+        if simulate and p.meets_slo and speculation is None:
             p = _verify(p, load, red, slos, _configs(p.candidate.deployment, max_num_batched_tokens)[0], sim_seconds,
                         seed)
         plans.append(p)
     plans.sort(key=lambda p: (not p.meets_slo, p.cost_per_hour if p.meets_slo else p.candidate.misses))
-    return PlanResult(plans[0], plans, searched, time.perf_counter() - t0)
+    return PlanResult(plans[0], plans, searched, time.perf_counter() - t0, speculation)
 
 
 def _best(evaluated: list[Candidate], load: Load, slos: list[SLO], red: Redundancy) -> Plan:

@@ -449,3 +449,23 @@ def test_calibration_profiles_the_real_engine_and_plans_with_it(tmp_path, tiny_l
     # measured at another dtype: the engine keeps the generic defaults
     engine = LLMEngine(config, model_id="tiny", step_time_prior=replace(prior, weight_dtype="bf16"))
     assert engine.scheduler.step_time.predict(16) == StepTimeModel().predict(16)
+
+
+def test_speculation_drafts_long_where_steps_read_weights_and_short_where_they_compute():
+    """Llama-3.1-8B on an H100: one sequence's step is bound by reading the weights, so a draft of 8 costs
+    almost nothing and TPOT falls by about the expected tokens a step; at 512 sequences the step computes, and
+    drafts shorten; drafts nobody accepts are never run."""
+    from kvserve.planning.search import Speculation, decode_draft, steady_state
+
+    sm = StepModel(Deployment(model_spec("llama-3.1-8b"), accelerator_spec("h100-sxm")), GPU_EFFICIENCY)
+    spec = Speculation(acceptance=0.63, max_draft=8)
+    draft, seconds, tokens = decode_draft(sm, 1, 1250, spec)
+    assert draft >= 6 and tokens == pytest.approx(spec.tokens(draft))
+    plain = steady_state(sm, 1, 1000, 500, 8192)
+    fast = steady_state(sm, 1, 1000, 500, 8192, spec)
+    assert plain[3] == 0 and fast[3] == draft
+    assert plain[1] / fast[1] > 2.0  # TPOT
+    assert decode_draft(sm, 512, 1250, spec)[0] < draft
+    assert decode_draft(sm, 1, 1250, Speculation(acceptance=0.0))[0] == 0
+    with pytest.raises(ValueError):
+        Speculation(acceptance=1.0)
