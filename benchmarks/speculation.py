@@ -81,11 +81,33 @@ def run_case(engine, tok, prompts: list[str]) -> dict:
     return {"tpot_p50_ms": 1000 * statistics.median(tpots), "tokens_per_s": tokens / wall}
 
 
+def tradeoff(model: str, runs: int) -> list[dict]:
+    """The quantization trade-off table's speed columns (benchmarks.quality's `_speed`: TPOT at c=1 on a random
+    prompt, W1 out tok/s, cost per million output tokens) per weights x speculation, bf16 KV. The quality columns
+    need no new run: greedy outputs under speculation are the bits of decoding (tests/integration/test_speculation.py),
+    so they are the row without it."""
+    from benchmarks.offline import Shape
+    from benchmarks.quality import _llm, _speed
+    from kvserve.config import ModelPrice, ServerConfig
+
+    price = next((m.price for m in ServerConfig.from_toml().models if m.id == model), ModelPrice())
+    rows = []
+    for weights in ("bf16", "auto"):
+        for spec in (False, True):
+            llm = _llm(model, "bfloat16", Shape(), weights=weights, speculative_decoding=spec)
+            res = _speed(llm, Shape(), runs, runs, price)
+            rows.append({"weights": weights, "kv": "bf16", "speculation": spec, **res})
+            _log(f"tradeoff {weights} speculation {'on' if spec else 'off'}: {res}")
+            del llm
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", default="docs/bench")
+    ap.add_argument("--no-tradeoff", action="store_true", help="skip the trade-off table's speculation rows")
     args = ap.parse_args(argv)
     from kvserve.config import TierLimits, engine_config_from_kwargs
     from kvserve.engine.llm_engine import LLMEngine
@@ -115,8 +137,9 @@ def main(argv: list[str] | None = None) -> None:
                for k, v in by.items()}
         rows[case] = {**med, "tpot_speedup": med["off"]["tpot_p50_ms"] / med["on"]["tpot_p50_ms"],
                       "throughput_ratio": med["on"]["tokens_per_s"] / med["off"]["tokens_per_s"], "runs": by}
+    del engines
     result = {**stamp("benchmarks.speculation", argv), "model": args.model, "output_tokens": OUTPUT_TOKENS,
-              "runs": args.runs, "cases": rows,
+              "runs": args.runs, "cases": rows, "tradeoff": [] if args.no_tradeoff else tradeoff(args.model, args.runs),
               "drafters": {n: {"proposed": s.proposed, "accepted": s.accepted, "drafts": s.drafts}
                            for n, s in stats.items()}}
     write_page(args.out, "speculation", result, markdown(result))
@@ -136,6 +159,17 @@ def markdown(r: dict) -> str:
         out.append(f"| {case} | {x['off']['tpot_p50_ms']:.1f} | {x['on']['tpot_p50_ms']:.1f} | "
                    f"{x['tpot_speedup']:.2f}x | {x['off']['tokens_per_s']:.1f} | {x['on']['tokens_per_s']:.1f} | "
                    f"{x['throughput_ratio']:.2f}x |")
+    if r.get("tradeoff"):
+        out += ["", "The quantization trade-off table (\"Quantization against accuracy\") with speculation as a column: "
+                "its speed figures measured the same way (TPOT at c=1: one greedy sequence on a random 256-token "
+                "prompt; W1: 64 random prompts, 128 greedy tokens, 32 running; cost from W1's engine seconds), "
+                "medians of the runs. Quality: the row without speculation's (greedy outputs are the same bits).", "",
+                "| weights | KV | speculation | quality | TPOT c=1 (ms) | W1 out tok/s | cost / M output tokens |",
+                "|---|---|---|---|---|---|---|"]
+        for t in r["tradeoff"]:
+            out.append(f"| {t['weights']} | {t['kv']} | {'on' if t['speculation'] else 'off'} | "
+                       f"{'= off (same bits)' if t['speculation'] else 'trade-off table'} | {t['tpot_ms']:.1f} | "
+                       f"{t['w1_out_tok_s']:.1f} | ${t['cost_per_million_output']:.4f} |")
     d = r["drafters"]
     out += ["", "Drafts over the whole run (speculation on): " + "; ".join(
         f"{n}: {s['proposed']} tokens proposed, {s['accepted']} accepted "
