@@ -184,3 +184,26 @@ def test_through_the_server_drafts_are_counted_and_a_request_can_opt_out(tmp_pat
         assert serving["speculation"]["drafters"]["ngram"]["accepted"] == drafted["ngram"]
     finally:
         server.stop()
+
+
+def test_a_stream_resumed_elsewhere_with_speculation_continues_with_the_same_bits(model, requests, reference):
+    """A stream moved to another engine after k tokens (resumed_token_ids, as the fleet migrates one), drafting on
+    the new engine: it goes on with the bits the uninterrupted run without speculation had (the seeded ones too:
+    the resumed generator and the rewound one agree)."""
+    eng = engine(model, speculative_decoding=True)
+    resumes, want = [], []
+    for i, (req, ref) in enumerate(zip(requests, reference)):
+        if req.params.n > 1 or req.params.stop:  # a stop string may straddle the resumed text
+            continue
+        (tokens, _, _, lps), = ref
+        for k in (1, 9):
+            resumes.append(Req(req.prompt, req.params, cache_salt=f"resume-{i}-{k}", resumed=tokens[:k]))
+            want.append((tokens[k:], None if lps is None else lps[k:]))
+    run = drive(eng, resumes)
+    for j, ro in enumerate(run.outputs):
+        (o,) = ro.outputs
+        got = (o.token_ids, None if o.logprobs is None else
+               [(lp.token_id, lp.logprob, lp.rank, [(t, v) for t, _, v in lp.top]) for lp in o.logprobs])
+        assert got == want[j], f"resume {j} differs from the uninterrupted run"
+    assert accepted(eng) > 0
+    assert_no_leaks(eng)
