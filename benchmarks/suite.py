@@ -22,6 +22,12 @@ W6, long context (defined here, in the style of WORKLOADS.md; kvserve only):
   are not set up for it: vLLM's CPU build reads no GGUF, and llama-server's bench command splits 16k tokens of
   context over 32 slots.
 
+W7, grounded work (speculative decoding's workload; defined here):
+  | W7 | work whose answer repeats its prompt | SmolLM2 gets 512-token passages of standard-library source, each
+  |    | closed by a task in turn (copy it, rename in it, quote from it, continue it: the client's `grounded`
+  |    | dataset), 128 greedy output tokens (`ignore_eos`), at concurrency 1 (8 prompts) and 8 (32 prompts) |
+  |    | TPOT p50 and output tokens/s; with `--engine-arg speculative_decoding=true` against without |
+
 Every server is started and stopped by the suite on a free loopback port; every workload runs
 `--runs` times with a different seed each time (so no run hits a prefix cache filled by another);
 the client is `kvserve bench serve` (kvserve.bench.loadgen) for every engine. Machine ceilings (peak
@@ -61,7 +67,7 @@ from benchmarks.shapes import SHAPES, ShapeModel
 from benchmarks.targets import (PEER_TARGETS, REPO, HfStaticTarget, KvserveTarget, RunningServer, Target,
                                    VllmTarget, all_targets, free_port, shell_join)
 
-ALL_WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "SWEEP")
+ALL_WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "SWEEP")
 SWEEP_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 QUICK_SWEEP_CONCURRENCY = (1, 2, 4)
 SMOLLM2 = "smollm2-135m"
@@ -116,6 +122,7 @@ W6_MODEL = CatalogModel("gemma3-270m")
 W6_ENGINE_ARGS = {"max_model_len": 32768, "kv_cache_memory": "2GiB"}
 W6_TARGETS = ("kvserve", "fake")
 W6_DOCUMENTS, W6_CONCURRENCY, W6_DURATION, W6_ALONE_DURATION = (32000, 8000, 16000), 2, 240, 60
+W7_INPUT, W7_OUTPUT = 512, 128
 
 
 @dataclass
@@ -198,6 +205,13 @@ def build_jobs(workloads: list[str], runs: int, quick: bool, model: str = SMOLLM
                         800, runs, shape=shape))
         jobs.append(Job("W6-alone", "W6", "long_context", common + ["--duration", str(alone), "--mix",
                                                                     _interactive(*inter_io)], 850, runs, shape=shape))
+    if "W7" in workloads:
+        inp, out, n1, n8 = (64, 16, 2, 4) if q else (W7_INPUT, W7_OUTPUT, 8, 32)
+        for c, n in ((1, n1), (8, n8)):
+            args = ["--dataset-name", "grounded", "--random-input-len", str(inp), "--random-output-len", str(out),
+                    "--ignore-eos", "--num-prompts", str(n), "--max-concurrency", str(c)]
+            jobs.append(Job(f"W7-c{c}", "W7", "plain", args, 900 + 10 * c, runs,
+                            shape={"input": inp, "output": out, "num_prompts": n, "max_concurrency": c}))
     if "SWEEP" in workloads:
         for c in (QUICK_SWEEP_CONCURRENCY if q else SWEEP_CONCURRENCY):
             n = max(4 if q else 8, 2 * c)

@@ -7,7 +7,9 @@ wanted length, so that the server, re-tokenizing the text, sees about that many 
 
 The document dataset (long-context work, W6) is real text instead: a passage of the standard library's own
 Python source (DOCUMENT_MODULES, fixed for a Python version, no download) from an offset drawn from
-(seed, i), cut so that it and the question after it (DOCUMENT_QUESTION) encode to the wanted length.
+(seed, i), cut so that it and the question after it (DOCUMENT_QUESTION) encode to the wanted length. The
+grounded dataset (W7) is the same with a task instead of the question (GROUNDED_TASKS in turn: copy, edit,
+quote, continue), work whose answer mostly repeats its prompt.
 
 Prompt i of a dataset depends only on (seed, i), so a time-bounded run can draw as many as it needs
 and two runs with the same seed send the same prompts. Give every run its own seed when prompts must
@@ -22,13 +24,19 @@ from typing import Any
 
 import numpy as np
 
-DATASETS = ("random", "shared-prefix", "chat", "document")
+DATASETS = ("random", "shared-prefix", "chat", "document", "grounded")
 CHAT_DATASETS = ("chat",)
 # The document dataset's text: about 200k tokens of source (Gemma 3 or SmolLM2), so a 32k-token document can
 # start at any of some 170k offsets, and documents that start apart share no prefix-cache block.
 DOCUMENT_MODULES = ("typing", "inspect", "argparse", "subprocess", "asyncio.base_events", "dataclasses", "threading",
                     "collections", "pathlib", "email.message", "json.decoder")
 DOCUMENT_QUESTION = "\n\nQuestion: Summarize the code above in one sentence.\nAnswer:"
+# The grounded dataset (W7: work whose answer is mostly in its prompt): a passage of the same text, then one of
+# these tasks in turn (copy it, edit it, quote from it, continue it).
+GROUNDED_TASKS = ("\n\nCopy the code above exactly, line for line.\nCopy:\n",
+                  "\n\nRewrite the code above with every 'self' renamed to 'this'.\nRewritten:\n",
+                  "\n\nQuote the longest function of the code above, exactly as written.\nQuote:\n",
+                  "\n\nContinue the code above in the same style.\n")
 
 
 def load_tokenizer(spec: str):
@@ -154,10 +162,10 @@ class PromptSource:
         need = max(self.input_lens or (self.input_len,)) + 256
         return ids * (1 + need // len(ids))
 
-    def _document(self, i: int, input_len: int, output_len: int) -> Prompt:
+    def _document(self, i: int, input_len: int, output_len: int, question_text: str = DOCUMENT_QUESTION) -> Prompt:
         """A passage of the document text from an offset drawn from (seed, i), then the question: input_len
         tokens in all, as the server encodes the text (BOS included)."""
-        question = self.tok.encode(DOCUMENT_QUESTION, add_special_tokens=False)
+        question = self.tok.encode(question_text, add_special_tokens=False)
         corpus = self.document_ids
         body = max(input_len - len(question) - (0 if self.token_prompts else self.num_special), 1)
         start = int(self._rng(3, i).integers(0, len(corpus) - body))
@@ -167,7 +175,7 @@ class PromptSource:
         tried = set()
         for _ in range(self.max_retry + 1):  # a cut can merge or split tokens at its edges: move the end,
             tried.add(body)                  # or the start where moving the end goes back and forth
-            text = self.tok.decode(corpus[start:start + body]) + DOCUMENT_QUESTION
+            text = self.tok.decode(corpus[start:start + body]) + question_text
             n = len(self.tok.encode(text, add_special_tokens=True))
             if n == input_len:
                 break
@@ -184,6 +192,8 @@ class PromptSource:
         input_len, output_len = self._lens(i)
         if self.dataset == "document":
             return self._document(i, input_len, output_len)
+        if self.dataset == "grounded":
+            return self._document(i, input_len, output_len, GROUNDED_TASKS[i % len(GROUNDED_TASKS)])
         rng = self._rng(0, i)
         if self.dataset == "chat":
             body = max(input_len - self.chat_overhead, 1)

@@ -54,7 +54,7 @@ def test_w5_alone_brings_a_w1_calibration_run():
 def test_parse_args_defaults(monkeypatch):
     monkeypatch.delenv("BENCH_PEERS", raising=False)
     a = parse_args([])
-    assert a.targets == ["kvserve"] and a.runs == 3 and a.workloads == ["W1", "W2", "W3", "W4", "W5", "W6", "SWEEP"]
+    assert a.targets == ["kvserve"] and a.runs == 3 and a.workloads == ["W1", "W2", "W3", "W4", "W5", "W6", "W7", "SWEEP"]
     monkeypatch.setenv("BENCH_PEERS", "1")
     a = parse_args(["--quick", "--workloads", "w1,W3"])
     assert a.targets == ["kvserve", "vllm", "vllm-fp32", "llamacpp-bf16", "llamacpp-f16", "llamacpp-q4_1", "hf-static",

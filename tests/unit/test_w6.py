@@ -122,3 +122,15 @@ def test_w6_page(tmp_path):
     assert data["targets"][t]["target_met"] is True and data["targets"][t]["documents"]["ttft_s_by_size"]["8000"] == \
            [12.0, 10.0]
     assert "## W6: long documents beside interactive work" in md.read_text()  # BENCHMARKS.md takes the page
+
+
+def test_grounded_prompts(smollm2_tokenizer):
+    """W7's prompts: a passage of source, then a task in turn (copy, edit, quote, continue), at the length asked."""
+    from kvserve.bench.datasets import GROUNDED_TASKS
+
+    src = PromptSource(smollm2_tokenizer, "grounded", input_len=512, output_len=8, seed=1)
+    prompts = [src.prompt(i) for i in range(4)]
+    assert [p.prompt_len for p in prompts] == [512] * 4 and src.mismatches == 0
+    assert [p.prompt.endswith(task) for p, task in zip(prompts, GROUNDED_TASKS)] == [True] * 4
+    w7 = [j for j in build_jobs(["W7"], runs=3, quick=False) if j.workload == "W7"]
+    assert [(j.name, j.shape["max_concurrency"]) for j in w7] == [("W7-c1", 1), ("W7-c8", 8)]
