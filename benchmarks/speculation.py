@@ -102,13 +102,44 @@ def tradeoff(model: str, runs: int) -> list[dict]:
     return rows
 
 
+HTTP_JOBS = ("W1", "W2", "W7-c1", "W7-c8")
+
+
+def http_pages(off: Path, on: Path) -> dict:
+    """The suite's HTTP runs (`benchmarks.suite --workloads W1,W2,W7`, sessions without and with
+    `--engine-arg speculative_decoding=true`): per job, the medians over runs of TPOT p50, TTFT p50 and output
+    tokens/s, off and on."""
+    import json
+
+    def medians(session: Path, job: str) -> dict | None:
+        runs = [json.loads(f.read_text()) for f in sorted((session / "kvserve" / job).glob("run*.json"))]
+        if not runs:
+            return None
+        return {"runs": len(runs), **{k: statistics.median(r[k] for r in runs)
+                                      for k in ("p50_tpot_ms", "p50_ttft_ms", "output_throughput")}}
+
+    return {"sessions": [str(off), str(on)],
+            "jobs": {job: {"off": medians(off, job), "on": medians(on, job)} for job in HTTP_JOBS
+                     if medians(off, job) and medians(on, job)}}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", default="docs/bench")
     ap.add_argument("--no-tradeoff", action="store_true", help="skip the trade-off table's speculation rows")
+    ap.add_argument("--http-sessions", nargs=2, metavar=("OFF", "ON"), type=Path,
+                    help="only re-render the page with the suite's HTTP sessions (W1, W2, W7) off and on added")
     args = ap.parse_args(argv)
+    if args.http_sessions:
+        page = Path(args.out) / "speculation.json"
+        import json
+
+        result = json.loads(page.read_text())
+        result["http"] = http_pages(*args.http_sessions)
+        write_page(args.out, "speculation", result, markdown(result))
+        return
     from kvserve.config import TierLimits, engine_config_from_kwargs
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.engine.speculation import SuffixDrafter
@@ -170,6 +201,20 @@ def markdown(r: dict) -> str:
             out.append(f"| {t['weights']} | {t['kv']} | {'on' if t['speculation'] else 'off'} | "
                        f"{'= off (same bits)' if t['speculation'] else 'trade-off table'} | {t['tpot_ms']:.1f} | "
                        f"{t['w1_out_tok_s']:.1f} | ${t['cost_per_million_output']:.4f} |")
+    if r.get("http"):
+        runs = {x["off"]["runs"] for x in r["http"]["jobs"].values()}
+        out += ["", "Through the server (`python -m benchmarks.suite --workloads W1,W2,W7 --targets kvserve --runs "
+                f"{max(runs)}`, a session without and one with `--engine-arg speculative_decoding=true`; "
+                "`kvserve bench serve`, greedy; W1 and W2 as WORKLOADS.md, random-token prompts; W7 the grounded "
+                "workload), medians of the runs:", "",
+                "| workload | TPOT p50 off (ms) | on (ms) | speed-up | TTFT p50 off / on (ms) | out tok/s off | on | "
+                "throughput |", "|---|---|---|---|---|---|---|---|"]
+        for job, x in r["http"]["jobs"].items():
+            a, b = x["off"], x["on"]
+            out.append(f"| {job} | {a['p50_tpot_ms']:.1f} | {b['p50_tpot_ms']:.1f} | "
+                       f"{a['p50_tpot_ms'] / b['p50_tpot_ms']:.2f}x | {a['p50_ttft_ms']:.0f} / {b['p50_ttft_ms']:.0f} | "
+                       f"{a['output_throughput']:.1f} | {b['output_throughput']:.1f} | "
+                       f"{b['output_throughput'] / a['output_throughput']:.2f}x |")
     d = r["drafters"]
     out += ["", "Drafts over the whole run (speculation on): " + "; ".join(
         f"{n}: {s['proposed']} tokens proposed, {s['accepted']} accepted "
