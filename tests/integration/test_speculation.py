@@ -46,10 +46,14 @@ def engine(model: str, **kwargs):
     return eng
 
 
+def bits_of(ro) -> list:
+    return [(o.token_ids, o.text, o.finish_reason, None if o.logprobs is None else
+             [(lp.token_id, lp.logprob, lp.rank, [(t, v) for t, _, v in lp.top]) for lp in o.logprobs])
+            for o in ro.outputs]
+
+
 def bits(run) -> list:
-    return [[(o.token_ids, o.text, o.finish_reason, None if o.logprobs is None else
-              [(lp.token_id, lp.logprob, lp.rank, [(t, v) for t, _, v in lp.top]) for lp in o.logprobs])
-             for o in ro.outputs] for ro in run.outputs]
+    return [bits_of(ro) for ro in run.outputs]
 
 
 @pytest.fixture(scope="module")
@@ -205,5 +209,41 @@ def test_a_stream_resumed_elsewhere_with_speculation_continues_with_the_same_bit
         got = (o.token_ids, None if o.logprobs is None else
                [(lp.token_id, lp.logprob, lp.rank, [(t, v) for t, _, v in lp.top]) for lp in o.logprobs])
         assert got == want[j], f"resume {j} differs from the uninterrupted run"
+    assert accepted(eng) > 0
+    assert_no_leaks(eng)
+
+
+def test_an_interjection_into_a_step_with_drafts_keeps_every_bit(model, requests, reference):
+    """Batch work drafting and verifying; an interactive request interjected between the layers of one of its
+    steps (the suspended step's verify chunks finish after it): every request keeps its bits."""
+    import ctypes
+
+    from kvserve.engine.interjection import Interjection
+
+    eng = engine(model, speculative_decoding=True)
+    greedy = [i for i, r in enumerate(requests) if r.params.n == 1]
+    late = greedy.pop()
+    ids = {eng.add_request(eng.request(requests[i].prompt, requests[i].params, priority="batch")): i for i in greedy}
+    finals = {}
+
+    def collect(outputs) -> None:
+        finals.update((ro.request_id, ro) for ro in outputs or () if ro.finished)
+
+    for _ in range(3):  # prefill, then decodes with drafts
+        collect(eng.step())
+    flag, interjected = ctypes.c_int32(1), []
+
+    def run_interjection():
+        flag.value = 0
+        rid = eng.add_request(eng.request(requests[late].prompt, requests[late].params, priority="interactive"))
+        ids[rid] = late
+        interjected.append(eng.interject())
+        collect(interjected[-1])
+
+    eng.interjection = Interjection(flag, run_interjection)
+    while eng.has_unfinished_requests():
+        collect(eng.step())
+    assert interjected and interjected[0], "no interjection ran"
+    assert {rid: bits_of(finals[rid]) for rid in ids} == {rid: reference[i] for rid, i in ids.items()}
     assert accepted(eng) > 0
     assert_no_leaks(eng)
