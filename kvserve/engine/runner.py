@@ -195,7 +195,7 @@ class ModelRunner:
         if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
         generators = [self._generator(s) for s in seqs]
-        rewind = {id(g): g.get_state() for (seq, first, _) in spans if (g := generators[first]) is not None}
+        rewind = {first: g.get_state() for _, first, _ in spans if (g := generators[first]) is not None}
         md = SamplingMetadata.build([s.sampling for s in seqs], outputs, [s.prompt_token_ids for s in seqs],
                                     generators, self.eos_token_ids, device=logits.device)
         sampled = self.sampler(logits, md)
@@ -213,7 +213,7 @@ class ModelRunner:
                 result.logprobs[seq.seq_id] = logprobs[first:first + n + 1]
             g = generators[first]
             if g is not None and n < len(draft):
-                g.set_state(rewind[id(g)])
+                g.set_state(rewind[first])
                 self.sampler.skip_draws(g, n + 1, self.config.vocab_size)
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:

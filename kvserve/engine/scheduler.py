@@ -179,11 +179,12 @@ class Scheduler:
             if seq.status is not WAITING or seq.seq_id in self._state:
                 raise ValueError(f"{seq!r} is not a new waiting sequence")
             admission.check_fits(self.config, self.kv, seq)
+        work: dict[int, tuple[int, float]] = {}
         for prio in sorted({s.priority for s in seqs}):
-            self._check_tier_bounds(prio, [s for s in seqs if s.priority is prio])
+            work.update(self._check_tier_bounds(prio, [s for s in seqs if s.priority is prio]))
         for seq in seqs:
             self._track(seq)
-            self._enqueue_back(seq)
+            self._enqueue_back(seq, work[seq.seq_id])
 
     def estimated_queue_wait(self, tier: Priority) -> float:
         """Seconds before a request arriving now in `tier` is admitted (gets a seat and starts prefill)."""
@@ -225,15 +226,17 @@ class Scheduler:
         n = max(1, len(self._running))
         return n / self.step_time.predict(n)
 
-    def _check_tier_bounds(self, prio: Priority, seqs: list[Sequence]) -> None:
+    def _check_tier_bounds(self, prio: Priority, seqs: list[Sequence]) -> dict[int, tuple[int, float]]:
         """The tier's bounds; the wait bounds count what the request has waited since its arrival stamp (the
-        server stamps it on submission, so the step in flight when it came counts)."""
+        server stamps it on submission, so the step in flight when it came counts). Returns each sequence's
+        _prompt_work, which its queue counters take."""
         waited = max(0.0, self._clock() - min(s.timings.arrival for s in seqs))
-        work = [self._prompt_work(s) for s in seqs]
-        tokens = sum(t for t, _ in work)
-        wait, ttft = (waited + e for e in self._estimates(prio, tokens, sum(load for _, load in work)))
+        work = {s.seq_id: self._prompt_work(s) for s in seqs}
+        tokens = sum(t for t, _ in work.values())
+        wait, ttft = (waited + e for e in self._estimates(prio, tokens, sum(load for _, load in work.values())))
         admission.check_tier_bounds(prio.label, self._limits(prio), self._tiers[prio], len(seqs), tokens,
                                     wait, ttft)
+        return work
 
     # ---- the step ------------------------------------------------------------------------------
 
@@ -788,10 +791,11 @@ class Scheduler:
         heads = (q[0] for q in tier.by_tenant.values())
         return min(heads, key=lambda s: (tier.served.get(s.tenant, 0.0), s.timings.arrival, s.seq_id))
 
-    def _enqueue_back(self, seq: Sequence) -> None:
+    def _enqueue_back(self, seq: Sequence, work: tuple[int, float]) -> None:
+        """A new request's sequence, with its _prompt_work (admission has just computed it)."""
         tier = self._tiers[seq.priority]
         tier.by_tenant.setdefault(seq.tenant, deque()).append(seq)
-        self._count_waiting(tier, seq)
+        self._count_waiting(tier, seq, work)
 
     def _enqueue_front(self, seq: Sequence) -> None:
         """Recompute-preempted: ahead of every fresh request of its tier, ordered by arrival."""
@@ -799,11 +803,11 @@ class Scheduler:
         key = _order_key(seq)
         idx = next((i for i, s in enumerate(tier.preempted) if _order_key(s) > key), len(tier.preempted))
         tier.preempted.insert(idx, seq)
-        self._count_waiting(tier, seq)
+        self._count_waiting(tier, seq, self._prompt_work(seq))
 
-    def _count_waiting(self, tier: _Tier, seq: Sequence) -> None:
+    def _count_waiting(self, tier: _Tier, seq: Sequence, work: tuple[int, float]) -> None:
         st = self._state[seq.seq_id]
-        st.queued_prompt_tokens, st.queued_load_s = self._prompt_work(seq)
+        st.queued_prompt_tokens, st.queued_load_s = work
         max_tokens = seq.max_tokens
         expected = EXPECTED_OUTPUT_TOKENS if max_tokens is None else min(max_tokens, EXPECTED_OUTPUT_TOKENS)
         st.queued_output_tokens = expected

@@ -135,18 +135,22 @@ class _TenantOutputs:
         oid, self.next_id = self.next_id, self.next_id + 1
         self.outputs[oid] = tokens
         self.tokens += len(tokens)
-        for p in range(min_n, len(tokens)):
-            for n in range(min_n, min(max_n, p) + 1):
-                self.where[tuple(tokens[p - n:p])] = (oid, p)
+        for key, p in _ngrams(tokens, min_n, max_n):
+            self.where[key] = (oid, p)
 
     def drop_oldest(self, min_n: int, max_n: int) -> None:
         oid, tokens = self.outputs.popitem(last=False)
         self.tokens -= len(tokens)
-        for p in range(min_n, len(tokens)):
-            for n in range(min_n, min(max_n, p) + 1):
-                key = tuple(tokens[p - n:p])
-                if self.where.get(key, (None,))[0] == oid:
-                    del self.where[key]
+        for key, _ in _ngrams(tokens, min_n, max_n):
+            if self.where.get(key, (None,))[0] == oid:
+                del self.where[key]
+
+
+def _ngrams(tokens: list[int], min_n: int, max_n: int):
+    """(n-gram, the position after it) for every n-gram of min_n..max_n tokens that something follows."""
+    for p in range(min_n, len(tokens)):
+        for n in range(min_n, min(max_n, p) + 1):
+            yield tuple(tokens[p - n:p]), p
 
 
 @dataclass
@@ -266,14 +270,14 @@ class Speculator:
         cap = min(cap, self.max_draft)
         if cap <= 0:
             return None
-        for name, draft in ((self.ngram.name, lambda: self.ngram.propose(seq_id, tokens, cap)),
-                            (self.suffix.name, lambda: self.suffix.propose(tenant, tokens, cap))):
-            proposal = draft()
-            if proposal:
-                self._drafter_of[seq_id] = name
-                acc = self._acceptance.get((seq_id, name)) or self._drafter_acceptance[name]
-                return Candidate(seq_id, tuple(proposal), acc.rate)
-        return None
+        name, proposal = self.ngram.name, self.ngram.propose(seq_id, tokens, cap)
+        if not proposal:
+            name, proposal = self.suffix.name, self.suffix.propose(tenant, tokens, cap)
+            if not proposal:
+                return None
+        self._drafter_of[seq_id] = name
+        acc = self._acceptance.get((seq_id, name)) or self._drafter_acceptance[name]
+        return Candidate(seq_id, tuple(proposal), acc.rate)
 
     def plan(self, candidates: list[Candidate], prompt_seconds: float, decodes: int, budget: int) -> dict[int, int]:
         """Draft lengths for a step of `decodes` decodes (and prompt rows costing `prompt_seconds`), unless steps
