@@ -68,17 +68,7 @@ def run_case(engine, tok, prompts: list[str]) -> dict:
     from kvserve import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
-    t0 = time.perf_counter()
-    for p in prompts:
-        engine.add_request(engine.request(tok.encode(p), params))
-    finals = []
-    while engine.has_unfinished_requests():
-        finals += [ro for ro in engine.step() if ro.finished]
-    wall = time.perf_counter() - t0
-    tpots = [(ro.metrics.finished_time - ro.metrics.first_token_time) / (len(ro.outputs[0].token_ids) - 1)
-             for ro in finals]
-    tokens = sum(len(ro.outputs[0].token_ids) for ro in finals)
-    return {"tpot_p50_ms": 1000 * statistics.median(tpots), "tokens_per_s": tokens / wall}
+    return run_case_ids(engine, [tok.encode(p) for p in prompts], params)
 
 
 def tradeoff(model: str, runs: int) -> list[dict]:
@@ -100,6 +90,123 @@ def tradeoff(model: str, runs: int) -> list[dict]:
             _log(f"tradeoff {weights} speculation {'on' if spec else 'off'}: {res}")
             del llm
     return rows
+
+
+class OracleDrafter:
+    """Drafts a request's own greedy output (recorded with speculation off: the same bits whatever the batch), each
+    drafted token kept with probability `acceptance` and otherwise swapped for another token the target rejects:
+    the speed of verification at a chosen acceptance, on any model, random weights included."""
+
+    name = "ngram"  # stands in for the n-gram drafter
+
+    def __init__(self, outputs: dict[tuple[int, ...], list[int]]):
+        self.outputs = outputs  # prompt -> its greedy output
+        self._seq: dict[int, tuple[int, list[int]]] = {}  # seq id -> (prompt length, its drafts)
+        self.acceptance = 1.0
+
+    @property
+    def acceptance(self) -> float:
+        return self._acceptance
+
+    @acceptance.setter
+    def acceptance(self, a: float) -> None:
+        """Each output's drafts at this acceptance, drawn once (a proposal then costs a slice, as a real
+        drafter's lookup does)."""
+        import random
+
+        self._acceptance = a
+        self._drafts = {}
+        for p, out in self.outputs.items():
+            rng = random.Random(len(p))
+            self._drafts[p] = [t if rng.random() < a else (t - 1 if t else 1) for t in out]  # rejected: not t
+        self._seq.clear()
+
+    def propose(self, seq_id: int, tokens: list[int], k: int) -> list[int]:
+        got = self._seq.get(seq_id)
+        if got is None:
+            got = next((len(p), d) for p, d in self._drafts.items() if tuple(tokens[:len(p)]) == p)
+            self._seq[seq_id] = got
+        plen, drafts = got
+        pos = len(tokens) - plen
+        return drafts[pos:pos + k]
+
+    def forget(self, seq_id: int) -> None:
+        self._seq.pop(seq_id, None)
+
+
+CEILING_ACCEPTANCE = (1.0, 0.6, 0.3)
+CEILING_STATIC_K = 4
+
+
+def ceiling(models: list[str], runs: int) -> list[dict]:
+    """Per model and concurrency (grounded prompts, c = 1 and 8): TPOT p50 with speculation off, then with the
+    oracle drafter at each acceptance, drafting CEILING_STATIC_K tokens always (a static length) and sized by
+    the controller (up to 8), each after a run at that acceptance (the controller's steady state, not its
+    adaptation); medians of the runs, interleaved."""
+    from kvserve.config import TierLimits, engine_config_from_kwargs
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve import SamplingParams
+
+    rows = []
+    for model in models:
+        def engine(**kw):
+            return LLMEngine(engine_config_from_kwargs(
+                model, dtype="bfloat16", max_num_seqs=16, kv_cache_memory="1GiB",
+                interactive=TierLimits.unbounded(), batch=TierLimits.unbounded(), **kw))
+
+        off = engine()
+        tok = off.tokenizer
+        prompts = {c: [tok.encode(p) for p in grounded_prompts(c)] for c in (1, 8)}
+        outputs = {}
+        params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+        for ids in prompts[8]:
+            off.add_request(off.request(ids, params))
+        while off.has_unfinished_requests():
+            outputs.update({tuple(ro.prompt_token_ids): list(ro.outputs[0].token_ids)
+                            for ro in off.step() if ro.finished})
+        on = {"static": engine(speculative_decoding=True, num_speculative_tokens=CEILING_STATIC_K,
+                               speculative_controller=False),
+              "controller": engine(speculative_decoding=True)}
+        for eng in on.values():
+            eng.scheduler.speculator.ngram = OracleDrafter(outputs)
+        run_case_ids(off, prompts[8][:4], params)  # warm up: kernels
+        for c in (1, 8):
+            base = []
+            for a in CEILING_ACCEPTANCE:
+                got: dict[str, list[float]] = {}
+                for eng in on.values():  # each at this acceptance first: the controller's steady state is measured
+                    eng.scheduler.speculator.ngram.acceptance = a
+                    run_case_ids(eng, prompts[c], params)
+                configs = [("off", off)] + list(on.items())
+                for r in range(runs):
+                    for name, eng in (configs if r % 2 == 0 else configs[::-1]):
+                        res = run_case_ids(eng, prompts[c], params)
+                        got.setdefault(name, []).append(res["tpot_p50_ms"])
+                        _log(f"ceiling {model} c={c} acceptance {a} {name}: {res}")
+                base += got["off"]
+                for name in on:
+                    rows.append({"model": model, "c": c, "drafts": name, "acceptance": a,
+                                 "tpot_on_ms": statistics.median(got[name]), "tpot_off_runs": got["off"]})
+            for row in rows:  # speculation off is the same at every acceptance: all its runs at this c
+                if row["model"] == model and row["c"] == c:
+                    row["tpot_off_ms"] = statistics.median(base)
+                    row["speedup"] = row["tpot_off_ms"] / row["tpot_on_ms"]
+        del off, on
+    return rows
+
+
+def run_case_ids(engine, prompts: list[list[int]], params) -> dict:
+    t0 = time.perf_counter()
+    for ids in prompts:
+        engine.add_request(engine.request(ids, params))
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [ro for ro in engine.step() if ro.finished]
+    wall = time.perf_counter() - t0
+    tpots = [(ro.metrics.finished_time - ro.metrics.first_token_time) / (len(ro.outputs[0].token_ids) - 1)
+             for ro in finals]
+    tokens = sum(len(ro.outputs[0].token_ids) for ro in finals)
+    return {"tpot_p50_ms": 1000 * statistics.median(tpots), "tokens_per_s": tokens / wall}
 
 
 HTTP_JOBS = ("W1", "W2", "W7-c1", "W7-c8")
@@ -131,7 +238,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-tradeoff", action="store_true", help="skip the trade-off table's speculation rows")
     ap.add_argument("--http-sessions", nargs=2, metavar=("OFF", "ON"), type=Path,
                     help="only re-render the page with the suite's HTTP sessions (W1, W2, W7) off and on added")
+    ap.add_argument("--ceiling", metavar="MODELS",
+                    help="only measure the oracle-drafter table (comma-separated models or GGUF paths) into the page")
     args = ap.parse_args(argv)
+    if args.ceiling:
+        import json
+
+        page = Path(args.out) / "speculation.json"
+        result = json.loads(page.read_text())
+        result["ceiling"] = {**stamp("benchmarks.speculation", argv), "runs": args.runs,
+                             "rows": ceiling(args.ceiling.split(","), args.runs)}
+        write_page(args.out, "speculation", result, markdown(result))
+        return
     if args.http_sessions:
         page = Path(args.out) / "speculation.json"
         import json
@@ -173,6 +291,11 @@ def main(argv: list[str] | None = None) -> None:
               "runs": args.runs, "cases": rows, "tradeoff": [] if args.no_tradeoff else tradeoff(args.model, args.runs),
               "drafters": {n: {"proposed": s.proposed, "accepted": s.accepted, "drafts": s.drafts}
                            for n, s in stats.items()}}
+    old = Path(args.out) / "speculation.json"
+    if old.exists():  # the other modes' sections stay until they are measured again
+        import json
+
+        result.update({k: v for k, v in json.loads(old.read_text()).items() if k in ("http", "ceiling")})
     write_page(args.out, "speculation", result, markdown(result))
 
 
@@ -215,6 +338,28 @@ def markdown(r: dict) -> str:
                        f"{a['p50_tpot_ms'] / b['p50_tpot_ms']:.2f}x | {a['p50_ttft_ms']:.0f} / {b['p50_ttft_ms']:.0f} | "
                        f"{a['output_throughput']:.1f} | {b['output_throughput']:.1f} | "
                        f"{b['output_throughput'] / a['output_throughput']:.2f}x |")
+    if r.get("ceiling"):
+        c = r["ceiling"]
+        cm = c["machine"]
+        out += ["", "### What verification costs: drafts of a chosen acceptance", "",
+                f"`{c['command']}` on {cm.get('cpu_model', '?')} ({cm.get('nproc', '?')} CPUs), {c['when']}: the "
+                "grounded prompts, greedy, 96 output tokens; drafts from an oracle (the request's own output recorded "
+                "with speculation off, each drafted token kept with the given probability and otherwise replaced by a "
+                "token the target rejects), so the speed of verifying at an acceptance is measured apart from any "
+                "drafter's skill, on random-weight shapes too. static: "
+                f"{CEILING_STATIC_K} drafted tokens per decode always (as other engines do); controller: lengths "
+                "chosen per step (up to 8), measured after a run at the same acceptance (its steady state; how "
+                "fast it adapts shows in the workloads above). TPOT p50, medians of "
+                f"{c['runs']} runs interleaved; speed-up = off / on (off: its runs at every acceptance).",
+                "", "| model | c | acceptance | TPOT off (ms) | static: on (ms) | speed-up | controller: on (ms) | "
+                "speed-up |", "|---|---|---|---|---|---|---|---|"]
+        by = {}
+        for x in c["rows"]:
+            by.setdefault((x["model"], x["c"], x["acceptance"]), {})[x["drafts"]] = x
+        for (model, cc, a), x in by.items():
+            st, co = x["static"], x["controller"]
+            out.append(f"| {Path(model).stem} | {cc} | {a:.0%} | {st['tpot_off_ms']:.1f} | {st['tpot_on_ms']:.1f} | "
+                       f"{st['speedup']:.2f}x | {co['tpot_on_ms']:.1f} | {co['speedup']:.2f}x |")
     d = r["drafters"]
     out += ["", "Drafts over the whole run (speculation on): " + "; ".join(
         f"{n}: {s['proposed']} tokens proposed, {s['accepted']} accepted "

@@ -330,7 +330,7 @@ class Scheduler:
             return
         prefill = sum(ss.num_new_tokens for ss in step.scheduled.values()) - len(decodes)
         lengths = self.speculator.plan(candidates, prefill * self.step_time.per_prefill_token_s, len(decodes),
-                                       step.budget)
+                                       step.budget, prompt_rows=prefill)
         for c in candidates:
             k = lengths.get(c.seq_id, 0)
             ss = step.scheduled[c.seq_id]

@@ -81,3 +81,66 @@ def test_the_guard_stops_drafts_that_measured_slower_and_keeps_checking():
     for _ in range(30):
         g.observe(True, 1500.0)  # drafting got faster (say the acceptance rose)
     assert sum(g.allow_drafts() for _ in range(32)) == 30
+
+
+def test_controller_pays_a_kernels_jump_in_step_time_only_where_enough_rows_follow_it():
+    # 8 decodes in an 8 ms step, 0.4 ms a row, but a step of more than 8 rows costs 4 ms more (a quantized GEMM
+    # leaving its as-read path): a few drafted rows never pay for the jump; 8 rows each sure to be accepted do.
+    jump = lambda drafts: 0.004 if drafts > 0 else 0.0  # noqa: E731
+    sure = [Candidate(i, tuple(range(4)), 0.99) for i in range(8)]
+    assert plan_draft_lengths(sure, 0.008, 0.0004, 8, 100) == {i: 4 for i in range(8)}
+    assert plan_draft_lengths(sure, 0.008, 0.0004, 8, 100, jump) == {i: 4 for i in range(8)}
+    assert plan_draft_lengths(sure, 0.008, 0.0004, 8, budget=3, excess=jump) == {}  # 3 rows can't pay 4 ms
+    fair = [Candidate(i, tuple(range(4)), 0.6) for i in range(8)]
+    assert plan_draft_lengths(fair, 0.008, 0.0003, 8, 100) != {}  # the affine price alone says draft
+    assert plan_draft_lengths(fair, 0.008, 0.0003, 8, 100, jump) == {}
+
+
+def test_the_speculator_learns_a_row_counts_excess_over_the_affine_fit():
+    s = Speculator()
+    for _ in range(20):  # up to 8 rows one path; above, 4 ms more
+        for seqs, rows in ((8, 0), (4, 4), (8, 8), (8, 16), (4, 12)):
+            total = seqs + rows
+            s.observe_step(seqs, rows, seqs, 0.004 + 0.0004 * total + (0.004 if total > 8 else 0.0))
+    for seqs, rows in ((8, 0), (8, 8), (4, 4)):  # the fit plus the row count's excess: the step's time
+        total = seqs + rows
+        assert s.cost.predict(seqs, rows) + s.excess[total, rows > 0] == pytest.approx(
+            0.004 + 0.0004 * total + (0.004 if total > 8 else 0.0), rel=0.15)
+    assert s.excess[16, True] - s.excess[8, False] > 0.001  # the affine fit alone smooths the jump over every row count
+    c = [Candidate(i, (1, 2), 0.6) for i in range(8)]
+    assert s.plan(c, 0.0, 8, 100) == {}  # not worth the jump at 60%
+
+
+def test_a_sequence_is_tried_again_after_its_drafters_rate_sank():
+    s = Speculator(max_draft=4)
+    for seq in range(10):  # text nothing drafts: the n-gram drafter's rate over every sequence sinks
+        s.propose(seq, "t", [1, 2, 1, 2, 1], cap=4)
+        for _ in range(5):
+            s.observe(seq, 4, 0)
+    assert s._drafter_acceptance["ngram"].rate < 0.01
+    fresh = s.propose(100, "t", [5, 6, 5, 6, 5], cap=4)
+    assert fresh.acceptance == pytest.approx(0.3)  # a new sequence is still worth a row at low load
+    for _ in range(3):
+        s.observe(100, 4, 0)
+    low = s.propose(100, "t", [5, 6, 5, 6, 5], cap=4).acceptance
+    s.last_lengths = {}  # not drafted: its estimate drifts back toward the floor, step by step
+    later = [s.propose(100, "t", [5, 6, 5, 6, 5], cap=4).acceptance for _ in range(20)]
+    assert low < later[0] < later[-1] < 0.3
+
+
+def test_acceptance_is_per_tested_token_not_per_proposed():
+    # Drafts of 4 at a per-token acceptance of 0.6: verification stops at the first rejection, so the tokens
+    # after it were never tested. Accepted over proposed would say 0.33 and cut drafts that pay.
+    import random
+
+    from kvserve.engine.speculation import Acceptance
+
+    rng = random.Random(0)
+    acc = Acceptance()
+    for _ in range(2000):
+        accepted = 0
+        while accepted < 4 and rng.random() < 0.6:
+            accepted += 1
+        acc.observe(4, accepted)
+    assert acc.accepted / acc.proposed == pytest.approx(0.33, abs=0.03)
+    assert acc.rate == pytest.approx(0.6, abs=0.12)  # a moving average: its last few hundred tokens
