@@ -313,8 +313,21 @@ class EngineConfig:
     attention_policy: str = "full"
     attention_sinks: int = 4
     attention_window: int = 2048
+    # Structured outputs (engine/structured.py, engine/grammar.py): a constraint still compiling after this many seconds is refused
+    # (400), as is a JSON schema above this many bytes or nesting levels.
+    structured_compile_timeout_s: float = 5.0
+    structured_max_schema_bytes: int = 64 * 1024
+    structured_max_schema_depth: int = 32
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @property
+    def structured_limits(self):
+        from kvserve.engine.structured import StructuredLimits
+
+        return StructuredLimits(max_schema_bytes=self.structured_max_schema_bytes,
+                                max_schema_depth=self.structured_max_schema_depth,
+                                compile_timeout_s=self.structured_compile_timeout_s)
 
     @property
     def sinks_window(self) -> tuple[int, int] | None:
@@ -339,6 +352,9 @@ class EngineConfig:
             seed=NONNEG_INT, onednn_weights=BOOL, native_decoder=BOOL,
             attention_policy=(lambda v: v in ATTENTION_POLICIES, f"one of {', '.join(ATTENTION_POLICIES)}"),
             attention_sinks=NONNEG_INT, attention_window=POSITIVE_INT,
+            structured_compile_timeout_s=(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+                                          and v > 0, "a positive number of seconds"),
+            structured_max_schema_bytes=POSITIVE_INT, structured_max_schema_depth=POSITIVE_INT,
             weights=(lambda v: v in WEIGHT_MODES, f"one of {', '.join(WEIGHT_MODES)}")))
 
 

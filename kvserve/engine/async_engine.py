@@ -185,6 +185,13 @@ class AsyncLLM:
         check_available(self)
         if request.arrival is None:
             request = replace(request, arrival=time.monotonic())
+        constraint = request.params.structured_outputs
+        if constraint is not None and request.grammar is None and self.engine is not None:
+            # Compiled here, off the engine thread, within its budget (a 400 past it); the wait counts in the
+            # request's queue time, not in anyone else's step.
+            grammars = getattr(getattr(self.engine, "core", None), "grammars", None)
+            if grammars is not None:
+                request = replace(request, grammar=await grammars.compile_async(constraint))
         outputs: asyncio.Queue = asyncio.Queue()
         done: Future = Future()
         self._commands.put(_Add(request, _Sink(asyncio.get_running_loop(), outputs), done))
@@ -211,6 +218,12 @@ class AsyncLLM:
                 yield out
         finally:
             await stream.aclose()
+
+    @property
+    def grammar_stats(self):
+        """The structured-output compiler's counters (a copy), or None before the model is loaded."""
+        grammars = getattr(getattr(self.engine, "core", None), "grammars", None)
+        return None if grammars is None else grammars.snapshot()
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))

@@ -11,10 +11,11 @@ prompt position n times (each fork with its own generator), and the children sha
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from kvserve.config import SchedulerConfig
+from kvserve.engine.errors import InvalidRequest
 from kvserve.engine.interjection import Interjection
 from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.output_processor import OutputProcessor, RequestState
@@ -23,6 +24,9 @@ from kvserve.engine.request import EngineRequest, Priority, Sequence
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from kvserve.engine.step_time import StepTimeModel
+
+if TYPE_CHECKING:
+    from kvserve.engine.grammar import GrammarCompiler
 
 
 class Executor(Protocol):
@@ -46,13 +50,16 @@ class EngineCore:
 
     `tokenizer` None: no text is made (the simulator's requests run to their length). `stream_outputs`
     False: a step returns only the outputs of requests that finished (offline runs, the simulator).
-    Every timestamp comes from `clock`; `step_time` is the admission estimates' prior (a calibration)."""
+    Every timestamp comes from `clock`; `step_time` is the admission estimates' prior (a calibration).
+    `grammars`: the compiler of structured-output constraints (None: requests with one are refused)."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, executor: Executor, *, max_model_len: int,
                  model_id: str, tokenizer=None, eos_token_ids: frozenset[int] = frozenset(),
-                 clock: Callable[[], float], step_time: StepTimeModel | None = None, stream_outputs: bool = True):
+                 clock: Callable[[], float], step_time: StepTimeModel | None = None, stream_outputs: bool = True,
+                 grammars: GrammarCompiler | None = None):
         self.kv = kv
         self.executor = executor
+        self.grammars = grammars  # structured outputs: compiles what a request did not bring compiled
         self.clock = clock
         self.max_model_len = max_model_len
         self.scheduler = Scheduler(config, kv, clock=clock, step_time=step_time)
@@ -68,6 +75,11 @@ class EngineCore:
         """Queue a request. Raises ContextLengthExceeded / CapacityExhausted at once when refused."""
         if request.request_id in self.outputs.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.params.structured_outputs is not None and request.grammar is None:
+            if self.grammars is None:
+                raise InvalidRequest("this engine has no tokenizer to constrain outputs with",
+                                     param="response_format")
+            request = replace(request, grammar=self.grammars.compile(request.params.structured_outputs))
         ids = request.prompt_token_ids
         # What the context leaves when the request set no limit (admission refuses a prompt that fills it).
         max_tokens = request.params.max_tokens or max(1, self.max_model_len - len(ids))
@@ -163,7 +175,8 @@ class EngineCore:
         for parent_id, children in out.forks.items():
             parent = seq_states[parent_id].seq
             for child in children:
-                child.output_token_ids.extend(tokens[child.seq_id])
+                for token in tokens[child.seq_id]:
+                    child.append_token(token)
                 child.timings.first_token = child.timings.last_token = now
                 child.timings.token_times.append(now)
                 self.scheduler.fork(parent, child)

@@ -33,6 +33,7 @@ from kvserve.models.loader import (build_model, checkpoint_header, checkpoint_in
                                    weights_label)
 from kvserve.models.model_info import ModelInfo
 from kvserve.models.tokenizer import Tokenizer
+from kvserve.engine.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,9 @@ class LLMEngine:
                                                                               cache_cfg.kv_pinned_blocks)),
                                executor, max_model_len=self.max_model_len, model_id=self.model_id,
                                tokenizer=self.tokenizer, eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
-                               clock=clock, step_time=prior)
+                               clock=clock, step_time=prior,
+                               grammars=GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                        config.structured_limits))
         self.scheduler, self.kv, self.outputs = self.core.scheduler, self.core.kv, self.core.outputs
         self._request_ids = itertools.count()
         self.load_seconds = time.perf_counter() - t0

@@ -10,10 +10,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from kvserve.config import Priority  # noqa: F401  (the tier type, defined with the tier limits)
 from kvserve.engine.errors import InvalidRequest
 from kvserve.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.engine.grammar import CompiledGrammar
 
 
 @dataclass(frozen=True)
@@ -41,8 +45,10 @@ class EngineRequest:
     arrival: float | None = None
     resumed_token_ids: tuple[int, ...] = ()
     prompt: str | None = None
-    lora: None = None  # slots for later: an adapter, a grammar
-    grammar: None = None
+    lora: None = None  # a slot for later: an adapter
+    # params.structured_outputs compiled for this engine's tokenizer (engine/grammar.py), by whoever waited for
+    # it off the engine thread (AsyncLLM.submit); None: the engine compiles it. Not sent over a process hop.
+    grammar: "CompiledGrammar | None" = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
@@ -116,6 +122,9 @@ class Sequence:
     # Chained prefix-cache hashes of its leading full blocks, as far as lookups went (the KV manager's memo).
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
     timings: SequenceTimings = field(default_factory=SequenceTimings)
+    # Its structured-output matcher (an llguidance LLMatcher) where the request has a constraint: advanced by
+    # each token it takes; the runner masks its logits from it.
+    grammar: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:
@@ -152,15 +161,29 @@ class Sequence:
 
     @classmethod
     def of(cls, request: EngineRequest, seq_id: int, max_tokens: int, fork_index: int = 0) -> "Sequence":
-        """Fork `fork_index` of `request` (0: the parent, which starts with the resumed tokens)."""
-        return cls(seq_id=seq_id, request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
-                   sampling=request.params, priority=request.priority, tenant=request.tenant,
-                   cache_salt=request.cache_salt, cache_retention_s=request.cache_retention_s,
-                   max_tokens=max_tokens, fork_index=fork_index,
-                   output_token_ids=[] if fork_index else list(request.resumed_token_ids))
+        """Fork `fork_index` of `request` (0: the parent, which starts with the resumed tokens; a constrained
+        one's matcher has taken them)."""
+        seq = cls(seq_id=seq_id, request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
+                  sampling=request.params, priority=request.priority, tenant=request.tenant,
+                  cache_salt=request.cache_salt, cache_retention_s=request.cache_retention_s,
+                  max_tokens=max_tokens, fork_index=fork_index,
+                  output_token_ids=[] if fork_index else list(request.resumed_token_ids))
+        if request.grammar is not None:
+            seq.grammar = request.grammar.matcher()
+            if seq.output_token_ids and not seq.grammar.consume_tokens(seq.output_token_ids):
+                raise InvalidRequest("the resumed tokens do not match the request's structured-output constraint",
+                                     param="response_format")
+        return seq
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.consume_token(token_id)
+
+    @property
+    def grammar_done(self) -> bool:
+        """Its constraint is complete and allows nothing more (the sequence stops as at an eos)."""
+        return self.grammar is not None and self.grammar.is_stopped()
 
     def __hash__(self) -> int:
         return self.seq_id

@@ -22,6 +22,7 @@ from kvserve.engine.request import Sequence
 from kvserve.engine.sampler import Sampler, SamplingMetadata, make_generator
 from kvserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from kvserve.models.attention import AttentionMetadata, PrefillChunk, kv_cache_shape
+from kvserve.engine.grammar_mask import apply_grammar_masks
 
 
 @dataclass
@@ -194,6 +195,9 @@ class ModelRunner:
                 outputs.append(child.output_token_ids)
         if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        constrained = [j for j, s in enumerate(seqs) if s.grammar is not None]
+        if constrained:  # structured outputs (never drafted for: one row each)
+            apply_grammar_masks(logits, constrained, [seqs[j].grammar for j in constrained])
         generators = [self._generator(s) for s in seqs]
         rewind = {first: g.get_state() for _, first, _ in spans if (g := generators[first]) is not None}
         md = SamplingMetadata.build([s.sampling for s in seqs], outputs, [s.prompt_token_ids for s in seqs],

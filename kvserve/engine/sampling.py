@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvserve.engine.structured import StructuredOutputsParams
+
 # Bounds past which a parameter broke the sampler's tensors (and with them the engine, for every request):
 # token ids and top_k are int32 on the device; a repetition penalty of 0 in float32 divides by zero.
 MAX_TOKEN_ID = 2**31 - 1
@@ -42,6 +44,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     speculation: bool = True  # False: never drafted for (where the server speculates: engine/speculation.py)
+    # What the output must match (a JSON schema, a regex, a choice, a grammar): engine/structured.py
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -89,6 +93,11 @@ class SamplingParams:
             raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise bad("stop", "strings must be non-empty")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "must be StructuredOutputsParams")
+            if self.min_tokens:  # a complete output may have only eos left to take, which min_tokens forbids
+                raise bad("min_tokens", "must be 0 with a structured-output constraint")
 
     @property
     def greedy(self) -> bool:

@@ -316,7 +316,7 @@ class Scheduler:
         candidates: list[Candidate] = []
         for ss in decodes:
             seq = ss.seq
-            if not seq.sampling.speculation:
+            if not seq.sampling.speculation or seq.grammar is not None:  # a constrained row: one token a step
                 continue
             left = self.config.max_model_len - seq.num_tokens
             if seq.max_tokens is not None:

@@ -30,9 +30,9 @@ def stop_token(seq: Sequence, token: int, eos_token_ids: Collection[int]) -> tup
 def stop_status(seq: Sequence, token: int, eos_token_ids: Collection[int], strings: StopStrings,
                 max_model_len: int) -> tuple[SequenceStatus | None, str | int | None]:
     """(the finished status, the stop_reason) after `token`, or (None, None) while the sequence goes on:
-    a stop token, then a stop string (past min_tokens), then max_tokens, then the model's context."""
+    a stop token or a structured-output constraint complete, then a stop string (past min_tokens), then max_tokens, then the model's context."""
     stopped, reason = stop_token(seq, token, eos_token_ids)
-    if stopped:
+    if stopped or seq.grammar_done:
         return SequenceStatus.FINISHED_STOPPED, reason
     p = seq.sampling
     if seq.num_output_tokens >= p.min_tokens and strings.stopped:

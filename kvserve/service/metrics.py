@@ -69,6 +69,7 @@ class LiveModelStats:
     kv_host_bytes: int = 0  # what the host-memory tier holds
     drafts: dict = field(default_factory=dict)  # drafter name -> DrafterStats (speculative decoding, since start)
     draft_length: float = 0.0  # the controller's current mean draft length
+    grammar: object = None  # structured outputs: the compiler's GrammarStats (engine/grammar.py), or None
 
 
 class ServingWindow:
@@ -171,6 +172,11 @@ class ServingWindow:
                                                 "mean_accepted_length": round(d.accepted / d.drafts, 4) if d.drafts
                                                 else 0.0} for name, d in live.drafts.items()},
                             "draft_length": round(live.draft_length, 3)} if live else {},
+            # Structured outputs since start: the compiled-grammar cache and the compiler's refusals and time.
+            "structured_outputs": {"cache_hits": live.grammar.hits, "cache_misses": live.grammar.misses,
+                                   "refused": live.grammar.refused, "timeouts": live.grammar.timeouts,
+                                   "compile_seconds": round(live.grammar.compile_seconds, 4)}
+            if live and live.grammar is not None else {},
             "preemptions": sum(s.preempted for s in steps),
             "engine_util": round(min(1.0, busy / span), 4),
             "tokens_per_s": round(sum(s.decode_tokens for s in steps) / span, 3),  # decode (generated) tokens
@@ -216,6 +222,14 @@ class _LiveCollector:
                                      "accepted length)", labels=["model_name", "drafter"])
         draft_length = GaugeMetricFamily("kvserve:spec_draft_length", "The speculation controller's mean draft "
                                          "length over the decodes it last drafted for", labels=["model_name"])
+        g_hits = CounterMetricFamily("kvserve:grammar_cache_hits", "Structured-output constraints found compiled in "
+                                     "the grammar cache", labels=["model_name"])
+        g_misses = CounterMetricFamily("kvserve:grammar_cache_misses", "Structured-output constraints compiled (or "
+                                       "joined to a compile in flight)", labels=["model_name"])
+        g_refused = CounterMetricFamily("kvserve:grammar_refused", "Structured-output constraints refused (invalid, "
+                                        "over a limit, or past the compile budget)", labels=["model_name"])
+        g_seconds = CounterMetricFamily("kvserve:grammar_compile_seconds", "Seconds spent compiling structured-output "
+                                        "constraints (off the engine thread)", labels=["model_name"])
         ttft = GaugeMetricFamily("kvserve:estimated_ttft_seconds",
                                  "Admission's estimate of the time to first token of a short request arriving now "
                                  "(queue wait plus its prefill, from the step-time model): a signal to shed load on",
@@ -236,10 +250,15 @@ class _LiveCollector:
                 accepted.add_metric([s.model, name], d.accepted)
                 drafts.add_metric([s.model, name], d.drafts)
             draft_length.add_metric([s.model], s.draft_length)
+            if s.grammar is not None:
+                g_hits.add_metric([s.model], s.grammar.hits)
+                g_misses.add_metric([s.model], s.grammar.misses)
+                g_refused.add_metric([s.model], s.grammar.refused)
+                g_seconds.add_metric([s.model], s.grammar.compile_seconds)
             for tier, seconds in s.estimated_ttft_s.items():
                 ttft.add_metric([s.model, tier], seconds)
         yield from (running, waiting, kv, hits, queries, disk_hits, disk_bytes, host_hits, host_bytes, proposed, accepted,
-                    drafts, draft_length, ttft)
+                    drafts, draft_length, g_hits, g_misses, g_refused, g_seconds, ttft)
 
 
 class ServerMetrics:

@@ -157,7 +157,8 @@ class ModelHandle:
                               prefix_host_hits=stats.kv.host_hit_tokens,
                               kv_disk_bytes=stats.kv.tier_bytes.get("disk", 0),
                               kv_host_bytes=stats.kv.tier_bytes.get("host", 0),
-                              drafts=stats.drafts, draft_length=stats.draft_length)
+                              drafts=stats.drafts, draft_length=stats.draft_length,
+                              grammar=getattr(self.client, "grammar_stats", None))
 
     def load(self, tier: str) -> LoadLevel:
         cfg = self.config

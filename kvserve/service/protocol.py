@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, m
 
 from kvserve.config import TIER_NAMES
 from kvserve.engine.sampling import MAX_TOKEN_ID, REPETITION_PENALTY_RANGE, SamplingParams
+from kvserve.engine.structured import InvalidStructuredOutput, StructuredOutputsParams
 from kvserve.metering.budgets import PERIODS as BUDGET_PERIODS
 
 Tier = Literal[TIER_NAMES]  # the labels of kvserve.config.Priority
@@ -39,6 +40,8 @@ PromptTokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID, json_schema_extra={"
 # A prompt's text: "" encodes to no tokens (400 invalid_prompt) unless the model adds a BOS token.
 PromptText = Annotated[str, Field(json_schema_extra={"x-kvserve": "text"})]
 StopString = Annotated[str, Field(min_length=1)]
+# A JSON document as text (a schema given as a string, as vLLM takes guided_json)
+JsonText = Annotated[str, Field(json_schema_extra={"contentMediaType": "application/json"})]
 
 
 class InvalidJSON(ValueError):
@@ -94,6 +97,43 @@ class StreamOptions(_Lenient):
 MaxTokens = Annotated[int, Field(ge=1, json_schema_extra={"x-kvserve": "context"})]
 
 
+class JsonSchemaFormat(_Lenient):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    # an object schema (OpenAI's strict mode: every property required, additionalProperties false; here any
+    # schema the grammar backend supports, strict or not: the output always matches it)
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema."""
+
+    # _schema below, for the document
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}}, "then": {"required": ["json_schema"],
+                                                                   "properties": {"json_schema": {"not": {"type": "null"}}}}})
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema")
+        return self
+
+
+class StructuredOutputsField(_Lenient):
+    """vLLM's `structured_outputs` extra: exactly one constraint."""
+
+    json_: dict[str, Any] | JsonText | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
+    grammar: str | None = None
+
+
 class _CommonRequest(_Lenient):
     # an id of a served model or "auto" (an unknown id: 404 model_not_found)
     model: str = Field(min_length=1, json_schema_extra={"x-kvserve": "model"})
@@ -133,6 +173,38 @@ class _CommonRequest(_Lenient):
     # kvserve: false keeps this request out of speculative decoding (where the server runs it). Outputs are the
     # same either way (greedy bit for bit, sampling in distribution); only speed differs.
     speculation: bool = True
+    # Structured outputs: OpenAI's response_format, or vLLM's extras (one constraint in all; its output is
+    # generated to match it, engine/grammar.py)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | JsonText | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's one constraint, or None. InvalidStructuredOutput (400) for two, or a bad one."""
+        found: list[tuple[str, StructuredOutputsParams]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", _structured("response_format", json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            schema = rf.json_schema.schema_
+            found.append(("response_format", _structured("response_format", json=schema if schema is not None else {})))
+        so = self.structured_outputs
+        if so is not None:
+            found.append(("structured_outputs", _structured(
+                "structured_outputs", json=so.json_, json_object=bool(so.json_object), regex=so.regex,
+                choice=so.choice, grammar=so.grammar)))
+        for name, kw in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                         ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, _structured(name, **{kw: value})))
+        if len(found) > 1:
+            raise InvalidStructuredOutput(f"one output constraint per request; got {', '.join(n for n, _ in found)}",
+                                          param=found[1][0])
+        return found[0][1] if found else None
 
     @property
     def cache_retention_s(self) -> float:
@@ -201,7 +273,15 @@ class _CommonRequest(_Lenient):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             speculation=self.speculation,
+            structured_outputs=self.structured(),
         )
+
+
+def _structured(param: str, **kw) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**kw, source=param)
+    except InvalidStructuredOutput as e:
+        raise InvalidStructuredOutput(str(e), param=param) from None
 
 
 class TextPart(_Lenient):
@@ -409,6 +489,7 @@ class CompletionLogprobs(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = ""
+    refusal: str | None = None  # OpenAI's; kvserve never refuses in place of the content
 
 
 class ChatChoice(BaseModel):

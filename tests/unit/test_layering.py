@@ -45,6 +45,7 @@ TORCH_FREE = [
     "kvserve.metering.reports",
     "kvserve.planning.roofline", "kvserve.planning.memory", "kvserve.planning.search", "kvserve.planning.simulator",
     "kvserve.planning.long_context", "kvserve.engine.kv_groups", "kvserve.engine.kv_disk",
+    "kvserve.engine.structured", "kvserve.engine.grammar",
 ]
 
 # Run in the child: import `modules`, recording for each new kvserve (or torch) module the module that imported it.

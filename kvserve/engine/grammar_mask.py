@@ -1,0 +1,42 @@
+"""The token masks of a step's constrained rows, applied to their logits before sampling.
+
+Each matcher writes its allowed-token bitmask (32 tokens an int32 word) into one host tensor, all rows at once
+on llguidance's own thread pool (LLExecutor: the masks of a batch in parallel, without the GIL); the bits are
+widened to a boolean mask on the logits' device, and every disallowed token's logit set to -inf. Only the
+constrained rows are touched: another request's row is the same bits with or without its neighbours' grammars.
+"""
+from __future__ import annotations
+
+import torch
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+_executor = None
+
+
+def _llexecutor():
+    global _executor
+    if _executor is None:
+        from llguidance import LLExecutor
+
+        _executor = LLExecutor()
+    return _executor
+
+
+def allowed_tokens(matchers: list, vocab_size: int) -> torch.Tensor:
+    """[len(matchers), vocab_size] bool on the host: the tokens each matcher allows next."""
+    words = (vocab_size + 31) // 32
+    bitmask = torch.zeros((len(matchers), words), dtype=torch.int32)
+    _llexecutor().unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), words * 4,
+                                          len(matchers))
+    bits = (bitmask.unsqueeze(-1) >> _SHIFTS) & 1
+    return bits.view(len(matchers), -1)[:, :vocab_size].bool()
+
+
+@torch.inference_mode()
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int], matchers: list) -> None:
+    """Set the logits of tokens each row's matcher forbids to -inf (in place)."""
+    allowed = allowed_tokens(matchers, logits.shape[1]).to(logits.device, non_blocking=True)
+    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    sub = logits.index_select(0, idx)
+    sub.masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, idx, sub)

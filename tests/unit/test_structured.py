@@ -1,0 +1,107 @@
+"""Structured outputs' pure half and its compiler: what a request may ask (one constraint, within limits), the
+compiled-grammar cache, the compile budget (a 400 naming it; the compile finishes and is cached), and llguidance's
+errors surfaced as 400s naming the field."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from kvserve.engine import grammar as grammar_mod
+from kvserve.engine.grammar import GrammarCompiler
+from kvserve.engine.structured import InvalidStructuredOutput, StructuredLimits, StructuredOutputsParams as SO
+
+
+def test_exactly_one_constraint_and_schemas_keep_their_key_order():
+    with pytest.raises(InvalidStructuredOutput, match="exactly one"):
+        SO()
+    with pytest.raises(InvalidStructuredOutput, match="exactly one"):
+        SO(regex="a", choice=("a",))
+    a = SO(json={"type": "object", "properties": {"b": {}, "a": {}}})
+    assert a.json == '{"type":"object","properties":{"b":{},"a":{}}}' and a.kind == "json"
+    assert a == SO(json='{"type": "object", "properties": {"b": {}, "a": {}}}', source="guided_json")  # same key
+    with pytest.raises(InvalidStructuredOutput, match="not JSON"):
+        SO(json="{nope")
+
+
+def test_limits_are_checked_before_any_compile():
+    limits = StructuredLimits(max_schema_bytes=200, max_schema_depth=4, max_pattern_bytes=10, max_choices=2)
+    SO(json={"type": "object"}).check(limits)
+    with pytest.raises(InvalidStructuredOutput, match="bytes") as e:
+        SO(json={"enum": ["x" * 300]}, source="guided_json").check(limits)
+    assert e.value.param == "guided_json" and e.value.http_status == 400
+    deep = {"type": "object"}
+    for _ in range(3):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(InvalidStructuredOutput, match="nests"):
+        SO(json=deep).check(limits)
+    with pytest.raises(InvalidStructuredOutput, match="bytes"):
+        SO(regex="[a-z]{1,100}x").check(limits)
+    with pytest.raises(InvalidStructuredOutput, match="choices"):
+        SO(choice=("a", "b", "c")).check(limits)
+
+
+@pytest.fixture(scope="module")
+def compiler(smollm2_tokenizer):
+    c = GrammarCompiler(smollm2_tokenizer, smollm2_tokenizer.vocab_size)
+    yield c
+    c.shutdown()
+
+
+def _text_through(matcher, tokenizer, text: str) -> bool:
+    return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+
+def test_compiled_grammars_match_what_they_should_and_are_cached(compiler, smollm2_tokenizer):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    g = compiler.compile(SO(json=schema))
+    assert _text_through(g.matcher(), smollm2_tokenizer, '{"n": 12}')
+    assert not _text_through(g.matcher(), smollm2_tokenizer, '{"m": 12}')
+    hits = compiler.stats.hits
+    assert compiler.compile(SO(json=json.dumps(schema))) is g and compiler.stats.hits == hits + 1
+    m = g.matcher()
+    assert m.consume_tokens(smollm2_tokenizer.encode('{"n": 1', add_special_tokens=False))
+    assert g.matcher().consume_tokens(smollm2_tokenizer.encode('{"n"', add_special_tokens=False))  # own state
+    gbnf = compiler.compile(SO(grammar='root ::= "a" [0-9]+'))
+    assert _text_through(gbnf.matcher(), smollm2_tokenizer, "a42")
+    assert _text_through(compiler.compile(SO(choice=("yes", "no"))).matcher(), smollm2_tokenizer, "no")
+
+
+@pytest.mark.parametrize("so, needle", [
+    (SO(json={"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}}, source="response_format"), "nope"),
+    (SO(regex="([a-z", source="guided_regex"), "regex"),
+    (SO(grammar="start: undefined_rule", source="guided_grammar"), "grammar"),
+])
+def test_llguidance_errors_are_400s_naming_the_field(compiler, so, needle):
+    refused = compiler.stats.refused
+    with pytest.raises(InvalidStructuredOutput, match=needle) as e:
+        compiler.compile(so)
+    assert e.value.param == so.source and compiler.stats.refused == refused + 1
+
+
+def test_a_compile_past_its_budget_is_refused_and_cached_when_done(smollm2_tokenizer, monkeypatch):
+    release = threading.Event()
+    real = grammar_mod.grammar_text
+
+    def slow(params):
+        release.wait(10)
+        return real(params)
+
+    monkeypatch.setattr(grammar_mod, "grammar_text", slow)
+    c = GrammarCompiler(smollm2_tokenizer, smollm2_tokenizer.vocab_size, StructuredLimits(compile_timeout_s=0.05))
+    so = SO(regex="[0-9]{4}", source="guided_regex")
+    with pytest.raises(InvalidStructuredOutput, match="budget of 0.05 s") as e:
+        asyncio.run(c.compile_async(so))
+    assert e.value.param == "guided_regex" and c.stats.timeouts == 1
+    with pytest.raises(InvalidStructuredOutput, match="budget"):  # joins the compile still in flight
+        c.compile(so)
+    release.set()
+    for _ in range(200):
+        if so in c._cache:
+            break
+        threading.Event().wait(0.01)
+    assert asyncio.run(c.compile_async(so)) is c._cache[so]  # the finished compile serves the next request
+    c.shutdown()
