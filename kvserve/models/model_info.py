@@ -101,11 +101,13 @@ class ModelInfo:
     config: ModelConfig
     tokenizer: Tokenizer
 
-    def encode(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
+    def encode(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
+               tools: list[dict] | None = None) -> list[int]:
         """A prompt (text, or token ids checked against the vocabulary) or chat messages (through the
-        chat template) -> token ids. ValueError for input the model cannot take."""
+        chat template, with `tools` where it renders them) -> token ids. ValueError for input the model
+        cannot take."""
         if messages is not None:
-            return self.tokenizer.encode_chat(messages)
+            return self.tokenizer.encode_chat(messages, tools=tools)
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         if not prompt:

@@ -602,6 +602,13 @@ class Tokenizer:
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders a request's `tools` itself (else the service describes them in the
+        system message: service/tools.py)."""
+        source = self.chat_template or _shipped_template("chatml")
+        return "tools" in source
+
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **kwargs: Any) -> list[int]:
         """Render and tokenize a chat; BOS is added only if the model wants one and the template did not write it."""

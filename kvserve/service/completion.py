@@ -197,7 +197,8 @@ class CompletionService:
         if info is None:
             raise ModelWarming(f"model {c.handle.id} is still loading; retry shortly")
         if c.kind == "chat":
-            inputs, param = [dict(messages=c.req.template_messages())], "messages"
+            messages, tools = c.req.prompt(info.tokenizer.renders_tools)
+            inputs, param = [dict(messages=messages, tools=tools)], "messages"
         else:
             inputs, param = [dict(prompt=pr) for pr in c.req.prompts()], "prompt"
 

@@ -289,6 +289,43 @@ class TextPart(_Lenient):
     text: str
 
 
+ToolName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class FunctionCallIn(_Lenient):
+    name: ToolName
+    arguments: str  # JSON text, as OpenAI gives it back
+
+
+class ToolCallIn(_Lenient):
+    """A call an assistant message made (sent back with the conversation)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class FunctionDef(_Lenient):
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # calls always match `parameters` here, strict or not
+
+
+class ToolDef(_Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Lenient):
+    name: ToolName
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Lenient):
     # _content below, for the document: only an assistant message may leave content out (or null)
     model_config = ConfigDict(extra="ignore", json_schema_extra={
@@ -298,6 +335,8 @@ class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     @model_validator(mode="after")
     def _content(self):
@@ -313,6 +352,10 @@ class ChatMessage(_Lenient):
         msg = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
 
 
@@ -326,6 +369,54 @@ class ChatCompletionRequest(_CommonRequest):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # Tool calling (service/tools.py): calls constrained to the Hermes format and each tool's schema
+    tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _tools(self):
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """"none", "auto", "required", or the one function's name."""
+        if not self.tools:
+            return "none"
+        choice = self.tool_choice or "auto"
+        return choice.function.name if isinstance(choice, NamedToolChoice) else choice
+
+    def structured(self) -> StructuredOutputsParams | None:
+        mode = self.tool_mode
+        if mode == "none":
+            return super().structured()
+        from kvserve.service.tools import tool_grammar, tools_of
+
+        others = [n for n in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                  if getattr(self, n) is not None]
+        if others:
+            raise InvalidStructuredOutput(f"tools constrain the output; {others[0]} cannot be added to them",
+                                          param=others[0])
+        rf = self.response_format
+        answer = rf.json_schema.schema_ or {} if rf is not None and rf.type == "json_schema" else None
+        return tool_grammar(tools_of(self.tools), mode, self.parallel_tool_calls, answer_schema=answer,
+                            json_answer=rf is not None and rf.type == "json_object")
+
+    def prompt(self, template_renders_tools: bool) -> tuple[list[dict], list[dict] | None]:
+        """The messages and tools the chat template gets (service/tools.py: the fallback for templates that do
+        not render tools)."""
+        from kvserve.service.tools import fallback_messages, tool_json, tools_of
+
+        messages = self.template_messages()
+        tools = tools_of(self.tools) if self.tool_mode != "none" else []
+        if template_renders_tools:
+            return messages, [tool_json(t) for t in tools] or None
+        return fallback_messages(messages, tools), None
 
     @model_validator(mode="after")
     def _logprobs(self):
@@ -490,6 +581,7 @@ class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = ""
     refusal: str | None = None  # OpenAI's; kvserve never refuses in place of the content
+    tool_calls: list[dict] | None = None  # [{id, type: "function", function: {name, arguments}}]; null: none
 
 
 class ChatChoice(BaseModel):

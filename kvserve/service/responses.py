@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.engine.outputs import Logprob, RequestOutput
 from kvserve.service import protocol as p
+from kvserve.service.tools import ToolCallStream, parse_calls
 
 if TYPE_CHECKING:
     from kvserve.service.completion import Completion
@@ -66,12 +67,17 @@ def full_response(c: "Completion", finals: list[RequestOutput]) -> p.ChatComplet
     """The non-streamed body: one choice per (prompt, fork), index = prompt * n + fork."""
     n, text, usage = c.n, c.text, usage_of(finals)
     if c.kind == "chat":
+        tools = c.req.tool_mode != "none"
         choices = []
         for i, out in enumerate(finals):
             for o in sorted(out.outputs, key=lambda o: o.index):
-                choices.append(p.ChatChoice(index=i * n + o.index, message=p.ChatMessageOut(content=o.text),
+                calls = parse_calls(o.text) if tools else None
+                message = p.ChatMessageOut(content=None, tool_calls=[x.as_openai() for x in calls]) if calls \
+                    else p.ChatMessageOut(content=o.text)
+                finish = "tool_calls" if calls and o.finish_reason == "stop" else o.finish_reason
+                choices.append(p.ChatChoice(index=i * n + o.index, message=message,
                                             logprobs=chat_logprobs(o.logprobs, text),
-                                            finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+                                            finish_reason=finish, stop_reason=o.stop_reason))
         return p.ChatCompletionResponse(id=c.response_id, created=c.created, model=c.model, choices=choices,
                                         usage=usage)
     choices = []
@@ -97,6 +103,8 @@ class StreamChunks:
             self.base["usage"] = None
         self._finished: set[int] = set()
         self._offsets: dict[int, int] = {}
+        # Per choice with tools: its text deltas turned into content or tool_calls deltas
+        self._tools: dict[int, ToolCallStream] | None = {} if self.chat and c.req.tool_mode != "none" else None
         self._finals: dict[int, RequestOutput] = {}
 
     def _chunk(self, choice: dict) -> dict:
@@ -120,13 +128,21 @@ class StreamChunks:
             if self.chat:
                 if has_delta:
                     lp = chat_logprobs(o.delta_logprobs, c.text) if o.delta_logprobs else None
-                    evs.append(self._chunk({"index": idx, "delta": {"content": o.delta_text},
-                                            "logprobs": lp.model_dump(mode="json") if lp else None,
-                                            "finish_reason": None}))
+                    lp = lp.model_dump(mode="json") if lp else None
+                    if self._tools is None:
+                        deltas = [{"content": o.delta_text}]
+                    else:
+                        deltas = self._tools.setdefault(idx, ToolCallStream()).feed(o.delta_text) or \
+                            ([{"content": ""}] if lp else [])
+                    for j, delta in enumerate(deltas):
+                        evs.append(self._chunk({"index": idx, "delta": delta, "logprobs": lp if j == 0 else None,
+                                                "finish_reason": None}))
                 if o.finish_reason is not None:
                     self._finished.add(idx)
+                    calls = self._tools is not None and idx in self._tools and self._tools[idx].calls
+                    finish = "tool_calls" if calls and o.finish_reason == "stop" else o.finish_reason
                     evs.append(self._chunk({"index": idx, "delta": {}, "logprobs": None,
-                                            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}))
+                                            "finish_reason": finish, "stop_reason": o.stop_reason}))
             elif has_delta or o.finish_reason is not None:
                 lp, self._offsets[idx] = completion_logprobs(o.delta_logprobs, c.text, self._offsets.get(idx, 0)) \
                     if o.delta_logprobs else (None, self._offsets.get(idx, 0))

@@ -177,3 +177,29 @@ def test_the_batch_cli(server, tmp_path):
     assert batch_id in listed.stdout
     bad = subprocess.run(base + ["cancel", batch_id], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "invalid_state" in bad.stderr
+
+
+def test_batch_lines_with_response_format_and_tools_are_constrained(server):
+    """A batch line gets what the endpoint gives: JSON of its schema, tool calls of its tools (the tiny model's
+    text is noise, so only the constraint makes these valid)."""
+    client = server.openai()
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"q": {"enum": ["a", "b"]}}, "required": ["q"], "additionalProperties": False}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    data = jsonl(3, max_tokens=60, response_format=fmt) + jsonl(3, max_tokens=60, tools=[tool], tool_choice="required")
+    rows = [json.loads(x) for x in data.splitlines()]
+    for i, r in enumerate(rows):
+        r["custom_id"] = f"line-{i}"
+    f = client.files.create(file=("in.jsonl", ("\n".join(json.dumps(r) for r in rows) + "\n").encode()),
+                            purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    b = wait(client, b.id, ("completed",))
+    out = {x["custom_id"]: x["response"]["body"]["choices"][0] for x in lines_of(client, b.output_file_id)}
+    assert len(out) == 6
+    for i in range(3):
+        assert json.loads(out[f"line-{i}"]["message"]["content"])["n"] in range(100)
+        call = out[f"line-{i + 3}"]
+        assert call["finish_reason"] == "tool_calls"
+        assert json.loads(call["message"]["tool_calls"][0]["function"]["arguments"])["q"] in ("a", "b")

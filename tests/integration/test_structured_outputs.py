@@ -157,3 +157,92 @@ def test_a_repeated_schema_hits_the_compiled_grammar_cache(server):
     after = server.metrics()
     assert after["kvserve:grammar_cache_hits_total"] - before.get("kvserve:grammar_cache_hits_total", 0) >= 2
     assert after["kvserve:grammar_compile_seconds_total"] > 0
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                      "parameters": {"type": "object", "properties": {
+                                          "city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["c", "f"]}},
+                                          "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone",
+                                      "parameters": {"type": "object", "properties": {
+                                          "tz": {"type": "string", "maxLength": 20}},
+                                          "required": ["tz"], "additionalProperties": False}}}]
+ASK = chat("What is the weather in Paris, and the time in Tokyo?")
+
+
+def _check_calls(calls, names: set[str]) -> None:
+    assert calls
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", "named", "auto"])
+def test_tool_choice_modes(server, choice, stream):
+    client = server.openai()
+    tool_choice = {"type": "function", "function": {"name": "get_time"}} if choice == "named" else choice
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=150, temperature=0.7,
+              seed=4)
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        choice0 = r.choices[0]
+        calls, finish, content = choice0.message.tool_calls, choice0.finish_reason, choice0.message.content
+    else:
+        calls_by_index, content, finish = {}, "", None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            for tc in delta.tool_calls or ():
+                if tc.id is not None:  # a call's first chunk: id, type, name, empty arguments
+                    assert tc.type == "function" and tc.function.arguments == ""
+                    calls_by_index[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": ""}
+                else:
+                    calls_by_index[tc.index]["arguments"] += tc.function.arguments
+            finish = chunk.choices[0].finish_reason or finish
+        from openai.types.chat import ChatCompletionMessageToolCall
+
+        calls = [ChatCompletionMessageToolCall(id=c["id"], type="function",
+                                               function={"name": c["name"], "arguments": c["arguments"]})
+                 for _, c in sorted(calls_by_index.items())]
+    if choice == "auto" and not calls:  # the model answered in text: allowed, and then it is text
+        assert content and finish in ("stop", "length")
+        return
+    assert finish == "tool_calls" and not content
+    _check_calls(calls, {"get_time"} if choice == "named" else {"get_weather", "get_time"})
+    if choice == "named":
+        assert len(calls) == 1
+
+
+def test_parallel_calls_off_gives_one_call_and_a_result_round_trip(server):
+    client = server.openai()
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=100, temperature=0.7, seed=2)
+    msg = r.choices[0].message
+    assert len(msg.tool_calls) == 1
+    _check_calls(msg.tool_calls, {"get_weather", "get_time"})
+    follow = ASK + [{"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in msg.tool_calls]},
+                    {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "20 degrees and sunny"}]
+    again = client.chat.completions.create(model=MODEL, messages=follow, tools=TOOLS, max_tokens=60, temperature=0)
+    assert again.choices[0].message.content or again.choices[0].message.tool_calls
+    # and the same conversation without tools still renders (the results as the fallback writes them)
+    plain = client.chat.completions.create(model=MODEL, messages=follow, max_tokens=20, temperature=0)
+    assert plain.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize("body", [
+    {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+    {"tool_choice": "required"},
+    {"tools": TOOLS + TOOLS[:1]},
+    {"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"},
+    {"tools": [{"type": "function", "function": {"name": "bad name"}}]},
+])
+def test_bad_tool_requests_are_400s(server, body):
+    r = httpx.post(server.base + "/v1/chat/completions", headers=server.headers(), timeout=60,
+                   json={"model": MODEL, "messages": ASK, "max_tokens": 5, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
