@@ -361,9 +361,12 @@ class ChatMessage(_Lenient):
 
 class ChatCompletionRequest(_CommonRequest):
     # _logprobs below, for the document: a top_logprobs that is not null needs logprobs: true
+    # and a tool_choice other than "none" (or null) needs tools
     model_config = ConfigDict(extra="ignore", json_schema_extra={"dependentSchemas": {"top_logprobs": {"anyOf": [
         {"properties": {"top_logprobs": {"type": "null"}}},
-        {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}]}}})
+        {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}]}, "tool_choice": {"anyOf": [
+            {"properties": {"tool_choice": {"enum": ["none", None]}}},
+            {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}]}}})
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: MaxTokens | None = None
@@ -377,7 +380,7 @@ class ChatCompletionRequest(_CommonRequest):
     @model_validator(mode="after")
     def _tools(self):
         choice = self.tool_choice
-        if choice is not None and choice != "none" and not self.tools:
+        if choice is not None and choice != "none" and not self.tools:  # (stated in the document too)
             raise ValueError("tool_choice needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
@@ -400,8 +403,8 @@ class ChatCompletionRequest(_CommonRequest):
         others = [n for n in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
                   if getattr(self, n) is not None]
         if others:
-            raise InvalidStructuredOutput(f"tools constrain the output; {others[0]} cannot be added to them",
-                                          param=others[0])
+            raise InvalidStructuredOutput(f"one output constraint per request: tools constrain the output, so "
+                                          f"{others[0]} cannot be added to them", param=others[0])
         rf = self.response_format
         answer = rf.json_schema.schema_ or {} if rf is not None and rf.type == "json_schema" else None
         return tool_grammar(tools_of(self.tools), mode, self.parallel_tool_calls, answer_schema=answer,

@@ -134,12 +134,14 @@ def test_generated_bodies_pass_the_servers_validation(doc, path, model):
                 return  # min_tokens <= max_tokens, prompts x n <= 128: across fields, by value
             if "one output constraint" in str(e) or "exactly one of" in str(e):
                 return  # one structured-output constraint in all of response_format, structured_outputs, guided_*
+            if "not among the tools" in str(e) or "tool names must be unique" in str(e):
+                return  # a named tool_choice names one of the tools; the tools' names differ
             if "the JSON schema is not JSON" in str(e):
                 return  # a schema given as a string must hold JSON (the document says contentMediaType only)
             rejected.append((case.body, str(e)[:300]))
 
     check()
-    assert not rejected, rejected[:3]
+    assert not rejected, [m for _, m in rejected[:3]]
 
 
 def test_the_document_loads_in_schemathesis(doc):
