@@ -38,7 +38,8 @@ class GrammarStats:
     """Since start: the compiled-grammar cache's hits and misses, refusals, compile seconds."""
 
     hits: int = 0
-    misses: int = 0
+    misses: int = 0  # compiles started
+    joined: int = 0  # requests that waited for a compile another request started
     refused: int = 0
     timeouts: int = 0
     compile_seconds: float = 0.0
@@ -140,10 +141,12 @@ class GrammarCompiler:
                 self._cache.move_to_end(params)
                 self.stats.hits += 1
                 return hit
-            self.stats.misses += 1
             pending = self._pending.get(params)
-            if pending is None:  # the same constraint compiling for another request: wait for that one
-                pending = self._pending[params] = self._pool.submit(self._build, params)
+            if pending is not None:  # the same constraint compiling for another request: wait for that one
+                self.stats.joined += 1
+                return pending
+            self.stats.misses += 1
+            pending = self._pending[params] = self._pool.submit(self._build, params)
             return pending
 
     def _refused(self, e: InvalidStructuredOutput) -> InvalidStructuredOutput:

@@ -124,3 +124,19 @@ def test_constrained_requests_are_not_drafted_for_and_stay_valid(tiny_llama_gguf
     check(drive(eng, reqs), reqs)
     assert all(s.proposed == 0 for s in eng.scheduler.speculator.stats.values())
     assert_no_leaks(eng)
+
+
+def test_checking_after_sampling_gives_the_masked_rows_tokens(tiny_llama_gguf, monkeypatch):
+    """Greedy rows sample unmasked and check the token (engine/grammar_mask.py): the tokens are those of masking
+    every row first; unseeded sampled rows stay valid."""
+    from kvserve.engine import runner as runner_mod
+
+    eng = make_engine(tiny_llama_gguf, dtype="float32")
+    greedy = [r for r in requests(eng.tokenizer) if r.params.temperature == 0]
+    unseeded = [replace(r, params=replace(r.params, seed=None, temperature=0.8)) for r in greedy]
+    checked = drive(eng, greedy + unseeded)
+    check(checked, greedy + unseeded)
+    real = runner_mod.checked_after_sampling
+    monkeypatch.setattr(runner_mod, "checked_after_sampling", lambda seqs, gens: ([], sum(real(seqs, gens), [])))
+    masked = drive(eng, greedy)
+    assert masked.tokens == checked.tokens[:len(greedy)]
