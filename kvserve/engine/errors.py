@@ -33,6 +33,14 @@ class InvalidRequest(KVServeError):
             self.code = code
 
 
+class InvalidStructuredOutput(InvalidRequest):
+    """A structured-output constraint that cannot be served (malformed, unsupported, over a limit, or past its
+    compile budget): a 400 naming the request field it came from."""
+
+    def __init__(self, message: str, param: str = "response_format"):
+        super().__init__(message, param=param, code="invalid_structured_output")
+
+
 class ContextLengthExceeded(KVServeError):
     code = "context_length_exceeded"
     http_status = 400

@@ -12,16 +12,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.engine.errors import InvalidRequest
+from kvserve.engine.errors import InvalidStructuredOutput
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
-
-
-class InvalidStructuredOutput(InvalidRequest):
-    """A structured-output request that cannot be served (bad, unsupported or too big): a 400."""
-
-    def __init__(self, message: str, param: str = "response_format"):
-        super().__init__(message, param=param, code="invalid_structured_output")
 
 
 @dataclass(frozen=True)

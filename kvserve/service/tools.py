@@ -155,14 +155,14 @@ def new_call_id() -> str:
 
 
 def parse_calls(text: str) -> list[ToolCall] | None:
-    """The calls in a generated text, or None when it is an answer (or a call cut short by max_tokens)."""
+    """The calls in a generated text, or None when it is an answer. A call cut short by max_tokens is left out
+    (the calls before it stand; the response's finish_reason says "length")."""
     if not text.startswith(OPEN.rstrip("\n")):
         return None
     calls = []
-    for block in text.split(CLOSE):
+    blocks = text.split(CLOSE)
+    for block in blocks[:-1]:  # the last piece: "" after the last call, or a call cut short
         block = block.strip()
-        if not block:
-            continue
         if not block.startswith(OPEN.strip()):
             return None
         try:

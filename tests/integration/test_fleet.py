@@ -8,6 +8,7 @@ no failed request; a bad config refused while the fleet keeps serving; the worke
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -258,6 +259,52 @@ def test_a_replica_killed_mid_stream_the_stream_goes_on(fleet):
     fleet.wait_replicas(2)  # Serve replaced the killed replica
 
 
+def test_a_constrained_stream_survives_a_replica_kill_and_bad_schemas_are_400s(fleet):
+    """A json_schema stream through the gateway: the replica compiles the constraint (a compiled grammar never
+    crosses Ray); killed mid-stream, the stream goes on on another replica, whose fresh matcher replays the
+    delivered tokens: the same greedy text, valid JSON. A schema the replica cannot compile is a 400."""
+    import httpx
+
+    schema = {"type": "object", "properties": {"words": {"type": "array", "items": {"type": "string", "maxLength": 10},
+                                                         "minItems": 12, "maxItems": 12}},
+              "required": ["words"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "words", "schema": schema}}
+    client = fleet.openai()
+
+    def run(on_chunk=None) -> tuple[str, str]:
+        text, finish = [], None
+        stream = client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=120, temperature=0,
+                                                stream=True, response_format=fmt)
+        for i, chunk in enumerate(stream):
+            if chunk.choices:
+                text.append(chunk.choices[0].delta.content or "")
+                finish = chunk.choices[0].finish_reason or finish
+            if on_chunk is not None:
+                on_chunk(i)
+        return "".join(text), finish
+
+    undisturbed, finish = run()
+    assert finish == "stop" and len(json.loads(undisturbed)["words"]) == 12
+    moved = fleet.status()["migrations"].get("migrated", 0)
+    killed: list[str] = []
+
+    def kill(i: int) -> None:
+        if i == 10 and not killed:
+            busy = [rid for rid, r in fleet.replicas().items() if r["inflight"] > 0]
+            fleet.kill_replica(busy[0])
+            killed.append(busy[0])
+
+    text, finish = run(kill)
+    assert killed and fleet.status()["migrations"].get("migrated", 0) > moved
+    assert text == undisturbed and finish == "stop"
+    bad = httpx.post(fleet.base_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {fleet.token}"},
+                     json={"model": MODEL, "messages": PROMPT, "max_tokens": 8, "response_format": {
+                         "type": "json_schema", "json_schema": {"name": "x", "schema": {
+                             "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format", bad.text
+    fleet.wait_replicas(2)
+
+
 def test_a_hung_engine_is_replaced_and_its_streams_migrate(fleet):
     from ray import serve
 
@@ -341,3 +388,4 @@ def test_losing_a_node_mid_run_migrates_its_streams(fleet):
     assert all(r[1] == "length" for r in results)
     for r in results[1:]:  # greedy: every one, moved or not, says the same
         assert_same_greedy(results[0][3], r[3])
+

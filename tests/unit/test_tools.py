@@ -50,7 +50,9 @@ def test_calls_are_parsed_and_a_cut_call_is_text():
                                                                    ("get_time", {"tz": "UTC"})]
     assert calls[0].id.startswith("call_") and calls[0].id != calls[1].id
     assert parse_calls("Sunny.") is None
-    assert parse_calls(TEXT[:40]) is None  # cut by max_tokens: returned as text
+    assert parse_calls(TEXT[:40]) is None  # cut by max_tokens in its first call: returned as text
+    cut = parse_calls(TEXT[:-5])  # cut in the second call: the first stands
+    assert [x.name for x in cut] == ["get_weather"]
 
 
 @pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
