@@ -40,7 +40,7 @@ class GrammarStats:
     hits: int = 0
     misses: int = 0  # compiles started
     joined: int = 0  # requests that waited for a compile another request started
-    refused: int = 0
+    refused: int = 0  # constraints over a limit, failed compiles, compiles past the budget
     timeouts: int = 0
     compile_seconds: float = 0.0
 
@@ -119,9 +119,13 @@ class GrammarCompiler:
 
         started = time.perf_counter()
         try:
-            matcher = LLMatcher(self._ll(), grammar_text(params), log_level=0)
-            if matcher.is_error():
-                raise params.invalid(f"the {params.kind} constraint cannot be compiled: {matcher.get_error()}")
+            try:
+                matcher = LLMatcher(self._ll(), grammar_text(params), log_level=0)
+                if matcher.is_error():
+                    raise params.invalid(f"the {params.kind} constraint cannot be compiled: {matcher.get_error()}")
+            except InvalidStructuredOutput:
+                self._count_refusal()
+                raise
             compiled = CompiledGrammar(params, matcher)
             with self._lock:
                 self._cache[params] = compiled
@@ -134,7 +138,11 @@ class GrammarCompiler:
                 self._pending.pop(params, None)
 
     def _lookup(self, params: StructuredOutputsParams) -> CompiledGrammar | Future:
-        params.check(self.limits)
+        try:
+            params.check(self.limits)
+        except InvalidStructuredOutput:
+            self._count_refusal()
+            raise
         with self._lock:
             hit = self._cache.get(params)
             if hit is not None:
@@ -149,40 +157,29 @@ class GrammarCompiler:
             pending = self._pending[params] = self._pool.submit(self._build, params)
             return pending
 
-    def _refused(self, e: InvalidStructuredOutput) -> InvalidStructuredOutput:
-        with self._lock:
-            self.stats.refused += 1
-        return e
-
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """Blocking (the offline LLM, the engine's fallback); the same budget."""
-        try:
-            got = self._lookup(params)
-        except InvalidStructuredOutput as e:
-            raise self._refused(e) from None
+        got = self._lookup(params)
         if isinstance(got, CompiledGrammar):
             return got
         try:
             return got.result(timeout=self.limits.compile_timeout_s)
         except FutureTimeout:
             raise self._timeout(params) from None
-        except InvalidStructuredOutput as e:
-            raise self._refused(e) from None
 
     async def compile_async(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """The server's: the event loop waits, the engine steps on."""
-        try:
-            got = self._lookup(params)
-        except InvalidStructuredOutput as e:
-            raise self._refused(e) from None
+        got = self._lookup(params)
         if isinstance(got, CompiledGrammar):
             return got
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(got)), self.limits.compile_timeout_s)
         except asyncio.TimeoutError:
             raise self._timeout(params) from None
-        except InvalidStructuredOutput as e:
-            raise self._refused(e) from None
+
+    def _count_refusal(self) -> None:
+        with self._lock:
+            self.stats.refused += 1
 
     def _timeout(self, params: StructuredOutputsParams) -> InvalidStructuredOutput:
         with self._lock:
