@@ -3,7 +3,7 @@ from kvserve.kernels import isa as _isa
 
 _isa.apply_to_torch()  # before anything imports torch: it reads its CPU dispatch ceilings once
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 
@@ -18,4 +18,8 @@ def __getattr__(name: str):
         from kvserve.engine.sampling import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from kvserve.engine.structured import StructuredOutputsParams
+
+        return StructuredOutputsParams
     raise AttributeError(name)

@@ -140,3 +140,12 @@ def test_checking_after_sampling_gives_the_masked_rows_tokens(tiny_llama_gguf, m
     monkeypatch.setattr(runner_mod, "checked_after_sampling", lambda seqs, gens: ([], sum(real(seqs, gens), [])))
     masked = drive(eng, greedy)
     assert masked.tokens == checked.tokens[:len(greedy)]
+
+
+def test_the_offline_llm_takes_structured_outputs(tiny_llama_gguf):
+    from kvserve import LLM, StructuredOutputsParams
+
+    llm = LLM(str(tiny_llama_gguf), dtype="float32")
+    outs = llm.generate(["pick:", "choose:"], SamplingParams(temperature=0.9, max_tokens=8, structured_outputs=
+                                                            StructuredOutputsParams(choice=["left", "right"])))
+    assert [o.outputs[0].text in ("left", "right") for o in outs] == [True, True]
