@@ -271,7 +271,8 @@ class SamplerOutput:
                 tids, tvals = flat[off:off + L * K], flat[off + L * K:]
                 out: list[TokenLogprobs | None] = [None] * B
                 for j, (row, n) in enumerate(zip(md.logprob_row_list, md.num_logprobs)):
-                    top = [(int(tids[j * K + c]), tvals[j * K + c]) for c in range(n)]
+                    # a token the row cannot take (a grammar's mask, a min_tokens ban) is no top candidate
+                    top = [(int(tids[j * K + c]), tvals[j * K + c]) for c in range(n) if tvals[j * K + c] > _NEG_INF]
                     out[row] = TokenLogprobs(ids[row], lp_vals[j], int(ranks[j]), top)
                 self._host = (ids, out)
         return self._host

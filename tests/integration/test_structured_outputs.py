@@ -110,6 +110,11 @@ def test_vllm_extras_on_both_endpoints(server):
     r = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=5, temperature=0.8,
                                   extra_body={"guided_choice": ["yes", "no", "maybe"]})
     assert r.choices[0].text in ("yes", "no", "maybe")
+    r = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=5, logprobs=5,
+                                  extra_body={"guided_choice": ["yes", "no"]})  # masked first: its logprobs
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text in ("yes", "no") and all(v > float("-inf") for v in lp.token_logprobs)
+    assert all(0 < len(top) <= 5 for top in lp.top_logprobs)  # tokens the grammar forbids are no candidates
     r = client.completions.create(model=MODEL, prompt="A phone number:", max_tokens=20, temperature=0.8,
                                   extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"})
     assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", r.choices[0].text)
