@@ -17,6 +17,7 @@ not for every one: a nested `oneOf` can take minutes in other engines and stall 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections import OrderedDict
@@ -24,7 +25,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 
-from kvserve.engine.structured import InvalidStructuredOutput, StructuredLimits, StructuredOutputsParams
+from kvserve.engine.structured import (InvalidStructuredOutput, StructuredLimits, StructuredOutputsParams,
+                                      interoperable_integers)
 
 CACHE_ENTRIES = 512
 COMPILE_WORKERS = 2
@@ -53,14 +55,13 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     kind = params.kind
     try:
         if kind == "json":
-            return LLMatcher.grammar_from_json_schema(params.json, defaults=JSON_OPTIONS)
+            return LLMatcher.grammar_from_json_schema(interoperable_integers(json.loads(params.json)),
+                                                      defaults=JSON_OPTIONS)
         if kind == "json_object":
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if kind == "regex":
             return LLMatcher.grammar_from_regex(params.regex)
         if kind == "choice":
-            import json
-
             return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
         # Lark (llguidance's own), or GBNF (llama.cpp's, and what vLLM's guided_grammar takes), converted
         return LLMatcher.grammar_from_lark(any_to_lark(params.grammar))

@@ -116,3 +116,25 @@ def _depth(value: Any) -> int:
             deepest = max(deepest, d)
             stack.extend((x, d + 1) for x in v)
     return deepest
+
+
+# I-JSON (RFC 7493): integers beyond +-(2^53 - 1) are not exact in the doubles most JSON parsers read them into.
+MAX_SAFE_INTEGER = 2**53 - 1
+
+
+def interoperable_integers(schema: Any) -> Any:
+    """A copy of `schema` in which every integer without an upper (lower) bound gets I-JSON's: JSON's grammar
+    puts no bound on a number's length, and a small model writing one can run to max_tokens in its digits (an
+    output cut there is no JSON). Integers beyond these are not exact in most parsers anyway."""
+    if isinstance(schema, list):
+        return [interoperable_integers(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: interoperable_integers(v) for k, v in schema.items()}
+    kind = out.get("type")
+    if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = MAX_SAFE_INTEGER
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -MAX_SAFE_INTEGER
+    return out

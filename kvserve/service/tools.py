@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass
 
 from kvserve.engine.grammar import JSON_OPTIONS
-from kvserve.engine.structured import InvalidStructuredOutput, StructuredOutputsParams
+from kvserve.engine.structured import InvalidStructuredOutput, StructuredOutputsParams, interoperable_integers
 
 OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
 SEPARATOR = "\n"
@@ -49,7 +49,8 @@ class Tool:
 
 def call_schema(tools: list[Tool]) -> dict:
     """The JSON schema of one call to any of `tools`: its name, and the arguments its schema allows."""
-    branches = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+    branches = [{"type": "object", "properties": {"name": {"const": t.name},
+                                                  "arguments": interoperable_integers(t.parameters)},
                  "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     return branches[0] if len(branches) == 1 else {"anyOf": branches}
 

@@ -105,3 +105,22 @@ def test_a_compile_past_its_budget_is_refused_and_cached_when_done(smollm2_token
         threading.Event().wait(0.01)
     assert asyncio.run(c.compile_async(so)) is c._cache[so]  # the finished compile serves the next request
     c.shutdown()
+
+
+def test_unbounded_integers_get_i_json_bounds_and_stop_running_on(compiler, smollm2_tokenizer):
+    from kvserve.engine.structured import MAX_SAFE_INTEGER, interoperable_integers
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "m": {"type": ["integer", "null"],
+                                                                               "minimum": 3},
+                                               "x": {"type": "number"}, "items": {"type": "array", "items": {
+                                                   "type": "integer", "exclusiveMaximum": 10}}}}
+    out = interoperable_integers(schema)
+    assert out["properties"]["n"] == {"type": "integer", "maximum": MAX_SAFE_INTEGER, "minimum": -MAX_SAFE_INTEGER}
+    assert out["properties"]["m"]["minimum"] == 3 and out["properties"]["m"]["maximum"] == MAX_SAFE_INTEGER
+    assert out["properties"]["x"] == {"type": "number"}
+    assert out["properties"]["items"]["items"] == {"type": "integer", "exclusiveMaximum": 10,
+                                                   "minimum": -MAX_SAFE_INTEGER}
+    assert schema["properties"]["n"] == {"type": "integer"}  # a copy
+    m = compiler.compile(SO(json={"type": "integer"})).matcher()
+    assert m.consume_tokens(smollm2_tokenizer.encode("1" * 16, add_special_tokens=False))
+    assert m.is_stopped() or not m.consume_tokens(smollm2_tokenizer.encode("1" * 8, add_special_tokens=False))
