@@ -200,15 +200,13 @@ class ModelRunner:
         lazy, eager = checked_after_sampling(seqs, generators)
         if eager:
             apply_grammar_masks(logits, eager, [seqs[j].grammar for j in eager])
-        if lazy:
-            raw = logits.index_select(0, torch.tensor(lazy, device=logits.device))
         rewind = {first: g.get_state() for _, first, _ in spans if (g := generators[first]) is not None}
         md = SamplingMetadata.build([s.sampling for s in seqs], outputs, [s.prompt_token_ids for s in seqs],
                                     generators, self.eos_token_ids, device=logits.device)
         sampled = self.sampler(logits, md)
         tokens, logprobs = sampled.tolist(), sampled.logprobs
-        if lazy:
-            self._resample_disallowed(lazy, raw, seqs, outputs, tokens)
+        if lazy:  # their logits are as the model gave them: the sampler never writes to them
+            self._resample_disallowed(lazy, logits, seqs, outputs, tokens)
         for j, (seq, token) in enumerate(zip(seqs, tokens)):
             result.token_ids[seq.seq_id] = [token]
             if logprobs and logprobs[j] is not None:
@@ -225,20 +223,19 @@ class ModelRunner:
                 g.set_state(rewind[first])
                 self.sampler.skip_draws(g, n + 1, self.config.vocab_size)
 
-    def _resample_disallowed(self, rows: list[int], raw: torch.Tensor, seqs: list[Sequence],
+    def _resample_disallowed(self, rows: list[int], logits: torch.Tensor, seqs: list[Sequence],
                              outputs: list[list[int]], tokens: list[int]) -> None:
         """Rows sampled without their grammar's mask (checked_after_sampling): those whose token the grammar
         allows keep it, the same token the masked row would have given; the others are masked and sampled
         again (the mask computed only for them)."""
-        bad = [i for i, j in enumerate(rows) if not seqs[j].grammar.validate_tokens([tokens[j]])]
-        if not bad:
+        again = [j for j in rows if not seqs[j].grammar.validate_tokens([tokens[j]])]
+        if not again:
             return
-        sub = raw.index_select(0, torch.tensor(bad, device=raw.device))
-        again = [rows[i] for i in bad]
-        apply_grammar_masks(sub, list(range(len(bad))), [seqs[j].grammar for j in again])
+        sub = logits.index_select(0, torch.tensor(again, device=logits.device))
+        apply_grammar_masks(sub, list(range(len(again))), [seqs[j].grammar for j in again])
         md = SamplingMetadata.build([seqs[j].sampling for j in again], [outputs[j] for j in again],
                                     [seqs[j].prompt_token_ids for j in again], [None] * len(again),
-                                    self.eos_token_ids, device=raw.device)
+                                    self.eos_token_ids, device=logits.device)
         for j, token in zip(again, self.sampler(sub, md).tolist()):
             tokens[j] = token
 
