@@ -2,14 +2,14 @@
 
 llguidance turns a JSON schema, a regex, a choice or a Lark grammar into a matcher over the model's
 tokenizer: from the matcher's state, the mask of tokens allowed next (the sampler applies it, engine/runner.py),
-advanced by each token the sequence takes. Compiling is cheap for ordinary schemas (under a millisecond) but
-not for every one: a nested `oneOf` can take minutes in other engines and stall their step loop. Here:
+advanced by each token the sequence takes. Compiling is cheap for ordinary schemas but not for every one: a
+nested `oneOf` can stall another engine's step loop for as long as it compiles. Here:
 
 - Compiling runs in a worker thread, never on the engine thread (llguidance drops the GIL while it builds),
   and the request waits at most `compile_timeout_s` for it: past that it is refused with a 400 naming the
   budget (the worker finishes on its own, bounded by llguidance's fuel limits, and its result is cached).
 - A compiled grammar is cached per (tokenizer, constraint): a matcher for a new sequence is a deep copy of
-  the cached one's start state (microseconds). Hits, misses, refusals and compile seconds are counted for
+  the cached one's start state (no compile). Hits, misses, refusals and compile seconds are counted for
   /metrics.
 - An error in the constraint (a `$ref` to nowhere, a regex that does not parse, an unsupported keyword) is
   InvalidStructuredOutput with llguidance's message.

@@ -1,9 +1,8 @@
 """The token masks of a step's constrained rows, applied to their logits before sampling, or only where needed.
 
-A mask costs the grammar a pass over the vocabulary (llguidance: a few hundred microseconds for a JSON string's
-state on a 49k vocabulary, per row per step), while the token a row would sample unmasked is usually one the
-grammar allows. Where that token is provably the one the masked row would give, the row samples unmasked and
-only checks it (microseconds): a greedy row (the argmax over a subset that holds the overall argmax is that
+A mask costs the grammar a pass over the vocabulary, per row per step (BENCHMARKS.md has what it costs), while
+the token a row would sample unmasked is usually one the grammar allows. Where that token is provably the one
+the masked row would give, the row samples unmasked and only checks that one token: a greedy row (the argmax over a subset that holds the overall argmax is that
 token), and an unseeded row sampled at a temperature with no top-p, top-k or min-p and no logprobs (kept if
 allowed, else sampled again from the masked distribution: together exactly the masked distribution, p(x)/p(A)
 for x in A). Seeded rows are masked first, so their draws are the ones the seed promises (one a token, as a
