@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 
+from kvserve.engine.number_precision import NumberScanner, TokenBytes
 from kvserve.engine.structured import (InvalidStructuredOutput, StructuredLimits, StructuredOutputsParams,
                                       interoperable_integers)
 
@@ -70,14 +71,19 @@ def grammar_text(params: StructuredOutputsParams) -> str:
 
 
 class CompiledGrammar:
-    """A constraint compiled for one tokenizer: `matcher()` gives a new sequence its own matcher."""
+    """A constraint compiled for one tokenizer: `matcher()` gives a new sequence its own matcher, and
+    `numbers()` its number-precision scanner where the output is JSON (engine/number_precision.py)."""
 
-    def __init__(self, params: StructuredOutputsParams, start):
+    def __init__(self, params: StructuredOutputsParams, start, tokens: TokenBytes | None = None):
         self.params = params
         self._start = start  # an llguidance LLMatcher in its start state, never advanced
+        self._tokens = tokens if params.kind in ("json", "json_object") else None
 
     def matcher(self):
         return self._start.deep_copy()
+
+    def numbers(self) -> NumberScanner | None:
+        return NumberScanner(self._tokens) if self._tokens is not None else None
 
     def __reduce__(self):
         """Over a process hop (Ray) a compiled grammar travels as nothing: the engine on the other side compiles
@@ -100,6 +106,7 @@ class GrammarCompiler:
         self.stats = GrammarStats()
         self._tokenizer = tokenizer
         self._ll_tokenizer = None
+        self._token_bytes: TokenBytes | None = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[StructuredOutputsParams, CompiledGrammar] = OrderedDict()
         self._pending: dict[StructuredOutputsParams, Future] = {}
@@ -115,6 +122,13 @@ class GrammarCompiler:
                                                  eos_token=sorted(tok.eos_token_ids))
             return self._ll_tokenizer
 
+    def _tokens(self) -> TokenBytes:
+        ll = self._ll()
+        with self._lock:
+            if self._token_bytes is None:
+                self._token_bytes = TokenBytes.of([ll.decode_bytes([i]) for i in range(self.vocab_size)])
+            return self._token_bytes
+
     def _build(self, params: StructuredOutputsParams) -> CompiledGrammar:
         from llguidance import LLMatcher
 
@@ -127,7 +141,7 @@ class GrammarCompiler:
             except InvalidStructuredOutput:
                 self._count_refusal()
                 raise
-            compiled = CompiledGrammar(params, matcher)
+            compiled = CompiledGrammar(params, matcher, self._tokens())
             with self._lock:
                 self._cache[params] = compiled
                 while len(self._cache) > CACHE_ENTRIES:

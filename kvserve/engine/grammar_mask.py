@@ -12,6 +12,10 @@ Each matcher writes its allowed-token bitmask (32 tokens an int32 word) into one
 on llguidance's own thread pool (LLExecutor: the masks of a batch in parallel, without the GIL); the bits are
 widened to a boolean mask on the logits' device, and every disallowed token's logit set to -inf. Only the
 constrained rows are touched: another request's row is the same bits with or without its neighbours' grammars.
+
+A JSON row whose number has all the digits a double carries (engine/number_precision.py) is masked first, and
+its digit-led tokens are taken out of its mask too, unless nothing else would be left (a number the schema's
+bounds do not yet let end).
 """
 from __future__ import annotations
 
@@ -38,7 +42,8 @@ def checked_after_sampling(seqs: list, generators: list) -> tuple[list[int], lis
             continue
         p = seq.sampling
         plain = p.greedy or (g is None and p.top_p >= 1.0 and not p.top_k and not p.min_p)
-        (lazy if plain and p.logprobs is None else eager).append(j)
+        digits_closed = seq.numbers is not None and seq.numbers.digits_closed
+        (lazy if plain and p.logprobs is None and not digits_closed else eager).append(j)
     return lazy, eager
 
 
@@ -52,10 +57,31 @@ def allowed_tokens(matchers: list, vocab_size: int) -> torch.Tensor:
     return bits.view(len(matchers), -1)[:, :vocab_size].bool()
 
 
+_digit_led: dict[int, torch.Tensor] = {}  # id(TokenBytes) -> its digit-led token ids
+
+
+def _without_more_digits(allowed: torch.Tensor, seqs: list) -> None:
+    """Rows whose number has a double's digits lose their digit-led tokens where another token is left."""
+    for i, seq in enumerate(seqs):
+        if seq.numbers is None or not seq.numbers.digits_closed:
+            continue
+        table = seq.numbers.tokens
+        ids = _digit_led.get(id(table))
+        if ids is None:
+            ids = _digit_led[id(table)] = torch.tensor(table.digit_led, dtype=torch.long)
+        row = allowed[i].clone()
+        row[ids[ids < row.shape[0]]] = False
+        if row.any():
+            allowed[i] = row
+
+
 @torch.inference_mode()
-def apply_grammar_masks(logits: torch.Tensor, rows: list[int], matchers: list) -> None:
-    """Set the logits of tokens each row's matcher forbids to -inf (in place)."""
-    allowed = allowed_tokens(matchers, logits.shape[1]).to(logits.device, non_blocking=True)
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int], seqs: list) -> None:
+    """Set the logits of tokens each row's sequence may not take next to -inf (in place): those its matcher
+    forbids, and a closed number's further digits."""
+    allowed = allowed_tokens([s.grammar for s in seqs], logits.shape[1])
+    _without_more_digits(allowed, seqs)
+    allowed = allowed.to(logits.device, non_blocking=True)
     idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
     sub = logits.index_select(0, idx)
     sub.masked_fill_(~allowed, float("-inf"))

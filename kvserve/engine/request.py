@@ -125,6 +125,8 @@ class Sequence:
     # Its structured-output matcher (an llguidance LLMatcher) where the request has a constraint: advanced by
     # each token it takes; the runner masks its logits from it.
     grammar: Any = field(default=None, repr=False)
+    # Where that output is JSON: which digits a number may still take (engine/number_precision.py).
+    numbers: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:
@@ -170,15 +172,21 @@ class Sequence:
                   output_token_ids=[] if fork_index else list(request.resumed_token_ids))
         if request.grammar is not None:
             seq.grammar = request.grammar.matcher()
+            seq.numbers = request.grammar.numbers()
             if seq.output_token_ids and not seq.grammar.consume_tokens(seq.output_token_ids):
                 raise InvalidRequest("the resumed tokens do not match the request's structured-output constraint",
                                      param="response_format")
+            if seq.numbers is not None:
+                for token in seq.output_token_ids:
+                    seq.numbers.advance(token)
         return seq
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         if self.grammar is not None:
             self.grammar.consume_token(token_id)
+            if self.numbers is not None:
+                self.numbers.advance(token_id)
 
     @property
     def grammar_done(self) -> bool:

@@ -199,7 +199,7 @@ class ModelRunner:
         # Structured outputs (never drafted for: one row each): masked before sampling, or checked after it
         lazy, eager = checked_after_sampling(seqs, generators)
         if eager:
-            apply_grammar_masks(logits, eager, [seqs[j].grammar for j in eager])
+            apply_grammar_masks(logits, eager, [seqs[j] for j in eager])
         rewind = {first: g.get_state() for _, first, _ in spans if (g := generators[first]) is not None}
         md = SamplingMetadata.build([s.sampling for s in seqs], outputs, [s.prompt_token_ids for s in seqs],
                                     generators, self.eos_token_ids, device=logits.device)
@@ -232,7 +232,7 @@ class ModelRunner:
         if not again:
             return
         sub = logits.index_select(0, torch.tensor(again, device=logits.device))
-        apply_grammar_masks(sub, list(range(len(again))), [seqs[j].grammar for j in again])
+        apply_grammar_masks(sub, list(range(len(again))), [seqs[j] for j in again])
         md = SamplingMetadata.build([seqs[j].sampling for j in again], [outputs[j] for j in again],
                                     [seqs[j].prompt_token_ids for j in again], [None] * len(again),
                                     self.eos_token_ids, device=logits.device)

@@ -149,3 +149,33 @@ def test_the_offline_llm_takes_structured_outputs(tiny_llama_gguf):
     outs = llm.generate(["pick:", "choose:"], SamplingParams(temperature=0.9, max_tokens=8, structured_outputs=
                                                             StructuredOutputsParams(choice=["left", "right"])))
     assert [o.outputs[0].text in ("left", "right") for o in outs] == [True, True]
+
+
+def test_numbers_end_at_a_doubles_precision_instead_of_running_to_max_tokens(tiny_llama_gguf, monkeypatch):
+    """A bounded `number` allows decimals forever; on noise they run on. With a double's 17 significant digits
+    the number is offered its end (engine/number_precision.py), and every output is a valid object; taking
+    that away, some run to max_tokens (so this test can fail)."""
+    from kvserve.engine.number_precision import NumberScanner
+
+    schema = {"type": "object", "properties": {"x": {"type": "number", "minimum": 0, "maximum": 1},
+                                               "y": {"type": "number"}},
+              "required": ["x", "y"], "additionalProperties": False}
+    eng = make_engine(tiny_llama_gguf, dtype="float32")
+    reqs = [Req(eng.tokenizer.encode(f"numbers {i}:"), SamplingParams(
+        temperature=t, seed=i if i % 2 else None, max_tokens=80, structured_outputs=SO(json=schema)))
+        for i in range(8) for t in (0.0, 1.0)]
+
+    def outcomes():
+        run = drive(eng, reqs)
+        return [(o.finish_reason, o.text) for ro in run.outputs for o in ro.outputs]
+
+    for reason, text in outcomes():
+        assert reason == "stop", text
+        value = json.loads(text)
+        jsonschema.validate(value, schema)
+        for v in value.values():
+            digits = re.sub(r"[eE].*", "", json.dumps(v)).replace("-", "").replace(".", "").lstrip("0")
+            assert len(digits) <= 17, text
+    assert_no_leaks(eng)
+    monkeypatch.setattr(NumberScanner, "digits_closed", property(lambda self: False))
+    assert any(reason == "length" for reason, _ in outcomes())
