@@ -189,7 +189,7 @@ class AsyncLLM:
         if constraint is not None and request.grammar is None and self.engine is not None:
             # Compiled here, off the engine thread, within its budget (a 400 past it); the wait counts in the
             # request's queue time, not in anyone else's step.
-            grammars = getattr(getattr(self.engine, "core", None), "grammars", None)
+            grammars = self._grammars
             if grammars is not None:
                 request = replace(request, grammar=await grammars.compile_async(constraint))
         outputs: asyncio.Queue = asyncio.Queue()
@@ -222,8 +222,13 @@ class AsyncLLM:
     @property
     def grammar_stats(self):
         """The structured-output compiler's counters (a copy), or None before the model is loaded."""
-        grammars = getattr(getattr(self.engine, "core", None), "grammars", None)
+        grammars = self._grammars
         return None if grammars is None else grammars.snapshot()
+
+    @property
+    def _grammars(self):
+        """The loaded engine's structured-output compiler (None before the model is loaded, or without one)."""
+        return getattr(getattr(self.engine, "core", None), "grammars", None)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))

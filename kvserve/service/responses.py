@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.engine.outputs import Logprob, RequestOutput
 from kvserve.service import protocol as p
-from kvserve.service.tools import ToolCallStream, parse_calls
+from kvserve.service.tools import ToolCallStream, parse_calls, finish_reason as tool_finish_reason
 
 if TYPE_CHECKING:
     from kvserve.service.completion import Completion
@@ -74,7 +74,7 @@ def full_response(c: "Completion", finals: list[RequestOutput]) -> p.ChatComplet
                 calls = parse_calls(o.text) if tools else None
                 message = p.ChatMessageOut(content=None, tool_calls=[x.as_openai() for x in calls]) if calls \
                     else p.ChatMessageOut(content=o.text)
-                finish = "tool_calls" if calls and o.finish_reason == "stop" else o.finish_reason
+                finish = tool_finish_reason(bool(calls), o.finish_reason)
                 choices.append(p.ChatChoice(index=i * n + o.index, message=message,
                                             logprobs=chat_logprobs(o.logprobs, text),
                                             finish_reason=finish, stop_reason=o.stop_reason))
@@ -140,7 +140,7 @@ class StreamChunks:
                 if o.finish_reason is not None:
                     self._finished.add(idx)
                     calls = self._tools is not None and idx in self._tools and self._tools[idx].calls
-                    finish = "tool_calls" if calls and o.finish_reason == "stop" else o.finish_reason
+                    finish = tool_finish_reason(bool(calls), o.finish_reason)
                     evs.append(self._chunk({"index": idx, "delta": {}, "logprobs": None,
                                             "finish_reason": finish, "stop_reason": o.stop_reason}))
             elif has_delta or o.finish_reason is not None:

@@ -151,6 +151,11 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+def finish_reason(called: bool, engine_reason: str | None) -> str | None:
+    """OpenAI's finish_reason for a choice: "tool_calls" where its text held calls and it stopped on its own."""
+    return "tool_calls" if called and engine_reason == "stop" else engine_reason
+
+
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
