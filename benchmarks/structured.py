@@ -10,8 +10,14 @@ through AsyncLLM (the server's engine: constraints compile off the engine thread
 - Throughput cost: W1's shape (32 at once, 128 greedy output tokens) unconstrained and with every request
   constrained by a schema whose outputs run to max_tokens (a JSON list of at least 100 short strings: the quotes,
   commas and strings of typical JSON), output tokens/s, medians of runs.
-- Compile cost beside interactive traffic: 32 short interactive requests, 25% carrying a schema never seen before
-  (a compile each), against none: TTFT p50 of the unconstrained ones.
+- Compile cost beside interactive traffic: 32 short interactive requests arriving 30 ms apart, 25% carrying a
+  schema never seen before (a compile each), against none: TTFT p50 of the unconstrained ones. (Sent all at
+  once, whether a wave's prompts share one prefill step or two decides its TTFT, whatever the schemas.)
+- Pathological schemas beside interactive traffic: waves of 32 unconstrained requests with 4 more carrying small
+  new schemas; with 8 carrying what a careless or hostile client sends instead (4 schemas over the size limit,
+  4 nested past the depth limit: refused before any compile); and with 4 new enums of 4,000 strings (the
+  costliest compile found within the limits, served). The slowest refusal, and the 32 requests' TTFT p99 for
+  each kind of wave (all runs pooled).
 """
 from __future__ import annotations
 
@@ -176,6 +182,14 @@ async def throughput(llm, tok, runs: int) -> dict:
     return {"tok_s_free": med["off"], "tok_s_constrained": med["on"], "ratio": med["on"] / med["off"], "runs": got}
 
 
+ARRIVAL_GAP_S = 0.03  # interactive requests arrive one by one, not all in one step
+
+
+async def _after(delay: float, coro):
+    await asyncio.sleep(delay)
+    return await coro
+
+
 async def compile_beside_traffic(llm, tok, runs: int) -> dict:
     from kvserve import SamplingParams
 
@@ -186,8 +200,9 @@ async def compile_beside_traffic(llm, tok, runs: int) -> dict:
             if new_schemas and i % 4 == 0:  # a schema nobody sent before: its compile
                 schema = _obj({f"field_{salt}_{i}_{j}": _string() for j in range(6)})
                 fmt = {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}
-            jobs.append((fmt is None, _generate(llm, tok, [{"role": "user", "content": f"Say hi to {i}."}],
-                                                SamplingParams(temperature=0, max_tokens=8), fmt)))
+            jobs.append((fmt is None, _after(i * ARRIVAL_GAP_S, _generate(
+                llm, tok, [{"role": "user", "content": f"Say hi to {i}."}], SamplingParams(temperature=0, max_tokens=8),
+                fmt))))
         outs = await asyncio.gather(*(j for _, j in jobs))
         return statistics.median(o[2] for (free, _), o in zip(jobs, outs) if free)
 
@@ -198,6 +213,65 @@ async def compile_beside_traffic(llm, tok, runs: int) -> dict:
     med = {k: statistics.median(v) for k, v in got.items()}
     return {"ttft_p50_ms_none": 1000 * med["none"], "ttft_p50_ms_new": 1000 * med["new"],
             "ratio": med["new"] / med["none"], "runs": got}
+
+
+def _oversized_schema(salt: str) -> dict:
+    s: dict = _string()
+    for i in range(6):  # a union 3 wide nested 6 deep: over the default 64 KiB
+        s = {"anyOf": [_obj({f"k{salt}_{i}_{j}": s}) for j in range(3)]}
+    return s
+
+
+def _deep_schema(salt: str) -> dict:
+    s: dict = _string()
+    for i in range(40):  # past the default depth of 32, in 2 KiB
+        s = _obj({f"d{salt}{i}": s})
+    return s
+
+
+def _large_enum_schema(salt: str) -> dict:
+    return {"enum": [f"{salt}{i:05d}{TOPICS[i % len(TOPICS)][:3]}" for i in range(4000)]}
+
+
+async def pathological_beside_traffic(llm, tok, runs: int) -> dict:
+    from kvserve import SamplingParams
+    from kvserve.engine.structured import InvalidStructuredOutput
+
+    async def constrained(schema: dict) -> float | None:
+        """Seconds until refused, or None when served."""
+        fmt = {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}}
+        t0 = time.perf_counter()
+        try:
+            await _generate(llm, tok, [{"role": "user", "content": "Fill it."}],
+                            SamplingParams(temperature=0, max_tokens=8), fmt)
+        except InvalidStructuredOutput:
+            return time.perf_counter() - t0
+        return None
+
+    def beside(kind: str, salt: str) -> list[dict]:
+        if kind == "refused":
+            return [_oversized_schema(f"{salt}{i}") for i in range(4)] + [_deep_schema(f"{salt}{i}") for i in range(4)]
+        if kind == "large":
+            return [_large_enum_schema(f"{salt}{i}") for i in range(4)]
+        return [_obj({f"small_{salt}_{i}": _string()}) for i in range(4)]
+
+    kinds = ("small", "refused", "large")
+    ttfts: dict[str, list[float]] = {k: [] for k in kinds}
+    refusals: list[float] = []
+    for r in range(runs):
+        for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+            free = [_generate(llm, tok, [{"role": "user", "content": f"Say hi to {i}."}],
+                              SamplingParams(temperature=0, max_tokens=8)) for i in range(32)]
+            outs = await asyncio.gather(*free, *(constrained(x) for x in beside(kind, f"{r}{kind[0]}")))
+            ttfts[kind] += [o[2] for o in outs[:32]]
+            refusals += [t for t in outs[32:] if t is not None]
+            if (kind == "refused") != (len(outs) - 32 == sum(t is not None for t in outs[32:])):
+                raise RuntimeError(f"a {kind} schema was not treated as such")
+
+    p99 = {k: statistics.quantiles(v, n=100)[98] for k, v in ttfts.items()}
+    return {"ttft_p99_ms": {k: 1000 * v for k, v in p99.items()}, "ratio_refused": p99["refused"] / p99["small"],
+            "ratio_large": p99["large"] / p99["small"], "refused": len(refusals),
+            "refusal_max_ms": 1000 * max(refusals)}
 
 
 async def _main(args, argv) -> dict:
@@ -214,15 +288,17 @@ async def _main(args, argv) -> dict:
         t = await throughput(llm, tok, args.runs)
         c = await compile_beside_traffic(llm, tok, args.runs)
         _log(f"compile beside traffic: {c}")
+        bad = await pathological_beside_traffic(llm, tok, args.runs)
+        _log(f"pathological beside traffic: {bad}")
         grammar = llm.grammar_stats
     finally:
         llm.stop()
     return {**stamp("benchmarks.structured", argv), "model": args.model, "runs": args.runs, "validity": v,
-            "throughput": t, "compile": c, "grammar_stats": grammar.__dict__}
+            "throughput": t, "compile": c, "pathological": bad, "grammar_stats": grammar.__dict__}
 
 
 def markdown(r: dict) -> str:
-    m, v, t, c = r["machine"], r["validity"], r["throughput"], r["compile"]
+    m, v, t, c, b = r["machine"], r["validity"], r["throughput"], r["compile"], r["pathological"]
     out = ["## Structured outputs and tool calls", "",
            f"`{r['command']}` on {m.get('cpu_model', '?')} ({m.get('nproc', '?')} CPUs), {r['when']}: {r['model']} "
            "in bfloat16, in process through AsyncLLM (constraints compile off the engine thread, as in the server).",
@@ -235,8 +311,14 @@ def markdown(r: dict) -> str:
                    f"called, {x['valid_calls']}/{x['called']} valid |")
     out += [f"| W1 shape (32 at once, 128 tokens): output tok/s free / every request constrained | "
             f"{t['tok_s_free']:.1f} / {t['tok_s_constrained']:.1f} ({t['ratio']:.2f}x) |",
-            f"| TTFT p50 of unconstrained requests, 25% of the wave with a new schema / none | "
+            f"| TTFT p50 of unconstrained requests (arriving 30 ms apart), 25% of the wave with a new schema / none | "
             f"{c['ttft_p50_ms_new']:.0f} / {c['ttft_p50_ms_none']:.0f} ms ({c['ratio']:.2f}x) |",
+            f"| 4 schemas over the size limit and 4 past the depth limit beside 32 unconstrained requests: "
+            f"slowest refusal | {b['refusal_max_ms']:.1f} ms ({b['refused']} refused) |",
+            f"| their TTFT p99: beside those 8 / beside 4 small new schemas | {b['ttft_p99_ms']['refused']:.0f} / "
+            f"{b['ttft_p99_ms']['small']:.0f} ms ({b['ratio_refused']:.2f}x) |",
+            f"| their TTFT p99: beside 4 new 4,000-string enums (served) / beside 4 small new schemas | "
+            f"{b['ttft_p99_ms']['large']:.0f} / {b['ttft_p99_ms']['small']:.0f} ms ({b['ratio_large']:.2f}x) |",
             "", f"Medians of {r['runs']} runs, interleaved. The compiler over the run: "
             f"{r['grammar_stats']['misses']} compiles, {r['grammar_stats']['hits']} cache hits, "
             f"{r['grammar_stats']['joined']} requests that waited for a compile in flight, "

@@ -185,7 +185,7 @@ class EngineCore:
             lps = logprobs.get(seq.seq_id)
             new = tokens[seq.seq_id]
             if len(new) > 1:  # a verified draft: each token's stop checks see only the tokens before it
-                del seq.output_token_ids[len(seq.output_token_ids) - len(new) + 1:]
+                seq.drop_output_tokens(len(new) - 1)
             for i, tok in enumerate(new):
                 if i:
                     if seq.is_finished:  # a stop before the end of the draft: the rest is dropped

@@ -75,11 +75,21 @@ def _without_more_digits(allowed: torch.Tensor, seqs: list) -> None:
             allowed[i] = row
 
 
+def _after(matcher, drafts: list[int]):
+    """A copy of `matcher` past a draft row's drafts (which the scheduler checked it allows)."""
+    if not drafts:
+        return matcher
+    m = matcher.deep_copy()
+    m.consume_tokens(drafts)
+    return m
+
+
 @torch.inference_mode()
-def apply_grammar_masks(logits: torch.Tensor, rows: list[int], seqs: list) -> None:
-    """Set the logits of tokens each row's sequence may not take next to -inf (in place): those its matcher
-    forbids, and a closed number's further digits."""
-    allowed = allowed_tokens([s.grammar for s in seqs], logits.shape[1])
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int], seqs: list, drafted: list[list[int]]) -> None:
+    """Set the logits of tokens each row's sequence may not take next (after the row's drafts) to -inf, in
+    place: those its matcher forbids, and a closed number's further digits (a draft never reaches one:
+    Sequence.draftable)."""
+    allowed = allowed_tokens([_after(s.grammar, d) for s, d in zip(seqs, drafted)], logits.shape[1])
     _without_more_digits(allowed, seqs)
     allowed = allowed.to(logits.device, non_blocking=True)
     idx = torch.tensor(rows, dtype=torch.long, device=logits.device)

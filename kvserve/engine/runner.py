@@ -178,6 +178,7 @@ class ModelRunner:
         rows: list[int] = []
         seqs: list[Sequence] = []
         outputs: list[list[int]] = []
+        drafted: list[list[int]] = []  # per row: the drafts before it (its grammar's state is after them)
         spans: list[tuple[Sequence, int, list[int]]] = []  # (sequence, its first row, its drafts)
         row = 0
         for s in (x for x in out.scheduled if x.sample):
@@ -188,25 +189,27 @@ class ModelRunner:
                 rows.append(row + i)
                 seqs.append(s.seq)
                 outputs.append(s.seq.output_token_ids + draft[:i] if i else s.seq.output_token_ids)
+                drafted.append(draft[:i])
             row += len(draft) + 1
             for child in out.forks.get(s.seq.seq_id, ()):
                 rows.append(row - 1)
                 seqs.append(child)
                 outputs.append(child.output_token_ids)
+                drafted.append([])
         if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
         generators = [self._generator(s) for s in seqs]
-        # Structured outputs (never drafted for: one row each): masked before sampling, or checked after it
+        # Structured outputs: masked before sampling, or checked after it (a draft row: after its drafts)
         lazy, eager = checked_after_sampling(seqs, generators)
         if eager:
-            apply_grammar_masks(logits, eager, [seqs[j] for j in eager])
+            apply_grammar_masks(logits, eager, [seqs[j] for j in eager], [drafted[j] for j in eager])
         rewind = {first: g.get_state() for _, first, _ in spans if (g := generators[first]) is not None}
         md = SamplingMetadata.build([s.sampling for s in seqs], outputs, [s.prompt_token_ids for s in seqs],
                                     generators, self.eos_token_ids, device=logits.device)
         sampled = self.sampler(logits, md)
         tokens, logprobs = sampled.tolist(), sampled.logprobs
         if lazy:  # their logits are as the model gave them: the sampler never writes to them
-            self._resample_disallowed(lazy, logits, seqs, outputs, tokens)
+            self._resample_disallowed(lazy, logits, seqs, outputs, drafted, tokens)
         for j, (seq, token) in enumerate(zip(seqs, tokens)):
             result.token_ids[seq.seq_id] = [token]
             if logprobs and logprobs[j] is not None:
@@ -224,15 +227,16 @@ class ModelRunner:
                 self.sampler.skip_draws(g, n + 1, self.config.vocab_size)
 
     def _resample_disallowed(self, rows: list[int], logits: torch.Tensor, seqs: list[Sequence],
-                             outputs: list[list[int]], tokens: list[int]) -> None:
+                             outputs: list[list[int]], drafted: list[list[int]], tokens: list[int]) -> None:
         """Rows sampled without their grammar's mask (checked_after_sampling): those whose token the grammar
-        allows keep it, the same token the masked row would have given; the others are masked and sampled
-        again (the mask computed only for them)."""
-        again = [j for j in rows if not seqs[j].grammar.validate_tokens([tokens[j]])]
+        allows (after the row's drafts) keep it, the same token the masked row would have given; the others
+        are masked and sampled again (the mask computed only for them)."""
+        again = [j for j in rows
+                 if seqs[j].grammar.validate_tokens(drafted[j] + [tokens[j]]) != len(drafted[j]) + 1]
         if not again:
             return
         sub = logits.index_select(0, torch.tensor(again, device=logits.device))
-        apply_grammar_masks(sub, list(range(len(again))), [seqs[j] for j in again])
+        apply_grammar_masks(sub, list(range(len(again))), [seqs[j] for j in again], [drafted[j] for j in again])
         md = SamplingMetadata.build([seqs[j].sampling for j in again], [outputs[j] for j in again],
                                     [seqs[j].prompt_token_ids for j in again], [None] * len(again),
                                     self.eos_token_ids, device=logits.device)

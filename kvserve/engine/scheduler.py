@@ -316,13 +316,16 @@ class Scheduler:
         candidates: list[Candidate] = []
         for ss in decodes:
             seq = ss.seq
-            if not seq.sampling.speculation or seq.grammar is not None:  # a constrained row: one token a step
+            if not seq.sampling.speculation:
                 continue
             left = self.config.max_model_len - seq.num_tokens
             if seq.max_tokens is not None:
                 left = min(left, seq.max_tokens - seq.num_output_tokens)
             cap = left - 1
             c = self.speculator.propose(seq.seq_id, seq.tenant, seq.token_ids, cap)
+            if c is not None and seq.grammar is not None:  # a drafted token its constraint forbids ends the draft
+                allowed = seq.draftable(c.proposal)
+                c = replace(c, proposal=c.proposal[:allowed]) if allowed else None
             if c is not None:
                 candidates.append(c)
         if not candidates:

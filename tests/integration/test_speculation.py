@@ -99,6 +99,38 @@ def test_speculation_with_chunked_prefill_and_prefix_hits_gives_the_bits_of_deco
     assert_no_leaks(eng)
 
 
+def test_constrained_requests_are_drafted_within_their_grammar_with_the_bits_of_decoding(model):
+    """Drafts for a request with a JSON schema or a regex stop where its grammar forbids a token; each draft row
+    is masked (or checked) after the drafts before it: the bits of decoding, greedy and seeded with logprobs."""
+    import json
+
+    import jsonschema
+
+    from kvserve.engine.structured import StructuredOutputsParams as SO
+
+    schema = {"type": "object", "properties": {
+        "passage": {"type": "string", "maxLength": 300},
+        "approved": {"type": "array", "items": {"enum": ["roads", "schools", "parks"]}, "maxItems": 3},
+        "score": {"type": "number", "minimum": 0, "maximum": 1}},
+        "required": ["passage", "approved", "score"], "additionalProperties": False}
+    tok = engine(model).tokenizer
+    prompt = tok.encode(f"{PASSAGE}\n\nIn JSON: the passage word for word, what was approved, a score:\n")
+    code = r"(def [a-z]+\(a, b\):\n    return a [-+*] b\n\n\n){1,6}"
+    reqs = [Req(prompt, SamplingParams(temperature=0, max_tokens=100, structured_outputs=SO(json=schema))),
+            Req(prompt, SamplingParams(temperature=0.8, seed=3, max_tokens=100, logprobs=2,
+                                       structured_outputs=SO(json=schema))),
+            Req(tok.encode(CODE), SamplingParams(temperature=0, max_tokens=60, structured_outputs=SO(regex=code)))]
+    reference = bits(drive(engine(model), reqs))
+    eng = engine(model, speculative_decoding=True)
+    run = drive(eng, reqs)
+    assert bits(run) == reference
+    assert accepted(eng) > 0
+    for ro in run.outputs[:2]:
+        if ro.outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(ro.outputs[0].text), schema)
+    assert_no_leaks(eng)
+
+
 def test_a_request_that_opts_out_is_never_drafted_for(model, requests):
     eng = engine(model, speculative_decoding=True)
     off = [Req(r.prompt, replace(r.params, speculation=False)) for r in requests[:4]]

@@ -1,6 +1,6 @@
 """Structured outputs in the engine, on the tiny random model (its text is noise, so only the grammar makes it
 valid): every constrained output matches, under preemption by recompute and by swap, chunked prefill, n > 1 with
-seeds (reproducible), a resumed stream (the matcher replays the delivered tokens), speculation on; and an
+seeds (reproducible), a resumed stream (the matcher replays the delivered tokens), static drafts; and an
 unconstrained request beside constrained ones gets the bits it gets alone."""
 from __future__ import annotations
 
@@ -118,11 +118,11 @@ def test_a_neighbours_output_is_untouched_by_constrained_rows(tiny_llama_gguf):
         [lp.logprob for lp in alone.outputs[0].outputs[0].logprobs]
 
 
-def test_constrained_requests_are_not_drafted_for_and_stay_valid(tiny_llama_gguf):
+def test_constrained_requests_with_drafts_stay_valid(tiny_llama_gguf):
+    """Static drafts (every proposal verified) for constrained requests on noise: every output still matches."""
     eng = make_engine(tiny_llama_gguf, dtype="float32", speculative_decoding=True, speculative_controller=False)
     reqs = requests(eng.tokenizer)
     check(drive(eng, reqs), reqs)
-    assert all(s.proposed == 0 for s in eng.scheduler.speculator.stats.values())
     assert_no_leaks(eng)
 
 

@@ -124,3 +124,29 @@ def test_unbounded_integers_get_i_json_bounds_and_stop_running_on(compiler, smol
     m = compiler.compile(SO(json={"type": "integer"})).matcher()
     assert m.consume_tokens(smollm2_tokenizer.encode("1" * 16, add_special_tokens=False))
     assert m.is_stopped() or not m.consume_tokens(smollm2_tokenizer.encode("1" * 8, add_special_tokens=False))
+
+
+def test_a_draft_ends_where_the_grammar_forbids_or_a_numbers_digits_close(compiler, smollm2_tokenizer):
+    """Sequence.draftable: the scheduler drafts for a constrained sequence only tokens its grammar allows, up to
+    where a number's digits close; drop_output_tokens takes tokens back with the matcher's and scanner's state."""
+    from kvserve import SamplingParams
+    from kvserve.engine.request import EngineRequest, Sequence
+
+    schema = {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"],
+              "additionalProperties": False}
+    so = SO(json=schema)
+    req = EngineRequest(request_id="r", prompt_token_ids=[1, 2],
+                        params=SamplingParams(max_tokens=64, structured_outputs=so), grammar=compiler.compile(so))
+    seq = Sequence.of(req, seq_id=0, max_tokens=64)
+    enc = lambda text: tuple(smollm2_tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    head = enc('{"x": 0.')
+    assert seq.draftable(head + enc(" nope")) == len(head)  # the grammar forbids the space
+    digits = enc("1" * 30)
+    assert len(digits) == 30  # one token a digit
+    assert seq.draftable(head + digits) == len(head) + 16  # rows after 17 digits would need the digit ban
+    for t in head + digits[:17]:
+        seq.append_token(t)
+    assert seq.numbers.digits_closed and seq.draftable(enc("}")) == 0  # no drafts from a closed number
+    seq.drop_output_tokens(2)
+    assert not seq.numbers.digits_closed and seq.output_token_ids == list(head + digits[:15])
+    assert seq.grammar.validate_tokens(list(enc("5}"))) == 2  # the matcher is back there too
