@@ -195,6 +195,54 @@ def ceiling(models: list[str], runs: int) -> list[dict]:
     return rows
 
 
+CONSTRAINED_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 2000}},
+                      "required": ["text"], "additionalProperties": False}
+
+
+def constrained_prompts(n: int) -> list[str]:
+    """Copy a passage of the fixed text into a JSON object."""
+    words = TEXT.read_text().split()
+    return [f'Text: {" ".join(words[300 * i:300 * i + 120])}\n\nThe text above, word for word, as JSON '
+            '{"text": "..."}:\n' for i in range(n)]
+
+
+def constrained(model: str, runs: int) -> list[dict]:
+    """Copying passages into a JSON object (CONSTRAINED_SCHEMA constrains every output), greedy, at c = 1 and 8: TPOT p50 and tokens/s with speculation off and on (the controller), medians of the runs interleaved.
+    Drafts stop where the grammar forbids a token; every row is masked or checked in its grammar's state."""
+    from kvserve import SamplingParams, StructuredOutputsParams
+    from kvserve.config import TierLimits, engine_config_from_kwargs
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine.speculation import SuffixDrafter
+
+    engines = {spec: LLMEngine(engine_config_from_kwargs(
+        model, dtype="bfloat16", max_num_seqs=16, speculative_decoding=spec,
+        interactive=TierLimits.unbounded(), batch=TierLimits.unbounded())) for spec in (False, True)}
+    tok = engines[False].tokenizer
+    params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS,
+                            structured_outputs=StructuredOutputsParams(json=CONSTRAINED_SCHEMA))
+    prompts = {c: [tok.encode(p) for p in constrained_prompts(c)] for c in (1, 8)}
+    for eng in engines.values():  # warm up: kernels, the schema's compile, the step-time model
+        run_case_ids(eng, prompts[8][:4], params)
+    rows = []
+    for c in (1, 8):
+        got: dict[bool, list[dict]] = {False: [], True: []}
+        for r in range(runs):
+            for spec in ((False, True) if r % 2 == 0 else (True, False)):
+                if spec:
+                    engines[spec].scheduler.speculator.suffix = SuffixDrafter()
+                got[spec].append(run_case_ids(engines[spec], prompts[c], params))
+                _log(f"constrained c={c} {'on' if spec else 'off'}: {got[spec][-1]}")
+        med = {spec: {m: statistics.median(x[m] for x in v) for m in ("tpot_p50_ms", "tokens_per_s")}
+               for spec, v in got.items()}
+        rows.append({"c": c, "off": med[False], "on": med[True],
+                     "tpot_speedup": med[False]["tpot_p50_ms"] / med[True]["tpot_p50_ms"],
+                     "throughput_ratio": med[True]["tokens_per_s"] / med[False]["tokens_per_s"]})
+    stats = engines[True].scheduler.speculator.stats
+    del engines
+    return [{"rows": rows, "drafts": {n: {"proposed": s.proposed, "accepted": s.accepted}
+                                      for n, s in stats.items()}}]
+
+
 def run_case_ids(engine, prompts: list[list[int]], params) -> dict:
     t0 = time.perf_counter()
     for ids in prompts:
@@ -240,7 +288,18 @@ def main(argv: list[str] | None = None) -> None:
                     help="only re-render the page with the suite's HTTP sessions (W1, W2, W7) off and on added")
     ap.add_argument("--ceiling", metavar="MODELS",
                     help="only measure the oracle-drafter table (comma-separated models or GGUF paths) into the page")
+    ap.add_argument("--constrained", action="store_true",
+                    help="only measure grounded prompts under a JSON schema, off and on, into the page")
     args = ap.parse_args(argv)
+    if args.constrained:
+        import json
+
+        page = Path(args.out) / "speculation.json"
+        result = json.loads(page.read_text())
+        result["constrained"] = {**stamp("benchmarks.speculation", argv), "runs": args.runs, "model": args.model,
+                                 **constrained(args.model, args.runs)[0]}
+        write_page(args.out, "speculation", result, markdown(result))
+        return
     if args.ceiling:
         import json
 
@@ -295,7 +354,8 @@ def main(argv: list[str] | None = None) -> None:
     if old.exists():  # the other modes' sections stay until they are measured again
         import json
 
-        result.update({k: v for k, v in json.loads(old.read_text()).items() if k in ("http", "ceiling")})
+        result.update({k: v for k, v in json.loads(old.read_text()).items()
+                       if k in ("http", "ceiling", "constrained")})
     write_page(args.out, "speculation", result, markdown(result))
 
 
@@ -360,6 +420,21 @@ def markdown(r: dict) -> str:
             st, co = x["static"], x["controller"]
             out.append(f"| {Path(model).stem} | {cc} | {a:.0%} | {st['tpot_off_ms']:.1f} | {st['tpot_on_ms']:.1f} | "
                        f"{st['speedup']:.2f}x | {co['tpot_on_ms']:.1f} | {co['speedup']:.2f}x |")
+    if r.get("constrained"):
+        k = r["constrained"]
+        km = k["machine"]
+        drafts = "; ".join(f"{n}: {x['proposed']} proposed, {x['accepted']} accepted" for n, x in k["drafts"].items())
+        out += ["", "### Under a grammar", "",
+                f"`{k['command']}` on {km.get('cpu_model', '?')} ({km.get('nproc', '?')} CPUs), {k['when']}: "
+                f"{k['model']}, passages of the fixed text copied into a JSON object (`{{\"text\": string}}`, "
+                "every output constrained by its schema), greedy, at most 96 tokens; speculation off and on (the controller); a draft "
+                f"stops where the grammar forbids a token. Medians of {k['runs']} runs interleaved ({drafts}).", "",
+                "| c | TPOT p50 off (ms) | on (ms) | speed-up | tok/s off | on | throughput |",
+                "|---|---|---|---|---|---|---|"]
+        for x in k["rows"]:
+            out.append(f"| {x['c']} | {x['off']['tpot_p50_ms']:.1f} | {x['on']['tpot_p50_ms']:.1f} | "
+                       f"{x['tpot_speedup']:.2f}x | {x['off']['tokens_per_s']:.1f} | {x['on']['tokens_per_s']:.1f} | "
+                       f"{x['throughput_ratio']:.2f}x |")
     d = r["drafters"]
     out += ["", "Drafts over the whole run (speculation on): " + "; ".join(
         f"{n}: {s['proposed']} tokens proposed, {s['accepted']} accepted "

@@ -513,6 +513,78 @@ def _table(cls, data: dict, where: str):
     return cls(**data)
 
 
+# ---- regions ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RegionPolicy:
+    """How a region fails over to its peers and comes back to them (service/region_routing.py)."""
+
+    probe_period_s: float = 0.5
+    probe_timeout_s: float = 1.0
+    fail_after: int = 3  # failed probes in a row that make a peer DOWN
+    stale_after_s: float = 3.0  # ...or this long without a successful probe
+    recover_after_s: float = 10.0  # healthy this long, every probe answered, before a peer takes traffic again
+    overload: float = 1.0  # a peer at or above this load (1.0: its admission bounds full) takes no forwards
+    load_weight_ms: float = 200.0  # round-trip milliseconds one unit of load is worth when ranking peers
+
+    def __post_init__(self):
+        if min(self.probe_period_s, self.probe_timeout_s, self.stale_after_s, self.overload) <= 0:
+            raise ValueError("probe_period_s, probe_timeout_s, stale_after_s and overload must be > 0")
+        if self.fail_after < 1 or self.recover_after_s < 0 or self.load_weight_ms < 0:
+            raise ValueError("fail_after must be >= 1, recover_after_s and load_weight_ms >= 0")
+
+    @property
+    def detection_bound_s(self) -> float:
+        """The longest a dead peer can still look UP."""
+        return min(self.fail_after * self.probe_period_s + self.probe_timeout_s, self.stale_after_s)
+
+
+@dataclass(frozen=True)
+class RegionPeer:
+    """Another region's gateway, as this region reaches it."""
+
+    name: str
+    url: str  # its base URL (the address clients of that region use)
+
+    def __post_init__(self):
+        if not self.name or not str(self.url).startswith(("http://", "https://")):
+            raise ConfigError(f"a region peer needs a name and an http(s) URL, got {self.name!r} {self.url!r}")
+
+
+@dataclass(frozen=True)
+class RegionsConfig:
+    """The `[regions]` table: this server's region, its peer regions' gateways, and how it fails over to them
+    (`[regions.policy]`: service/region_routing.py RegionPolicy). Without `local` and a peer, no regions."""
+
+    local: str = ""
+    peers: tuple[RegionPeer, ...] = ()
+    policy: RegionPolicy = field(default_factory=RegionPolicy)
+    forward_timeout_s: float = 30.0  # a forwarded request's connect and first-byte time at most
+
+    def __post_init__(self):
+        names = [p.name for p in self.peers]
+        if self.local in names or len(set(names)) != len(names):
+            raise ConfigError("[regions] peers must have distinct names, none of them the local region's")
+        if self.peers and not self.local:
+            raise ConfigError("[regions] with peers needs `local`, this region's name")
+        _validate(self, dict(forward_timeout_s=POSITIVE_NUMBER))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.local and self.peers)
+
+    @classmethod
+    def from_table(cls, data: dict) -> "RegionsConfig":
+        data = dict(data)
+        try:
+            policy = _table(RegionPolicy, data.pop("policy", {}), "[regions.policy]")
+            peers = tuple(_table(RegionPeer, p, "[[regions.peers]]") for p in data.pop("peers", []))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"[regions]: {e}") from None
+        return _table(cls, {**data, "peers": peers, "policy": policy}, "[regions]")
+
+
 # ---- the batch API ---------------------------------------------------------------------------
 
 
@@ -601,6 +673,7 @@ class ServerConfig:
     auto: AutoRoutingConfig = field(default_factory=AutoRoutingConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
+    regions: RegionsConfig = field(default_factory=RegionsConfig)
     log_level: str = "info"
 
     def retention_limit_s(self, tenant: str) -> float:
@@ -657,14 +730,15 @@ class ServerConfig:
                                       engine_args={k: v for k, v in m.items() if k not in known}))
         fleet = _table(FleetConfig, data.get("fleet", {}), "[fleet]")
         batch = _table(BatchConfig, data.get("batch", {}), "[batch]")
-        unknown_tables = set(data) - {"server", "models", "fleet", "batch"}
+        regions = RegionsConfig.from_table(data.get("regions", {}))
+        unknown_tables = set(data) - {"server", "models", "fleet", "batch", "regions"}
         if unknown_tables:
             raise ConfigError(f"unknown tables in {path}: {sorted(unknown_tables)}; allowed: server, models, fleet, "
-                              "batch")
-        names = {f for f in cls.__dataclass_fields__} - {"models", "auto", "config_path", "fleet", "batch"}
+                              "batch, regions")
+        names = {f for f in cls.__dataclass_fields__} - {"models", "auto", "config_path", "fleet", "batch", "regions"}
         unknown = set(server) - names
         if unknown:
             raise ConfigError(f"unknown [server] keys in {path}: {sorted(unknown)}; allowed: {', '.join(sorted(names))}")
         server.update({k: v for k, v in overrides.items() if v is not None})
         return cls(config_path=str(path) if path else None, models=models, auto=_table(AutoRoutingConfig, auto, "[server.auto]"),
-                   fleet=fleet, batch=batch, **server)
+                   fleet=fleet, batch=batch, regions=regions, **server)

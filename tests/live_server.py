@@ -29,8 +29,10 @@ def tiny_model_toml(model: Path, model_id: str = "tiny", max_model_len: int = 25
 
 class LiveServer:
     def __init__(self, home: Path, models_toml: str, server_toml: str = "", tenant: str = "acme",
-                 env: dict[str, str] | None = None):
-        self.home, self.port = Path(home), free_port()
+                 env: dict[str, str] | None = None, port: int | None = None, minted=None):
+        """`port`: the port to listen on (default: a free one); `minted`: the tenant's token (a MintedToken,
+        store/tenants.py), to give one tenant the same token on several servers."""
+        self.home, self.port = Path(home), port or free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.config = self.home / "models.toml"
         self.config.write_text(f'[server]\nhome = "{self.home}"\n{server_toml}\n{models_toml}')
@@ -38,11 +40,11 @@ class LiveServer:
         from kvserve.store import Store
 
         with Store(self.home / "kvserve.db") as store:
-            self.token = store.create_tenant(tenant)[1]
+            self.token = (store.tenants.create_tenant(tenant, minted) if minted else store.create_tenant(tenant))[1]
         self.proc: subprocess.Popen | None = None
         self.log_path = self.home / "server.log"
 
-    def start(self, timeout: float = 180) -> "LiveServer":
+    def start(self, timeout: float = 180, ready_path: str = "/ready") -> "LiveServer":
         log = open(self.log_path, "a")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--port", str(self.port),
                                       "--config", str(self.config)], env=self.env, stdout=log,
@@ -52,7 +54,7 @@ class LiveServer:
             if self.proc.poll() is not None:
                 break
             try:
-                if httpx.get(self.base + "/ready", timeout=2).status_code == 200:
+                if httpx.get(self.base + ready_path, timeout=2).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass

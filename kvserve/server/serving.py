@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -18,6 +19,7 @@ from kvserve.server.auth import authenticate, check_tenant_claim
 from kvserve.server.errors import APIError, api_error_response, internal_error_response, to_api_error
 from kvserve.server.idempotency import HEADER as IDEMPOTENCY_HEADER
 from kvserve.server.idempotency import REPLAY_HEADER, IdempotencyManager, InflightResponse
+from kvserve.server.regions import REGION_HEADER
 from kvserve.server.state import ServerState
 from kvserve.server.streaming import DONE, ClientDisconnected, SSEResponse, run_until_disconnect, sse
 from kvserve.service import protocol as p
@@ -84,6 +86,8 @@ class Call:
             h["x-kvserve-model-version"] = c.model_version
             h["x-kvserve-kv-policy"] = c.handle.engine_config.kv_policy_label
             h.update(c.rate_headers)
+        if self.state.regions is not None:
+            h[REGION_HEADER] = self.state.regions.local
         return h
 
 
@@ -97,8 +101,15 @@ async def handle_completion(request: Request, kind: str) -> Response:
     schema = p.ChatCompletionRequest if kind == "chat" else p.CompletionRequest
     call.req = schema.model_validate(data)
     check_tenant_claim(tenant, call.req.tenant_id)
-    idem: IdempotencyManager = state.idempotency
     key = request.headers.get(IDEMPOTENCY_HEADER)
+    front = state.regions
+    if front is not None:  # another region serves what this one cannot now (server/regions.py)
+        decision = front.decide(request, call.req.model, call.req.priority)
+        if decision.region is not None and decision.region != front.local:
+            forwarded = await front.forward(request, json.dumps(data).encode(), decision.region)
+            if forwarded is not None:
+                return forwarded
+    idem: IdempotencyManager = state.idempotency
     inflight: InflightResponse | None = None
     if key is not None:
         result, inflight = await idem.begin(call.tenant, key, request.url.path, data)
@@ -115,6 +126,10 @@ async def handle_completion(request: Request, kind: str) -> Response:
             response = Response(status_code=499)
         except Exception as exc:
             response = error_for(call, exc)
+            peer = front.failover_peer(request) if front is not None and isinstance(exc, CapacityExhausted) \
+                and key is None else None
+            if peer is not None:  # refused here for capacity: a peer with room takes it
+                response = await front.forward(request, json.dumps(data).encode(), peer) or response
         if isinstance(response, SSEResponse):
             owned_by_stream = True
         elif inflight is not None:

@@ -13,6 +13,7 @@ from kvserve.batch.jobs import BatchStore
 from kvserve.batch.runner import BatchRunner
 from kvserve.config import ServerConfig, kvserve_home
 from kvserve.server.idempotency import IdempotencyManager
+from kvserve.server.regions import RegionFront
 from kvserve.service.completion import CompletionService
 from kvserve.service.metrics import ServerMetrics
 from kvserve.service.models import ModelHandle
@@ -39,6 +40,7 @@ class ServerState:
         self.batch_jobs: BatchStore | None = None
         self.batch_runner: BatchRunner | None = None
         self._sampler: asyncio.Task | None = None
+        self.regions: RegionFront | None = RegionFront(config.regions, self) if config.regions.enabled else None
 
     @property
     def models(self) -> dict[str, ModelHandle]:
@@ -90,6 +92,8 @@ class ServerState:
         self.batch_runner = BatchRunner(self.service, self.store, self.batch_files, self.batch_jobs, b)
         self.batch_runner.start()
         self._sampler = self.loop.create_task(self._sample_load())
+        if self.regions is not None:
+            await self.regions.start()
         for handle in self.models.values():
             handle.client.start()  # loads in its own thread; the server listens meanwhile
             log.info("loading model %s (%s) in the background", handle.id, handle.spec.source)
@@ -108,6 +112,8 @@ class ServerState:
             await self.batch_runner.stop()
         if not self.draining:
             await self.drain(self.config.shutdown_timeout_s)
+        if self.regions is not None:  # after the drain: requests that came meanwhile went to peers
+            await self.regions.stop()
         await asyncio.gather(*(asyncio.to_thread(h.client.stop, 10.0) for h in self.models.values()))
         await self.flush()
         await self.service.ledger.flush()

@@ -45,7 +45,8 @@ TORCH_FREE = [
     "kvserve.metering.reports",
     "kvserve.planning.roofline", "kvserve.planning.memory", "kvserve.planning.search", "kvserve.planning.simulator",
     "kvserve.planning.long_context", "kvserve.engine.kv_groups", "kvserve.engine.kv_disk",
-    "kvserve.engine.structured", "kvserve.engine.grammar",
+    "kvserve.engine.structured", "kvserve.engine.grammar", "kvserve.engine.number_precision",
+    "kvserve.service.region_routing", "kvserve.metering.escrow",
 ]
 
 # Run in the child: import `modules`, recording for each new kvserve (or torch) module the module that imported it.

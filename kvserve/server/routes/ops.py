@@ -42,6 +42,16 @@ async def ready(request: Request):
     return JSONResponse({"ready": ok, "draining": state.draining, "models": models}, status_code=200 if ok else 503)
 
 
+@router.get("/v1/region/status")
+async def region_status(request: Request):
+    """This region as its peers' probes see it (server/regions.py); 404 where no regions are configured."""
+    state: ServerState = request.app.state.kv
+    if state.regions is None:
+        return JSONResponse({"error": {"message": "no regions are configured on this server",
+                                       "type": "invalid_request_error", "code": "not_found"}}, status_code=404)
+    return JSONResponse(state.regions.status())
+
+
 @router.get("/metrics", response_class=PlainTextResponse)  # the Prometheus text format
 async def metrics(request: Request):
     state: ServerState = request.app.state.kv

@@ -1,0 +1,153 @@
+"""This region's front toward its peers: probes them, answers theirs, and forwards a completion a peer must
+serve (service/region_routing.py decides which; this module does the I/O).
+
+- Probes: every `probe_period_s` each peer's GET /v1/region/status (its readiness, draining flag and load), within
+  `probe_timeout_s`; a transport error, a timeout or a non-200 is a failed probe, and so is a forwarded request
+  the peer could not take.
+- A completion whose model this region cannot serve now (its pool not ready, the server draining, or the
+  request's tier shedding) goes to the best peer, streamed back as the peer sends it, with the client's
+  Authorization and Idempotency-Key (tenants and their tokens exist in every region) and
+  `x-kvserve-forwarded-from`: a forwarded request is served where it lands or refused, never forwarded again.
+  A request the local engine refuses at admission for capacity is forwarded the same way.
+- Every completion response carries `x-kvserve-region`: the region that served it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from kvserve.config import RegionsConfig
+from kvserve.engine.client import EngineStatus
+from kvserve.service.region_routing import Local, RegionDecision, RegionRouter
+from kvserve.service.router import LoadLevel
+
+if TYPE_CHECKING:
+    from kvserve.server.state import ServerState
+
+log = logging.getLogger(__name__)
+
+FORWARDED_HEADER = "x-kvserve-forwarded-from"
+REGION_HEADER = "x-kvserve-region"
+STATUS_PATH = "/v1/region/status"
+_PASSED_ON = ("authorization", "content-type", "idempotency-key", "last-event-id", "openai-organization",
+              "openai-project", "user-agent", "accept")
+_NOT_PASSED_BACK = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
+_LOAD = {LoadLevel.OK: 0.0, LoadLevel.HIGH: 0.5, LoadLevel.SHEDDING: 1.0}
+
+
+class RegionFront:
+    def __init__(self, config: RegionsConfig, state: "ServerState"):
+        self.config, self.state = config, state
+        self.router = RegionRouter(config.local, [p.name for p in config.peers], config.policy)
+        self.urls = {p.name: p.url.rstrip("/") for p in config.peers}
+        self.forwarded = {p.name: 0 for p in config.peers}  # requests sent to each peer
+        self._client: httpx.AsyncClient | None = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def local(self) -> str:
+        return self.config.local
+
+    async def start(self) -> None:
+        p = self.config.policy
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.config.forward_timeout_s, connect=p.probe_timeout_s))
+        self._task = asyncio.create_task(self._probe_loop(), name="kvserve-region-probes")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self._client is not None:
+            await self._client.aclose()
+
+    # ---- probes ------------------------------------------------------------------------------
+    async def _probe_loop(self) -> None:
+        period = self.config.policy.probe_period_s
+        while True:
+            started = time.monotonic()
+            await asyncio.gather(*(self._probe(name) for name in self.urls))
+            self.router.tick(time.monotonic())
+            await asyncio.sleep(max(0.0, period - (time.monotonic() - started)))
+
+    async def _probe(self, peer: str) -> None:
+        t0 = time.monotonic()
+        try:
+            r = await self._client.get(self.urls[peer] + STATUS_PATH, timeout=self.config.policy.probe_timeout_s)
+            body = r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            body = None
+        now = time.monotonic()
+        if body is None or not body.get("ready"):
+            self.router.probe_failed(peer, now)
+        else:
+            self.router.probe_ok(peer, now, rtt_ms=1000 * (now - t0), load=float(body.get("load", 0.0)),
+                                 draining=bool(body.get("draining")))
+
+    def status(self) -> dict:
+        """This region as its peers' probes see it: ready when every model is, its load the highest of its
+        models' interactive tiers (0 ok, 0.5 high, 1.0 shedding)."""
+        handles = list(self.state.service.models.values()) if self.state.service is not None else []
+        ready = bool(handles) and all(h.status == EngineStatus.READY for h in handles)
+        load = max((_LOAD[h.load("interactive")] for h in handles), default=0.0)
+        return {"region": self.local, "ready": ready, "draining": self.state.draining, "load": load,
+                "peers": {name: s.health.value for name, s in self.router.peers.items()}}
+
+    # ---- the choice ------------------------------------------------------------------------------
+    def decide(self, request: Request, model: str | None, tier: str) -> RegionDecision:
+        handle = self.state.service.models.get(model) if (self.state.service is not None and model) else None
+        healthy = handle is None or handle.status == EngineStatus.READY  # an unknown model: refused here
+        shedding = handle is not None and healthy and handle.load(tier) is LoadLevel.SHEDDING
+        return self.router.choose(Local(healthy=healthy, draining=self.state.draining, over_bounds=shedding),
+                                  forwarded=self.is_forwarded(request))
+
+    @staticmethod
+    def is_forwarded(request: Request) -> bool:
+        return FORWARDED_HEADER in request.headers
+
+    def failover_peer(self, request: Request) -> str | None:
+        """After the local engine refused a request for capacity: a peer to try, if any."""
+        return None if self.is_forwarded(request) else self.router.best_peer()
+
+    # ---- forwarding --------------------------------------------------------------------------
+    async def forward(self, request: Request, body: bytes, peer: str) -> Response | None:
+        """The peer's response, streamed as it comes; None when the peer could not be reached (a failed probe)."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_ON}
+        headers[FORWARDED_HEADER] = self.local
+        url = self.urls[peer] + request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        state = self.state
+        state.active_requests += 1  # a drain waits for forwarded streams as for its own
+        try:
+            upstream = await self._client.send(self._client.build_request("POST", url, headers=headers, content=body),
+                                               stream=True)
+        except httpx.HTTPError as e:
+            state.active_requests -= 1
+            log.warning("forwarding to region %s failed: %s", peer, e)
+            self.router.probe_failed(peer, time.monotonic())
+            return None
+        self.forwarded[peer] += 1
+        passed = {k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_PASSED_BACK}
+        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            async def relay():
+                try:
+                    async for chunk in upstream.aiter_raw():
+                        yield chunk
+                finally:
+                    state.active_requests -= 1
+                    await upstream.aclose()
+
+            return StreamingResponse(relay(), status_code=upstream.status_code, headers=passed)
+        try:
+            content = await upstream.aread()
+        finally:
+            state.active_requests -= 1
+            await upstream.aclose()
+        return Response(content, status_code=upstream.status_code, headers=passed)
