@@ -24,6 +24,8 @@ from kvserve.server.state import ServerState
 from kvserve.server.streaming import DONE, ClientDisconnected, SSEResponse, run_until_disconnect, sse
 from kvserve.service import protocol as p
 from kvserve.service.completion import Completion
+from kvserve.service.resume import HEADER as RESUME_HEADER
+from kvserve.service.resume import ResumePoint, TokenDigest
 from kvserve.service.router import LoadLevel
 from kvserve.store import BeginOutcome, StoredResponse
 
@@ -111,17 +113,19 @@ async def handle_completion(request: Request, kind: str) -> Response:
                 return forwarded
     idem: IdempotencyManager = state.idempotency
     inflight: InflightResponse | None = None
+    last_event = request.headers.get(RESUME_HEADER) if call.req.stream else None
+    resume = ResumePoint.parse(last_event) if last_event else None
     if key is not None:
         result, inflight = await idem.begin(call.tenant, key, request.url.path, data)
         if result.outcome is BeginOutcome.REPLAY:
-            return replay_response(result.response)
+            return replay_response(result.response, last_event)
         if result.outcome is BeginOutcome.IN_PROGRESS:
-            return await attach_response(inflight)
+            return await attach_response(inflight, last_event)
     state.active_requests += 1
     owned_by_stream = False
     try:
         try:
-            response = await produce(call, inflight)
+            response = await produce(call, inflight, resume)
         except ClientDisconnected:
             response = Response(status_code=499)
         except Exception as exc:
@@ -153,9 +157,10 @@ def error_for(call: Call, exc: BaseException) -> JSONResponse:
     return api_error_response(exc, headers)
 
 
-async def produce(call: Call, inflight: InflightResponse | None) -> Response:
+async def produce(call: Call, inflight: InflightResponse | None, resume: ResumePoint | None = None) -> Response:
     service = call.state.service
     c = call.completion = service.open(call.kind, call.req, call.tenant)
+    c.resume = resume
     await service.start(c)
     receive = call.request.receive
     if call.req.stream:
@@ -203,12 +208,24 @@ async def stream_events(c: Completion, first_item: tuple[int, RequestOutput],
                         outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
     """SSE events of one call: the service's chunks (deltas, then usage when asked), then [DONE]."""
     chunks = c.chunks()
+    # Resume tokens (service/resume.py): after each output that did not finish its stream
+    digest = TokenDigest.of(c.resumed_token_ids) if c.resumable else None
+
+    def events_of(i: int, out: RequestOutput) -> list[str]:
+        event_id = None
+        if digest is not None:
+            digest.add(out.outputs[0].delta_token_ids)
+            event_id = digest.point().encode() if digest.count and not out.finished else None
+        return [sse(chunk, event_id) for chunk in chunks.of(i, out)]
+
     try:
-        for chunk in chunks.opening() + chunks.of(*first_item):
+        for chunk in ([] if c.resume is not None else chunks.opening()):  # a resumed client has the opening
             yield sse(chunk)
+        for ev in events_of(*first_item):
+            yield ev
         async for i, out in outputs:
-            for chunk in chunks.of(i, out):
-                yield sse(chunk)
+            for ev in events_of(i, out):
+                yield ev
         for chunk in chunks.closing():
             yield sse(chunk)
         yield DONE
@@ -241,25 +258,37 @@ async def record_stream(events: AsyncIterator[str], call: Call, inflight: Inflig
                                         {**headers, "content-type": "text/event-stream"}, events=list(inflight.events))
 
 
-def replay_response(stored: StoredResponse) -> Response:
+async def _after_event(events: AsyncIterator[str], last_event: str | None) -> AsyncIterator[str]:
+    """The events after the one whose id is `last_event` (all of them without one): a client that resumes a
+    stream its region still has gets only what it missed."""
+    mark = f"id: {last_event}\n" if last_event else None
+    async for ev in events:
+        if mark is None:
+            yield ev
+        elif ev.startswith(mark):
+            mark = None
+
+
+def replay_response(stored: StoredResponse, last_event: str | None = None) -> Response:
     headers = {k: v for k, v in stored.headers.items() if k != "content-type"}
     headers[REPLAY_HEADER] = "true"
     if stored.is_stream:
         async def events():
             for ev in stored.events:
                 yield ev
-        return SSEResponse(events(), status_code=stored.status_code, headers=headers)
+        return SSEResponse(_after_event(events(), last_event), status_code=stored.status_code, headers=headers)
     return Response(stored.body or b"", status_code=stored.status_code, headers=headers,
                     media_type=stored.headers.get("content-type", "application/json"))
 
 
-async def attach_response(inflight: InflightResponse) -> Response:
+async def attach_response(inflight: InflightResponse, last_event: str | None = None) -> Response:
     """A duplicate of a request still running in this process: follow its response."""
     await inflight.started.wait()
     headers = {k: v for k, v in inflight.headers.items() if k != "content-type"}
     headers[REPLAY_HEADER] = "true"
     if inflight.events is not None:
-        return SSEResponse(inflight.follow_events(), status_code=inflight.status_code or 200, headers=headers)
+        return SSEResponse(_after_event(inflight.follow_events(), last_event), status_code=inflight.status_code or 200,
+                           headers=headers)
     await inflight.wait_finished()
     if inflight.body is None:
         return api_error_response(APIError(409, "the original request with this Idempotency-Key did not complete; "

@@ -21,11 +21,11 @@ log = logging.getLogger(__name__)
 DONE = "data: [DONE]\n\n"
 
 
-def sse(data: dict | str) -> str:
-    """One SSE event carrying a JSON object (or a raw string)."""
+def sse(data: dict | str, event_id: str | None = None) -> str:
+    """One SSE event carrying a JSON object (or a raw string), with its `id` when given (a resume token)."""
     if not isinstance(data, str):
         data = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    return f"data: {data}\n\n"
+    return f"id: {event_id}\ndata: {data}\n\n" if event_id else f"data: {data}\n\n"
 
 
 class SSEResponse(Response):

@@ -28,6 +28,7 @@ from kvserve.service.gate import MeteringGate
 from kvserve.service.metrics import ServerMetrics
 from kvserve.service.models import ClientFactory, ModelHandle, RequestInfo, calibrated_client, resolve_model
 from kvserve.service.responses import StreamChunks, TokenText, full_response
+from kvserve.service.resume import ResumeMismatch, ResumePoint, TokenDigest, resumable
 from kvserve.service.usage import UsageLedger
 
 # Calls with up to this many prompt characters (about 2k tokens) are tokenized on the event loop (about a
@@ -54,6 +55,15 @@ class Completion:
     text: TokenText | None = None
     service: "CompletionService | None" = None
     rate_headers: dict[str, str] = field(default_factory=dict)  # the tenant's x-ratelimit-* after admission
+    # A stream resumed from a client's Last-Event-ID (service/resume.py): where it stopped, and the tokens it
+    # had received, generated again here (the engine continues from them).
+    resume: ResumePoint | None = None
+    resumed_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def resumable(self) -> bool:
+        """Its stream's events carry resume tokens."""
+        return resumable(self.kind, self.req)
 
     @property
     def tier(self) -> str:
@@ -175,7 +185,10 @@ class CompletionService:
             check_available(c.handle.client)
             prompts = await self._tokenize(c)
             c.text = TokenText(c.handle.client.tokenizer)
-            await self._submit(c, prompts, c.req.sampling_params())
+            params = c.req.sampling_params()
+            if c.resume is not None:
+                c.resumed_token_ids = await self._generate_again(c, prompts, params)
+            await self._submit(c, prompts, params)
             return c
         except Exception as exc:
             self.count_rejection(c.handle, c.tier, exc)
@@ -212,6 +225,27 @@ class CompletionService:
             return encode_all()
         return await asyncio.to_thread(encode_all)
 
+    async def _generate_again(self, c: Completion, prompts: list[list[int]], params: SamplingParams) -> list[int]:
+        """The tokens a resumed stream's client received, generated again (not billed: the region that sent
+        them bills them, if it lived to write its usage row) and checked against the client's digest."""
+        point = c.resume
+        if not c.resumable:
+            raise InvalidRequest("only a streamed, single-choice, greedy or seeded request without tools can be "
+                                 "resumed from Last-Event-ID", param="Last-Event-ID", code="not_resumable")
+        if params.max_tokens is not None and point.count >= params.max_tokens:
+            raise InvalidRequest("Last-Event-ID is past the request's max_tokens", param="Last-Event-ID",
+                                 code="invalid_last_event_id")
+        again = replace(params, max_tokens=point.count, min_tokens=min(params.min_tokens, point.count))
+        request = EngineRequest(f"{c.response_id}-again", prompts[0], again, c.tier, c.tenant, cache_salt=c.tenant)
+        tokens: list[int] = []
+        async for out in await c.handle.client.submit(request):
+            tokens = list(out.outputs[0].token_ids) if out.finished else tokens
+        if TokenDigest.of(tokens).point() != point:
+            raise ResumeMismatch("the stream cannot be resumed here: its tokens generated again differ from those "
+                                 "the client received (another model version, or other numerics); send the request "
+                                 "again without Last-Event-ID")
+        return tokens
+
     async def _submit(self, c: Completion, prompts: list[list[int]], params: SamplingParams) -> None:
         """One engine request per prompt, submitted together (one engine step applies them all)."""
         handle, max_len = c.handle, c.handle.max_model_len
@@ -232,7 +266,8 @@ class CompletionService:
             return replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
 
         requests = [EngineRequest(rid, ids, params_for(ids), c.tier, c.tenant, cache_salt=c.tenant,
-                                  cache_retention_s=retention, cache_key=c.req.prompt_cache_key)
+                                  cache_retention_s=retention, cache_key=c.req.prompt_cache_key,
+                                  resumed_token_ids=tuple(c.resumed_token_ids))
                     for rid, ids in zip(c.request_ids, prompts)]
         try:
             rate = await self.metering.admit(c.tenant, handle.id, handle.spec.price, c.tier,

@@ -325,7 +325,7 @@ def test_auto_model_and_headers(server):
         assert_load_headers(s)
         lines = [ln for ln in s.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
-    assert all(ln.startswith("data: ") for ln in lines)
+    assert all(ln.startswith(("data: ", "id: r1.")) for ln in lines)  # data, and resume tokens (service/resume.py)
 
 
 # ---- auth --------------------------------------------------------------------------------------
