@@ -55,6 +55,7 @@ class RegionFront:
         return self.config.local
 
     async def start(self) -> None:
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per probe
         p = self.config.policy
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.config.forward_timeout_s, connect=p.probe_timeout_s))
         self._task = asyncio.create_task(self._probe_loop(), name="kvserve-region-probes")

@@ -139,6 +139,8 @@ async def handle_completion(request: Request, kind: str) -> Response:
         elif inflight is not None:
             if response.status_code == 200:
                 idem.complete(call.tenant, key, inflight, 200, dict(response.headers), body=bytes(response.body))
+            elif response.status_code == 499:  # its client left: a duplicate waiting on it is told to retry
+                idem.abandon(call.tenant, key, inflight)
             else:
                 idem.abandon(call.tenant, key, inflight, response.status_code, dict(response.headers),
                              bytes(getattr(response, "body", b"") or b""))

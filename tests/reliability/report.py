@@ -31,6 +31,11 @@ SECTIONS = {  # section -> (title, what it shows)
                      "deletes its files while SmolLM2 serves (batch-invariant numerics, so a wrong page would show "
                      "in the bits); a process writing it, and the HTTP server under two clients, are SIGKILLed, and an "
                      "engine (a server) restarted on the directory serves the same prompts."),
+    "regions chaos": ("Three regions under chaos", "Three servers, each its own region (engine and SQLite store) "
+                      "and the others' peer; clients in every region stream greedy completions through the "
+                      "documented retry (Idempotency-Key, then Last-Event-ID at the next region) while a region is "
+                      "SIGKILLed and restarted, then another frozen (SIGSTOP, as a cut network) and thawed; each "
+                      "text compared with an uninterrupted stream's."),
 }
 
 

@@ -103,3 +103,4 @@ def test_policy_is_validated():
         RegionPolicy(fail_after=0)
     with pytest.raises(ValueError):
         RegionRouter("us", ["us"])
+

