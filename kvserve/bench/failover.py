@@ -6,7 +6,8 @@ stream is cut before `[DONE]`, or the answer is a 5xx, a 429 or a 409 (the key b
 request to the next region with the same key and `Last-Event-ID` set to the id of the last event received
 (service/resume.py): the stream goes on from there, no token twice, none lost. Without any id yet (nothing
 received), the request starts again from scratch. Other 4xx answers are final. A region that failed the client
-is tried last for the next 10 s.
+is tried last for the next 10 s; a 429 (alive but full) is waited out as its Retry-After asks (at most 1 s)
+before the next region; between attempts the wait doubles from 0.2 s up to 2 s.
 """
 from __future__ import annotations
 
@@ -83,6 +84,10 @@ async def stream_with_failover(client: httpx.AsyncClient, urls: list[str], home:
                 res.regions.append(r.headers.get("x-kvserve-region", url))
                 if r.status_code != 200:
                     await r.aread()
+                    if r.status_code == 429:  # alive but full: wait as it asks (at most a second), then go on
+                        await asyncio.sleep(min(1.0, float(r.headers.get("retry-after", backoff_s) or backoff_s)))
+                        res.error = f"429 from {url}"
+                        continue
                     if r.status_code in RETRIED_STATUSES:
                         raise _Cut(f"{r.status_code} from {url}")
                     res.error = f"{r.status_code}: {r.text[:200]}"
@@ -111,7 +116,7 @@ async def stream_with_failover(client: httpx.AsyncClient, urls: list[str], home:
         except (httpx.TransportError, _Cut) as e:
             res.error = str(e) or type(e).__name__
             memory.failed(url)
-        await asyncio.sleep(backoff_s)
+        await asyncio.sleep(min(2.0, backoff_s * 2 ** attempt))
     res.e2e_s = time.monotonic() - res.started
     return res
 
