@@ -3,7 +3,8 @@ measures what clients see while regions are killed, frozen and brought back.
 
 The retry: send the stream to the client's own region with an `Idempotency-Key`; when the connection fails, the
 stream is cut before `[DONE]`, or the answer is a 5xx, a 429 or a 409 (the key busy where it was), send the same
-request to the next region with the same key and `Last-Event-ID` set to the id of the last event received
+request to the next region with the same key, `x-stainless-retry-count` (as the OpenAI SDKs send it) and
+`Last-Event-ID` set to the id of the last event received
 (service/resume.py): the stream goes on from there, no token twice, none lost. Without any id yet (nothing
 received), the request starts again from scratch. Other 4xx answers are final. A region that failed the client
 is tried last for the next 10 s; a 429 (alive but full) is waited out as its Retry-After asks (at most 1 s)
@@ -74,6 +75,8 @@ async def stream_with_failover(client: httpx.AsyncClient, urls: list[str], home:
         res.attempts = attempt + 1
         url = order[attempt % len(order)]
         headers = {"Authorization": f"Bearer {token}", "Idempotency-Key": key}
+        if attempt:
+            headers["x-stainless-retry-count"] = str(attempt)  # as the OpenAI SDKs say it: the region asks its peers
         if last_id is not None:
             headers["Last-Event-ID"] = last_id
             res.resumed += 1

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 HEADER = "idempotency-key"
 REPLAY_HEADER = "x-kvserve-idempotent-replay"
 STORED_HEADERS = ("content-type", "x-kvserve-model", "x-kvserve-queue-depth", "x-kvserve-queue-wait-ms",
-                  "x-kvserve-load", "x-request-id")
+                  "x-kvserve-load", "x-request-id", "x-kvserve-region")
 
 
 def body_hash(route: str, body: object) -> str:

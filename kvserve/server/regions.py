@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING
+from urllib.parse import quote
 
 import httpx
 from fastapi import Request
@@ -36,7 +37,7 @@ FORWARDED_HEADER = "x-kvserve-forwarded-from"
 REGION_HEADER = "x-kvserve-region"
 STATUS_PATH = "/v1/region/status"
 _PASSED_ON = ("authorization", "content-type", "idempotency-key", "last-event-id", "openai-organization",
-              "openai-project", "user-agent", "accept")
+              "openai-project", "user-agent", "accept", "x-stainless-retry-count")
 _NOT_PASSED_BACK = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
 _LOAD = {LoadLevel.OK: 0.0, LoadLevel.HIGH: 0.5, LoadLevel.SHEDDING: 1.0}
 
@@ -117,6 +118,32 @@ class RegionFront:
     def failover_peer(self, request: Request) -> str | None:
         """After the local engine refused a request for capacity: a peer to try, if any."""
         return None if self.is_forwarded(request) else self.router.best_peer()
+
+    # ---- keys held elsewhere ----------------------------------------------------------------
+    @staticmethod
+    def is_retry(request: Request) -> bool:
+        """A client's retry: it resumes a stream (Last-Event-ID) or says it retries (the OpenAI SDKs send
+        x-stainless-retry-count). Only retries ask the peers for their Idempotency-Key: first attempts pay nothing."""
+        count = request.headers.get("x-stainless-retry-count", "0")
+        return "last-event-id" in request.headers or (count.isdigit() and int(count) > 0)
+
+    async def key_holder(self, request: Request, key: str) -> str | None:
+        """The peer (up) that holds this Idempotency-Key for the caller's tenant, if any answers so in time."""
+        peers = [name for name, s in self.router.peers.items() if s.health.value == "up"]
+        if not peers:
+            return None
+        auth = {"authorization": request.headers.get("authorization", "")}
+
+        async def ask(peer: str) -> str | None:
+            try:
+                r = await self._client.get(f"{self.urls[peer]}/v1/region/keys/{quote(key, safe='')}", headers=auth,
+                                           timeout=self.config.policy.probe_timeout_s)
+            except httpx.HTTPError:
+                return None
+            return peer if r.status_code == 200 else None
+
+        found = [p for p in await asyncio.gather(*(ask(p) for p in peers)) if p is not None]
+        return found[0] if found else None
 
     # ---- forwarding --------------------------------------------------------------------------
     async def forward(self, request: Request, body: bytes, peer: str) -> Response | None:

@@ -107,8 +107,12 @@ async def handle_completion(request: Request, kind: str) -> Response:
     front = state.regions
     if front is not None:  # another region serves what this one cannot now (server/regions.py)
         decision = front.decide(request, call.req.model, call.req.priority)
-        if decision.region is not None and decision.region != front.local:
-            forwarded = await front.forward(request, json.dumps(data).encode(), decision.region)
+        target = decision.region if decision.region != front.local else None
+        if target is None and key is not None and not front.is_forwarded(request) and front.is_retry(request) \
+                and await state.store.aidempotency_state(call.tenant, key) is None:
+            target = await front.key_holder(request, key)  # a retry of a request another region holds
+        if target is not None:
+            forwarded = await front.forward(request, json.dumps(data).encode(), target)
             if forwarded is not None:
                 return forwarded
     idem: IdempotencyManager = state.idempotency

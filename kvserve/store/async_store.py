@@ -129,6 +129,9 @@ class AsyncStore:
     async def abegin_idempotent(self, tenant: str, key: str, body_hash: str) -> BeginResult:
         return await self._write(self.store.idempotency.begin, tenant, key, body_hash)
 
+    async def aidempotency_state(self, tenant: str, key: str) -> str | None:
+        return await self._read(self.store.idempotency.state, tenant, key)
+
     async def acomplete_idempotent(self, tenant: str, key: str, response: StoredResponse) -> bool:
         return await self._write(self.store.idempotency.complete, tenant, key, response)
 

@@ -115,6 +115,18 @@ class IdempotencyStore:
             body=None if body is None else bytes(body),
             events=None if events is None else json.loads(events)))
 
+    def state(self, tenant: str, key: str) -> str | None:
+        """"done" or "in_progress" for a live key (not expired, its lease not lapsed), else None."""
+        now = self.db.clock()
+        with self.db.read() as conn:
+            row = conn.execute("SELECT state, created_at, lease_until FROM idempotency_keys WHERE tenant = ? AND key = ?",
+                               (tenant, key)).fetchone()
+        if row is None or row[1] <= now - self.ttl_s:
+            return None
+        if row[0] == "in_progress" and row[2] is not None and row[2] < now:
+            return None
+        return row[0]
+
     def complete(self, tenant: str, key: str, response: StoredResponse) -> bool:
         """Store the response of a NEW request. False if the key is not ``in_progress`` any more."""
         headers = json.dumps(dict(response.headers))

@@ -2,7 +2,8 @@
 two regions, each the other's peer, the same tenant token in both. A region whose model cannot serve forwards
 to its peer (streamed back as the peer sends it, the serving region in `x-kvserve-region`); a forwarded request
 is never forwarded again; a dead peer is detected within the policy's bound and nothing is sent to it; one that
-comes back takes traffic again only after recover_after_s of answered probes."""
+comes back takes traffic again only after recover_after_s of answered probes. A retry that reaches another
+region than the one holding its Idempotency-Key is served by the holder: replayed, or attached, never run twice."""
 from __future__ import annotations
 
 import json
@@ -62,6 +63,25 @@ def regions(tmp_path, tiny_llama_gguf):
         s.stop()
 
 
+@pytest.fixture
+def two_regions(tmp_path, tiny_llama_gguf):
+    minted = mint_token()
+    ports = {"us": free_port(), "eu": free_port()}
+    servers = []
+    for name, peer in (("us", "eu"), ("eu", "us")):
+        (tmp_path / name).mkdir()
+        servers.append(LiveServer(tmp_path / name, tiny_model_toml(tiny_llama_gguf) +
+                                  _regions_toml(name, peer, ports[peer]), port=ports[name], minted=minted))
+    threads = [threading.Thread(target=s.start) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    yield servers
+    for s in servers:
+        s.stop()
+
+
 def _complete(server: LiveServer, stream: bool = False, **headers) -> httpx.Response:
     body = {"model": "tiny", "prompt": "regions", "max_tokens": 12, "temperature": 0, "stream": stream}
     return httpx.post(server.base + "/v1/completions", json=body, headers=server.headers(**headers), timeout=60)
@@ -100,3 +120,34 @@ def test_a_region_that_cannot_serve_forwards_to_its_peer_and_nothing_goes_to_a_d
     assert time.monotonic() - seen >= RECOVER_S - 2 * PROBE_S
     r = _complete(us)
     assert r.status_code == 200 and r.headers["x-kvserve-region"] == "eu"
+
+
+def test_a_retry_at_another_region_is_served_by_the_region_that_holds_its_key(two_regions):
+    us, eu = two_regions
+    _wait(lambda: _peer_health(eu, "us") == "up" and _peer_health(us, "eu") == "up", 30, "both peers up")
+    key = {"Idempotency-Key": "regions-key-1"}
+    first = _complete(us, stream=True, **key)
+    assert first.status_code == 200 and first.headers["x-kvserve-region"] == "us"
+    # the client retries (the OpenAI SDKs' header) at eu: us holds the key, so us replays it
+    retry = _complete(eu, stream=True, **key, **{"x-stainless-retry-count": "1"})
+    assert retry.status_code == 200 and retry.headers["x-kvserve-region"] == "us"
+    assert retry.headers.get("x-kvserve-idempotent-replay") == "true" and retry.text == first.text
+    # resumed at eu from an event of the first stream: us sends only the events after it
+    ids = [line[4:] for line in first.text.splitlines() if line.startswith("id: ")]
+    resumed = _complete(eu, stream=True, **key, **{"Last-Event-ID": ids[2]})
+    assert resumed.status_code == 200 and resumed.headers["x-kvserve-region"] == "us"
+    assert resumed.text == first.text[first.text.index(f"id: {ids[2]}\n"):].split("\n\n", 1)[1]
+    # a first attempt (no retry header) with a key eu does not hold runs at eu: nothing is asked
+    fresh = _complete(eu, stream=True, **{"Idempotency-Key": "regions-key-2"})
+    assert fresh.status_code == 200 and fresh.headers["x-kvserve-region"] == "eu"
+    # billed once each, in the region that generated the tokens (the replays generate nothing)
+    _wait(lambda: _usage_rows(us) >= 1 and _usage_rows(eu) >= 1, 20, "usage rows written")
+    time.sleep(1.0)
+    assert (_usage_rows(us), _usage_rows(eu)) == (1, 1)
+
+
+def _usage_rows(server: LiveServer) -> int:
+    import sqlite3
+
+    with sqlite3.connect(server.home / "kvserve.db") as db:
+        return db.execute("SELECT COUNT(*) FROM usage_records").fetchone()[0]

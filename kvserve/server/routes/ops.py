@@ -6,6 +6,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvserve.engine.client import EngineStatus
+from kvserve.server.auth import authenticate
 from kvserve.server.state import ServerState
 
 router = APIRouter()
@@ -50,6 +51,22 @@ async def region_status(request: Request):
         return JSONResponse({"error": {"message": "no regions are configured on this server",
                                        "type": "invalid_request_error", "code": "not_found"}}, status_code=404)
     return JSONResponse(state.regions.status())
+
+
+@router.get("/v1/region/keys/{key}")
+async def region_key(request: Request, key: str):
+    """Whether this region holds an Idempotency-Key of the caller's tenant ("done" or "in_progress"; 404 when
+    not): a peer asks before it runs a retried request (server/regions.py). Authenticated as the tenant."""
+    state: ServerState = request.app.state.kv
+    if state.regions is None:
+        return JSONResponse({"error": {"message": "no regions are configured on this server",
+                                       "type": "invalid_request_error", "code": "not_found"}}, status_code=404)
+    tenant = await authenticate(request, state.store)
+    held = await state.store.aidempotency_state(tenant.name, key)
+    if held is None:
+        return JSONResponse({"error": {"message": "this region does not hold that key", "type": "invalid_request_error",
+                                       "code": "not_found"}}, status_code=404)
+    return JSONResponse({"region": state.regions.local, "state": held})
 
 
 @router.get("/metrics", response_class=PlainTextResponse)  # the Prometheus text format
