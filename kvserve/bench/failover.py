@@ -34,6 +34,7 @@ class StreamResult:
     resumed: int = 0  # attempts sent with Last-Event-ID
     started: float = 0.0  # monotonic
     ttft_s: float | None = None  # to the first content token, retries included
+    home: str = ""  # the client's own region (its name)
     e2e_s: float = 0.0
     error: str | None = None
 
@@ -168,8 +169,9 @@ async def run_chaos(urls: list[str], names: list[str], token: str, bodies: list[
             k, memory = seed, RegionMemory()
             while time.monotonic() - start < duration_s:
                 i = k % len(bodies)
-                results.append((i, await stream_with_failover(client, urls, region, bodies[i], token,
-                                                              memory=memory)))
+                res = await stream_with_failover(client, urls, region, bodies[i], token, memory=memory)
+                res.home = names[region]
+                results.append((i, res))
                 k += 1
 
         async def injector() -> list[tuple[float, Fault]]:
@@ -210,6 +212,9 @@ def _figures(results, expected, applied, changes, names, ttft_slo_s, window_s, d
         seen = [when for when, observer, peer, health in changes if peer == victim and health == "down" and when >= t]
         detections.append(min(seen) - t if seen else None)
     ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
+    first_fault = min((t for t, _ in applied), default=start + duration_s)
+    before = [r for _, r in results if r.started < first_fault]
+    local = [r for r in before if r.ok and r.attempts == 1 and r.regions[:1] == [r.home]]
     return {"requests": len(results), "succeeded": len(ok), "exact_text": exact,
             "success_share": len(ok) / max(1, len(results)),
             "calm_requests": len(calm), "calm_within_ttft_slo": len(within_slo),
@@ -218,5 +223,6 @@ def _figures(results, expected, applied, changes, names, ttft_slo_s, window_s, d
             "failover_e2e_s_p50": statistics.median(r.e2e_s for r in failed_over) if failed_over else None,
             "failover_e2e_s_max": max((r.e2e_s for r in failed_over), default=None),
             "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+            "before_faults": len(before), "local_before_faults": len(local),
             "detection_s": detections, "faults": [(round(t - start, 1), f.action, names[f.region]) for t, f in applied],
             "duration_s": duration_s, "errors": [r.error for _, r in results if not r.ok][:10]}

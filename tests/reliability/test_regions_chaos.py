@@ -104,9 +104,13 @@ def test_three_regions_survive_a_killed_region_and_a_frozen_one(tmp_path, tiny_l
     figures.record(section, f"TTFT <= {out['ttft_slo_s']:g} s outside failover windows",
                    f"{out['ttft_slo_share']:.2%}", ">= 99%", out["ttft_slo_share"] >= 0.99,
                    detail=f"{out['calm_within_ttft_slo']} of {out['calm_requests']}")
+    local_share = out["local_before_faults"] / max(1, out["before_faults"])
+    figures.record(section, "served in the client's own region before any fault", f"{local_share:.1%}", "> 95%",
+                   local_share > 0.95, detail=f"{out['local_before_faults']} of {out['before_faults']}")
     figures.record(section, "fault detected by a peer", ", ".join(f"{d:.1f} s" for d in detections), "< 5 s",
                    len(detections) == 2 and max(detections) < 5.0)
     assert out["requests"] > 0 and out["succeeded"] == out["requests"], out["errors"]
     assert out["exact_text"] == out["succeeded"]
     assert len(detections) == 2 and max(detections) < 5.0, out["detection_s"]
     assert out["failed_over"] > 0  # the faults were felt, and survived
+    assert local_share > 0.95

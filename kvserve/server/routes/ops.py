@@ -7,6 +7,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvserve.engine.client import EngineStatus
 from kvserve.server.auth import authenticate
+from kvserve.server.errors import APIError
 from kvserve.server.state import ServerState
 
 router = APIRouter()
@@ -47,10 +48,7 @@ async def ready(request: Request):
 async def region_status(request: Request):
     """This region as its peers' probes see it (server/regions.py); 404 where no regions are configured."""
     state: ServerState = request.app.state.kv
-    if state.regions is None:
-        return JSONResponse({"error": {"message": "no regions are configured on this server",
-                                       "type": "invalid_request_error", "code": "not_found"}}, status_code=404)
-    return JSONResponse(state.regions.status())
+    return JSONResponse(_regions(state).status())
 
 
 @router.get("/v1/region/keys/{key}")
@@ -58,15 +56,18 @@ async def region_key(request: Request, key: str):
     """Whether this region holds an Idempotency-Key of the caller's tenant ("done" or "in_progress"; 404 when
     not): a peer asks before it runs a retried request (server/regions.py). Authenticated as the tenant."""
     state: ServerState = request.app.state.kv
-    if state.regions is None:
-        return JSONResponse({"error": {"message": "no regions are configured on this server",
-                                       "type": "invalid_request_error", "code": "not_found"}}, status_code=404)
+    front = _regions(state)
     tenant = await authenticate(request, state.store)
     held = await state.store.aidempotency_state(tenant.name, key)
     if held is None:
-        return JSONResponse({"error": {"message": "this region does not hold that key", "type": "invalid_request_error",
-                                       "code": "not_found"}}, status_code=404)
-    return JSONResponse({"region": state.regions.local, "state": held})
+        raise APIError(404, "this region does not hold that Idempotency-Key", "invalid_request_error", "not_found")
+    return JSONResponse({"region": front.local, "state": held})
+
+
+def _regions(state: ServerState):
+    if state.regions is None:
+        raise APIError(404, "no regions are configured on this server", "invalid_request_error", "not_found")
+    return state.regions
 
 
 @router.get("/metrics", response_class=PlainTextResponse)  # the Prometheus text format
