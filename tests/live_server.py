@@ -100,3 +100,12 @@ class LiveServer:
             cur = store.db.conn().execute("SELECT request_id, completion_tokens, tier, price FROM usage_records"
                                           " WHERE request_id LIKE ?", (prefix + "%",))
             return [dict(zip(("request_id", "completion_tokens", "tier", "price"), r)) for r in cur.fetchall()]
+
+
+def start_all(servers: list["LiveServer"], **kwargs) -> None:
+    """Start servers side by side (each loads its model meanwhile); a server that fails to start fails the caller."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(servers)) as pool:
+        for f in [pool.submit(s.start, **kwargs) for s in servers]:
+            f.result()

@@ -7,14 +7,13 @@ region than the one holding its Idempotency-Key is served by the holder: replaye
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import httpx
 import pytest
 
 from kvserve.store.tenants import mint_token
-from tests.live_server import LiveServer, free_port, tiny_model_toml
+from tests.live_server import LiveServer, free_port, start_all, tiny_model_toml
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -53,11 +52,7 @@ def regions(tmp_path, tiny_llama_gguf):
                     port=ports["us"], minted=minted)
     eu = LiveServer(tmp_path / "eu", tiny_model_toml(tiny_llama_gguf) + _regions_toml("eu", "us", ports["us"]),
                     port=ports["eu"], minted=minted)
-    threads = [threading.Thread(target=s.start, kwargs={"ready_path": "/v1/region/status"}) for s in (us, eu)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    start_all([us, eu], ready_path="/v1/region/status")
     yield us, eu
     for s in (us, eu):
         s.stop()
@@ -72,11 +67,7 @@ def two_regions(tmp_path, tiny_llama_gguf):
         (tmp_path / name).mkdir()
         servers.append(LiveServer(tmp_path / name, tiny_model_toml(tiny_llama_gguf) +
                                   _regions_toml(name, peer, ports[peer]), port=ports[name], minted=minted))
-    threads = [threading.Thread(target=s.start) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    start_all(servers)
     yield servers
     for s in servers:
         s.stop()

@@ -7,13 +7,12 @@ a 409, a malformed one a 400; a request that cannot be generated again exactly c
 from __future__ import annotations
 
 import json
-import threading
 
 import httpx
 import pytest
 
 from kvserve.store.tenants import mint_token
-from tests.live_server import LiveServer, tiny_model_toml
+from tests.live_server import LiveServer, start_all, tiny_model_toml
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -25,11 +24,7 @@ def servers(tmp_path_factory, tiny_llama_gguf):
     for name in ("a", "b"):
         home = tmp_path_factory.mktemp(name)
         out.append(LiveServer(home, tiny_model_toml(tiny_llama_gguf), minted=minted))
-    threads = [threading.Thread(target=s.start) for s in out]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    start_all(out)
     yield out
     for s in out:
         s.stop()

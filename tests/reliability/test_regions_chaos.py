@@ -13,14 +13,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import threading
 
 import httpx
 import pytest
 
 from kvserve.bench.failover import Fault, run_chaos
 from kvserve.store.tenants import mint_token
-from tests.live_server import LiveServer, free_port, tiny_model_toml
+from tests.live_server import LiveServer, free_port, start_all, tiny_model_toml
 from tests.reliability.conftest import FULL, scale
 
 pytestmark = [pytest.mark.timeout(1200)]
@@ -50,11 +49,7 @@ def test_three_regions_survive_a_killed_region_and_a_frozen_one(tmp_path, tiny_l
                                   f'\n[regions]\nlocal = "{name}"\npeers = [{peers}]\n{POLICY}',
                                   port=ports[i], minted=minted,
                                   env={"OMP_NUM_THREADS": "1"}))  # three regions share this machine's cores
-    threads = [threading.Thread(target=s.start) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    start_all(servers)
     try:
         urls = [s.base for s in servers]
         max_tokens = scale(24, 64)
