@@ -57,7 +57,8 @@ def allowed_tokens(matchers: list, vocab_size: int) -> torch.Tensor:
     return bits.view(len(matchers), -1)[:, :vocab_size].bool()
 
 
-_digit_led: dict[int, torch.Tensor] = {}  # id(TokenBytes) -> its digit-led token ids
+# id(TokenBytes) -> (the table, its digit-led token ids): the table is held, so its id is never another's
+_digit_led: dict[int, tuple[object, torch.Tensor]] = {}
 
 
 def _without_more_digits(allowed: torch.Tensor, seqs: list) -> None:
@@ -66,9 +67,10 @@ def _without_more_digits(allowed: torch.Tensor, seqs: list) -> None:
         if seq.numbers is None or not seq.numbers.digits_closed:
             continue
         table = seq.numbers.tokens
-        ids = _digit_led.get(id(table))
-        if ids is None:
-            ids = _digit_led[id(table)] = torch.tensor(table.digit_led, dtype=torch.long)
+        entry = _digit_led.get(id(table))
+        if entry is None:
+            entry = _digit_led[id(table)] = (table, torch.tensor(table.digit_led, dtype=torch.long))
+        ids = entry[1]
         row = allowed[i].clone()
         row[ids[ids < row.shape[0]]] = False
         if row.any():

@@ -47,7 +47,6 @@ class RegionFront:
         self.config, self.state = config, state
         self.router = RegionRouter(config.local, [p.name for p in config.peers], config.policy)
         self.urls = {p.name: p.url.rstrip("/") for p in config.peers}
-        self.forwarded = {p.name: 0 for p in config.peers}  # requests sent to each peer
         self._client: httpx.AsyncClient | None = None
         self._task: asyncio.Task | None = None
 
@@ -161,7 +160,6 @@ class RegionFront:
             log.warning("forwarding to region %s failed: %s", peer, e)
             self.router.probe_failed(peer, time.monotonic())
             return None
-        self.forwarded[peer] += 1
         passed = {k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_PASSED_BACK}
         if upstream.headers.get("content-type", "").startswith("text/event-stream"):
             async def relay():

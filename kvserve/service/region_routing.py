@@ -25,7 +25,7 @@ The choice for a request:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvserve.config import RegionPolicy  # noqa: F401  (the policy's fields are the [regions.policy] table)
 
@@ -48,7 +48,6 @@ class PeerState:
     rtt_ms: float = 0.0  # smoothed
     load: float = 0.0  # its gateways' own figure: 0 idle, 1.0 at its admission bounds
     draining: bool = False
-    changes: list[tuple[float, Health]] = field(default_factory=list)  # (when, new health), for metrics and tests
 
 
 @dataclass(frozen=True)
@@ -89,9 +88,9 @@ class RegionRouter:
             s.healthy_since = now
         if s.health is Health.DOWN:
             # a peer whose every probe answered is trusted at once; one that failed must stay healthy a while
-            self._set(s, Health.RECOVERING if s.ever_failed else Health.UP, now)
+            s.health = Health.RECOVERING if s.ever_failed else Health.UP
         if s.health is Health.RECOVERING and now - s.healthy_since >= self.policy.recover_after_s:
-            self._set(s, Health.UP, now)
+            s.health = Health.UP
 
     def probe_failed(self, peer: str, now: float) -> None:
         s = self.peers[peer]
@@ -99,20 +98,14 @@ class RegionRouter:
         s.ever_failed = True
         s.healthy_since = None
         if s.health is Health.RECOVERING or (s.health is Health.UP and s.failures >= self.policy.fail_after):
-            self._set(s, Health.DOWN, now)
+            s.health = Health.DOWN
 
     def tick(self, now: float) -> None:
         """Time passes: a peer with no successful probe for stale_after_s is DOWN (probes that hang)."""
         for s in self.peers.values():
             if s.health is not Health.DOWN and (s.last_ok is None or now - s.last_ok >= self.policy.stale_after_s):
                 s.healthy_since, s.ever_failed = None, True
-                self._set(s, Health.DOWN, now)
-
-    @staticmethod
-    def _set(s: PeerState, health: Health, now: float) -> None:
-        if s.health is not health or not s.changes:
-            s.health = health
-            s.changes.append((now, health))
+                s.health = Health.DOWN
 
     # ---- the choice --------------------------------------------------------------------------
     def choose(self, local: Local, forwarded: bool = False) -> RegionDecision:
