@@ -541,6 +541,28 @@ class RegionPolicy:
 
 
 @dataclass(frozen=True)
+class EscrowPolicy:
+    """How regions share one budget (metering/escrow.py): each region's own floor, the leases it asks the ledger
+    region for, and how often it gives back what it holds unused (`[regions.escrow]`)."""
+
+    floor_fraction: float = 0.1  # of the amount, each region's own for the period
+    lease_fraction: float = 0.5  # a lease asks for this share of the pool...
+    min_lease_fraction: float = 0.02  # ...and at least this share of the amount (or the pool, if less)
+    refill_below_fraction: float = 0.02  # a region asks for more when it can still spend less than this share
+    release_period_s: float = 5.0  # how often a region gives back lease it did not need
+
+    def __post_init__(self):
+        for name in ("floor_fraction", "lease_fraction", "min_lease_fraction", "refill_below_fraction"):
+            v = getattr(self, name)
+            if not 0 <= v <= 1:
+                raise ValueError(f"escrow {name} must be within [0, 1], got {v!r}")
+        if self.lease_fraction == 0 and self.min_lease_fraction == 0:
+            raise ValueError("escrow leases need lease_fraction or min_lease_fraction above 0")
+        if self.release_period_s <= 0:
+            raise ValueError("escrow release_period_s must be > 0")
+
+
+@dataclass(frozen=True)
 class RegionPeer:
     """Another region's gateway, as this region reaches it."""
 
@@ -561,6 +583,12 @@ class RegionsConfig:
     peers: tuple[RegionPeer, ...] = ()
     policy: RegionPolicy = field(default_factory=RegionPolicy)
     forward_timeout_s: float = 30.0  # a forwarded request's connect and first-byte time at most
+    # Budgets shared by the regions: the region whose store keeps the ledger of leases ("": each region's
+    # budgets are its own), the escrow's policy, and the environment variable holding an admin token of
+    # every region's store, with which regions call each other's ledger endpoints.
+    ledger: str = ""
+    escrow: EscrowPolicy = field(default_factory=EscrowPolicy)
+    token_env: str = "KVSERVE_REGION_TOKEN"
 
     def __post_init__(self):
         names = [p.name for p in self.peers]
@@ -568,7 +596,14 @@ class RegionsConfig:
             raise ConfigError("[regions] peers must have distinct names, none of them the local region's")
         if self.peers and not self.local:
             raise ConfigError("[regions] with peers needs `local`, this region's name")
+        if self.ledger and self.ledger not in (self.local, *names):
+            raise ConfigError(f"[regions] ledger {self.ledger!r} is neither this region nor one of its peers")
         _validate(self, dict(forward_timeout_s=POSITIVE_NUMBER))
+
+    @property
+    def names(self) -> list[str]:
+        """Every region, this one first."""
+        return [self.local, *(p.name for p in self.peers)]
 
     @property
     def enabled(self) -> bool:
@@ -579,10 +614,11 @@ class RegionsConfig:
         data = dict(data)
         try:
             policy = _table(RegionPolicy, data.pop("policy", {}), "[regions.policy]")
+            escrow = _table(EscrowPolicy, data.pop("escrow", {}), "[regions.escrow]")
             peers = tuple(_table(RegionPeer, p, "[[regions.peers]]") for p in data.pop("peers", []))
         except (TypeError, ValueError) as e:
             raise ConfigError(f"[regions]: {e}") from None
-        return _table(cls, {**data, "peers": peers, "policy": policy}, "[regions]")
+        return _table(cls, {**data, "peers": peers, "policy": policy, "escrow": escrow}, "[regions]")
 
 
 # ---- the batch API ---------------------------------------------------------------------------

@@ -29,9 +29,10 @@ def tiny_model_toml(model: Path, model_id: str = "tiny", max_model_len: int = 25
 
 class LiveServer:
     def __init__(self, home: Path, models_toml: str, server_toml: str = "", tenant: str = "acme",
-                 env: dict[str, str] | None = None, port: int | None = None, minted=None):
+                 env: dict[str, str] | None = None, port: int | None = None, minted=None, admin_minted=None):
         """`port`: the port to listen on (default: a free one); `minted`: the tenant's token (a MintedToken,
-        store/tenants.py), to give one tenant the same token on several servers."""
+        store/tenants.py), to give one tenant the same token on several servers; `admin_minted`: the same for
+        an admin tenant "ops" (`admin_token`)."""
         self.home, self.port = Path(home), port or free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.config = self.home / "models.toml"
@@ -41,6 +42,7 @@ class LiveServer:
 
         with Store(self.home / "kvserve.db") as store:
             self.token = (store.tenants.create_tenant(tenant, minted) if minted else store.create_tenant(tenant))[1]
+            self.admin_token = store.tenants.create_tenant("ops", admin_minted, admin=True)[1] if admin_minted else None
         self.proc: subprocess.Popen | None = None
         self.log_path = self.home / "server.log"
 

@@ -153,13 +153,53 @@ async def watch_health(client: httpx.AsyncClient, urls: list[str], names: list[s
     return changes
 
 
+@dataclass
+class Spending:
+    """What a tenant with a budget shared by the regions got while it spent in all of them at once."""
+
+    served: int = 0
+    refused_quota: int = 0  # 429 insufficient_quota: its budget (or this region's share of it) was spent
+    other_errors: int = 0  # anything else (a region dead or frozen: the spender does not retry elsewhere)
+    refusal_messages: list[str] = field(default_factory=list)
+
+
+async def spend_everywhere(client: httpx.AsyncClient, urls: list[str], token: str, body: dict, until: float,
+                           pause_s: float = 0.1) -> Spending:
+    """One spender per region sends `body` (not streamed) to its region until `until` (monotonic), `pause_s`
+    apart, and counts what was served and refused."""
+    out = Spending()
+
+    async def one(url: str) -> None:
+        while time.monotonic() < until:
+            try:
+                r = await client.post(url + "/v1/completions", json=body, timeout=10,
+                                      headers={"Authorization": f"Bearer {token}"})
+                code = r.json().get("error", {}).get("code") if r.status_code != 200 else None
+            except (httpx.HTTPError, ValueError):
+                r, code = None, "transport"
+            if r is not None and r.status_code == 200:
+                out.served += 1
+            elif r is not None and r.status_code == 429 and code == "insufficient_quota":
+                out.refused_quota += 1
+                if len(out.refusal_messages) < 200:
+                    out.refusal_messages.append(r.json()["error"]["message"])
+            else:
+                out.other_errors += 1
+            await asyncio.sleep(pause_s)
+
+    await asyncio.gather(*(one(u) for u in urls))
+    return out
+
+
 async def run_chaos(urls: list[str], names: list[str], token: str, bodies: list[dict], expected: list[str],
                     faults: list[Fault], act: Callable[[Fault], Awaitable[None]], duration_s: float,
-                    clients_per_region: int, ttft_slo_s: float, window_s: float = 10.0) -> dict:
+                    clients_per_region: int, ttft_slo_s: float, window_s: float = 10.0,
+                    spender: tuple[str, dict] | None = None) -> dict:
     """Clients in every region loop over `bodies` through the documented retry for `duration_s` while `act`
-    applies each fault at its time. Returns the figures: successes, TTFT SLO outside the failover windows
+    applies each fault at its time (and, with `spender` (its token, its body), a tenant with a budget spends in
+    every region: spend_everywhere). Returns the figures: successes, TTFT SLO outside the failover windows
     (from each fault until its region is back, and `window_s` more), continued streams, text exactness against
-    `expected`, detection times."""
+    `expected`, detection times, and the spender's counts."""
     results: list[tuple[int, StreamResult]] = []
     start = time.monotonic()
     stop = asyncio.Event()
@@ -183,11 +223,15 @@ async def run_chaos(urls: list[str], names: list[str], token: str, bodies: list[
             return done
 
         watcher = asyncio.create_task(watch_health(client, urls, names, stop))
+        spending = (asyncio.create_task(spend_everywhere(client, urls, spender[0], spender[1], start + duration_s))
+                    if spender else None)
         users = [user(r, r * 1000 + c) for r in range(len(urls)) for c in range(clients_per_region)]
         applied, *_ = await asyncio.gather(injector(), *users)
         stop.set()
         changes = await watcher
-    return _figures(results, expected, applied, changes, names, ttft_slo_s, window_s, duration_s, start)
+        spent = await spending if spending is not None else None
+    out = _figures(results, expected, applied, changes, names, ttft_slo_s, window_s, duration_s, start)
+    return {**out, "spending": spent}
 
 
 def _figures(results, expected, applied, changes, names, ttft_slo_s, window_s, duration_s, start) -> dict:

@@ -45,12 +45,26 @@ class Budget:
     period: str
     spent: float = 0.0  # settled in the current period
     reserved: float = 0.0  # held by requests in flight
+    period_start: float = 0.0
+    # With regions sharing the budget (metering/escrow.py): this region's own share of the amount, and what
+    # it may spend in all (that share plus the leases it received). None: the budget is this store's alone.
+    floor: float | None = None
+    allotment: float | None = None
+
+    @property
+    def cap(self) -> float:
+        """What this store may spend of the budget in its period."""
+        return self.amount if self.allotment is None else min(self.amount, self.allotment)
 
     @property
     def remaining(self) -> float:
-        return max(0.0, self.amount - self.spent - self.reserved)
+        return max(0.0, self.cap - self.spent - self.reserved)
 
     def fits(self, ask: float) -> bool:
+        return self.spent + self.reserved + ask <= self.cap + 1e-12
+
+    def fits_globally(self, ask: float) -> bool:
+        """Whether the ask would fit the whole amount (it may need a lease of the regions' pool first)."""
         return self.spent + self.reserved + ask <= self.amount + 1e-12
 
 

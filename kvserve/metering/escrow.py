@@ -21,30 +21,9 @@ the reservation), as metering does in one region (metering/budgets.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from kvserve.config import EscrowPolicy
 
 EPSILON = 1e-9  # money is in floats (USD); comparisons forgive rounding
-
-
-@dataclass(frozen=True)
-class EscrowPolicy:
-    floor_fraction: float = 0.1  # of the limit, each region's own for the period
-    lease_fraction: float = 0.5  # a lease asks for this share of the pool...
-    min_lease_fraction: float = 0.02  # ...and at least this share of the limit (or the pool, if less)
-    refill_below_fraction: float = 0.02  # a region asks for more when it can still spend less than this share
-
-    def __post_init__(self):
-        for name in ("floor_fraction", "lease_fraction", "min_lease_fraction", "refill_below_fraction"):
-            v = getattr(self, name)
-            if not 0 <= v <= 1:
-                raise ValueError(f"escrow {name} must be within [0, 1], got {v!r}")
-        if self.lease_fraction == 0 and self.min_lease_fraction == 0:
-            raise ValueError("escrow leases need lease_fraction or min_lease_fraction above 0")
-
-    def floors(self, limit: float, regions: list[str]) -> dict[str, float]:
-        if self.floor_fraction * len(regions) > 1 + EPSILON:
-            raise ValueError(f"floors of {self.floor_fraction:g} for {len(regions)} regions exceed the limit")
-        return {r: self.floor_fraction * limit for r in regions}
 
 
 class Ledger:
@@ -53,8 +32,10 @@ class Ledger:
     def __init__(self, limit: float, regions: list[str], policy: EscrowPolicy = EscrowPolicy()):
         if limit < 0 or not regions or len(set(regions)) != len(regions):
             raise ValueError("a ledger needs a limit >= 0 and distinct regions")
+        if policy.floor_fraction * len(regions) > 1 + EPSILON:
+            raise ValueError(f"floors of {policy.floor_fraction:g} for {len(regions)} regions exceed the limit")
         self.limit, self.policy = limit, policy
-        self.floors = policy.floors(limit, regions)
+        self.floors = {r: policy.floor_fraction * limit for r in regions}
         self.leases = {r: 0.0 for r in regions}
         self.reported = {r: 0.0 for r in regions}  # what each region last said it spent (for reports)
 
@@ -70,6 +51,15 @@ class Ledger:
         got = min(max(0.0, want), self.pool)
         self.leases[region] += got
         return got
+
+    def lease(self, region: str, need: float) -> float:
+        """A region needs `need` more to admit a request: it gets a lease of at least that, a share of the pool
+        (lease_fraction of it, at least min_lease_fraction of the limit) so it does not ask at every request;
+        nothing when the pool cannot cover the need (a part of it would sit unused)."""
+        p = self.policy
+        if need > self.pool + EPSILON:
+            return 0.0
+        return self.grant(region, max(need, p.lease_fraction * self.pool, p.min_lease_fraction * self.limit))
 
     def release(self, region: str, amount: float) -> None:
         """The region gave back `amount` of its leases (it stopped counting it before it said so)."""

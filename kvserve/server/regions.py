@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvserve.config import RegionsConfig
+from kvserve.server.budget_share import BudgetShare
 from kvserve.engine.client import EngineStatus
 from kvserve.service.region_routing import Local, RegionDecision, RegionRouter
 from kvserve.service.router import LoadLevel
@@ -49,6 +50,7 @@ class RegionFront:
         self.urls = {p.name: p.url.rstrip("/") for p in config.peers}
         self._client: httpx.AsyncClient | None = None
         self._task: asyncio.Task | None = None
+        self.budgets: BudgetShare | None = None  # with a [regions] ledger: budgets shared by the regions
 
     @property
     def local(self) -> str:
@@ -59,8 +61,14 @@ class RegionFront:
         p = self.config.policy
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.config.forward_timeout_s, connect=p.probe_timeout_s))
         self._task = asyncio.create_task(self._probe_loop(), name="kvserve-region-probes")
+        if self.config.ledger:
+            self.budgets = BudgetShare(self.config, self.state.store, self._client, self.urls)
+            await self.budgets.start()
+            self.state.service.metering.share = self.budgets
 
     async def stop(self) -> None:
+        if self.budgets is not None:
+            await self.budgets.stop()
         if self._task is not None:
             self._task.cancel()
             try:

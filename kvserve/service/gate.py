@@ -7,13 +7,18 @@ before any engine work: 429 insufficient_quota (a budget), or 429 rate_limit_exc
 (the window). The hold is settled by the request's usage row (real price, real tokens) however it ends
 (finished, aborted, failed, migrated: one row per request), or released here when the request never
 reached an engine. Tenants with neither a budget nor limits skip the transaction (cached flags).
+
+Budgets shared by regions (metering/escrow.py): a call that does not fit this region's allotment but would fit
+the whole amount asks the ledger region for a lease (`BudgetShare`, the region front's) and is admitted again
+once; refused if no lease comes (the pool is spent, or the ledger cannot be reached: a partition costs refusals).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvserve.config import ModelPrice
 from kvserve.engine.errors import InsufficientQuota, RateLimitExceeded
+from kvserve.metering.budgets import Budget
 from kvserve.metering.money import format_money
 from kvserve.metering.prices import worst_case_price
 from kvserve.metering.rate_limits import RateState
@@ -22,9 +27,15 @@ if TYPE_CHECKING:
     from kvserve.store import AsyncStore
 
 
+class BudgetShare(Protocol):
+    async def lease(self, tenant: str, budget: Budget, need: float) -> str | None:
+        """Raise this region's allotment of `budget` by at least `need`: None when it did, else why not."""
+
+
 class MeteringGate:
     def __init__(self):
         self.store: "AsyncStore | None" = None
+        self.share: BudgetShare | None = None  # set by a region front whose budgets are shared
 
     def open(self, store: "AsyncStore") -> None:
         self.store = store
@@ -37,7 +48,18 @@ class MeteringGate:
         if store is None or not await store.ameters(tenant):
             return None
         asks = [(rid, worst_case_price(price, tier, prompt, out), prompt + out) for rid, prompt, out in requests]
+        total = sum(a[1] for a in asks)
         got = await store.aadmit(tenant, model, asks)
+        why_not = ""
+        for _ in range(2):  # the per-model budget and the all-models one may each need a lease
+            s = got.short
+            if s is None or self.share is None or s.allotment is None or not s.fits_globally(total):
+                break
+            why = await self.share.lease(tenant, s, total - s.remaining)
+            if why is not None:
+                why_not = f"; {why}"
+                break
+            got = await store.aadmit(tenant, model, asks)
         if got.rate_limited:
             r = got.rate
             what = "requests" if r.rpm is not None and r.requests + 1 > r.rpm else "tokens"
@@ -48,9 +70,10 @@ class MeteringGate:
             s = got.short
             scope = "all models" if s.model == "*" else f"model {s.model}"
             period = {"none": "total", "day": "daily", "month": "monthly"}[s.period]
-            raise InsufficientQuota(f"this request could cost up to {format_money(sum(a[1] for a in asks))}; the "
-                                    f"{period} budget of tenant {tenant} for {scope} has {format_money(s.remaining)} "
-                                    f"left of {format_money(s.amount)} (lower max_tokens, or raise the budget)")
+            here = "" if s.allotment is None else " in this region"
+            raise InsufficientQuota(f"this request could cost up to {format_money(total)}; the {period} budget of "
+                                    f"tenant {tenant} for {scope} has {format_money(s.remaining)} left{here} of "
+                                    f"{format_money(s.amount)}{why_not} (lower max_tokens, or raise the budget)")
         return got.rate
 
     async def release(self, tenant: str, request_ids: list[str]) -> None:

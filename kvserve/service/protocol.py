@@ -510,6 +510,27 @@ class BudgetRequest(_Lenient):
     model: str | None = None
 
 
+class EscrowLease(_Lenient):
+    """POST /v1/region/escrow/lease (region to region): `region` needs `need` dollars more of a shared budget."""
+
+    tenant: str
+    model: str
+    period_start: Annotated[float, Field(allow_inf_nan=False)]
+    region: str
+    need: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+    deadline: Annotated[float, Field(allow_inf_nan=False)] | None = None  # Unix seconds: no grant after it
+
+
+class EscrowRelease(_Lenient):
+    """POST /v1/region/escrow/release: `region` gives back `amount` dollars of its leases."""
+
+    tenant: str
+    model: str
+    period_start: Annotated[float, Field(allow_inf_nan=False)]
+    region: str
+    amount: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
 MAX_RATE_LIMIT = 10**12  # per minute: more is no limit, and the store keeps 64-bit integers
 
 

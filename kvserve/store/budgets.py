@@ -20,10 +20,16 @@ if TYPE_CHECKING:
 
     from kvserve.store.database import Database
 
+_COLUMNS = "tenant, model, amount, period, spent, reserved, period_start, floor, allotment"
+
+
 class BudgetBook:
     def __init__(self, db: "Database", cache_ttl_s: float = 5.0):
         self.db = db
         self._has: TTLCache[bool] = TTLCache(cache_ttl_s)  # tenant -> has a budget
+        # Budgets shared by regions: each region's floor, as a fraction of the amount (None: budgets are
+        # this store's alone). Set by the server from [regions] (share_with_regions).
+        self.floor_fraction: float | None = None
 
     # ---- admin ------------------------------------------------------------------------------
     def set_budget(self, tenant: str, amount: float, period: str, model: str = ALL_MODELS) -> Budget:
@@ -39,6 +45,7 @@ class BudgetBook:
                 " period = excluded.period, updated_at = excluded.updated_at",
                 (tenant, model, float(amount), period, period_start(period, now), now))
             self._roll(conn, tenant, now)
+            self._set_floors(conn, "tenant = ? AND model = ?", (tenant, model))
         self._has.forget(tenant)
         return self.get(tenant, model)
 
@@ -56,7 +63,7 @@ class BudgetBook:
         with self.db.write() as conn:  # a read that rolls periods and expires holds first
             self._roll(conn, tenant, now)
             self._expire(conn, now)
-            rows = conn.execute("SELECT tenant, model, amount, period, spent, reserved FROM budgets"
+            rows = conn.execute(f"SELECT {_COLUMNS} FROM budgets"
                                 + (" WHERE tenant = ?" if tenant else "") + " ORDER BY tenant, model",
                                 (tenant,) if tenant else ()).fetchall()
         return [Budget(*r) for r in rows]
@@ -77,8 +84,8 @@ class BudgetBook:
         `total` more does not fit in (None: it fits them all)."""
         self._roll(conn, tenant, now)
         self._expire(conn, now)
-        rows = conn.execute("SELECT tenant, model, amount, period, spent, reserved FROM budgets WHERE tenant = ?"
-                            " AND model IN (?, ?)", (tenant, model, ALL_MODELS)).fetchall()
+        rows = conn.execute(f"SELECT {_COLUMNS} FROM budgets WHERE tenant = ? AND model IN (?, ?)",
+                            (tenant, model, ALL_MODELS)).fetchall()
         budgets = [Budget(*r) for r in rows]
         return budgets, next((b for b in budgets if not b.fits(total)), None)
 
@@ -100,16 +107,59 @@ class BudgetBook:
             conn.execute("UPDATE budgets SET spent = spent + ? WHERE tenant = ? AND model IN (?, ?)",
                          (price, tenant, model, ALL_MODELS))
 
+    # ---- budgets shared by regions (metering/escrow.py) ------------------------------------------
+    def share_with_regions(self, floor_fraction: float | None) -> None:
+        """Every budget becomes this region's floor plus the leases it holds (None: this store's alone again)."""
+        self.floor_fraction = floor_fraction
+        with self.db.write() as conn:
+            self._set_floors(conn, "1 = 1", ())
+
+    def receive(self, tenant: str, model: str, start: float, lease: float) -> bool:
+        """A lease granted for the period that began at `start`: this region may spend that much more (not if
+        the budget rolled into another period meanwhile: the lease was of the old one)."""
+        now = self.db.clock()
+        with self.db.write() as conn:
+            self._roll(conn, tenant, now)
+            return conn.execute("UPDATE budgets SET allotment = allotment + ? WHERE tenant = ? AND model = ? AND"
+                                " period_start = ? AND allotment IS NOT NULL", (lease, tenant, model, start)
+                                ).rowcount == 1
+
+    def give_back(self, tenant: str, model: str, keep: float) -> tuple[float, float]:
+        """Lower the allotment to keep at most `keep` of lease unspent; (period start, the lease given back),
+        to tell the ledger after (a message lost then costs refusals, never overspend)."""
+        now = self.db.clock()
+        with self.db.write() as conn:
+            self._roll(conn, tenant, now)
+            row = conn.execute("SELECT spent + reserved, period_start, floor, allotment FROM budgets WHERE tenant = ?"
+                               " AND model = ? AND allotment IS NOT NULL", (tenant, model)).fetchone()
+            if row is None:
+                return 0.0, 0.0
+            used, start, floor, allotment = row
+            spare = max(0.0, min(allotment - floor, allotment - used - keep))
+            if spare > 0:
+                conn.execute("UPDATE budgets SET allotment = allotment - ? WHERE tenant = ? AND model = ?",
+                             (spare, tenant, model))
+            return start, spare
+
+    def _set_floors(self, conn: "sqlite3.Connection", where: str, args: tuple) -> None:
+        """Floors follow the amount (an admin changed it); what the region holds above its floor stays."""
+        if self.floor_fraction is None:
+            conn.execute(f"UPDATE budgets SET floor = NULL, allotment = NULL WHERE {where}", args)
+        else:
+            conn.execute(f"UPDATE budgets SET allotment = amount * ? + MAX(0, COALESCE(allotment - floor, 0)),"
+                         f" floor = amount * ? WHERE {where}", (self.floor_fraction, self.floor_fraction, *args))
+
     # ---- housekeeping (inside a write transaction) ----------------------------------------------
     def _roll(self, conn: "sqlite3.Connection", tenant: str | None, now: float) -> None:
-        """Budgets whose period ended start a new one: spent goes back to 0 (holds stay held)."""
+        """Budgets whose period ended start a new one: spent goes back to 0 (holds stay held), and a region's
+        leases were of the period that ended: it is back to its floor."""
         rows = conn.execute("SELECT tenant, model, period, period_start FROM budgets"
                             + (" WHERE tenant = ?" if tenant else ""), (tenant,) if tenant else ()).fetchall()
         for t, m, period, start in rows:
             current = period_start(period, now)
             if current > start:
-                conn.execute("UPDATE budgets SET spent = 0, period_start = ? WHERE tenant = ? AND model = ?",
-                             (current, t, m))
+                conn.execute("UPDATE budgets SET spent = 0, period_start = ?, allotment = floor WHERE tenant = ?"
+                             " AND model = ?", (current, t, m))
 
     def _expire(self, conn: "sqlite3.Connection", now: float) -> None:
         """Holds past their expiry (their gateway died before settling) are released."""

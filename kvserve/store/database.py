@@ -303,6 +303,26 @@ MIGRATIONS: list[tuple[int, str]] = [
         ALTER TABLE usage_daily ADD COLUMN host_cached_prompt_tokens INTEGER NOT NULL DEFAULT 0;
         """,
     ),
+    (
+        11,
+        """
+        -- Budgets shared by regions (metering/escrow.py): this region's own share of a budget (floor) and what
+        -- it may spend in all, its floor plus the leases it received this period (allotment); NULL: the
+        -- budget is this store's alone.
+        ALTER TABLE budgets ADD COLUMN floor REAL;
+        ALTER TABLE budgets ADD COLUMN allotment REAL;
+        -- In the ledger region's store: the leases of each budget's pool granted to each region, by period.
+        CREATE TABLE escrow_leases (
+            tenant       TEXT NOT NULL,
+            model        TEXT NOT NULL,
+            period_start REAL NOT NULL,
+            region       TEXT NOT NULL,
+            lease        REAL NOT NULL DEFAULT 0,
+            updated_at   REAL NOT NULL,
+            PRIMARY KEY (tenant, model, period_start, region)
+        );
+        """,
+    ),
 ]
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from kvserve.store.budgets import BudgetBook
+from kvserve.store.escrow import EscrowLedger
 from kvserve.store.database import DEFAULT_BUSY_TIMEOUT_S, Clock, Database, store_location
 from kvserve.store.idempotency import DEFAULT_IDEMPOTENCY_TTL_S, BeginResult, IdempotencyStore, StoredResponse
 from kvserve.store.metering import Holds
@@ -46,6 +47,7 @@ class Store:
         self.tenants = TenantRegistry(self.db, scrypt_n=scrypt_n, cache_ttl_s=auth_cache_ttl_s,
                                       cache_size=auth_cache_size)
         self.budgets = BudgetBook(self.db, cache_ttl_s=auth_cache_ttl_s)
+        self.escrow = EscrowLedger(self.db)
         self.rate_limits = RateLimiter(self.db, cache_ttl_s=auth_cache_ttl_s)
         self.holds = Holds(self.db, self.budgets, self.rate_limits)
         self.usage = UsageLedger(self.db, self.holds)

@@ -3,21 +3,26 @@ each its own region with its own store, each the others' peer, the same tenant t
 every region stream completions through the documented retry while a schedule SIGKILLs a region and brings it
 back, then freezes another (SIGSTOP: it answers nothing, as when its network is cut) and thaws it. Every request
 must succeed from the client's view, with the text of an uninterrupted stream (no token twice or lost); peers
-must see each fault within 5 s.
+must see each fault within 5 s. Meanwhile a second tenant with a budget shared by the three regions (its ledger
+kept by the region that is killed) spends in all three until it runs out: the regions together never spend
+more than the budget.
 
 Quick (inside `make test`): the tiny model, 40 s. Full (`make reliability`): SmolLM2, 3 minutes, figures into
-RELIABILITY.md. A region here is one single-process server (its engine, its SQLite store), not a Ray cluster;
-budgets are not held across regions yet (each region's store holds its own), so overspend is not measured."""
+RELIABILITY.md. A region here is one single-process server (its engine, its SQLite store), not a Ray cluster."""
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import time
 
 import httpx
 import pytest
 
 from kvserve.bench.failover import Fault, run_chaos
+from kvserve.config import ServedModel
+from kvserve.metering.prices import worst_case_price
+from kvserve.store import Store
 from kvserve.store.tenants import mint_token
 from tests.live_server import LiveServer, free_port, start_all, tiny_model_toml
 from tests.reliability.conftest import FULL, scale
@@ -27,6 +32,7 @@ pytestmark = [pytest.mark.timeout(1200)]
 NAMES = ["us", "eu", "ap"]
 PROMPTS = ["The history of the lighthouse", "A recipe for bread", "Why the sea is salty", "Rules of chess",
            "A letter to a friend", "The moon landing", "How bees make honey", "A walk in the rain"]
+LEDGER = 1  # the region killed and restarted keeps the budget ledger
 POLICY = "[regions.policy]\nprobe_period_s = 0.25\nprobe_timeout_s = 0.5\nstale_after_s = 1.5\nrecover_after_s = 3.0\n"
 
 
@@ -39,16 +45,19 @@ def _models_toml(tiny_llama_gguf) -> str:
 
 def test_three_regions_survive_a_killed_region_and_a_frozen_one(tmp_path, tiny_llama_gguf, figures):
     ports = [free_port() for _ in NAMES]
-    minted = mint_token()
+    minted, spender, admin = mint_token(), mint_token(), mint_token()
     servers = []
     for i, name in enumerate(NAMES):
         peers = ", ".join(f'{{name = "{n}", url = "http://127.0.0.1:{p}"}}'
                           for j, (n, p) in enumerate(zip(NAMES, ports)) if j != i)
         (tmp_path / name).mkdir()
         servers.append(LiveServer(tmp_path / name, _models_toml(tiny_llama_gguf) +
-                                  f'\n[regions]\nlocal = "{name}"\npeers = [{peers}]\n{POLICY}',
-                                  port=ports[i], minted=minted,
-                                  env={"OMP_NUM_THREADS": "1"}))  # three regions share this machine's cores
+                                  f'\n[regions]\nlocal = "{name}"\nledger = "{NAMES[LEDGER]}"\npeers = [{peers}]\n'
+                                  f"{POLICY}", port=ports[i], minted=minted, admin_minted=admin,
+                                  # three regions share this machine's cores
+                                  env={"OMP_NUM_THREADS": "1", "KVSERVE_REGION_TOKEN": admin.token}))
+        with Store(tmp_path / name / "kvserve.db") as store:
+            store.tenants.create_tenant("spender", spender)
     start_all(servers)
     try:
         urls = [s.base for s in servers]
@@ -61,6 +70,8 @@ def test_three_regions_survive_a_killed_region_and_a_frozen_one(tmp_path, tiny_l
                            timeout=120)
             assert r.status_code == 200, r.text
             expected.append(r.json()["choices"][0]["text"])
+        spend_body = {"model": "m", "prompt": "Count to ten", "max_tokens": 8, "temperature": 0}
+        budget = _share_a_budget(servers, spender.token, spend_body, scale(60, 200))
         duration = scale(40.0, 180.0)
         faults = [Fault(0.15 * duration, "kill", 1), Fault(0.35 * duration, "restart", 1),
                   Fault(0.6 * duration, "freeze", 2), Fault(0.75 * duration, "thaw", 2)]
@@ -76,7 +87,8 @@ def test_three_regions_survive_a_killed_region_and_a_frozen_one(tmp_path, tiny_l
 
         clients = 2  # per region: within what two regions carry on this machine when the third is gone (N+1)
         out = asyncio.run(run_chaos(urls, NAMES, servers[0].token, bodies, expected, faults, act, duration,
-                                    clients, ttft_slo_s=scale(2.0, 2.0)))
+                                    clients, ttft_slo_s=scale(2.0, 2.0), spender=(spender.token, spend_body)))
+        spent = {n: _spent(s) for n, s in zip(NAMES, servers)}
     finally:
         for s in servers:
             if s.proc is not None and s.proc.poll() is None:
@@ -104,8 +116,45 @@ def test_three_regions_survive_a_killed_region_and_a_frozen_one(tmp_path, tiny_l
                    local_share > 0.95, detail=f"{out['local_before_faults']} of {out['before_faults']}")
     figures.record(section, "fault detected by a peer", ", ".join(f"{d:.1f} s" for d in detections), "< 5 s",
                    len(detections) == 2 and max(detections) < 5.0)
+    spending, total = out["spending"], sum(spent.values())
+    overspend = max(0.0, total - budget)
+    ledger_down = sum(f"ledger region {NAMES[LEDGER]}" in m for m in spending.refusal_messages)
+    figures.record(section, "budget overspend across the regions", f"${overspend:.6f}", "0", overspend <= 1e-12,
+                   detail=f"spent ${total:.6f} of ${budget:.6f} (" + ", ".join(f"{n} ${v:.6f}" for n, v in
+                                                                         spent.items()) +
+                          f"); the spending tenant was served {spending.served}, refused {spending.refused_quota} "
+                          f"(429 insufficient_quota, {ledger_down} of them naming the unreachable ledger), "
+                          f"{spending.other_errors} other errors (no retry)")
+    assert overspend <= 1e-12, spent
+    assert spending.served > 0 and spending.refused_quota > 0  # it spent, and ran out
     assert out["requests"] > 0 and out["succeeded"] == out["requests"], out["errors"]
     assert out["exact_text"] == out["succeeded"]
     assert len(detections) == 2 and max(detections) < 5.0, out["detection_s"]
     assert out["failed_over"] > 0  # the faults were felt, and survived
     assert local_share > 0.95
+
+
+def _share_a_budget(servers: list[LiveServer], token: str, body: dict, requests: int) -> float:
+    """A budget of `requests` worst-case prices of `body` for the spending tenant, the same in every region."""
+    r = httpx.post(servers[0].base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {token}"},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    price = ServedModel(id="m", source="unused").price
+    amount = requests * worst_case_price(price, "interactive", r.json()["usage"]["prompt_tokens"], body["max_tokens"])
+    for s in servers:
+        r = httpx.put(s.base + "/v1/admin/tenants/spender/budget", json={"amount": amount, "period": "month"},
+                      headers=s.headers(s.admin_token), timeout=10)
+        assert r.status_code == 200, r.text
+    return amount
+
+
+def _spent(server: LiveServer) -> float:
+    """The spending tenant's settled spending in this region once nothing of it is held."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        b = httpx.get(server.base + "/v1/admin/budgets", params={"tenant": "spender"},
+                      headers=server.headers(server.admin_token), timeout=10).json()["data"][0]
+        if b["reserved"] < 1e-12:
+            return b["spent"]
+        time.sleep(0.2)
+    raise AssertionError(f"holds of {server.base} were never settled")

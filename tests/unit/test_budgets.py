@@ -202,3 +202,48 @@ def test_a_rate_limited_tenant_gets_429_with_retry_after_and_headers(tiny_llama_
     assert ok1.headers["x-ratelimit-limit-requests"] == "2" and ok2.headers["x-ratelimit-remaining-requests"] == "0"
     assert limited.status_code == 429 and limited.json()["error"]["code"] == "rate_limit_exceeded"
     assert int(limited.headers["Retry-After"]) >= 1 and limited.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+def test_regions_share_a_budget_through_leases_from_the_ledger(store, clock, tmp_path):
+    """Two regions' stores (metering/escrow.py): each spends its floor without asking, more only by a lease
+    from the ledger (kept in `store`), gives back what it does not need, and starts a new period at its floor."""
+    from kvserve.config import EscrowPolicy
+
+    regions, policy = ["a", "b"], EscrowPolicy(floor_fraction=0.1, lease_fraction=0.5, min_lease_fraction=0.02)
+    other = Store(tmp_path / "b.db", clock=clock, scrypt_n=2**10, auth_cache_ttl_s=0)
+    other.create_tenant("acme")
+    for s in (store, other):
+        s.budgets.set_budget("acme", 1.0, "day")
+        s.budgets.share_with_regions(policy.floor_fraction)
+    b = other.budgets.get("acme")
+    assert (b.floor, b.allotment, b.cap) == (pytest.approx(0.1), pytest.approx(0.1), pytest.approx(0.1))
+    assert hold(other, "m", ("r1", 0.08)) is None
+    short = hold(other, "m", ("r2", 0.05))
+    assert short is not None and short.fits_globally(0.05) and short.remaining == pytest.approx(0.02)
+    # the pool is 1.0 - 2 floors = 0.8: a lease of half of it, more than the 0.03 needed
+    got = store.escrow.lease("acme", "*", b.period_start, "b", 0.03, regions, policy)
+    assert got == pytest.approx(0.4)
+    assert other.budgets.receive("acme", "*", b.period_start, got)
+    assert hold(other, "m", ("r2", 0.05)) is None
+    assert store.escrow.lease("acme", "*", b.period_start, "a", 0.5, regions, policy) == 0.0  # 0.4 left: not 0.5
+    assert store.escrow.lease("acme", "*", b.period_start, "a", 0.1, regions, policy) == pytest.approx(0.2)
+    assert store.escrow.lease("acme", "*", b.period_start, "c", 0.1, regions, policy) == 0.0  # not a region
+    # b gives back all but 0.05 of its unspent lease; the ledger may grant it again
+    start, spare = other.budgets.give_back("acme", "*", keep=0.05)
+    assert start == b.period_start and spare == pytest.approx(0.5 - 0.13 - 0.05)
+    assert other.budgets.get("acme").allotment == pytest.approx(0.18)
+    store.escrow.release("acme", "*", start, "b", spare)
+    assert store.escrow.leases("acme", "*", start) == {"a": pytest.approx(0.2), "b": pytest.approx(0.4 - spare)}
+    # a lease of a period that ended is not received; the new period starts at the floor
+    clock.t += 3600
+    assert not other.budgets.receive("acme", "*", b.period_start, 0.3)
+    assert other.budgets.get("acme").allotment == pytest.approx(0.1)
+    # an admin raises the amount: the floor follows, the lease held stays
+    new_start = other.budgets.get("acme").period_start
+    assert other.budgets.receive("acme", "*", new_start, 0.05)
+    other.budgets.set_budget("acme", 2.0, "day")
+    b = other.budgets.get("acme")
+    assert (b.floor, b.allotment) == (pytest.approx(0.2), pytest.approx(0.25))
+    other.budgets.share_with_regions(None)  # budgets this store's alone again
+    assert other.budgets.get("acme").allotment is None and other.budgets.get("acme").cap == 2.0
+    other.close()

@@ -104,3 +104,16 @@ def test_policy_is_validated():
     with pytest.raises(ValueError):
         RegionRouter("us", ["us"])
 
+
+
+def test_the_regions_table_is_read_and_validated():
+    from kvserve.config import ConfigError, RegionsConfig
+
+    c = RegionsConfig.from_table({"local": "us", "ledger": "eu", "peers": [{"name": "eu", "url": "http://eu:8000"}],
+                                  "policy": {"probe_period_s": 0.25}, "escrow": {"floor_fraction": 0.2}})
+    assert c.enabled and c.names == ["us", "eu"] and c.policy.probe_period_s == 0.25
+    assert c.escrow.floor_fraction == 0.2 and c.escrow.release_period_s == 5.0
+    for bad in ({"ledger": "mars"}, {"escrow": {"floor_fraction": 2}}, {"escrow": {"release_period_s": 0}},
+                {"peers": [{"name": "us", "url": "http://us"}]}):
+        with pytest.raises(ConfigError):
+            RegionsConfig.from_table({"local": "us", "peers": [{"name": "eu", "url": "http://eu:8000"}], **bad})

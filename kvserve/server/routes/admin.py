@@ -33,7 +33,8 @@ async def _tenant(state: ServerState, name: str) -> None:
 
 def budget_json(b) -> dict:
     return {"tenant": b.tenant, "model": None if b.model == ALL_MODELS else b.model, "amount": b.amount,
-            "period": b.period, "spent": b.spent, "reserved": b.reserved, "remaining": b.remaining}
+            "period": b.period, "spent": b.spent, "reserved": b.reserved, "remaining": b.remaining,
+            "region_allotment": b.allotment}
 
 
 @router.get("/budgets")

@@ -1,5 +1,7 @@
-"""Operational endpoints (no auth): /health, /ready, /metrics."""
+"""Operational endpoints: /health, /ready, /metrics (no auth), and the endpoints peer regions call."""
 from __future__ import annotations
+
+import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -8,7 +10,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvserve.engine.client import EngineStatus
 from kvserve.server.auth import authenticate
 from kvserve.server.errors import APIError
+from kvserve.server.routes.admin import require_admin
+from kvserve.server.serving import read_json_body
 from kvserve.server.state import ServerState
+from kvserve.service import protocol as p
 
 router = APIRouter()
 
@@ -62,6 +67,37 @@ async def region_key(request: Request, key: str):
     if held is None:
         raise APIError(404, "this region does not hold that Idempotency-Key", "invalid_request_error", "not_found")
     return JSONResponse({"region": front.local, "state": held})
+
+
+@router.post("/v1/region/escrow/lease")
+async def escrow_lease(request: Request):
+    """The ledger region grants a peer a lease of a shared budget (server/budget_share.py). Admin token."""
+    share, ask = await _ledger_call(request, p.EscrowLease)
+    if ask.deadline is not None and time.time() > ask.deadline:  # its region stopped waiting: a grant would be lost
+        return JSONResponse({"granted": 0.0, "expired": True})
+    granted = await share.grant(ask.tenant, ask.model, ask.period_start, ask.region, ask.need)
+    return JSONResponse({"granted": granted})
+
+
+@router.post("/v1/region/escrow/release")
+async def escrow_release(request: Request):
+    """A peer gives back lease it held unused. Admin token."""
+    share, rel = await _ledger_call(request, p.EscrowRelease)
+    await share.take_back(rel.tenant, rel.model, rel.period_start, rel.region, rel.amount)
+    return JSONResponse({"released": rel.amount})
+
+
+async def _ledger_call(request: Request, body_model):
+    state: ServerState = request.app.state.kv
+    front = _regions(state)
+    await require_admin(request)
+    share = front.budgets
+    if share is None or not share.is_ledger:
+        raise APIError(404, "this region does not keep the budget ledger", "invalid_request_error", "not_found")
+    body = body_model.model_validate(await read_json_body(request, state.config.max_body_bytes))
+    if body.region not in front.config.names:
+        raise APIError(400, f"unknown region {body.region!r}", "invalid_request_error", "invalid_value", param="region")
+    return share, body
 
 
 def _regions(state: ServerState):
