@@ -128,7 +128,7 @@ async def stream_with_failover(client: httpx.AsyncClient, urls: list[str], home:
 @dataclass(frozen=True)
 class Fault:
     at_s: float
-    action: str  # "kill" | "restart" | "freeze" | "thaw"
+    action: str  # "kill" | "restart" | "freeze" | "thaw" | "partition" | "heal"
     region: int
 
 
@@ -237,7 +237,7 @@ async def run_chaos(urls: list[str], names: list[str], token: str, bodies: list[
 def _figures(results, expected, applied, changes, names, ttft_slo_s, window_s, duration_s, start) -> dict:
     ok = [r for _, r in results if r.ok]
     exact = sum(1 for i, r in results if r.ok and r.text == expected[i])
-    ends = {"kill": "restart", "freeze": "thaw"}  # a fault's window: until its region is back, and window_s more
+    ends = {"kill": "restart", "freeze": "thaw", "partition": "heal"}  # a fault lasts until its region is back
     windows = []
     for t, f in applied:
         if f.action in ends:
@@ -250,7 +250,7 @@ def _figures(results, expected, applied, changes, names, ttft_slo_s, window_s, d
     failed_over = [r for r in ok if r.attempts > 1]
     detections = []
     for t, f in applied:
-        if f.action not in ("kill", "freeze"):
+        if f.action not in ends:
             continue
         victim = names[f.region]
         seen = [when for when, observer, peer, health in changes if peer == victim and health == "down" and when >= t]

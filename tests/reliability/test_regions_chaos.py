@@ -1,7 +1,9 @@
 """Three regions under chaos (server/regions.py, service/resume.py, kvserve/bench/failover.py): three servers,
 each its own region with its own store, each the others' peer, the same tenant token in all three. Clients in
 every region stream completions through the documented retry while a schedule SIGKILLs a region and brings it
-back, then freezes another (SIGSTOP: it answers nothing, as when its network is cut) and thaws it. Every request
+back, freezes another (SIGSTOP: it answers nothing, as a hung region) and thaws it, then cuts the third off from
+the others (kvserve/bench/netproxy.py: every link between regions goes through a proxy that delays it by half the
+pair's round trip each way, and drops everything while cut; its own clients still reach it). Every request
 must succeed from the client's view, with the text of an uninterrupted stream (no token twice or lost); peers
 must see each fault within 5 s. Meanwhile a second tenant with a budget shared by the three regions (its ledger
 kept by the region that is killed) spends in all three until it runs out: the regions together never spend
@@ -20,6 +22,7 @@ import httpx
 import pytest
 
 from kvserve.bench.failover import Fault, run_chaos
+from kvserve.bench.netproxy import start_link
 from kvserve.config import ServedModel
 from kvserve.metering.prices import worst_case_price
 from kvserve.store import Store
@@ -33,6 +36,7 @@ NAMES = ["us", "eu", "ap"]
 PROMPTS = ["The history of the lighthouse", "A recipe for bread", "Why the sea is salty", "Rules of chess",
            "A letter to a friend", "The moon landing", "How bees make honey", "A walk in the rain"]
 LEDGER = 1  # the region killed and restarted keeps the budget ledger
+RTT_MS = {frozenset((0, 1)): 70.0, frozenset((0, 2)): 150.0, frozenset((1, 2)): 200.0}  # added between regions
 POLICY = "[regions.policy]\nprobe_period_s = 0.25\nprobe_timeout_s = 0.5\nstale_after_s = 1.5\nrecover_after_s = 3.0\n"
 
 
@@ -43,13 +47,17 @@ def _models_toml(tiny_llama_gguf) -> str:
     return tiny_model_toml(tiny_llama_gguf, model_id="m")
 
 
-def test_three_regions_survive_a_killed_region_and_a_frozen_one(tmp_path, tiny_llama_gguf, figures):
+def test_three_regions_survive_a_killed_region_a_frozen_one_and_a_partitioned_one(tmp_path, tiny_llama_gguf,
+                                                                                  figures):
     ports = [free_port() for _ in NAMES]
     minted, spender, admin = mint_token(), mint_token(), mint_token()
+    # region i reaches region j through a link with half the pair's round trip each way
+    links = {(i, j): (free_port(), RTT_MS[frozenset((i, j))] / 2) for i in range(3) for j in range(3) if i != j}
+    procs = {ij: start_link(port, ports[ij[1]], delay) for ij, (port, delay) in links.items()}
     servers = []
     for i, name in enumerate(NAMES):
-        peers = ", ".join(f'{{name = "{n}", url = "http://127.0.0.1:{p}"}}'
-                          for j, (n, p) in enumerate(zip(NAMES, ports)) if j != i)
+        peers = ", ".join(f'{{name = "{n}", url = "http://127.0.0.1:{links[i, j][0]}"}}'
+                          for j, n in enumerate(NAMES) if j != i)
         (tmp_path / name).mkdir()
         servers.append(LiveServer(tmp_path / name, _models_toml(tiny_llama_gguf) +
                                   f'\n[regions]\nlocal = "{name}"\nledger = "{NAMES[LEDGER]}"\npeers = [{peers}]\n'
@@ -73,8 +81,9 @@ def test_three_regions_survive_a_killed_region_and_a_frozen_one(tmp_path, tiny_l
         spend_body = {"model": "m", "prompt": "Count to ten", "max_tokens": 8, "temperature": 0}
         budget = _share_a_budget(servers, spender.token, spend_body, scale(60, 200))
         duration = scale(40.0, 180.0)
-        faults = [Fault(0.15 * duration, "kill", 1), Fault(0.35 * duration, "restart", 1),
-                  Fault(0.6 * duration, "freeze", 2), Fault(0.75 * duration, "thaw", 2)]
+        faults = [Fault(0.12 * duration, "kill", 1), Fault(0.3 * duration, "restart", 1),
+                  Fault(0.45 * duration, "freeze", 2), Fault(0.55 * duration, "thaw", 2),
+                  Fault(0.68 * duration, "partition", 0), Fault(0.8 * duration, "heal", 0)]
 
         async def act(f: Fault) -> None:
             s = servers[f.region]
@@ -82,8 +91,12 @@ def test_three_regions_survive_a_killed_region_and_a_frozen_one(tmp_path, tiny_l
                 s.kill()
             elif f.action == "restart":
                 await asyncio.to_thread(s.start)
-            else:
+            elif f.action in ("freeze", "thaw"):
                 os.kill(s.proc.pid, signal.SIGSTOP if f.action == "freeze" else signal.SIGCONT)
+            else:  # every link to and from the region: cut, or healed
+                for ij, proc in procs.items():
+                    if f.region in ij:
+                        proc.send_signal(signal.SIGUSR1 if f.action == "partition" else signal.SIGUSR2)
 
         clients = 2  # per region: within what two regions carry on this machine when the third is gone (N+1)
         out = asyncio.run(run_chaos(urls, NAMES, servers[0].token, bodies, expected, faults, act, duration,
@@ -94,10 +107,13 @@ def test_three_regions_survive_a_killed_region_and_a_frozen_one(tmp_path, tiny_l
             if s.proc is not None and s.proc.poll() is None:
                 os.kill(s.proc.pid, signal.SIGCONT)
             s.stop()
+        for proc in procs.values():
+            proc.kill()
     detections = [d for d in out["detection_s"] if d is not None]
     section = "regions chaos"
     figures.record(section, "load", f"{out['requests']} streamed requests in {duration:.0f} s",
-                   detail=f"3 regions x {clients} clients, {'SmolLM2' if FULL else 'tiny model'}, "
+                   detail=f"3 regions x {clients} clients, {'SmolLM2' if FULL else 'tiny model'}, round trips "
+                          "between regions 70/150/200 ms (a delaying proxy per link), "
                           f"{max_tokens} tokens each; faults: " + ", ".join(f"{a} {r} at {t:.0f} s"
                                                                           for t, a, r in out["faults"]))
     figures.record(section, "requests that succeeded (client's retry)", f"{out['success_share']:.2%}", ">= 99.9%",
@@ -115,7 +131,7 @@ def test_three_regions_survive_a_killed_region_and_a_frozen_one(tmp_path, tiny_l
     figures.record(section, "served in the client's own region before any fault", f"{local_share:.1%}", "> 95%",
                    local_share > 0.95, detail=f"{out['local_before_faults']} of {out['before_faults']}")
     figures.record(section, "fault detected by a peer", ", ".join(f"{d:.1f} s" for d in detections), "< 5 s",
-                   len(detections) == 2 and max(detections) < 5.0)
+                   len(detections) == 3 and max(detections) < 5.0)
     spending, total = out["spending"], sum(spent.values())
     overspend = max(0.0, total - budget)
     ledger_down = sum(f"ledger region {NAMES[LEDGER]}" in m for m in spending.refusal_messages)
@@ -129,7 +145,7 @@ def test_three_regions_survive_a_killed_region_and_a_frozen_one(tmp_path, tiny_l
     assert spending.served > 0 and spending.refused_quota > 0  # it spent, and ran out
     assert out["requests"] > 0 and out["succeeded"] == out["requests"], out["errors"]
     assert out["exact_text"] == out["succeeded"]
-    assert len(detections) == 2 and max(detections) < 5.0, out["detection_s"]
+    assert len(detections) == 3 and max(detections) < 5.0, out["detection_s"]
     assert out["failed_over"] > 0  # the faults were felt, and survived
     assert local_share > 0.95
 
