@@ -246,6 +246,11 @@ def _figures(results, expected, applied, changes, names, ttft_slo_s, window_s, d
             windows.append((t, back + window_s))
     calm = [r for _, r in results if not any(a <= r.started <= b for a, b in windows)]
     within_slo = [r for r in calm if r.ok and r.ttft_s is not None and r.ttft_s <= ttft_slo_s]
+    # N+1: while a killed region is gone, the requests the others took at once (no failed attempt first)
+    gone = [(t, min((u for u, g in applied if u > t and g.region == f.region and g.action == "restart"),
+                    default=start + duration_s)) for t, f in applied if f.action == "kill"]
+    during_loss = [r for _, r in results if r.attempts == 1 and any(a <= r.started <= b for a, b in gone)]
+    loss_within_slo = [r for r in during_loss if r.ok and r.ttft_s is not None and r.ttft_s <= ttft_slo_s]
     continued = [r for r in ok if r.resumed]
     failed_over = [r for r in ok if r.attempts > 1]
     detections = []
@@ -263,6 +268,7 @@ def _figures(results, expected, applied, changes, names, ttft_slo_s, window_s, d
             "success_share": len(ok) / max(1, len(results)),
             "calm_requests": len(calm), "calm_within_ttft_slo": len(within_slo),
             "ttft_slo_share": len(within_slo) / max(1, len(calm)), "ttft_slo_s": ttft_slo_s,
+            "loss_requests": len(during_loss), "loss_within_ttft_slo": len(loss_within_slo),
             "failed_over": len(failed_over), "continued_streams": len(continued),
             "failover_e2e_s_p50": statistics.median(r.e2e_s for r in failed_over) if failed_over else None,
             "failover_e2e_s_max": max((r.e2e_s for r in failed_over), default=None),
