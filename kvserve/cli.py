@@ -24,7 +24,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = ServerConfig.from_toml(args.config, host=args.host, port=args.port, stall_timeout_s=args.stall_timeout,
                                  shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level,
-                                 **({"home": args.home} if args.home else {}))
+                                 region=args.region, **({"home": args.home} if args.home else {}))
     app = create_app(cfg)
     state = app.state.kv
     state.home.mkdir(parents=True, exist_ok=True)
@@ -66,7 +66,8 @@ def cmd_serve_fleet(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = ServerConfig.from_toml(args.config, host=args.host, port=args.port, stall_timeout_s=args.stall_timeout,
-                                 shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)
+                                 shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level,
+                                 region=args.region)
     with Store(store_location(cfg.db_path, cfg.home)) as store:
         token, _ = ensure_dev_tenant(store, kvserve_home(cfg.home))
     print(f"kvserve fleet: starting replica pools for {', '.join(m.id for m in cfg.models)} on Ray "
@@ -103,7 +104,8 @@ def cmd_fleet(args: argparse.Namespace) -> int:
 
     try:
         if args.fleet_cmd == "apply":
-            for line in deploy.apply(Path(args.config).read_text(), args.ray_address) or ["no change"]:
+            for line in deploy.apply(Path(args.config).read_text(), args.ray_address, region=args.region) \
+                    or ["no change"]:
                 print(line)
             return 0
         print(status.render(status.collect(args.ray_address, args.url)))
@@ -397,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "~/.kvserve); the store is kvserve.db there unless [server].db_path")
     s.add_argument("--fleet", action="store_true", help="serve through a gateway over replica pools on Ray Serve")
     s.add_argument("--ray-address", default=None, help="with --fleet: join this Ray cluster (default: start one)")
+    s.add_argument("--region", default=None, help="this server's region, one of those the [regions] table lists "
+                                                  "(the others are its peers)")
     s.set_defaults(func=lambda a: cmd_serve_fleet(a) if a.fleet else cmd_serve(a))
 
     f = sub.add_parser("fleet", help="the fleet on Ray Serve: status, rolling updates")
@@ -404,6 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     fa = fsub.add_parser("apply", help="apply a new models TOML: new pools warm up, traffic moves, old ones drain")
     fa.add_argument("config")
     fa.add_argument("--ray-address", default="auto")
+    fa.add_argument("--region", default=None, help="the fleet's region, where the TOML lists several (as serve's)")
     fs = fsub.add_parser("status", help="replicas, versions, health, load, routing and prefix hit rates")
     fs.add_argument("--ray-address", default="auto")
     fs.add_argument("--url", default=None, help="a gateway's base URL (default: http://[server].host:port)")

@@ -610,7 +610,9 @@ class RegionsConfig:
         return bool(self.local and self.peers)
 
     @classmethod
-    def from_table(cls, data: dict) -> "RegionsConfig":
+    def from_table(cls, data: dict, region: str | None = None) -> "RegionsConfig":
+        """`region` (`kvserve serve --region NAME`): this server's region, one of those the table lists; one
+        file can then list every region, each server dropping its own from its peers."""
         data = dict(data)
         try:
             policy = _table(RegionPolicy, data.pop("policy", {}), "[regions.policy]")
@@ -618,6 +620,12 @@ class RegionsConfig:
             peers = tuple(_table(RegionPeer, p, "[[regions.peers]]") for p in data.pop("peers", []))
         except (TypeError, ValueError) as e:
             raise ConfigError(f"[regions]: {e}") from None
+        if region is not None:
+            if region not in [p.name for p in peers]:
+                raise ConfigError(f"--region {region}: the [regions] table lists no region of that name (it lists "
+                                  f"{', '.join(p.name for p in peers) or 'none'})")
+            data["local"] = region
+        peers = tuple(p for p in peers if p.name != data.get("local"))
         return _table(cls, {**data, "peers": peers, "policy": policy, "escrow": escrow}, "[regions]")
 
 
@@ -766,7 +774,7 @@ class ServerConfig:
                                       engine_args={k: v for k, v in m.items() if k not in known}))
         fleet = _table(FleetConfig, data.get("fleet", {}), "[fleet]")
         batch = _table(BatchConfig, data.get("batch", {}), "[batch]")
-        regions = RegionsConfig.from_table(data.get("regions", {}))
+        regions = RegionsConfig.from_table(data.get("regions", {}), overrides.pop("region", None))
         unknown_tables = set(data) - {"server", "models", "fleet", "batch", "regions"}
         if unknown_tables:
             raise ConfigError(f"unknown tables in {path}: {sorted(unknown_tables)}; allowed: server, models, fleet, "

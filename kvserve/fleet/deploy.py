@@ -129,11 +129,12 @@ def build_pool(args: dict):
 
 
 def build_gateway(args: dict):
-    """Serve application builder for the gateway (args {config}), for a fleet whose config is a manifest
-    (KubeRay): that config is the truth, so the fleet record is written from it."""
+    """Serve application builder for the gateway (args {config}, and {region} where the config lists several),
+    for a fleet whose config is a manifest (KubeRay): that config is the truth, so the fleet record is written
+    from it."""
     from kvserve.fleet.record import record
 
-    config = ServerConfig.from_toml(args["config"])
+    config = ServerConfig.from_toml(args["config"], region=args.get("region"))
     ray_get(record(config.fleet.ray_namespace, create=True).set.remote(Path(args["config"]).read_text(),
                                                                        pools_of(config)))
     return gateway_app(config)
@@ -259,14 +260,15 @@ def ray_get(ref):
     return ray.get(ref)
 
 
-def apply(config_text: str, address: str | None = "auto", start_timeout_s: float = 900) -> list[str]:
+def apply(config_text: str, address: str | None = "auto", start_timeout_s: float = 900,
+          region: str | None = None) -> list[str]:
     """Apply a new config to the running fleet (the rolling update in the module docstring); what changed.
     ConfigError / FleetError when refused, with the fleet left on its old config."""
     from ray import serve
 
     from kvserve.fleet.record import record
 
-    new = _parse(config_text)
+    new = _parse(config_text, region)
     connect(address, new)
     rec = record(new.fleet.ray_namespace)
     old_text, old_pools = ray_get(rec.get.remote())
@@ -325,13 +327,13 @@ def _check_source(m: ServedModel) -> None:
         raise FleetError(f"model {m.id}: its source {m.source!r} cannot be read: {e}") from None
 
 
-def _parse(config_text: str) -> ServerConfig:
+def _parse(config_text: str, region: str | None = None) -> ServerConfig:
     import tempfile
 
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
         f.write(config_text)
     try:
-        return ServerConfig.from_toml(f.name)
+        return ServerConfig.from_toml(f.name, region=region)
     finally:
         os.unlink(f.name)
 

@@ -32,10 +32,13 @@ SECTIONS = {  # section -> (title, what it shows)
                      "in the bits); a process writing it, and the HTTP server under two clients, are SIGKILLed, and an "
                      "engine (a server) restarted on the directory serves the same prompts."),
     "regions chaos": ("Three regions under chaos", "Three servers, each its own region (engine and SQLite store) "
-                      "and the others' peer; clients in every region stream greedy completions through the "
-                      "documented retry (Idempotency-Key, then Last-Event-ID at the next region) while a region is "
-                      "SIGKILLed and restarted, then another frozen (SIGSTOP, as a cut network) and thawed; each "
-                      "text compared with an uninterrupted stream's."),
+                      "and the others' peer, every link between regions through a proxy that delays it (this "
+                      "kernel has no netem) and can cut it; clients in every region stream greedy completions "
+                      "through the documented retry (Idempotency-Key, then Last-Event-ID at the next region) while "
+                      "a region is SIGKILLed and restarted, another frozen (SIGSTOP) and thawed, and the third cut "
+                      "off from the others and healed; each text compared with an uninterrupted stream's. A second "
+                      "tenant with a budget shared by the regions (its ledger in the region that is killed) spends "
+                      "in all three at once until it runs out."),
 }
 
 

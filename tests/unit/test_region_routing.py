@@ -114,6 +114,20 @@ def test_the_regions_table_is_read_and_validated():
     assert c.enabled and c.names == ["us", "eu"] and c.policy.probe_period_s == 0.25
     assert c.escrow.floor_fraction == 0.2 and c.escrow.release_period_s == 5.0
     for bad in ({"ledger": "mars"}, {"escrow": {"floor_fraction": 2}}, {"escrow": {"release_period_s": 0}},
-                {"peers": [{"name": "us", "url": "http://us"}]}):
+                {"peers": [{"name": "eu", "url": "http://eu"}, {"name": "eu", "url": "http://eu2"}]}):
         with pytest.raises(ConfigError):
             RegionsConfig.from_table({"local": "us", "peers": [{"name": "eu", "url": "http://eu:8000"}], **bad})
+
+
+def test_one_file_lists_every_region_and_each_server_picks_its_own(tmp_path):
+    from kvserve.config import ConfigError, ServerConfig
+
+    path = tmp_path / "regions.toml"
+    path.write_text('[regions]\nledger = "us"\npeers = [{name = "us", url = "http://us:8000"}, '
+                    '{name = "eu", url = "http://eu:8000"}, {name = "ap", url = "http://ap:8000"}]\n')
+    eu = ServerConfig.from_toml(str(path), region="eu").regions
+    assert eu.local == "eu" and [p.name for p in eu.peers] == ["us", "ap"] and eu.ledger == "us"
+    with pytest.raises(ConfigError, match="--region mars"):
+        ServerConfig.from_toml(str(path), region="mars")
+    with pytest.raises(ConfigError, match="needs `local`"):
+        ServerConfig.from_toml(str(path))
