@@ -12,6 +12,9 @@ import math
 from dataclasses import dataclass
 
 WINDOW_S = 60.0
+# Rate limits shared by regions (metering/escrow.py) are leased per window under these keys (a budget's key is
+# its model id, and model ids do not start with '#').
+SHARED_KEYS = {"#rpm": "rpm", "#tpm": "tpm"}
 
 
 def window_start(now: float) -> float:
@@ -27,10 +30,30 @@ class RateState:
     requests: int  # counted in this window, this request included when admitted
     tokens: int
     reset_s: float  # until the window ends
+    # With regions sharing the limits: what this region may count in the window (its floor and leases).
+    window_start: float = 0.0
+    allot_requests: float | None = None
+    allot_tokens: float | None = None
 
     def allows(self, tokens: int) -> bool:
-        return ((self.rpm is None or self.requests + 1 <= self.rpm)
-                and (self.tpm is None or self.tokens + tokens <= self.tpm))
+        return self.allows_within(tokens, self.allot_requests, self.allot_tokens)
+
+    def allows_globally(self, tokens: int) -> bool:
+        return self.allows_within(tokens, None, None)
+
+    def allows_within(self, tokens: int, requests_cap: float | None, tokens_cap: float | None) -> bool:
+        rpm = self.rpm if requests_cap is None or self.rpm is None else min(self.rpm, requests_cap)
+        tpm = self.tpm if tokens_cap is None or self.tpm is None else min(self.tpm, tokens_cap)
+        return (rpm is None or self.requests + 1 <= rpm + 1e-9) and (tpm is None or self.tokens + tokens <= tpm + 1e-9)
+
+    def needs(self, tokens: int) -> dict[str, float]:
+        """What this region lacks of its allotments to count one more request of `tokens` (by SHARED_KEYS key)."""
+        out = {}
+        if self.rpm is not None and self.allot_requests is not None and self.requests + 1 > self.allot_requests:
+            out["#rpm"] = self.requests + 1 - self.allot_requests
+        if self.tpm is not None and self.allot_tokens is not None and self.tokens + tokens > self.allot_tokens:
+            out["#tpm"] = self.tokens + tokens - self.allot_tokens
+        return out
 
     def headers(self) -> dict[str, str]:
         reset = _duration(self.reset_s)

@@ -1,6 +1,7 @@
-"""This region's side of budgets shared by regions (metering/escrow.py): it asks the ledger region for leases
-when a call does not fit its allotment, gives back what it holds unused, and, in the ledger region, answers
-its peers' asks (routes/ops.py).
+"""This region's side of budgets and rate limits shared by regions (metering/escrow.py): it asks the ledger
+region for leases when a call does not fit its allotment, gives back what it holds unused, and, in the ledger
+region, answers its peers' asks (routes/ops.py). A budget is leased by period under its model key, a rate
+limit by window under '#rpm' and '#tpm' (metering/rate_limits.py SHARED_KEYS).
 
 - A lease is asked on the request path (the metering gate's `BudgetShare`), of the ledger's store directly in
   the ledger region, else over HTTP within the probe timeout, with the admin token in `[regions] token_env`.
@@ -8,11 +9,13 @@ its peers' asks (routes/ops.py).
   An ask carries its deadline (this region's clock): the ledger grants nothing past it, so the asks a stalled
   or partitioned ledger finds queued when it wakes do not drain the pool into leases nobody is waiting for.
 - Every `release_period_s` each budget's lease above what the region spent in the last period (twice that,
-  and at least the minimum lease) goes back: the allotment is lowered first, the ledger told after.
+  and at least the minimum lease) goes back, and each rate limit's lease in the current window above the
+  minimum lease: the allotment is lowered first, the ledger told after.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -21,7 +24,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from kvserve.config import RegionsConfig
-from kvserve.metering.budgets import Budget
+from kvserve.metering.rate_limits import SHARED_KEYS
 
 if TYPE_CHECKING:
     from kvserve.store import AsyncStore
@@ -50,6 +53,7 @@ class BudgetShare:
 
     async def start(self) -> None:
         await self.store.awrite(self.store.store.budgets.share_with_regions, self.config.escrow.floor_fraction)
+        self.store.store.rate_limits.floor_fraction = self.config.escrow.floor_fraction
         self._task = asyncio.create_task(self._release_loop(), name="kvserve-budget-release")
 
     async def stop(self) -> None:
@@ -70,11 +74,12 @@ class BudgetShare:
         await self.store.awrite(self.store.store.escrow.release, tenant, model, start, region, amount)
 
     # ---- this region's side ---------------------------------------------------------------------
-    async def lease(self, tenant: str, budget: Budget, need: float) -> str | None:
-        """The metering gate's ask (service/gate.py BudgetShare)."""
-        args = dict(tenant=tenant, model=budget.model, period_start=budget.period_start, region=self.config.local)
+    async def lease(self, tenant: str, key: str, start: float, need: float) -> str | None:
+        """The metering gate's ask (service/gate.py LimitShare): `need` more of the budget `key` (a model id) in
+        the period that began at `start`, or of a rate limit (SHARED_KEYS) in that window."""
+        args = dict(tenant=tenant, model=key, period_start=start, region=self.config.local)
         if self.is_ledger:
-            got = await self.grant(tenant, budget.model, budget.period_start, self.config.local, need)
+            got = await self.grant(tenant, key, start, self.config.local, need)
         else:
             try:
                 timeout = self.config.policy.probe_timeout_s
@@ -87,9 +92,11 @@ class BudgetShare:
                 return f"the ledger region {self.config.ledger} of the shared budget could not be reached"
         if got <= 0:
             return "no region has any of it left to lease"
-        if not await self.store.awrite(self.store.store.budgets.receive, tenant, budget.model, budget.period_start,
-                                       got):
-            await self._tell_released(tenant, budget.model, budget.period_start, got)  # the period rolled
+        s = self.store.store
+        receive = (functools.partial(s.rate_limits.receive, tenant, key) if key in SHARED_KEYS
+                   else functools.partial(s.budgets.receive, tenant, key))
+        if not await self.store.awrite(receive, start, got):
+            await self._tell_released(tenant, key, start, got)  # the period (the window) ended meanwhile
             return "its period ended meanwhile"
         return None
 
@@ -120,6 +127,10 @@ class BudgetShare:
             start, spare = await self.store.awrite(self.store.store.budgets.give_back, b.tenant, b.model, keep)
             if spare > 0:
                 await self._tell_released(b.tenant, b.model, start, spare)
+        limits = self.store.store.rate_limits
+        for tenant in await self.store.aread(limits.tenants):
+            for key, start, spare in await self.store.awrite(limits.give_back, tenant, e.min_lease_fraction):
+                await self._tell_released(tenant, key, start, spare)
 
     async def _tell_released(self, tenant: str, model: str, start: float, amount: float) -> None:
         if self.is_ledger:

@@ -8,9 +8,10 @@ before any engine work: 429 insufficient_quota (a budget), or 429 rate_limit_exc
 (finished, aborted, failed, migrated: one row per request), or released here when the request never
 reached an engine. Tenants with neither a budget nor limits skip the transaction (cached flags).
 
-Budgets shared by regions (metering/escrow.py): a call that does not fit this region's allotment but would fit
-the whole amount asks the ledger region for a lease (`BudgetShare`, the region front's) and is admitted again
-once; refused if no lease comes (the pool is spent, or the ledger cannot be reached: a partition costs refusals).
+Budgets and rate limits shared by regions (metering/escrow.py): a call that does not fit this region's
+allotment but would fit the whole limit asks the ledger region for a lease (`LimitShare`, the region front's)
+and is admitted again; refused if no lease comes (the pool is spent, or the ledger cannot be reached: a
+partition costs refusals).
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvserve.config import ModelPrice
 from kvserve.engine.errors import InsufficientQuota, RateLimitExceeded
-from kvserve.metering.budgets import Budget
 from kvserve.metering.money import format_money
 from kvserve.metering.prices import worst_case_price
 from kvserve.metering.rate_limits import RateState
@@ -27,15 +27,17 @@ if TYPE_CHECKING:
     from kvserve.store import AsyncStore
 
 
-class BudgetShare(Protocol):
-    async def lease(self, tenant: str, budget: Budget, need: float) -> str | None:
-        """Raise this region's allotment of `budget` by at least `need`: None when it did, else why not."""
+class LimitShare(Protocol):
+    async def lease(self, tenant: str, key: str, start: float, need: float) -> str | None:
+        """Raise this region's allotment of a budget (`key` its model key) in the period that began at `start`,
+        or of a rate limit (metering/rate_limits.SHARED_KEYS) in that window, by at least `need`: None when it
+        did, else why not."""
 
 
 class MeteringGate:
     def __init__(self):
         self.store: "AsyncStore | None" = None
-        self.share: BudgetShare | None = None  # set by a region front whose budgets are shared
+        self.share: LimitShare | None = None  # set by a region front whose limits are shared
 
     def open(self, store: "AsyncStore") -> None:
         self.store = store
@@ -48,23 +50,25 @@ class MeteringGate:
         if store is None or not await store.ameters(tenant):
             return None
         asks = [(rid, worst_case_price(price, tier, prompt, out), prompt + out) for rid, prompt, out in requests]
-        total = sum(a[1] for a in asks)
+        total, tokens = sum(a[1] for a in asks), sum(a[2] for a in asks)
         got = await store.aadmit(tenant, model, asks)
         why_not = ""
-        for _ in range(2):  # the per-model budget and the all-models one may each need a lease
-            s = got.short
-            if s is None or self.share is None or s.allotment is None or not s.fits_globally(total):
+        for _ in range(3):  # the rate limits, the per-model budget and the all-models one may each need leases
+            wants = self._wants(got, total, tokens)
+            if not wants:
                 break
-            why = await self.share.lease(tenant, s, total - s.remaining)
+            why = next((w for w in [await self.share.lease(tenant, *want) for want in wants] if w is not None), None)
             if why is not None:
                 why_not = f"; {why}"
                 break
             got = await store.aadmit(tenant, model, asks)
         if got.rate_limited:
             r = got.rate
-            what = "requests" if r.rpm is not None and r.requests + 1 > r.rpm else "tokens"
+            what = "requests" if r.rpm is not None and not r.allows_within(0, r.allot_requests, None) else "tokens"
+            here = "" if r.allot_requests is None and r.allot_tokens is None else " (this region's share of it)"
             raise RateLimitExceeded(f"rate limit reached for tenant {tenant}: {what} per minute "
-                                    f"({r.rpm if what == 'requests' else r.tpm}); retry in {r.reset_s:.1f} s",
+                                    f"({r.rpm if what == 'requests' else r.tpm}){here}{why_not}; retry in "
+                                    f"{r.reset_s:.1f} s",
                                     retry_after=r.reset_s, headers=r.headers())
         if got.short is not None:
             s = got.short
@@ -75,6 +79,21 @@ class MeteringGate:
                                     f"tenant {tenant} for {scope} has {format_money(s.remaining)} left{here} of "
                                     f"{format_money(s.amount)}{why_not} (lower max_tokens, or raise the budget)")
         return got.rate
+
+    def _wants(self, got, dollars: float, tokens: int) -> list[tuple[str, float, float]]:
+        """The leases (key, period start, need) that would admit a refused call: only where the region's
+        allotment refused what the whole limit would allow."""
+        if self.share is None or got.admitted:
+            return []
+        r = got.rate
+        if got.rate_limited:
+            if r is None or not r.allows_globally(tokens):
+                return []
+            return [(key, r.window_start, need) for key, need in r.needs(tokens).items()]
+        s = got.short
+        if s.allotment is None or not s.fits_globally(dollars):
+            return []
+        return [(s.model, s.period_start, dollars - s.remaining)]
 
     async def release(self, tenant: str, request_ids: list[str]) -> None:
         if self.store is not None and request_ids and await self.store.ameters(tenant):

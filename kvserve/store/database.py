@@ -311,7 +311,11 @@ MIGRATIONS: list[tuple[int, str]] = [
         -- budget is this store's alone.
         ALTER TABLE budgets ADD COLUMN floor REAL;
         ALTER TABLE budgets ADD COLUMN allotment REAL;
-        -- In the ledger region's store: the leases of each budget's pool granted to each region, by period.
+        -- The same for rate limits, per window: the requests and tokens this region may count in it.
+        ALTER TABLE rate_windows ADD COLUMN allot_requests REAL;
+        ALTER TABLE rate_windows ADD COLUMN allot_tokens REAL;
+        -- In the ledger region's store: the leases of each budget's pool (and of each rate limit's window, under
+        -- the keys '#rpm' and '#tpm') granted to each region, by period.
         CREATE TABLE escrow_leases (
             tenant       TEXT NOT NULL,
             model        TEXT NOT NULL,

@@ -3,7 +3,9 @@ metering/escrow.py's `Ledger`): each budget's leases granted to each region, by 
 
 A grant and a release are each one write transaction, so the pool a grant draws from is the amount less every
 floor and every lease outstanding at that instant, whichever gateway asks. The amount is the ledger region's
-own budget row (tenant, model): every region sets the same amount, and the ledger's rules the pool.
+own budget row (tenant, model): every region sets the same amount, and the ledger's rules the pool. A rate
+limit is leased the same way per window (key '#rpm' or '#tpm', period_start the window's start), from the
+ledger region's own limits of the tenant.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.config import EscrowPolicy
 from kvserve.metering.escrow import Ledger
+from kvserve.metering.rate_limits import SHARED_KEYS
 
 if TYPE_CHECKING:
     import sqlite3
@@ -50,8 +53,11 @@ class EscrowLedger:
 
     def _ledger(self, conn: "sqlite3.Connection", tenant: str, model: str, start: float, regions: list[str],
                 policy: EscrowPolicy) -> Ledger | None:
-        row = conn.execute("SELECT amount FROM budgets WHERE tenant = ? AND model = ?", (tenant, model)).fetchone()
-        if row is None:
+        if model in SHARED_KEYS:
+            row = conn.execute(f"SELECT {SHARED_KEYS[model]} FROM rate_limits WHERE tenant = ?", (tenant,)).fetchone()
+        else:
+            row = conn.execute("SELECT amount FROM budgets WHERE tenant = ? AND model = ?", (tenant, model)).fetchone()
+        if row is None or row[0] is None:
             return None
         ledger = Ledger(row[0], regions, policy)
         for region, lease in conn.execute("SELECT region, lease FROM escrow_leases WHERE tenant = ? AND model = ?"

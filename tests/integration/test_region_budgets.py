@@ -124,3 +124,22 @@ def test_a_region_cut_off_from_the_ledger_spends_at_most_what_it_holds(three_reg
     _refusals_are_quota(later)
     assert sum(r.status_code == 200 for r in later) > 0  # the ledger answers again: leases again
     assert sum(_spent(s) for s in servers.values()) <= budget + 1e-12
+
+
+def test_a_rate_limit_holds_across_the_regions_within_a_window(three_regions):
+    from kvserve.metering.rate_limits import window_start
+
+    servers, rpm = three_regions, 24
+    for s in servers.values():
+        r = httpx.put(s.base + "/v1/admin/tenants/acme/limits", json={"rpm": rpm},
+                      headers=s.headers(s.admin_token), timeout=10)
+        assert r.status_code == 200, r.text
+    left = window_start(time.time()) + 60 - time.time()
+    if left < 25:  # every request in one window (a fixed window lets up to twice the limit across its edge)
+        time.sleep(left + 0.05)
+    responses = _spend_everywhere(servers, 20)
+    for r in responses:
+        assert r.status_code == 200 or (r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"), \
+            r.text
+    served = sum(r.status_code == 200 for r in responses)
+    assert 3 * 2 < served <= rpm  # past the floors (2.4 requests each), never past the limit

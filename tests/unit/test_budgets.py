@@ -247,3 +247,36 @@ def test_regions_share_a_budget_through_leases_from_the_ledger(store, clock, tmp
     other.budgets.share_with_regions(None)  # budgets this store's alone again
     assert other.budgets.get("acme").allotment is None and other.budgets.get("acme").cap == 2.0
     other.close()
+
+
+def test_regions_share_rate_limits_per_window(store, clock, tmp_path):
+    """Rate limits leased like budgets, per window (keys '#rpm' and '#tpm'): each region counts its floor of
+    the window without asking, more only by a lease; a new window starts at the floors again."""
+    from kvserve.config import EscrowPolicy
+    from kvserve.metering.rate_limits import window_start
+
+    regions, policy = ["a", "b"], EscrowPolicy(floor_fraction=0.1, lease_fraction=0.5, min_lease_fraction=0.02)
+    other = Store(tmp_path / "b.db", clock=clock, scrypt_n=2**10, auth_cache_ttl_s=0)
+    other.create_tenant("acme")
+    for s in (store, other):
+        s.rate_limits.set_limits("acme", 20, 1000)
+        s.rate_limits.floor_fraction = policy.floor_fraction
+    admit = lambda rid, tokens=10: other.holds.admit("acme", "m", [(rid, 0.0, tokens)])  # noqa: E731
+    assert admit("r1").admitted and admit("r2").admitted  # the floor: 2 requests of 20
+    refused = admit("r3")
+    assert refused.rate_limited and refused.rate.allows_globally(10) and refused.rate.needs(10) == {"#rpm": 1.0}
+    start = window_start(clock())
+    got = store.escrow.lease("acme", "#rpm", start, "b", 1.0, regions, policy)
+    assert got == pytest.approx(8.0)  # half of the pool: 20 - 2 floors = 16
+    assert other.rate_limits.receive("acme", "#rpm", start, got)
+    assert admit("r3").admitted
+    big = admit("r4", tokens=150)  # 30 tokens counted, a floor of 100
+    assert big.rate_limited and big.rate.needs(150) == {"#tpm": pytest.approx(80.0)}
+    assert store.escrow.lease("acme", "#tpm", start, "b", 80.0, regions, policy) == pytest.approx(400.0)
+    assert other.rate_limits.receive("acme", "#tpm", start, 400.0) and admit("r4", tokens=150).admitted
+    back = dict((k, v) for k, _, v in other.rate_limits.give_back("acme", keep_fraction=0.05))
+    assert back == {"#rpm": pytest.approx(10 - 4 - 1), "#tpm": pytest.approx(500 - 180 - 50)}
+    clock.t += 60  # a new window: the floors again, and a lease of the old one is not taken
+    assert not other.rate_limits.receive("acme", "#rpm", start, 5.0)
+    assert admit("r5").admitted and admit("r6").admitted and admit("r7").rate_limited
+    other.close()
