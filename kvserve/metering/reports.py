@@ -44,6 +44,30 @@ def page(rows: list[dict[str, Any]], start: float, end: float, width: str, group
     return {"object": "page", "data": data, "has_more": more, "next_page": str(int(start + n * w)) if more else None}
 
 
+_SUMMED = ("input_tokens", "input_cached_tokens", "input_disk_cached_tokens", "input_host_cached_tokens",
+           "output_tokens", "num_model_requests", "engine_seconds")
+
+
+def merge(pages: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pages of the same buckets from several regions (each region's usage rows are its own) as one: per
+    bucket, one result per group with every count and amount summed."""
+    merged = {**pages[0], "data": []}
+    for buckets in zip(*(p["data"] for p in pages)):
+        groups: dict[tuple, dict] = {}
+        for r in (r for b in buckets for r in b["results"]):
+            key = (r["tenant"], r["model"], r["tier"])
+            if key not in groups:
+                groups[key] = {**r, "amount": dict(r["amount"]), "cost": dict(r["cost"])}
+                continue
+            g = groups[key]
+            for f in _SUMMED:
+                g[f] += r[f]
+            for f in ("amount", "cost"):
+                g[f]["value"] = round(g[f]["value"] + r[f]["value"], 9)
+        merged["data"].append({**buckets[0], "results": list(groups.values())})
+    return merged
+
+
 CHART_MIN_BUCKETS = 6  # a chart of a fresh server still reads as a stretch of time
 CHART_MAX_BUCKETS = 168  # a week of hours; a longer history is drawn in days (at most MAX_LIMIT's 31)
 

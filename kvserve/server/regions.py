@@ -152,6 +152,22 @@ class RegionFront:
         found = [p for p in await asyncio.gather(*(ask(p) for p in peers)) if p is not None]
         return found[0] if found else None
 
+    # ---- usage of every region ----------------------------------------------------------------
+    async def peer_usage(self, request: Request, params: dict[str, str]) -> dict[str, dict | None]:
+        """Each peer's usage page for the same buckets (`/v1/usage`, as the caller), None where it did not answer."""
+        auth = {"authorization": request.headers.get("authorization", "")}
+
+        async def one(peer: str) -> dict | None:
+            try:
+                r = await self._client.get(f"{self.urls[peer]}/v1/usage", params=params, headers=auth,
+                                           timeout=self.config.forward_timeout_s)
+                return r.json() if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                return None
+
+        names = list(self.urls)
+        return dict(zip(names, await asyncio.gather(*(one(n) for n in names))))
+
     # ---- forwarding --------------------------------------------------------------------------
     async def forward(self, request: Request, body: bytes, peer: str) -> Response | None:
         """The peer's response, streamed as it comes; None when the peer could not be reached (a failed probe)."""

@@ -102,6 +102,19 @@ def test_one_tenant_spending_in_three_regions_never_overspends_and_uses_more_tha
     assert served > 3 * 3 * 2  # well past the floors: leases moved the pool to where it was spent
     by_region = {n: sum(r.status_code == 200 and r.headers["x-kvserve-region"] == n for r in responses) for n in NAMES}
     assert all(by_region.values()), by_region
+    # each region's usage rows are of what it served; any region's report merges them all
+    def requests_in(page: dict) -> int:
+        return sum(r["num_model_requests"] for b in page["data"] for r in b["results"])
+
+    asked = {"regions": "all", "bucket_width": "1d", "limit": 1, "group_by": "tenant"}
+    b = servers["b"]
+    merged = httpx.get(b.base + "/v1/usage", params=asked, headers=b.headers(), timeout=30).json()
+    assert merged["regions"] == {"b": "included", "a": "included", "c": "included"}
+    assert requests_in(merged) == served
+    local = httpx.get(b.base + "/v1/usage", params={**asked, "regions": "local"}, headers=b.headers(), timeout=30)
+    assert requests_in(local.json()) == by_region["b"] and "regions" not in local.json()
+    spent_merged = sum(r["amount"]["value"] for bucket in merged["data"] for r in bucket["results"])
+    assert spent_merged == pytest.approx(spent, abs=1e-9)
 
 
 def test_a_region_cut_off_from_the_ledger_spends_at_most_what_it_holds(three_regions, tiny_llama_gguf):

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvserve.metering.reports import BUCKET_WIDTHS, DEFAULT_LIMIT, MAX_LIMIT, to_csv
+from kvserve.metering.reports import merge as merge_usage
 from kvserve.metering.reports import page as usage_page
 from kvserve.service import protocol as p
 from kvserve.store.usage import REPORT_GROUPS
@@ -113,10 +114,13 @@ async def usage(request: Request, start_time: str | None = None, end_time: str |
                 page: str | None = None, format: Literal["json", "csv"] = "json",
                 group_by: list[str] = Query([], description=f"any of {', '.join(REPORT_GROUPS)}; repeated or "
                                                             "comma-separated"),
-                tenant: str | None = Query(None, description="an admin's: one tenant's usage")):
+                tenant: str | None = Query(None, description="an admin's: one tenant's usage"),
+                regions: Literal["local", "all"] = Query("local", description="all: every region's usage, merged")):
     """Usage per time bucket in the shape of OpenAI's usage API (metering/reports.py), grouped by any of
     tenant, model, tier (`group_by`, repeated or comma-separated). A tenant sees its own usage; an admin
-    token sees every tenant's, or one's with `tenant=`. `format=csv` exports the same rows."""
+    token sees every tenant's, or one's with `tenant=`. `format=csv` exports the same rows. `regions=all`
+    merges the peer regions' usage in (each region keeps the rows of what it served); the page says which
+    regions it holds (`regions`: included, or unreachable)."""
     state = _state(request)
     caller = await authenticate(request, state.store)
     group_by = [g for v in group_by for g in v.split(",") if g]
@@ -143,6 +147,13 @@ async def usage(request: Request, start_time: str | None = None, end_time: str |
     await state.service.ledger.flush()
     rows = await state.store.ausage_buckets(start, end, width, group_by, scope)
     body = usage_page(rows, start, end, bucket_width, group_by, limit)
+    if regions == "all" and state.regions is not None:
+        params = {"start_time": str(start), "end_time": str(end), "bucket_width": bucket_width, "limit": str(limit),
+                  "group_by": ",".join(group_by), **({"tenant": tenant} if tenant is not None else {})}
+        peers = await state.regions.peer_usage(request, params)
+        pages = [body] + [p for p in peers.values() if p is not None]
+        body = {**merge_usage(pages), "regions": {state.regions.local: "included", **{
+            name: "included" if p is not None else "unreachable" for name, p in peers.items()}}}
     if format == "csv":
         return Response(to_csv(body), media_type="text/csv",
                         headers={"content-disposition": "attachment; filename=usage.csv"})
