@@ -25,6 +25,7 @@ import httpx
 
 from kvserve.config import RegionsConfig
 from kvserve.metering.rate_limits import SHARED_KEYS
+from kvserve.server.background import stop_task
 
 if TYPE_CHECKING:
     from kvserve.store import AsyncStore
@@ -57,12 +58,7 @@ class BudgetShare:
         self._task = asyncio.create_task(self._release_loop(), name="kvserve-budget-release")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop_task(self._task)
 
     # ---- the ledger region's side ---------------------------------------------------------------
     async def grant(self, tenant: str, model: str, start: float, region: str, need: float) -> float:

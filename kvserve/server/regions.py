@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvserve.config import RegionsConfig
+from kvserve.server.background import stop_task
 from kvserve.server.budget_share import BudgetShare
 from kvserve.engine.client import EngineStatus
 from kvserve.service.region_routing import Local, RegionDecision, RegionRouter
@@ -69,12 +70,7 @@ class RegionFront:
     async def stop(self) -> None:
         if self.budgets is not None:
             await self.budgets.stop()
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop_task(self._task)
         if self._client is not None:
             await self._client.aclose()
 

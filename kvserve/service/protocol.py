@@ -510,24 +510,26 @@ class BudgetRequest(_Lenient):
     model: str | None = None
 
 
-class EscrowLease(_Lenient):
-    """POST /v1/region/escrow/lease (region to region): `region` needs `need` dollars more of a shared budget."""
+class _EscrowCall(_Lenient):
+    """A region's call to the ledger region about one shared limit: a tenant's budget (`model`: its model key)
+    or rate limit ('#rpm', '#tpm'), in the period (window) that began at `period_start`."""
 
     tenant: str
     model: str
     period_start: Annotated[float, Field(allow_inf_nan=False)]
     region: str
+
+
+class EscrowLease(_EscrowCall):
+    """POST /v1/region/escrow/lease (region to region): `region` needs `need` more of the limit."""
+
     need: Annotated[float, Field(ge=0, allow_inf_nan=False)]
     deadline: Annotated[float, Field(allow_inf_nan=False)] | None = None  # Unix seconds: no grant after it
 
 
-class EscrowRelease(_Lenient):
-    """POST /v1/region/escrow/release: `region` gives back `amount` dollars of its leases."""
+class EscrowRelease(_EscrowCall):
+    """POST /v1/region/escrow/release: `region` gives back `amount` of its leases."""
 
-    tenant: str
-    model: str
-    period_start: Annotated[float, Field(allow_inf_nan=False)]
-    region: str
     amount: Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
