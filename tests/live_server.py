@@ -1,6 +1,7 @@
 """A real kvserve server in a subprocess (`python -m kvserve.cli serve`), for integration and reliability
 tests: its own home (SQLite store, files), a models TOML written from the test's text, a tenant made
-before start, and stop by signal. Restartable on the same home and port (kill and restart tests)."""
+before start, and stop by signal. Restartable on the same home and port (kill and restart tests).
+`LiveFleet` is the same for `kvserve serve --fleet` and the local Ray cluster it starts."""
 from __future__ import annotations
 
 import os
@@ -111,3 +112,87 @@ def start_all(servers: list["LiveServer"], **kwargs) -> None:
     with ThreadPoolExecutor(len(servers)) as pool:
         for f in [pool.submit(s.start, **kwargs) for s in servers]:
             f.result()
+
+
+FLEET_TOML = "[fleet]\ngateway_cpus = 0\nhealth_check_period_s = 1.0\n"
+
+
+class LiveFleet:
+    """`kvserve serve --fleet` in its own session: the gateway's process and the local Ray cluster it starts (every
+    Ray process stays in that session), with LiveServer's interface; `kill` SIGKILLs the whole session (the
+    region's Ray cluster with it), `kill_named` the processes whose command line has a fragment (a replica:
+    "ServeReplica:pool-", the gateway: "ServeReplica:kvserve:gateway")."""
+
+    def __init__(self, home: Path, models_toml: str, server_toml: str = "", tenant: str = "acme",
+                 env: dict[str, str] | None = None, port: int | None = None, minted=None, admin_minted=None,
+                 args: tuple[str, ...] = ()):
+        """`args`: more `kvserve serve` arguments (`--region NAME`)."""
+        self.home, self.port, self.args = Path(home), port or free_port(), args
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.config = self.home / "fleet.toml"
+        self.config.write_text(f'[server]\nhome = "{self.home}"\nport = {self.port}\n{server_toml}\n{FLEET_TOML}'
+                               f"{models_toml}")
+        self.env = {**os.environ, "KVSERVE_HOME": str(self.home), **(env or {})}
+        from kvserve.store import Store
+
+        with Store(self.home / "kvserve.db") as store:
+            self.token = (store.tenants.create_tenant(tenant, minted) if minted else store.create_tenant(tenant))[1]
+            self.admin_token = store.tenants.create_tenant("ops", admin_minted, admin=True)[1] if admin_minted else None
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.home / "fleet.log"
+
+    def start(self, timeout: float = 600, ready_path: str = "/ready") -> "LiveFleet":
+        log = open(self.log_path, "a")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--fleet", "--config",
+                                      str(self.config), *self.args], env=self.env, stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                if httpx.get(self.base + ready_path, timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        self.kill()
+        raise AssertionError(f"fleet did not become ready:\n{self.log_text()[-3000:]}")
+
+    def session_pids(self) -> list[tuple[int, str]]:
+        if self.proc is None:
+            return []
+        found = []
+        for line in subprocess.run(["ps", "-eo", "pid=,sid=,args="], capture_output=True, text=True).stdout.splitlines():
+            parts = line.split(None, 2)
+            if len(parts) >= 2 and int(parts[1]) == self.proc.pid:
+                found.append((int(parts[0]), parts[2] if len(parts) > 2 else ""))
+        return found
+
+    def kill_named(self, fragment: str) -> int:
+        hit = [pid for pid, args in self.session_pids() if fragment in args]
+        for pid in hit:
+            _kill(pid)
+        return len(hit)
+
+    def kill(self) -> None:
+        for pid, _ in self.session_pids():
+            _kill(pid)
+        if self.proc is not None:
+            self.proc.wait(30)
+
+    def stop(self, timeout: float = 60) -> None:
+        self.kill()
+
+    def log_text(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def headers(self, token: str | None = None, **extra: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {token or self.token}", **extra}
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

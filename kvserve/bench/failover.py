@@ -62,7 +62,7 @@ class RegionMemory:
 
 
 async def stream_with_failover(client: httpx.AsyncClient, urls: list[str], home: int, body: dict, token: str,
-                               path: str = "/v1/completions", max_attempts: int = 8, connect_timeout_s: float = 1.0,
+                               path: str = "/v1/completions", max_attempts: int = 10, connect_timeout_s: float = 1.0,
                                read_timeout_s: float = 3.0, backoff_s: float = 0.2,
                                memory: RegionMemory | None = None) -> StreamResult:
     """One streamed completion through the documented retry, starting at region `home`."""
@@ -128,7 +128,7 @@ async def stream_with_failover(client: httpx.AsyncClient, urls: list[str], home:
 @dataclass(frozen=True)
 class Fault:
     at_s: float
-    action: str  # "kill" | "restart" | "freeze" | "thaw" | "partition" | "heal"
+    action: str  # of a region: "kill" | "restart" | "freeze" | "thaw" | "partition" | "heal"; inside one: any other
     region: int
 
 
@@ -214,12 +214,13 @@ async def run_chaos(urls: list[str], names: list[str], token: str, bodies: list[
                 results.append((i, res))
                 k += 1
 
-        async def injector() -> list[tuple[float, Fault]]:
-            done = []
+        async def injector() -> list[tuple[float, Fault, float]]:
+            done = []  # (applied, the fault, its action done: a restarted region is ready)
             for f in sorted(faults, key=lambda f: f.at_s):
                 await asyncio.sleep(max(0.0, start + f.at_s - time.monotonic()))
-                done.append((time.monotonic(), f))
+                t = time.monotonic()
                 await act(f)
+                done.append((t, f, time.monotonic()))
             return done
 
         watcher = asyncio.create_task(watch_health(client, urls, names, stop))
@@ -238,30 +239,42 @@ def _figures(results, expected, applied, changes, names, ttft_slo_s, window_s, d
     ok = [r for _, r in results if r.ok]
     exact = sum(1 for i, r in results if r.ok and r.text == expected[i])
     ends = {"kill": "restart", "freeze": "thaw", "partition": "heal"}  # a fault lasts until its region is back
+    def back(t: float, f: Fault, action: str) -> float:
+        """When the fault's region was back: its `action` (a restart: once ready) done."""
+        return min((d for u, g, d in applied if u > t and g.region == f.region and g.action == action),
+                   default=start + duration_s)
+
     windows = []
-    for t, f in applied:
+    for t, f, _ in applied:
         if f.action in ends:
-            back = min((u for u, g in applied if u > t and g.region == f.region and g.action == ends[f.action]),
-                       default=start + duration_s)
-            windows.append((t, back + window_s))
+            windows.append((t, back(t, f, ends[f.action]) + window_s))
+        elif f.action not in ends.values():  # a fault inside a region (a replica, a gateway): its restart's time
+            windows.append((t, t + window_s))
     calm = [r for _, r in results if not any(a <= r.started <= b for a, b in windows)]
     within_slo = [r for r in calm if r.ok and r.ttft_s is not None and r.ttft_s <= ttft_slo_s]
     # N+1: while a killed region is gone, the requests the others took at once (no failed attempt first)
-    gone = [(t, min((u for u, g in applied if u > t and g.region == f.region and g.action == "restart"),
-                    default=start + duration_s)) for t, f in applied if f.action == "kill"]
+    gone = [(t, back(t, f, "restart")) for t, f, _ in applied if f.action == "kill"]
     during_loss = [r for _, r in results if r.attempts == 1 and any(a <= r.started <= b for a, b in gone)]
     loss_within_slo = [r for r in during_loss if r.ok and r.ttft_s is not None and r.ttft_s <= ttft_slo_s]
     continued = [r for r in ok if r.resumed]
     failed_over = [r for r in ok if r.attempts > 1]
     detections = []
-    for t, f in applied:
+    for t, f, _ in applied:
         if f.action not in ends:
             continue
         victim = names[f.region]
-        seen = [when for when, observer, peer, health in changes if peer == victim and health == "down" and when >= t]
+        seen = []
+        for observer in names:
+            if observer == victim:
+                continue
+            mine = [(when, health) for when, o, peer, health in changes if o == observer and peer == victim]
+            before = [h for when, h in mine if when < t]
+            if before and before[-1] == "down":  # already down in its eyes (probes timing out under load)
+                seen.append(t)
+            seen += [when for when, h in mine if h == "down" and when >= t]
         detections.append(min(seen) - t if seen else None)
     ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
-    first_fault = min((t for t, _ in applied), default=start + duration_s)
+    first_fault = min((t for t, _, _ in applied), default=start + duration_s)
     before = [r for _, r in results if r.started < first_fault]
     local = [r for r in before if r.ok and r.attempts == 1 and r.regions[:1] == [r.home]]
     return {"requests": len(results), "succeeded": len(ok), "exact_text": exact,
@@ -274,5 +287,5 @@ def _figures(results, expected, applied, changes, names, ttft_slo_s, window_s, d
             "failover_e2e_s_max": max((r.e2e_s for r in failed_over), default=None),
             "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
             "before_faults": len(before), "local_before_faults": len(local),
-            "detection_s": detections, "faults": [(round(t - start, 1), f.action, names[f.region]) for t, f in applied],
+            "detection_s": detections, "faults": [(round(t - start, 1), f.action, names[f.region]) for t, f, _ in applied],
             "duration_s": duration_s, "errors": [r.error for _, r in results if not r.ok][:10]}

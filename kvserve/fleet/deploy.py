@@ -114,12 +114,12 @@ def pool_app(spec: ServedModel, config: ServerConfig):
     return deployment.bind(replace(spec, fleet=ModelFleet()), config.stall_timeout_s)
 
 
-def gateway_app(config: ServerConfig):
+def gateway_app(config: ServerConfig, warming: bool = False):
     from ray import serve
 
     from kvserve.fleet.gateway import Gateway
 
-    return serve.deployment(Gateway).options(**gateway_options(config)).bind(gateway_view(config))
+    return serve.deployment(Gateway).options(**gateway_options(config)).bind(gateway_view(config), warming)
 
 
 def build_pool(args: dict):
@@ -248,6 +248,7 @@ def start(config: ServerConfig, config_text: str, address: str | None = None, st
     connect(address, config)
     check_placement(config)
     serve.start(http_options={"host": config.host, "port": config.port})
+    serve.run(gateway_app(config, warming=True), name=GATEWAY_APP, route_prefix="/")  # 503s, not 404s, meanwhile
     _deploy_pools(config.models, config)
     _wait_running([pool_name(m) for m in config.models], start_timeout_s)
     ray_get(record(config.fleet.ray_namespace, create=True).set.remote(config_text, pools_of(config)))

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 DEFAULT_IDEMPOTENCY_TTL_S = 24 * 3600.0
 # An in-progress key's lease; its holder renews it a few times per lease (server/idempotency.py).
-DEFAULT_IDEMPOTENCY_LEASE_S = 30.0
+DEFAULT_IDEMPOTENCY_LEASE_S = 10.0  # a dead holder's key (a gateway SIGKILLed) is free again within this
 MAX_KEY_LEN = 255
 
 

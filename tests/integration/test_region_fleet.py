@@ -7,18 +7,13 @@ gets the rest of the stream, the text of an uninterrupted one."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
-from kvserve.store import Store
 from kvserve.store.tenants import mint_token
-from tests.live_server import LiveServer, free_port
+from tests.live_server import LiveFleet, LiveServer, free_port, start_all
 
 pytest.importorskip("ray")
 
@@ -34,11 +29,6 @@ kv_cache_memory = "64MiB"
 replicas = 1
 cpus = 1
 """
-FLEET_TOML = """
-[fleet]
-gateway_cpus = 0
-health_check_period_s = 1.0
-"""
 BODY = {"model": "smollm2-135m", "prompt": "The history of the lighthouse", "max_tokens": 48, "temperature": 0,
         "ignore_eos": True, "stream": True}
 
@@ -47,11 +37,6 @@ def _regions_toml(ports: dict[str, int]) -> str:
     listed = ", ".join(f'{{name = "{n}", url = "http://127.0.0.1:{p}"}}' for n, p in ports.items())
     return (f"\n[regions]\npeers = [{listed}]\n[regions.policy]\nprobe_period_s = 0.25\nprobe_timeout_s = 0.5\n"
             "stale_after_s = 1.5\nrecover_after_s = 3.0\n")
-
-
-def _session_pids(sid: int) -> list[int]:
-    out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout.split("\n")
-    return [int(p) for p, s in (line.split() for line in out if line.strip()) if int(s) == sid]
 
 
 def _text(sse: str) -> str:
@@ -63,47 +48,23 @@ def _text(sse: str) -> str:
 def fleet_and_server(tmp_path):
     minted = mint_token()
     ports = {"us": free_port(), "eu": free_port()}
-    us_home = tmp_path / "us"
-    us_home.mkdir()
-    config = us_home / "regions.toml"
-    config.write_text(f'[server]\nhome = "{us_home}"\nport = {ports["us"]}\n{FLEET_TOML}{MODEL_TOML}'
-                      + _regions_toml(ports))
-    with Store(us_home / "kvserve.db") as store:
-        store.tenants.create_tenant("acme", minted)
-    log = open(us_home / "fleet.log", "w")
-    fleet = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--fleet", "--region", "us", "--config",
-                              str(config)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                             env={**os.environ, "KVSERVE_HOME": str(us_home), "OMP_NUM_THREADS": "1"})
-    (tmp_path / "eu").mkdir()
+    for name in ports:
+        (tmp_path / name).mkdir()
+    us = LiveFleet(tmp_path / "us", MODEL_TOML + _regions_toml(ports), port=ports["us"], minted=minted,
+                   args=("--region", "us"), env={"OMP_NUM_THREADS": "1"})
     eu = LiveServer(tmp_path / "eu", MODEL_TOML.split("[models.fleet]")[0] + _regions_toml(ports).replace(
         "[regions]\n", '[regions]\nlocal = "eu"\n'), port=ports["eu"], minted=minted, env={"OMP_NUM_THREADS": "1"})
     try:
-        eu.start()
-        base = f"http://127.0.0.1:{ports['us']}"
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            assert fleet.poll() is None, (us_home / "fleet.log").read_text()[-3000:]
-            try:
-                if httpx.get(base + "/v1/region/status", timeout=2).json().get("ready"):
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(1)
-        else:
-            raise AssertionError("the fleet region never became ready:\n" + (us_home / "fleet.log").read_text()[-3000:])
-        yield base, fleet, eu
+        start_all([us, eu], ready_path="/ready")
+        yield us, eu
     finally:
-        for pid in _session_pids(fleet.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        us.kill()
         eu.stop()
 
 
 def test_a_fleet_region_serves_fails_and_its_streams_finish_in_the_other_region(fleet_and_server):
-    us_base, fleet, eu = fleet_and_server
-    headers = eu.headers()
+    us, eu = fleet_and_server
+    us_base, headers = us.base, eu.headers()
     with httpx.Client(timeout=120) as client:
         whole = client.post(us_base + "/v1/completions", json=BODY, headers=headers)
         assert whole.status_code == 200 and whole.headers["x-kvserve-region"] == "us"
@@ -126,8 +87,7 @@ def test_a_fleet_region_serves_fails_and_its_streams_finish_in_the_other_region(
                     if events >= 8:
                         break
             killed = time.monotonic()
-            for pid in _session_pids(fleet.pid):
-                os.kill(pid, signal.SIGKILL)
+            us.kill()  # the gateway's process and its Ray cluster
         while client.get(eu.base + "/v1/region/status").json()["peers"]["us"] != "down":
             assert time.monotonic() - killed < 5.0, "eu did not see the fleet region die within 5 s"
             time.sleep(0.05)

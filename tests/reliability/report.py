@@ -39,6 +39,11 @@ SECTIONS = {  # section -> (title, what it shows)
                       "off from the others and healed; each text compared with an uninterrupted stream's. A second "
                       "tenant with a budget shared by the regions (its ledger in the region that is killed) spends "
                       "in all three at once until it runs out."),
+    "regions chaos (fleets)": ("Three fleet regions under chaos", "The same over three fleets, each region "
+                               "`kvserve serve --fleet` with its own local Ray cluster (a SmolLM2 "
+                               "replica and the gateway): a replica SIGKILLed in one region, the gateway in another "
+                               "(Serve starts each again), a whole region SIGKILLed (its gateway's process and Ray "
+                               "cluster) and started again, a region cut off and healed."),
 }
 
 

@@ -133,3 +133,17 @@ def test_pool_names_change_with_what_a_replica_is_built_from():
     assert "num_replicas" not in opts
     assert gateway_view(cfg).models[0].fleet == ModelFleet()
 
+
+
+def test_a_starting_fleet_answers_503_warming_on_every_path_not_a_proxys_404():
+    pytest.importorskip("ray")
+    from fastapi.testclient import TestClient
+
+    from kvserve.fleet.gateway import warming_app
+
+    client = TestClient(warming_app())
+    for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/region/status"), ("GET", "/ready"),
+                         ("DELETE", "/v1/files/x")):
+        r = client.request(method, path)
+        assert r.status_code == 503 and r.headers["retry-after"] == "5"
+        assert r.json()["error"]["code"] == "warming" and set(r.json()["error"]) == {"message", "type", "param", "code"}
