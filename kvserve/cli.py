@@ -68,13 +68,14 @@ def cmd_serve_fleet(args: argparse.Namespace) -> int:
     cfg = ServerConfig.from_toml(args.config, host=args.host, port=args.port, stall_timeout_s=args.stall_timeout,
                                  shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level,
                                  region=args.region)
+    ray_address = args.ray_address or cfg.regions.ray_address or None  # the flag, else the region's entry
     with Store(store_location(cfg.db_path, cfg.home)) as store:
         token, _ = ensure_dev_tenant(store, kvserve_home(cfg.home))
     print(f"kvserve fleet: starting replica pools for {', '.join(m.id for m in cfg.models)} on Ray "
-          f"({args.ray_address or 'a local instance'}); the gateway answers on http://{cfg.host}:{cfg.port} "
+          f"({ray_address or 'a local instance'}); the gateway answers on http://{cfg.host}:{cfg.port} "
           f"once they are up", flush=True)
     try:
-        deploy.start(cfg, Path(args.config or DEFAULT_CONFIG).read_text(), args.ray_address)
+        deploy.start(cfg, Path(args.config or DEFAULT_CONFIG).read_text(), ray_address)
     except deploy.FleetError as e:
         print(f"kvserve fleet: {e}", file=sys.stderr)
         return 1

@@ -564,10 +564,12 @@ class EscrowPolicy:
 
 @dataclass(frozen=True)
 class RegionPeer:
-    """Another region's gateway, as this region reaches it."""
+    """Another region's gateway, as this region reaches it (and, where one file lists every region, the Ray
+    cluster a fleet of that region runs on: `kvserve serve --fleet --region NAME` joins it)."""
 
     name: str
     url: str  # its base URL (the address clients of that region use)
+    ray_address: str = ""  # "": a local Ray instance started for the region's fleet
 
     def __post_init__(self):
         if not self.name or not str(self.url).startswith(("http://", "https://")):
@@ -589,6 +591,7 @@ class RegionsConfig:
     ledger: str = ""
     escrow: EscrowPolicy = field(default_factory=EscrowPolicy)
     token_env: str = "KVSERVE_REGION_TOKEN"
+    ray_address: str = ""  # this region's Ray cluster (its entry's in a file that lists every region)
 
     def __post_init__(self):
         names = [p.name for p in self.peers]
@@ -625,6 +628,9 @@ class RegionsConfig:
                 raise ConfigError(f"--region {region}: the [regions] table lists no region of that name (it lists "
                                   f"{', '.join(p.name for p in peers) or 'none'})")
             data["local"] = region
+        own = next((p for p in peers if p.name == data.get("local")), None)
+        if own is not None and own.ray_address and "ray_address" not in data:
+            data["ray_address"] = own.ray_address
         peers = tuple(p for p in peers if p.name != data.get("local"))
         return _table(cls, {**data, "peers": peers, "policy": policy, "escrow": escrow}, "[regions]")
 

@@ -124,9 +124,11 @@ def test_one_file_lists_every_region_and_each_server_picks_its_own(tmp_path):
 
     path = tmp_path / "regions.toml"
     path.write_text('[regions]\nledger = "us"\npeers = [{name = "us", url = "http://us:8000"}, '
-                    '{name = "eu", url = "http://eu:8000"}, {name = "ap", url = "http://ap:8000"}]\n')
+                    '{name = "eu", url = "http://eu:8000", ray_address = "eu-head:6379"}, '
+                    '{name = "ap", url = "http://ap:8000"}]\n')
     eu = ServerConfig.from_toml(str(path), region="eu").regions
     assert eu.local == "eu" and [p.name for p in eu.peers] == ["us", "ap"] and eu.ledger == "us"
+    assert eu.ray_address == "eu-head:6379" and ServerConfig.from_toml(str(path), region="us").regions.ray_address == ""
     with pytest.raises(ConfigError, match="--region mars"):
         ServerConfig.from_toml(str(path), region="mars")
     with pytest.raises(ConfigError, match="needs `local`"):
