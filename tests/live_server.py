@@ -29,15 +29,20 @@ def tiny_model_toml(model: Path, model_id: str = "tiny", max_model_len: int = 25
 
 
 class LiveServer:
+    start_timeout_s = 180.0
+    new_session = False  # its own session: every process it starts can be killed with it
+
     def __init__(self, home: Path, models_toml: str, server_toml: str = "", tenant: str = "acme",
-                 env: dict[str, str] | None = None, port: int | None = None, minted=None, admin_minted=None):
+                 env: dict[str, str] | None = None, port: int | None = None, minted=None, admin_minted=None,
+                 args: tuple[str, ...] = ()):
         """`port`: the port to listen on (default: a free one); `minted`: the tenant's token (a MintedToken,
         store/tenants.py), to give one tenant the same token on several servers; `admin_minted`: the same for
-        an admin tenant "ops" (`admin_token`)."""
-        self.home, self.port = Path(home), port or free_port()
+        an admin tenant "ops" (`admin_token`); `args`: more `kvserve serve` arguments (`--region NAME`)."""
+        self.home, self.port, self.args = Path(home), port or free_port(), args
         self.base = f"http://127.0.0.1:{self.port}"
         self.config = self.home / "models.toml"
-        self.config.write_text(f'[server]\nhome = "{self.home}"\n{server_toml}\n{models_toml}')
+        self.config.write_text(f'[server]\nhome = "{self.home}"\nport = {self.port}\n{server_toml}\n'
+                               f"{self.extra_toml}{models_toml}")
         self.env = {**os.environ, "KVSERVE_HOME": str(self.home), **(env or {})}
         from kvserve.store import Store
 
@@ -47,12 +52,15 @@ class LiveServer:
         self.proc: subprocess.Popen | None = None
         self.log_path = self.home / "server.log"
 
-    def start(self, timeout: float = 180, ready_path: str = "/ready") -> "LiveServer":
+    extra_toml = ""
+    serve_args: tuple[str, ...] = ()
+
+    def start(self, timeout: float | None = None, ready_path: str = "/ready") -> "LiveServer":
         log = open(self.log_path, "a")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--port", str(self.port),
-                                      "--config", str(self.config)], env=self.env, stdout=log,
-                                     stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", *self.serve_args, "--port",
+                                      str(self.port), "--config", str(self.config), *self.args], env=self.env,
+                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=self.new_session)
+        deadline = time.monotonic() + (timeout or self.start_timeout_s)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 break
@@ -62,6 +70,7 @@ class LiveServer:
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
+        self.kill()
         raise AssertionError(f"server did not become ready:\n{self.log_text()[-3000:]}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> None:
@@ -114,50 +123,16 @@ def start_all(servers: list["LiveServer"], **kwargs) -> None:
             f.result()
 
 
-FLEET_TOML = "[fleet]\ngateway_cpus = 0\nhealth_check_period_s = 1.0\n"
-
-
-class LiveFleet:
+class LiveFleet(LiveServer):
     """`kvserve serve --fleet` in its own session: the gateway's process and the local Ray cluster it starts (every
-    Ray process stays in that session), with LiveServer's interface; `kill` SIGKILLs the whole session (the
-    region's Ray cluster with it), `kill_named` the processes whose command line has a fragment (a replica:
-    "ServeReplica:pool-", the gateway: "ServeReplica:kvserve:gateway")."""
+    Ray process stays in that session). `kill` SIGKILLs the whole session (the region's Ray cluster with it),
+    `kill_named` the processes whose command line has a fragment (a replica: "ServeReplica:pool-", the gateway:
+    "ServeReplica:kvserve:gateway")."""
 
-    def __init__(self, home: Path, models_toml: str, server_toml: str = "", tenant: str = "acme",
-                 env: dict[str, str] | None = None, port: int | None = None, minted=None, admin_minted=None,
-                 args: tuple[str, ...] = ()):
-        """`args`: more `kvserve serve` arguments (`--region NAME`)."""
-        self.home, self.port, self.args = Path(home), port or free_port(), args
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.config = self.home / "fleet.toml"
-        self.config.write_text(f'[server]\nhome = "{self.home}"\nport = {self.port}\n{server_toml}\n{FLEET_TOML}'
-                               f"{models_toml}")
-        self.env = {**os.environ, "KVSERVE_HOME": str(self.home), **(env or {})}
-        from kvserve.store import Store
-
-        with Store(self.home / "kvserve.db") as store:
-            self.token = (store.tenants.create_tenant(tenant, minted) if minted else store.create_tenant(tenant))[1]
-            self.admin_token = store.tenants.create_tenant("ops", admin_minted, admin=True)[1] if admin_minted else None
-        self.proc: subprocess.Popen | None = None
-        self.log_path = self.home / "fleet.log"
-
-    def start(self, timeout: float = 600, ready_path: str = "/ready") -> "LiveFleet":
-        log = open(self.log_path, "a")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--fleet", "--config",
-                                      str(self.config), *self.args], env=self.env, stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            try:
-                if httpx.get(self.base + ready_path, timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        self.kill()
-        raise AssertionError(f"fleet did not become ready:\n{self.log_text()[-3000:]}")
+    start_timeout_s = 600.0
+    new_session = True
+    extra_toml = "[fleet]\ngateway_cpus = 0\nhealth_check_period_s = 1.0\n"
+    serve_args = ("--fleet",)
 
     def session_pids(self) -> list[tuple[int, str]]:
         if self.proc is None:
@@ -181,14 +156,8 @@ class LiveFleet:
         if self.proc is not None:
             self.proc.wait(30)
 
-    def stop(self, timeout: float = 60) -> None:
+    def stop(self, sig: int = signal.SIGKILL, timeout: float = 60) -> None:
         self.kill()
-
-    def log_text(self) -> str:
-        return self.log_path.read_text() if self.log_path.exists() else ""
-
-    def headers(self, token: str | None = None, **extra: str) -> dict[str, str]:
-        return {"Authorization": f"Bearer {token or self.token}", **extra}
 
 
 def _kill(pid: int) -> None:
