@@ -22,6 +22,8 @@ BODIES = {("post", "/v1/chat/completions"): ("application/json", p.ChatCompletio
           ("post", "/v1/files"): ("multipart/form-data", p.FileUpload),
           ("post", "/v1/batches"): ("application/json", p.BatchCreateRequest),
           ("put", "/v1/admin/tenants/{name}/budget"): ("application/json", p.BudgetRequest),
+          ("post", "/v1/region/escrow/lease"): ("application/json", p.EscrowLease),
+          ("post", "/v1/region/escrow/release"): ("application/json", p.EscrowRelease),
           ("put", "/v1/admin/tenants/{name}/limits"): ("application/json", p.LimitsRequest)}
 
 

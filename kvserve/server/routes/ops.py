@@ -9,6 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvserve.engine.client import EngineStatus
 from kvserve.server.auth import authenticate
+from kvserve.server import openapi
 from kvserve.server.errors import APIError
 from kvserve.server.routes.admin import require_admin
 from kvserve.server.serving import read_json_body
@@ -69,7 +70,7 @@ async def region_key(request: Request, key: str):
     return JSONResponse({"region": front.local, "state": held})
 
 
-@router.post("/v1/region/escrow/lease")
+@router.post("/v1/region/escrow/lease", openapi_extra=openapi.json_body(p.EscrowLease))
 async def escrow_lease(request: Request):
     """The ledger region grants a peer a lease of a shared budget (server/budget_share.py). Admin token."""
     share, ask = await _ledger_call(request, p.EscrowLease)
@@ -79,7 +80,7 @@ async def escrow_lease(request: Request):
     return JSONResponse({"granted": granted})
 
 
-@router.post("/v1/region/escrow/release")
+@router.post("/v1/region/escrow/release", openapi_extra=openapi.json_body(p.EscrowRelease))
 async def escrow_release(request: Request):
     """A peer gives back lease it held unused. Admin token."""
     share, rel = await _ledger_call(request, p.EscrowRelease)
