@@ -9,13 +9,12 @@ body, or the SSE events so far and then the rest as they are produced.
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import AsyncIterator, Callable
 
+from kvserve.server.background import renew_leases, stop_task
 from kvserve.server.errors import APIError
 from kvserve.store import AsyncStore, BeginOutcome, BeginResult, StoredResponse, request_body_hash
 
-log = logging.getLogger(__name__)
 
 HEADER = "idempotency-key"
 REPLAY_HEADER = "x-kvserve-idempotent-replay"
@@ -90,25 +89,15 @@ class IdempotencyManager:
         self._renewer: asyncio.Task | None = None
 
     def start(self) -> None:
-        """Renew the store leases of this process's keys in progress, three times a lease, until stop(): while
-        it lives its keys stay claimed; if it dies, a retry after the lease runs afresh (not a 409 for a day)."""
-        self._renewer = asyncio.get_running_loop().create_task(self._renew_leases())
+        """Renew the store leases of this process's keys in progress until stop(): while it lives its keys stay
+        claimed; if it dies, a retry after the lease runs afresh (not a 409 for a day)."""
+        self._renewer = asyncio.get_running_loop().create_task(renew_leases(
+            self.store.store.idempotency.lease_s, lambda: list(self.inflight), self.store.arenew_idempotent,
+            "idempotency keys in progress"))
 
     async def stop(self) -> None:
-        if self._renewer is not None:
-            self._renewer.cancel()
-            await asyncio.gather(self._renewer, return_exceptions=True)
-            self._renewer = None
-
-    async def _renew_leases(self) -> None:
-        period = self.store.store.idempotency.lease_s / 3
-        while True:
-            await asyncio.sleep(period)
-            if self.inflight:
-                try:
-                    await self.store.arenew_idempotent(list(self.inflight))
-                except Exception:  # noqa: BLE001 - the next round retries; the lease has two more periods
-                    log.warning("could not renew idempotency key leases", exc_info=True)
+        await stop_task(self._renewer)
+        self._renewer = None
 
     async def begin(self, tenant: str, key: str, route: str, body: object) -> tuple[BeginResult, InflightResponse | None]:
         try:

@@ -12,6 +12,7 @@ from kvserve.batch.files import FileStore
 from kvserve.batch.jobs import BatchStore
 from kvserve.batch.runner import BatchRunner
 from kvserve.config import ServerConfig, kvserve_home
+from kvserve.server.background import renew_leases, stop_task
 from kvserve.server.idempotency import IdempotencyManager
 from kvserve.server.regions import RegionFront
 from kvserve.service.completion import CompletionService
@@ -40,6 +41,7 @@ class ServerState:
         self.batch_jobs: BatchStore | None = None
         self.batch_runner: BatchRunner | None = None
         self._sampler: asyncio.Task | None = None
+        self._hold_renewer: asyncio.Task | None = None
         self.regions: RegionFront | None = RegionFront(config.regions, self) if config.regions.enabled else None
 
     @property
@@ -85,7 +87,10 @@ class ServerState:
         self.idempotency = IdempotencyManager(self.store, self.spawn)
         self.idempotency.start()
         self.service.ledger.open(self.store, self.loop)
-        self.service.metering.open(self.store)
+        gate = self.service.metering
+        gate.open(self.store)
+        self._hold_renewer = self.loop.create_task(renew_leases(
+            self.store.store.holds.hold_lease_s, gate.held, gate.renew, "budget holds in flight"))
         b = self.config.batch
         self.batch_files = FileStore(self.store.store.db, self.home / "files", b.max_file_lines, b.max_file_bytes)
         self.batch_jobs = BatchStore(self.store.store.db)
@@ -117,6 +122,7 @@ class ServerState:
         await asyncio.gather(*(asyncio.to_thread(h.client.stop, 10.0) for h in self.models.values()))
         await self.flush()
         await self.service.ledger.flush()
+        await stop_task(self._hold_renewer)  # after the ledger's last rows settled their holds
         if self.idempotency is not None:
             await self.idempotency.stop()
         if self.store is not None:

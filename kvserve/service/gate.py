@@ -6,7 +6,9 @@ its rate-limit window in one store transaction (store/metering.py). A call that 
 before any engine work: 429 insufficient_quota (a budget), or 429 rate_limit_exceeded with Retry-After
 (the window). The hold is settled by the request's usage row (real price, real tokens) however it ends
 (finished, aborted, failed, migrated: one row per request), or released here when the request never
-reached an engine. Tenants with neither a budget nor limits skip the transaction (cached flags).
+reached an engine. Tenants with neither a budget nor limits skip the transaction (cached flags). A hold is
+leased (store/metering.py): the gate keeps this process's holds, and the server renews their leases
+(`held`, `renew`), so the holds of a process that died lapse within a lease.
 
 Budgets and rate limits shared by regions (metering/escrow.py): a call that does not fit this region's
 allotment but would fit the whole limit asks the ledger region for a lease (`LimitShare`, the region front's)
@@ -38,6 +40,7 @@ class MeteringGate:
     def __init__(self):
         self.store: "AsyncStore | None" = None
         self.share: LimitShare | None = None  # set by a region front whose limits are shared
+        self._held: set[tuple[str, str]] = set()  # (tenant, request id): holds this process took, maybe settled
 
     def open(self, store: "AsyncStore") -> None:
         self.store = store
@@ -78,6 +81,7 @@ class MeteringGate:
             raise InsufficientQuota(f"this request could cost up to {format_money(total)}; the {period} budget of "
                                     f"tenant {tenant} for {scope} has {format_money(s.remaining)} left{here} of "
                                     f"{format_money(s.amount)}{why_not} (lower max_tokens, or raise the budget)")
+        self._held.update((tenant, rid) for rid, _, _ in asks)
         return got.rate
 
     def _wants(self, got, dollars: float, tokens: int) -> list[tuple[str, float, float]]:
@@ -98,3 +102,12 @@ class MeteringGate:
     async def release(self, tenant: str, request_ids: list[str]) -> None:
         if self.store is not None and request_ids and await self.store.ameters(tenant):
             await self.store.arelease(tenant, request_ids)
+            self._held.difference_update((tenant, rid) for rid in request_ids)
+
+    def held(self) -> list[tuple[str, str]]:
+        return list(self._held)
+
+    async def renew(self, held: list[tuple[str, str]]) -> None:
+        """Renew the leases of `held` (from held()); forget those no longer held (their usage rows settled them)."""
+        still = set(await self.store.arenew_holds(held))
+        self._held.difference_update(h for h in held if h not in still)

@@ -122,6 +122,9 @@ class AsyncStore:
     async def arelease(self, tenant: str, request_ids: Sequence[str]) -> None:
         return await self._write(self.store.holds.release, tenant, list(request_ids))
 
+    async def arenew_holds(self, held: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+        return await self._write(self.store.holds.renew, list(held))
+
     async def arelease_all_holds(self) -> int:
         return await self._write(self.store.holds.release_all)
 

@@ -3,8 +3,10 @@ worst-case tokens in the tenant's rate-limit window (store/rate_limits.py), take
 transaction per call, all or nothing, and settled by the request's usage row.
 
 `budget_reservations` has one row per held engine request (tenant, request id): the budget keys and the
-dollars held, the tokens counted, when, and when the hold expires (a gateway that died never settles;
-expired holds are dropped by the next admission, and the only server on a store drops all at start-up).
+dollars held, the tokens counted, when, and when the hold's lease ends: the process that took it renews the
+leases of its requests in flight (service/gate.py), so a hold whose process died (a gateway SIGKILLed: no
+usage row will settle it) lapses within a lease, and the next admission drops it; the only server on a store
+drops all at start-up.
 `settle` runs inside the usage ledger's transaction that writes the request's row: the hold goes, the real
 price is spent, unused tokens are given back.
 """
@@ -24,7 +26,9 @@ if TYPE_CHECKING:
     from kvserve.store.rate_limits import RateLimiter
     from kvserve.store.usage import UsageRecord
 
-DEFAULT_HOLD_TTL_S = 3600.0
+# A hold's lease; its process renews it three times a lease while the request runs. A process cut off from its
+# store for longer may see its holds dropped by another gateway on the store (bound: those requests' worst case).
+DEFAULT_HOLD_LEASE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,8 @@ class _Refused(Exception):
 
 class Holds:
     def __init__(self, db: "Database", budgets: "BudgetBook", limits: "RateLimiter",
-                 hold_ttl_s: float = DEFAULT_HOLD_TTL_S):
-        self.db, self.budgets, self.limits, self.hold_ttl_s = db, budgets, limits, hold_ttl_s
+                 hold_lease_s: float = DEFAULT_HOLD_LEASE_S):
+        self.db, self.budgets, self.limits, self.hold_lease_s = db, budgets, limits, hold_lease_s
 
     def applies(self, tenant: str) -> bool:
         """Whether the tenant has a budget or rate limits (cached flags: no transaction for the others)."""
@@ -70,7 +74,7 @@ class Holds:
                 conn.executemany(
                     "INSERT INTO budget_reservations (tenant, request_id, models, amount, tokens, created_at,"
                     " expires_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    [(tenant, rid, keys, amount if budgets else 0.0, n, now, now + self.hold_ttl_s)
+                    [(tenant, rid, keys, amount if budgets else 0.0, n, now, now + self.hold_lease_s)
                      for rid, amount, n in asks])
         except _Refused as r:
             return r.admission
@@ -83,6 +87,17 @@ class Holds:
         if charge:
             self.budgets.spend(conn, rec.tenant, rec.model, rec.price or 0.0)
 
+    def renew(self, held: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+        """Extend the leases of these (tenant, request id) holds, taken by this process for its requests in
+        flight; the ones still held (the others were settled by their usage rows, or released)."""
+        if not held:
+            return []
+        until = self.db.clock() + self.hold_lease_s
+        with self.db.write() as conn:
+            return [(tenant, rid) for tenant, rid in held
+                    if conn.execute("UPDATE budget_reservations SET expires_at = ? WHERE tenant = ? AND request_id = ?",
+                                    (until, tenant, rid)).rowcount == 1]
+
     def release(self, tenant: str, request_ids: Sequence[str]) -> None:
         """Drop the holds of requests that never reached an engine (no usage row will settle them)."""
         with self.db.write() as conn:
@@ -92,7 +107,7 @@ class Holds:
     def release_all(self) -> int:
         """Drop every hold: start-up of the only server on this store, whose previous run died (SIGKILL, a crash)
         with requests in flight. Their holds would never be settled (no usage row comes for a request that died
-        with its process) and would keep their dollars out of the budgets until they expire (an hour). The
+        with its process) and would keep their dollars out of the budgets until their leases lapse. The
         dollars go back; the tokens stay counted in their rate window (they may have been used; it ends within
         a minute). A batch line that was in flight runs again and takes a new hold. Returns how many."""
         with self.db.write() as conn:

@@ -99,10 +99,43 @@ def test_a_new_period_starts_from_zero_and_stale_holds_expire(store, clock):
     clock.t += 3600  # midnight: a new day
     assert b.get("acme").spent == 0.0
     assert hold(store, "m", ("r2", 0.6)) is None
-    clock.t += store.holds.hold_ttl_s + 1  # its gateway died: the hold expires
+    clock.t += store.holds.hold_lease_s + 1  # its gateway died: the hold's lease lapses
     assert b.get("acme").reserved == 0.0
     store.usage.record(usage("r2", 0.2))  # a late row is still charged
     assert b.get("acme").spent == pytest.approx(0.2)
+
+
+def test_holds_renewed_by_their_process_stay_and_a_dead_process_holds_lapse_within_a_lease(store, clock):
+    """Two gateways on one store: the live one renews its holds (the gate's loop); the other was SIGKILLed
+    with a request in flight, and its hold lapses a lease later instead of staying."""
+    from kvserve.config import ModelPrice
+    from kvserve.metering.prices import worst_case_price
+    from kvserve.service.gate import MeteringGate
+    from kvserve.store import AsyncStore
+
+    b, lease, price = store.budgets, store.holds.hold_lease_s, ModelPrice(input=1000.0, output=1000.0)
+    worst = worst_case_price(price, "interactive", 10, 10)
+    b.set_budget("acme", 1.0, "month")
+    assert hold(store, "m", ("dead", 0.4)) is None
+
+    async def run():
+        gate = MeteringGate()
+        gate.open(AsyncStore(store))
+        await gate.admit("acme", "m", price, "interactive", [("live", 10, 10), ("done", 10, 10)])
+        assert sorted(gate.held()) == [("acme", "done"), ("acme", "live")]
+        assert b.get("acme").reserved == pytest.approx(0.4 + 2 * worst)
+        store.usage.record(usage("done", 0.0))  # settled by its usage row
+        for _ in range(3):
+            clock.t += lease * 2 / 3
+            await gate.renew(gate.held())
+        assert gate.held() == [("acme", "live")]  # the settled one is forgotten
+        hold(store, "m")  # an admission expires what lapsed: "dead" goes, "live" stays
+        assert b.get("acme").reserved == pytest.approx(worst)
+        await gate.release("acme", ["live"])
+        assert gate.held() == [] and b.get("acme").reserved == pytest.approx(0.0)
+
+    asyncio.run(run())
+    assert store.holds.renew([("acme", "dead")]) == []  # too late: it is gone
 
 
 def test_rate_windows_count_refuse_give_back_and_reset(store, clock):
