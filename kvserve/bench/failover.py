@@ -192,16 +192,14 @@ async def spend_everywhere(client: httpx.AsyncClient, urls: list[str], token: st
 
 
 async def run_chaos(urls: list[str], names: list[str], token: str, bodies: list[dict], expected: list[str],
-                    faults: list[Fault], act: Callable[[Fault], Awaitable[Awaitable[object] | None]],
-                    duration_s: float,
+                    faults: list[Fault], act: Callable[[Fault], Awaitable[None]], duration_s: float,
                     clients_per_region: int, ttft_slo_s: float, window_s: float = 10.0,
                     spender: tuple[str, dict] | None = None) -> dict:
     """Clients in every region loop over `bodies` through the documented retry for `duration_s` while `act`
     applies each fault at its time (and, with `spender` (its token, its body), a tenant with a budget spends in
-    every region: spend_everywhere). `act` may return an awaitable that ends when the fault is over (a killed
-    replica or gateway started again and serving). Returns the figures: successes, TTFT SLO outside the
-    failover windows (from each fault until its region is back or it is over, and `window_s` more), continued
-    streams, text exactness against `expected`, detection times, and the spender's counts."""
+    every region: spend_everywhere). Returns the figures: successes, TTFT SLO outside the failover windows
+    (from each fault until its region is back, and `window_s` more), continued streams, text exactness against
+    `expected`, detection times, and the spender's counts."""
     results: list[tuple[int, StreamResult]] = []
     start = time.monotonic()
     stop = asyncio.Event()
@@ -216,21 +214,14 @@ async def run_chaos(urls: list[str], names: list[str], token: str, bodies: list[
                 results.append((i, res))
                 k += 1
 
-        async def over(t: float, f: Fault, until: Awaitable[object]) -> tuple[float, Fault, float]:
-            await until
-            return t, f, time.monotonic()
-
         async def injector() -> list[tuple[float, Fault, float]]:
-            done, waits = [], []  # (applied, the fault, its region back: a restart ready, a fault inside it over)
+            done = []  # (applied, the fault, its action done: a restarted region is ready)
             for f in sorted(faults, key=lambda f: f.at_s):
                 await asyncio.sleep(max(0.0, start + f.at_s - time.monotonic()))
                 t = time.monotonic()
-                until = await act(f)
-                if until is None:
-                    done.append((t, f, time.monotonic()))
-                else:  # waited for beside the faults that follow, which keep their times
-                    waits.append(asyncio.create_task(over(t, f, until)))
-            return sorted(done + list(await asyncio.gather(*waits)), key=lambda a: a[0])
+                await act(f)
+                done.append((t, f, time.monotonic()))
+            return done
 
         watcher = asyncio.create_task(watch_health(client, urls, names, stop))
         spending = (asyncio.create_task(spend_everywhere(client, urls, spender[0], spender[1], start + duration_s))
@@ -254,11 +245,11 @@ def _figures(results, expected, applied, changes, names, ttft_slo_s, window_s, d
                    default=start + duration_s)
 
     windows = []
-    for t, f, d in applied:
+    for t, f, _ in applied:
         if f.action in ends:
             windows.append((t, back(t, f, ends[f.action]) + window_s))
-        elif f.action not in ends.values():  # a fault inside a region (a replica, a gateway): until it is over
-            windows.append((t, d + window_s))
+        elif f.action not in ends.values():  # a fault inside a region (a replica, a gateway): its restart's time
+            windows.append((t, t + window_s))
     calm = [r for _, r in results if not any(a <= r.started <= b for a, b in windows)]
     within_slo = [r for r in calm if r.ok and r.ttft_s is not None and r.ttft_s <= ttft_slo_s]
     # N+1: while a killed region is gone, the requests the others took at once (no failed attempt first)
