@@ -1,4 +1,4 @@
-"""KV memory: what the KV groups (engine/kv_groups.py) save on Gemma 3, whose five sliding layers (window 512)
+"""KV memory: what the KV groups (engine/kv/groups.py) save on Gemma 3, whose five sliding layers (window 512)
 come with every full one.
 
   python -m benchmarks.kv_memory [--model gemma3-270m] [--real] [--real-tokens 32000] [--disk] [--out docs/bench]
@@ -12,7 +12,7 @@ come with every full one.
 2. `--real`: the model itself serves one prompt of `--real-tokens` tokens (a fixed text, the standard
    library's own source) with 32 greedy tokens, with and without groups: the most blocks the sequence held,
    the time to its first token and per output token, and whether the tokens and logprobs are the same bits.
-3. `--disk`: the disk tier (engine/kv_disk.py) on `--disk-model`: TTFT of a 2048-token prompt computed, loaded
+3. `--disk`: the disk tier (engine/kv/disk.py) on `--disk-model`: TTFT of a 2048-token prompt computed, loaded
    from the disk after the pool evicted it, and after a restart; and a W4-like load whose prefixes do not fit the
    pool, its prefix hit rate with the disk tier against an unbounded pool's.
 4. Fair shares (always, the allocator): a tenant's cached prefixes beside another tenant's flood of 16k-token
@@ -49,8 +49,8 @@ def _model_config(model: str):
 
 def allocator_rows(config, block_size: int = 16) -> list[dict]:
     """Section 1 for each context: bytes held and sequences that fit, with and without groups."""
-    from kvserve.engine.kv_cache import KVCacheManager
-    from kvserve.engine.kv_groups import KVLayout
+    from kvserve.engine.kv.manager import KVCacheManager
+    from kvserve.engine.kv.groups import KVLayout
     from kvserve.engine.request import Sequence
     from kvserve.engine.sampling import SamplingParams
 
@@ -215,11 +215,11 @@ def disk_rows(model: str, runs: int, directory: Path) -> dict:
 def fairness_rows(block_size: int = 16) -> dict:
     """Section 4, the allocator: tenant "b" cycles over 4 prefixes of 512 tokens (64 own tokens a request) while
     tenant "a" sends 16k-token prompts, one after each of b's requests, in a pool of 40k tokens; b's prefix hit
-    rate alone, beside the flood with the tenants' shares (engine/kv_eviction.py), and beside it with one LRU for
+    rate alone, beside the flood with the tenants' shares (engine/kv/eviction.py), and beside it with one LRU for
     all (the flood's blocks counted as b's)."""
     import random
 
-    from kvserve.engine.kv_cache import KVCacheManager
+    from kvserve.engine.kv.manager import KVCacheManager
     from kvserve.engine.request import Sequence
     from kvserve.engine.sampling import SamplingParams
 

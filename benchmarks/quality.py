@@ -62,7 +62,7 @@ PATHS = (("float32, op by op", "float32", False), ("bfloat16, op by op", "bfloat
 
 def _teacher_forced(llm, ids: list[int]) -> torch.Tensor:
     """Float32 logits [len(ids), vocab] of one prefill of `ids` on a fresh engine's cache."""
-    from kvserve.engine.runner import BatchItem
+    from kvserve.engine.worker.runner import BatchItem
 
     runner = llm.engine.runner
     blocks = (len(ids) + runner.block_size - 1) // runner.block_size

@@ -144,7 +144,7 @@ def ceiling(models: list[str], runs: int) -> list[dict]:
     the controller (up to 8), each after a run at that acceptance (the controller's steady state, not its
     adaptation); medians of the runs, interleaved."""
     from kvserve.config import TierLimits, engine_config_from_kwargs
-    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine.worker.llm_engine import LLMEngine
     from kvserve import SamplingParams
 
     rows = []
@@ -211,7 +211,7 @@ def constrained(model: str, runs: int) -> list[dict]:
     Drafts stop where the grammar forbids a token; every row is masked or checked in its grammar's state."""
     from kvserve import SamplingParams, StructuredOutputsParams
     from kvserve.config import TierLimits, engine_config_from_kwargs
-    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine.worker.llm_engine import LLMEngine
     from kvserve.engine.speculation import SuffixDrafter
 
     engines = {spec: LLMEngine(engine_config_from_kwargs(
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
         write_page(args.out, "speculation", result, markdown(result))
         return
     from kvserve.config import TierLimits, engine_config_from_kwargs
-    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine.worker.llm_engine import LLMEngine
     from kvserve.engine.speculation import SuffixDrafter
 
     engines = {}

@@ -1,4 +1,4 @@
-"""Structured outputs and tool calls (engine/grammar.py, service/tools.py), measured on a real model, in process
+"""Structured outputs and tool calls (engine/structured/grammar.py, service/tools.py), measured on a real model, in process
 through AsyncLLM (the server's engine: constraints compile off the engine thread).
 
   python -m benchmarks.structured [--model smollm2-135m] [--runs 3] [--out docs/bench]
@@ -235,7 +235,7 @@ def _large_enum_schema(salt: str) -> dict:
 
 async def pathological_beside_traffic(llm, tok, runs: int) -> dict:
     from kvserve import SamplingParams
-    from kvserve.engine.structured import InvalidStructuredOutput
+    from kvserve.engine.structured.params import InvalidStructuredOutput
 
     async def constrained(schema: dict) -> float | None:
         """Seconds until refused, or None when served."""

@@ -11,7 +11,7 @@ def __getattr__(name: str):
     # The public API, imported on first use: importing kvserve.config (or any lower module) loads no engine,
     # and LLM pulls in torch.
     if name == "LLM":
-        from kvserve.engine.llm_engine import LLM
+        from kvserve.engine.worker.llm_engine import LLM
 
         return LLM
     if name == "SamplingParams":
@@ -19,7 +19,7 @@ def __getattr__(name: str):
 
         return SamplingParams
     if name == "StructuredOutputsParams":
-        from kvserve.engine.structured import StructuredOutputsParams
+        from kvserve.engine.structured.params import StructuredOutputsParams
 
         return StructuredOutputsParams
     raise AttributeError(name)

@@ -138,7 +138,7 @@ def _offline_engine(model: str, config_path: str | None, engine_args: dict):
     from dataclasses import replace
 
     from kvserve.config import ServedModel, ServerConfig
-    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine.worker.llm_engine import LLMEngine
     from kvserve.models.catalog import resolve_source
 
     cfg = ServerConfig.from_toml(config_path)

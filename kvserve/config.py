@@ -148,19 +148,19 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # "auto": the model's dtype; "int8": int8 rows with a scale each (kernels/kv_quant.py), about half the bytes
     kv_cache_dtype: str = "auto"
-    # KV groups per attention kind (engine/kv_groups.py): sliding-window layers hold only their window's
+    # KV groups per attention kind (engine/kv/groups.py): sliding-window layers hold only their window's
     # blocks. False: every layer holds every token's block (the classic paged cache; for comparison).
     kv_groups: bool = True
-    # The disk tier of the prefix cache (engine/kv_disk.py): evicted prefix blocks are written under this
+    # The disk tier of the prefix cache (engine/kv/disk.py): evicted prefix blocks are written under this
     # directory (per model file, dtype, block size and layout) and read back on a hit, across restarts and by
     # replicas sharing the directory; at most kv_disk_bytes of it. None: no disk tier.
     kv_disk_dir: str | None = None
     kv_disk_bytes: int = 8 << 30
-    # The host-memory tier (engine/kv_host.py), for CUDA: evicted prefix blocks are kept in this many bytes of
+    # The host-memory tier (engine/kv/host.py), for CUDA: evicted prefix blocks are kept in this many bytes of
     # host memory before they go to the disk tier (when there is one). 0: none. On a CPU the pool is host
     # memory already: give the pool the memory instead.
     kv_host_bytes: int = 0
-    # The prefix cache's share per tenant (engine/kv_eviction.py): eviction takes from the tenant with the most
+    # The prefix cache's share per tenant (engine/kv/eviction.py): eviction takes from the tenant with the most
     # cached blocks per weight (1 unless named here); a tenant's pinned blocks (system prompts) stay while
     # another tenant has blocks over its pin.
     kv_tenant_weights: dict = field(default_factory=dict)
@@ -313,7 +313,7 @@ class EngineConfig:
     attention_policy: str = "full"
     attention_sinks: int = 4
     attention_window: int = 2048
-    # Structured outputs (engine/structured.py, engine/grammar.py): a constraint still compiling after this many seconds is refused
+    # Structured outputs (engine/structured/params.py, engine/structured/grammar.py): a constraint still compiling after this many seconds is refused
     # (400), as is a JSON schema above this many bytes or nesting levels.
     structured_compile_timeout_s: float = 5.0
     structured_max_schema_bytes: int = 64 * 1024
@@ -323,7 +323,7 @@ class EngineConfig:
 
     @property
     def structured_limits(self):
-        from kvserve.engine.structured import StructuredLimits
+        from kvserve.engine.structured.params import StructuredLimits
 
         return StructuredLimits(max_schema_bytes=self.structured_max_schema_bytes,
                                 max_schema_depth=self.structured_max_schema_depth,

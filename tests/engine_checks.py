@@ -33,7 +33,7 @@ def shared_weights():
     scheduler settings. Only the (read-only) weights are shared: each engine still has its own
     tokenizer, scheduler, KV manager and runner with its own cache tensors.
     """
-    import kvserve.engine.llm_engine as llm_engine
+    import kvserve.engine.worker.llm_engine as llm_engine
 
     real_load, real_build = llm_engine.load_checkpoint, llm_engine.build_model
     checkpoints, models = {}, {}
@@ -61,7 +61,7 @@ def shared_weights():
 
 def make_engine(model, **kwargs):
     """An LLMEngine; admission bounds are off unless given (the tests queue whole batches at once)."""
-    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine.worker.llm_engine import LLMEngine
 
     for tier in ("interactive", "batch"):
         kwargs.setdefault(tier, TierLimits.unbounded())
@@ -210,7 +210,7 @@ class SeededDrawReplay:
     once per output token as the sampler draws it. Supports temperature without top-k/top-p/min-p/penalties."""
 
     def __init__(self, engine, requests: list[Req]):
-        from kvserve.engine.sampler import make_generator
+        from kvserve.engine.worker.sampler import make_generator
 
         assert engine.runner.sampler.method in ("inverse_cdf", "auto") and engine.device.type == "cpu", \
             "the replay follows the CPU's inverse-CDF draw"
@@ -220,7 +220,7 @@ class SeededDrawReplay:
     def __call__(self, request: int, fork: int, prefix: list[int]) -> Draw:
         import torch
 
-        from kvserve.engine.runner import BatchItem
+        from kvserve.engine.worker.runner import BatchItem
 
         req = self.requests[request]
         p = req.params

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.engine.runner import BatchItem, ModelRunner
+from kvserve.engine.worker.runner import BatchItem, ModelRunner
 from kvserve.models.hf_reference import hf_model_from_checkpoint
 from kvserve.models.loader import Checkpoint, build_model, plan_for
 

@@ -8,7 +8,7 @@ from typing import Protocol
 
 from kvserve.config import SchedulerConfig, TierLimits
 from kvserve.engine.errors import CapacityExhausted, ContextLengthExceeded, InvalidRequest
-from kvserve.engine.kv_cache import KVCacheManager
+from kvserve.engine.kv.manager import KVCacheManager
 from kvserve.engine.request import Sequence
 from kvserve.engine.step_time import StepTimeModel
 

@@ -240,7 +240,7 @@ class AsyncLLM:
             if self._engine_factory is not None:
                 self.engine = self._engine_factory(self.config)
             else:
-                from kvserve.engine.llm_engine import LLMEngine
+                from kvserve.engine.worker.llm_engine import LLMEngine
 
                 self.engine = LLMEngine(self.config, model_id=self.model_id)
             # What exists now (weights' Python wrappers, the server's modules and app) lives as long as

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 from kvserve.config import SchedulerConfig
 from kvserve.engine.errors import InvalidRequest
 from kvserve.engine.interjection import Interjection
-from kvserve.engine.kv_cache import KVCacheManager
+from kvserve.engine.kv.manager import KVCacheManager
 from kvserve.engine.output_processor import OutputProcessor, RequestState
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.request import EngineRequest, Priority, Sequence
@@ -26,7 +26,7 @@ from kvserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from kvserve.engine.step_time import StepTimeModel
 
 if TYPE_CHECKING:
-    from kvserve.engine.grammar import GrammarCompiler
+    from kvserve.engine.structured.grammar import GrammarCompiler
 
 
 class Executor(Protocol):

@@ -19,7 +19,7 @@ def in_process_client(spec: ServedModel, config: EngineConfig, on_step: Callable
     engine's dtype (admission estimates right from the first request)."""
 
     def factory(cfg: EngineConfig):
-        from kvserve.engine.llm_engine import LLMEngine
+        from kvserve.engine.worker.llm_engine import LLMEngine
         from kvserve.models.catalog import resolve_source
 
         path = resolve_source(spec.source, spec.engine_args.get("install", ""))

@@ -17,7 +17,7 @@ from kvserve.engine.errors import InvalidRequest
 from kvserve.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from kvserve.engine.grammar import CompiledGrammar
+    from kvserve.engine.structured.grammar import CompiledGrammar
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class EngineRequest:
     resumed_token_ids: tuple[int, ...] = ()
     prompt: str | None = None
     lora: None = None  # a slot for later: an adapter
-    # params.structured_outputs compiled for this engine's tokenizer (engine/grammar.py), by whoever waited for
+    # params.structured_outputs compiled for this engine's tokenizer (engine/structured/grammar.py), by whoever waited for
     # it off the engine thread (AsyncLLM.submit); None: the engine compiles it. Not sent over a process hop.
     grammar: "CompiledGrammar | None" = None
 
@@ -125,7 +125,7 @@ class Sequence:
     # Its structured-output matcher (an llguidance LLMatcher) where the request has a constraint: advanced by
     # each token it takes; the runner masks its logits from it.
     grammar: Any = field(default=None, repr=False)
-    # Where that output is JSON: which digits a number may still take (engine/number_precision.py).
+    # Where that output is JSON: which digits a number may still take (engine/structured/number_precision.py).
     numbers: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -202,7 +202,7 @@ class Sequence:
     def draftable(self, draft: tuple[int, ...]) -> int:
         """How many of `draft`'s leading tokens may be verified as its next tokens: all of them without a
         constraint; with one, those the grammar allows, up to where a JSON number's digits close (that row's
-        mask is more than the grammar's: engine/number_precision.py), so every draft row's mask is its
+        mask is more than the grammar's: engine/structured/number_precision.py), so every draft row's mask is its
         grammar's alone."""
         if self.grammar is None:
             return len(draft)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvserve.engine.structured import StructuredOutputsParams
+from kvserve.engine.structured.params import StructuredOutputsParams
 
 # Bounds past which a parameter broke the sampler's tensors (and with them the engine, for every request):
 # token ids and top_k are int32 on the device; a repetition penalty of 0 in float32 divides by zero.
@@ -44,7 +44,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     speculation: bool = True  # False: never drafted for (where the server speculates: engine/speculation.py)
-    # What the output must match (a JSON schema, a regex, a choice, a grammar): engine/structured.py
+    # What the output must match (a JSON schema, a regex, a choice, a grammar): engine/structured/params.py
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:

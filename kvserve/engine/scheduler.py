@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from kvserve.config import PreemptionMode, SchedulerConfig, TierLimits
 from kvserve.engine import admission
 from kvserve.engine.admission import EXPECTED_OUTPUT_TOKENS
-from kvserve.engine.kv_cache import KVCacheManager, KVCacheUsage
+from kvserve.engine.kv.manager import KVCacheManager, KVCacheUsage
 from kvserve.engine.request import Priority, Sequence, SequenceStatus
 from kvserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from kvserve.engine.speculation import Candidate, DrafterStats, Speculator

@@ -47,7 +47,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src device, dst device)
-    # The lower tier's (engine/kv_disk.py): pages to copy out first, under their keys, and pages read back
+    # The lower tier's (engine/kv/disk.py): pages to copy out first, under their keys, and pages read back
     blocks_to_offload: list[tuple[int, bytes]] = field(default_factory=list)  # (device, key)
     blocks_to_load: list[tuple[int, bytes]] = field(default_factory=list)  # (device, page bytes)
     preempted: list[Sequence] = field(default_factory=list)

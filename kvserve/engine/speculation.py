@@ -1,7 +1,7 @@
 """Speculative decoding's pure half: the drafters, each sequence's acceptance, and the controller that sizes drafts.
 
 A drafted token costs a row of the step (the target scores the sequence's last token and its k drafts as one
-chunk, engine/runner.py) and pays off only when the target agrees. Both drafters here propose point masses (a
+chunk, engine/worker/runner.py) and pays off only when the target agrees. Both drafters here propose point masses (a
 draft is a token, not a distribution), so verification is sampling each row of the chunk as decoding would and
 keeping the drafts while the samples equal them: the tokens that come out are the target's own samples, greedy
 or random, whatever was drafted.

@@ -26,7 +26,7 @@ from typing import Callable
 from kvserve.config import EngineConfig, FleetConfig, ServedModel
 from kvserve.engine.client import EngineHealth, EngineStatus, check_available
 from kvserve.engine.errors import CapacityExhausted, KVServeError, ModelFailed, from_wire
-from kvserve.engine.kv_cache import BlockHash
+from kvserve.engine.kv.manager import BlockHash
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.request import EngineRequest
 from kvserve.engine.scheduler import SchedulerStats

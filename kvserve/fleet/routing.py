@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from kvserve.engine.kv_cache import BlockHash, hash_block
+from kvserve.engine.kv.manager import BlockHash, hash_block
 
 
 @dataclass(frozen=True)

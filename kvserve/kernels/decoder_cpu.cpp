@@ -1498,7 +1498,7 @@ struct LayerParams {
   const float* sin;
   int64_t window;  // 0: none
   float scale;
-  int64_t kv_group;  // its KV group (engine/kv_groups.py): which [m] slots and [m, table_stride] tables it uses
+  int64_t kv_group;  // its KV group (engine/kv/groups.py): which [m] slots and [m, table_stride] tables it uses
 };
 
 struct ModelParams {

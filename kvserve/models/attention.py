@@ -58,7 +58,7 @@ class AttentionMetadata:
     # Built once per forward pass and shared by all layers: masks keyed by (keys, offset, window),
     # rotary cos/sin keyed by table.
     cache: dict = field(default_factory=dict, repr=False)
-    # KV groups (engine/kv_groups.py): every group's metadata (slots and block tables; this one is group 0's)
+    # KV groups (engine/kv/groups.py): every group's metadata (slots and block tables; this one is group 0's)
     # and each layer's group. Empty where the layers share one group.
     groups: list["AttentionMetadata"] = field(default_factory=list, repr=False)
     layer_groups: tuple[int, ...] = ()

@@ -221,7 +221,7 @@ def calibrate(model_id: str, config_path: str | None = None, output: str | Path 
               price_per_hour: float | None = None) -> dict:
     """Profile the real engine serving `model_id` (as the models TOML configures it), fit, and write the file."""
     from kvserve.config import ServerConfig
-    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine.worker.llm_engine import LLMEngine
     from kvserve.models.catalog import resolve_source
     from kvserve.planning.specs import spec_from_gguf, spec_from_hf_config
 
@@ -259,7 +259,7 @@ def calibrate(model_id: str, config_path: str | None = None, output: str | Path 
     profile_s = time.perf_counter() - t0
     bandwidth = measure_bandwidth()
     result = fit(point_medians([(features(spec, dtype, dtype, w), s, p) for w, s, p in prof.samples]), bandwidth)
-    # The pool in pages of the engine's KV groups (engine/kv_groups.py), as search.replica_memory reads it back.
+    # The pool in pages of the engine's KV groups (engine/kv/groups.py), as search.replica_memory reads it back.
     layout, layers = engine.kv.layout, engine.model_config.num_layers
     kv_pool = engine.kv.num_pages * engine.kv.block_size * engine.kv_bytes_per_token * layout.group_size / layers
     windows = [layout.groups[layout.placement(layer)[0]].window for layer in range(layers)]  # rebuild the layout

@@ -1,7 +1,7 @@
 """Long contexts: what one sequence's KV costs at N tokens, and how many such sequences each tier holds.
 
 A layer can keep its keys and values three ways, each counted here in pages as the engine counts them
-(planning/memory.py, engine/kv_groups.py), for a sequence decoding at N tokens:
+(planning/memory.py, engine/kv/groups.py), for a sequence decoding at N tokens:
 - full attention: every layer keeps every token (what exact attention needs where the model has no window);
 - the model's native window (Gemma 3): its sliding layers keep only what their window reaches;
 - a StreamingLLM window (Xiao et al., "Efficient Streaming Language Models with Attention Sinks",
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvserve.engine.kv_groups import KVLayout
+from kvserve.engine.kv.groups import KVLayout
 from kvserve.planning.memory import (DISK_GBS, GIB, HOST_GBS, WEIGHT_ONLY, dtype_bytes, kv_bytes_per_token_layer,
                                      kv_layout, layer_windows, memory_plan)
 from kvserve.planning.search import TP_DEGREES

@@ -2,7 +2,7 @@
 
 Pure Python. Conventions (the same as vLLM's and our engine's):
 - KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x bytes per element.
-- The pool is counted as the engine counts it (engine/kv_groups.py, whose rule this module imports rather
+- The pool is counted as the engine counts it (engine/kv/groups.py, whose rule this module imports rather
   than restates): layers form KV groups by attention kind, a page is one block of one group, and a
   sliding-window group holds only the blocks its window still reaches. A model of one kind (Llama) has one
   group of every layer, so a page is the classic block of every layer. A sequence is counted at its peak
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.config import sliding_layer
-from kvserve.engine.kv_groups import KVLayout
+from kvserve.engine.kv.groups import KVLayout
 from kvserve.planning.specs import AcceleratorSpec, ModelSpec
 
 # int8 / int4: weights only, in the format whose quality data/quantization.toml measured (models/quant.py):

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from kvserve.config import Priority, SchedulerConfig, TierLimits
-from kvserve.engine.kv_groups import KVLayout
+from kvserve.engine.kv.groups import KVLayout
 from kvserve.planning.memory import DISK_GBS, WEIGHT_ONLY, MemoryPlan, memory_plan
 from kvserve.planning.roofline import GPU_EFFICIENCY, Deployment, Efficiency, StepModel, Work
 from kvserve.planning.simulator import SimResult, Simulator, percentile

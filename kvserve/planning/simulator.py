@@ -25,8 +25,8 @@ from kvserve.config import Priority, SchedulerConfig, TierLimits
 from kvserve.engine.core import EngineCore
 from kvserve.engine.errors import CapacityExhausted, ContextLengthExceeded
 from kvserve.engine.interjection import Interjection
-from kvserve.engine.kv_cache import KVCacheManager
-from kvserve.engine.kv_groups import KVLayout
+from kvserve.engine.kv.manager import KVCacheManager
+from kvserve.engine.kv.groups import KVLayout
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.request import EngineRequest
 from kvserve.engine.sampling import SamplingParams
@@ -126,7 +126,7 @@ class SimClock:
 
 
 class SimulatedTier:
-    """The disk tier of a simulated engine (engine/kv_disk.py's part): which evicted blocks it holds, at most
+    """The disk tier of a simulated engine (engine/kv/disk.py's part): which evicted blocks it holds, at most
     `pages` of them, least recently used out first. No bytes: the executor prices the loads."""
 
     def __init__(self, pages: int, load_s: Callable[[int], float] = lambda pages: 0.0):

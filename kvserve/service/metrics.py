@@ -69,7 +69,7 @@ class LiveModelStats:
     kv_host_bytes: int = 0  # what the host-memory tier holds
     drafts: dict = field(default_factory=dict)  # drafter name -> DrafterStats (speculative decoding, since start)
     draft_length: float = 0.0  # the controller's current mean draft length
-    grammar: object = None  # structured outputs: the compiler's GrammarStats (engine/grammar.py), or None
+    grammar: object = None  # structured outputs: the compiler's GrammarStats (engine/structured/grammar.py), or None
 
 
 class ServingWindow:

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, m
 
 from kvserve.config import TIER_NAMES
 from kvserve.engine.sampling import MAX_TOKEN_ID, REPETITION_PENALTY_RANGE, SamplingParams
-from kvserve.engine.structured import InvalidStructuredOutput, StructuredOutputsParams
+from kvserve.engine.structured.params import InvalidStructuredOutput, StructuredOutputsParams
 from kvserve.metering.budgets import PERIODS as BUDGET_PERIODS
 
 Tier = Literal[TIER_NAMES]  # the labels of kvserve.config.Priority
@@ -174,7 +174,7 @@ class _CommonRequest(_Lenient):
     # same either way (greedy bit for bit, sampling in distribution); only speed differs.
     speculation: bool = True
     # Structured outputs: OpenAI's response_format, or vLLM's extras (one constraint in all; its output is
-    # generated to match it, engine/grammar.py)
+    # generated to match it, engine/structured/grammar.py)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     guided_json: dict[str, Any] | JsonText | None = None

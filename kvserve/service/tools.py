@@ -26,8 +26,8 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from kvserve.engine.grammar import JSON_OPTIONS
-from kvserve.engine.structured import InvalidStructuredOutput, StructuredOutputsParams, interoperable_integers
+from kvserve.engine.structured.grammar import JSON_OPTIONS
+from kvserve.engine.structured.params import InvalidStructuredOutput, StructuredOutputsParams, interoperable_integers
 
 OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
 SEPARATOR = "\n"

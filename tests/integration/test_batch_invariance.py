@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvserve import SamplingParams
-from kvserve.engine.runner import BatchItem
+from kvserve.engine.worker.runner import BatchItem
 from kvserve.models.loader import load_checkpoint
 from tests.engine_checks import (Req, assert_no_leaks, blocks_needed, drive, make_engine, shared_weights,
                                  torch_threads)

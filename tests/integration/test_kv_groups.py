@@ -84,7 +84,7 @@ def test_groups_hold_a_third_of_the_bytes_and_change_no_bit(prompts, full):
     assert layout.num_groups == 6 and layout.group_size == 3 and eng.kv.num_groups == 6
     bits, peak, _, _ = _run(eng, [Req(prompts[0], _greedy())])
     assert bits[0] == want[0]
-    # The peak is within the rule's (engine/kv_groups.py): the full group's every block and each sliding
+    # The peak is within the rule's (engine/kv/groups.py): the full group's every block and each sliding
     # group's window and a chunk of at most 512 tokens. A group's block is a sixth of a classic one in bytes.
     assert peak <= layout.pages_held(PROMPT_TOKENS + 24, eng.kv.block_size, new_tokens=512)
     assert peak / 6 <= 0.36 * full_peak, (peak, full_peak)

@@ -106,7 +106,7 @@ def test_constrained_requests_are_drafted_within_their_grammar_with_the_bits_of_
 
     import jsonschema
 
-    from kvserve.engine.structured import StructuredOutputsParams as SO
+    from kvserve.engine.structured.params import StructuredOutputsParams as SO
 
     schema = {"type": "object", "properties": {
         "passage": {"type": "string", "maxLength": 300},

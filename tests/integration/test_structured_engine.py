@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from kvserve import SamplingParams
-from kvserve.engine.structured import StructuredOutputsParams as SO
+from kvserve.engine.structured.params import StructuredOutputsParams as SO
 from tests.engine_checks import Req, assert_no_leaks, drive, make_engine, torch_threads
 
 SCHEMA = {"type": "object", "properties": {
@@ -127,9 +127,9 @@ def test_constrained_requests_with_drafts_stay_valid(tiny_llama_gguf):
 
 
 def test_checking_after_sampling_gives_the_masked_rows_tokens(tiny_llama_gguf, monkeypatch):
-    """Greedy rows sample unmasked and check the token (engine/grammar_mask.py): the tokens are those of masking
+    """Greedy rows sample unmasked and check the token (engine/worker/grammar_mask.py): the tokens are those of masking
     every row first; unseeded sampled rows stay valid."""
-    from kvserve.engine import runner as runner_mod
+    from kvserve.engine.worker import runner as runner_mod
 
     eng = make_engine(tiny_llama_gguf, dtype="float32")
     greedy = [r for r in requests(eng.tokenizer) if r.params.temperature == 0]
@@ -153,9 +153,9 @@ def test_the_offline_llm_takes_structured_outputs(tiny_llama_gguf):
 
 def test_numbers_end_at_a_doubles_precision_instead_of_running_to_max_tokens(tiny_llama_gguf, monkeypatch):
     """A bounded `number` allows decimals forever; on noise they run on. With a double's 17 significant digits
-    the number is offered its end (engine/number_precision.py), and every output is a valid object; taking
+    the number is offered its end (engine/structured/number_precision.py), and every output is a valid object; taking
     that away, some run to max_tokens (so this test can fail)."""
-    from kvserve.engine.number_precision import NumberScanner
+    from kvserve.engine.structured.number_precision import NumberScanner
 
     schema = {"type": "object", "properties": {"x": {"type": "number", "minimum": 0, "maximum": 1},
                                                "y": {"type": "number"}},

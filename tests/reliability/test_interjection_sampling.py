@@ -11,7 +11,7 @@ import random
 
 import torch
 
-from kvserve.engine.sampler import Sampler, SamplingMetadata
+from kvserve.engine.worker.sampler import Sampler, SamplingMetadata
 from kvserve.engine.sampling import SamplingParams
 from tests.engine_checks import assert_no_leaks, make_engine, torch_threads
 

@@ -1,4 +1,4 @@
-"""The disk tier of the prefix cache (engine/kv_disk.py) on real SmolLM2, whose batch-invariant numerics make a
+"""The disk tier of the prefix cache (engine/kv/disk.py) on real SmolLM2, whose batch-invariant numerics make a
 prompt served from loaded K/V the same bits as one computed afresh, so any wrong page would show.
 
 - Hits: with a pool too small for the prompts, their evicted blocks come back from the disk, in a second replica

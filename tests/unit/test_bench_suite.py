@@ -123,7 +123,7 @@ def test_bytes_a_decode_step_reads(tmp_path):
     import numpy as np
 
     log = tmp_path / "server.log"
-    log.write_text("2026 INFO kvserve.engine.llm_engine: llama-1b-q4_k_m weights: int4+int8, 0.79 GB held "
+    log.write_text("2026 INFO kvserve.engine.worker.llm_engine: llama-1b-q4_k_m weights: int4+int8, 0.79 GB held "
                    "(112 Q4_K as int4, 33 Q6_K requantized to int8)\n")
     assert T.KvserveTarget().weights_read(log) == {
         "weights_form": "int4+int8", "bytes_per_token": 0.79e9,

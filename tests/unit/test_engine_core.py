@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvserve.config import Priority, SchedulerConfig, TierLimits, engine_config_from_kwargs
 from kvserve.engine.core import EngineCore
-from kvserve.engine.kv_cache import KVCacheManager
+from kvserve.engine.kv.manager import KVCacheManager
 from kvserve.engine.request import EngineRequest
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler_output import RunnerOutput
@@ -91,7 +91,7 @@ def test_the_simulator_and_the_engine_make_the_same_schedule(tiny_llama_gguf):
 
     from dataclasses import replace
 
-    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine.worker.llm_engine import LLMEngine
 
     clock = SimClock()
     config = engine_config_from_kwargs(str(tiny_llama_gguf), dtype="float32", num_gpu_blocks_override=num_blocks,

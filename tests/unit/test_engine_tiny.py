@@ -456,7 +456,7 @@ def test_an_interjection_applies_interactive_adds_only_and_holds_the_rest():
 
     from kvserve.config import EngineConfig, SchedulerConfig
     from kvserve.engine.async_engine import AsyncLLM, _Abort, _Add
-    from kvserve.engine.kv_cache import KVCacheManager
+    from kvserve.engine.kv.manager import KVCacheManager
     from kvserve.engine.scheduler import Scheduler
 
     class Recorder:

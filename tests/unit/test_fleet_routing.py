@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvserve.engine.kv_cache import hash_block
+from kvserve.engine.kv.manager import hash_block
 from kvserve.fleet.routing import ReplicaView, RoutingPolicy, RoutingStats, affinity_key, choose, rank
 
 POLICY = RoutingPolicy()

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
-from kvserve.engine.kv_cache import CachedPrefix, KVCacheManager, hash_block, num_blocks_for
-from kvserve.engine.kv_groups import NULL_PAGE, KVLayout
+from kvserve.engine.kv.manager import CachedPrefix, KVCacheManager, hash_block, num_blocks_for
+from kvserve.engine.kv.groups import NULL_PAGE, KVLayout
 from kvserve.engine.request import Sequence
 from kvserve.engine.sampling import SamplingParams
 

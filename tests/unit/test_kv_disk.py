@@ -1,4 +1,4 @@
-"""The disk tier of the KV cache (engine/kv_disk.py): pages survive a restart, stay in their namespace, and
+"""The disk tier of the KV cache (engine/kv/disk.py): pages survive a restart, stay in their namespace, and
 bad data on disk (flipped bytes, truncation, deletion, a kill mid-write) is a miss, never wrong bytes."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.engine.kv_disk import HEADER_BYTES, DiskKVStore, kv_namespace
+from kvserve.engine.kv.disk import HEADER_BYTES, DiskKVStore, kv_namespace
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = 4096
@@ -341,7 +341,7 @@ def test_concurrent_use_under_disk_damage_returns_exact_pages_or_none(tmp_path):
 
 KILLED_WRITER = r"""
 import hashlib, sys
-from kvserve.engine.kv_disk import DiskKVStore
+from kvserve.engine.kv.disk import DiskKVStore
 directory, ns, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 s = DiskKVStore(directory, ns, size, byte_budget=1 << 40)
 for i in range(1_000_000):

@@ -1,9 +1,9 @@
-"""Fair eviction of cached blocks between tenants (engine/kv_eviction.py), pure."""
+"""Fair eviction of cached blocks between tenants (engine/kv/eviction.py), pure."""
 from __future__ import annotations
 
 import pytest
 
-from kvserve.engine.kv_eviction import CachedBlocks, KVSharePolicy
+from kvserve.engine.kv.eviction import CachedBlocks, KVSharePolicy
 
 
 def cached(blocks: dict[str, range], policy: KVSharePolicy | None = None) -> CachedBlocks:

@@ -1,9 +1,9 @@
-"""KV groups' arithmetic (engine/kv_groups.py), pure: layouts by attention kind and the blocks a group holds."""
+"""KV groups' arithmetic (engine/kv/groups.py), pure: layouts by attention kind and the blocks a group holds."""
 from __future__ import annotations
 
 import pytest
 
-from kvserve.engine.kv_groups import KVGroup, KVLayout
+from kvserve.engine.kv.groups import KVGroup, KVLayout
 
 
 def gemma3_windows(layers: int, window: int = 512, pattern: int = 6) -> list[int | None]:

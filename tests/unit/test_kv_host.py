@@ -1,12 +1,12 @@
-"""The host-memory tier (engine/kv_host.py): an LRU of pages in a byte budget whose evictions go to the disk tier,
+"""The host-memory tier (engine/kv/host.py): an LRU of pages in a byte budget whose evictions go to the disk tier,
 and the KV manager's account of which level each loaded token came from."""
 from __future__ import annotations
 
 import pytest
 
-from kvserve.engine.kv_cache import KVCacheManager
-from kvserve.engine.kv_disk import DiskKVStore
-from kvserve.engine.kv_host import HostKVStore
+from kvserve.engine.kv.manager import KVCacheManager
+from kvserve.engine.kv.disk import DiskKVStore
+from kvserve.engine.kv.host import HostKVStore
 from tests.unit.test_kv_cache import admit, compute, make_seq
 
 PAGE = 64

@@ -35,19 +35,28 @@ RANKS: dict[str, int] = {
     "cli": 9,
 }
 
-# Pure logic: token counts and block ids, prices and windows, arithmetic; no torch.
+# Pure logic: token counts and block ids, prices and windows, arithmetic; no torch. In the engine that is every
+# module outside its torch half (engine/worker/), listed by `_pure_engine_modules` below.
 TORCH_FREE = [
-    "kvserve.engine.core", "kvserve.engine.request", "kvserve.engine.scheduler_output",
-    "kvserve.engine.output_processor", "kvserve.engine.client",
-    "kvserve.engine.scheduler", "kvserve.engine.kv_cache", "kvserve.engine.admission", "kvserve.engine.step_time",
     "kvserve.fleet.routing", "kvserve.service.router",
     "kvserve.metering.prices", "kvserve.metering.money", "kvserve.metering.budgets", "kvserve.metering.rate_limits",
     "kvserve.metering.reports",
     "kvserve.planning.roofline", "kvserve.planning.memory", "kvserve.planning.search", "kvserve.planning.simulator",
-    "kvserve.planning.long_context", "kvserve.engine.kv_groups", "kvserve.engine.kv_disk",
-    "kvserve.engine.structured", "kvserve.engine.grammar", "kvserve.engine.number_precision",
+    "kvserve.planning.long_context",
     "kvserve.service.region_routing", "kvserve.metering.escrow",
 ]
+
+# The engine's rooms and the modules the rooms build on, lowest first: each may load only those of lower rank (its
+# own modules aside). The request's types sit under the KV manager (which keeps a sequence's blocks); the engine's
+# other top-level modules (core, scheduler, admission, ...) rank ENGINE_TOP, between the KV manager and the torch half.
+ENGINE_RANKS: dict[str, int] = {"errors": 0, "structured": 1, "sampling": 2, "request": 3, "kv": 4, "worker": 6}
+ENGINE_TOP = 5
+TORCH_HALF = "worker"
+
+
+def _pure_engine_modules() -> list[str]:
+    return [m for m in _modules_of("engine") if m.split(".")[2:3] != [TORCH_HALF]]
+
 
 # Run in the child: import `modules`, recording for each new kvserve (or torch) module the module that imported it.
 PROBE = r"""
@@ -122,6 +131,38 @@ def test_a_package_imports_only_packages_below_it(package):
     assert not above, (f"importing kvserve.{package} (rank {RANKS[package]}) loads packages at or above its rank:\n"
                        + "\n".join(f"  {_package_of(m)} (rank {RANKS[_package_of(m)]}): {_chain(m, parent)}"
                                    for m in above))
+
+
+def _room_of(module: str) -> str | None:
+    """The engine room or ranked module a kvserve.engine module belongs to (None for the other top-level ones)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) >= 3 and parts[2] in ENGINE_RANKS else None
+
+
+def _engine_rank(module: str) -> int:
+    room = _room_of(module)
+    return ENGINE_RANKS[room] if room else ENGINE_TOP
+
+
+def test_every_engine_room_is_ranked():
+    rooms = {f.parent.name for f in (PACKAGE / "engine").glob("*/__init__.py")}
+    assert rooms <= set(ENGINE_RANKS), "rank the new engine room in ENGINE_RANKS"
+
+
+@pytest.mark.parametrize("room", sorted(ENGINE_RANKS, key=ENGINE_RANKS.get))
+def test_an_engine_room_loads_only_rooms_below_it(room):
+    loaded, parent = _probe([m for m in _modules_of("engine") if _room_of(m) == room])
+    above = sorted(m for m in loaded if m.startswith("kvserve.engine.") and _room_of(m) != room
+                   and _engine_rank(m) >= ENGINE_RANKS[room])
+    assert not above, (f"importing engine/{room} (rank {ENGINE_RANKS[room]}) loads engine modules at or above its "
+                       "rank:\n" + "\n".join(f"  {_chain(m, parent)}" for m in above))
+
+
+def test_the_engine_outside_its_torch_half_loads_neither_it_nor_torch():
+    loaded, parent = _probe(_pure_engine_modules())
+    bad = sorted(m for m in loaded if m == "torch" or _room_of(m) == TORCH_HALF)
+    assert not bad, "the engine's pure modules load its torch half or torch:\n" + "\n".join(
+        f"  {_chain(m, parent)}" for m in bad)
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)

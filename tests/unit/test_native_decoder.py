@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from kvserve.engine.runner import BatchItem
+from kvserve.engine.worker.runner import BatchItem
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.engine.interjection import Interjection
 from kvserve.models.attention import AttentionMetadata, PrefillChunk

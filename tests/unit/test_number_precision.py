@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.engine.number_precision import (MAX_EXPONENT_DIGITS, MAX_SIGNIFICANT_DIGITS, NumberScanner,
+from kvserve.engine.structured.number_precision import (MAX_EXPONENT_DIGITS, MAX_SIGNIFICANT_DIGITS, NumberScanner,
                                              TokenBytes)
 
 # A toy vocabulary: single characters and a few multi-character pieces, as a BPE tokenizer has them.

@@ -1,4 +1,4 @@
-"""The planner's KV arithmetic under the engine's KV-group rule (engine/kv_groups.py) and `kvserve plan context`:
+"""The planner's KV arithmetic under the engine's KV-group rule (engine/kv/groups.py) and `kvserve plan context`:
 what one long sequence costs under full attention, a native window and a StreamingLLM window, and how many
 fit on the devices, in host memory and on disk. Pure arithmetic against hand-worked figures, and the CLI."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvserve.config import SchedulerConfig
-from kvserve.engine.kv_groups import KVGroup, KVLayout
+from kvserve.engine.kv.groups import KVGroup, KVLayout
 from kvserve.planning import memory
 from kvserve.planning.long_context import KVPolicy, Tiers, long_context, policies
 from kvserve.planning.roofline import Deployment, StepModel

@@ -437,7 +437,7 @@ def test_calibration_profiles_the_real_engine_and_plans_with_it(tmp_path, tiny_l
     assert "kvserve plan calibrate --model smollm2-135m" in capsys.readouterr().err
     # a server's engine for that model starts from this machine's step times, not the generic defaults
     from kvserve.config import engine_config_from_kwargs
-    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine.worker.llm_engine import LLMEngine
     from kvserve.engine.step_time import StepTimeModel
     from kvserve.planning.calibrate import calibrated_prior
 

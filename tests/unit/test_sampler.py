@@ -8,8 +8,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st, HealthCheck
 
-import kvserve.engine.sampler as sampler_mod
-from kvserve.engine.sampler import Sampler, SamplingMetadata, make_generator
+import kvserve.engine.worker.sampler as sampler_mod
+from kvserve.engine.worker.sampler import Sampler, SamplingMetadata, make_generator
 from kvserve.engine.sampling import SamplingParams
 
 METHODS = ["race", "inverse_cdf"]

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvserve.config import PreemptionMode, SchedulerConfig, TierLimits
 from kvserve.engine.errors import CapacityExhausted, ContextLengthExceeded
-from kvserve.engine.kv_cache import KVCacheManager, hash_block, tier_key
+from kvserve.engine.kv.manager import KVCacheManager, hash_block, tier_key
 from kvserve.engine.request import Priority, Sequence, SequenceStatus, SequenceTimings
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import Scheduler

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvserve.config import ConfigError, SchedulerConfig, ServedModel, ServerConfig, engine_config_from_kwargs
-from kvserve.engine.kv_cache import KVCacheManager
+from kvserve.engine.kv.manager import KVCacheManager
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.errors import (CapacityExhausted, ContextLengthExceeded, InvalidRequest, ModelFailed, ModelNotFound,
                                    ModelWarming)

@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from kvserve.engine import grammar as grammar_mod
-from kvserve.engine.grammar import GrammarCompiler
-from kvserve.engine.structured import InvalidStructuredOutput, StructuredLimits, StructuredOutputsParams as SO
+from kvserve.engine.structured import grammar as grammar_mod
+from kvserve.engine.structured.grammar import GrammarCompiler
+from kvserve.engine.structured.params import InvalidStructuredOutput, StructuredLimits, StructuredOutputsParams as SO
 
 
 def test_exactly_one_constraint_and_schemas_keep_their_key_order():
@@ -108,7 +108,7 @@ def test_a_compile_past_its_budget_is_refused_and_cached_when_done(smollm2_token
 
 
 def test_unbounded_integers_get_i_json_bounds_and_stop_running_on(compiler, smollm2_tokenizer):
-    from kvserve.engine.structured import MAX_SAFE_INTEGER, interoperable_integers
+    from kvserve.engine.structured.params import MAX_SAFE_INTEGER, interoperable_integers
 
     schema = {"type": "object", "properties": {"n": {"type": "integer"}, "m": {"type": ["integer", "null"],
                                                                                "minimum": 3},

@@ -18,7 +18,7 @@ TEXT = (OPEN + '{"name": "get_weather", "arguments": {"city": "Pa\\"ris {x}"}}' 
 
 
 def test_grammar_per_tool_choice(smollm2_tokenizer):
-    from kvserve.engine.grammar import GrammarCompiler
+    from kvserve.engine.structured.grammar import GrammarCompiler
 
     c = GrammarCompiler(smollm2_tokenizer, smollm2_tokenizer.vocab_size)
 

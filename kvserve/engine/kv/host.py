@@ -21,7 +21,7 @@ READ_TIME_WEIGHT = 0.1
 
 
 class PageStore(Protocol):
-    """The tier below (engine/kv_disk.py's DiskKVStore)."""
+    """The tier below (engine/kv/disk.py's DiskKVStore)."""
 
     def put(self, key: bytes, payload) -> bool: ...
 

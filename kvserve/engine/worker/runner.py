@@ -17,12 +17,12 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.engine.interjection import Interjection
-from kvserve.engine.kv_groups import KVLayout
+from kvserve.engine.kv.groups import KVLayout
 from kvserve.engine.request import Sequence
-from kvserve.engine.sampler import Sampler, SamplingMetadata, make_generator
+from kvserve.engine.worker.sampler import Sampler, SamplingMetadata, make_generator
 from kvserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from kvserve.models.attention import AttentionMetadata, PrefillChunk, kv_cache_shape
-from kvserve.engine.grammar_mask import apply_grammar_masks, checked_after_sampling
+from kvserve.engine.worker.grammar_mask import apply_grammar_masks, checked_after_sampling
 
 
 @dataclass
@@ -57,7 +57,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_device_blocks: int, num_host_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device, kv_int8: bool = False,
                  eos_token_ids: Collection[int] = (), layout: KVLayout | None = None):
-        """`layout`: the KV groups (engine/kv_groups.py); default one group of every layer. Each of its
+        """`layout`: the KV groups (engine/kv/groups.py); default one group of every layer. Each of its
         `group_size` slots is one key and one value tensor of `num_device_blocks` pages, which the slot's
         layer of every group shares (a page belongs to one group at a time)."""
         self.model = model
@@ -81,7 +81,7 @@ class ModelRunner:
         self.kv_caches = [self.kv_slots[slot] for _, slot in placements]  # per layer
         host_shape = kv_cache_shape(num_host_blocks, block_size, config.num_kv_heads, config.head_dim, kv_int8)
         pin = device.type == "cuda"
-        self.tier = None  # the lower tier evicted pages go to (engine/kv_disk.py), set by the engine
+        self.tier = None  # the lower tier evicted pages go to (engine/kv/disk.py), set by the engine
         self.host_slots = [(torch.zeros(host_shape, dtype=cache_dtype, pin_memory=pin),
                             torch.zeros(host_shape, dtype=cache_dtype, pin_memory=pin))
                            for _ in range(slots)] if num_host_blocks else []

@@ -1,7 +1,7 @@
 """Grammars for structured outputs, compiled by llguidance, cached, and bounded in time.
 
 llguidance turns a JSON schema, a regex, a choice or a Lark grammar into a matcher over the model's
-tokenizer: from the matcher's state, the mask of tokens allowed next (the sampler applies it, engine/runner.py),
+tokenizer: from the matcher's state, the mask of tokens allowed next (the sampler applies it, engine/worker/runner.py),
 advanced by each token the sequence takes. Compiling is cheap for ordinary schemas but not for every one: a
 nested `oneOf` can stall another engine's step loop for as long as it compiles. Here:
 
@@ -25,8 +25,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 
-from kvserve.engine.number_precision import NumberScanner, TokenBytes
-from kvserve.engine.structured import (InvalidStructuredOutput, StructuredLimits, StructuredOutputsParams,
+from kvserve.engine.structured.number_precision import NumberScanner, TokenBytes
+from kvserve.engine.structured.params import (InvalidStructuredOutput, StructuredLimits, StructuredOutputsParams,
                                       interoperable_integers)
 
 CACHE_ENTRIES = 512
@@ -72,7 +72,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
 
 class CompiledGrammar:
     """A constraint compiled for one tokenizer: `matcher()` gives a new sequence its own matcher, and
-    `numbers()` its number-precision scanner where the output is JSON (engine/number_precision.py)."""
+    `numbers()` its number-precision scanner where the output is JSON (engine/structured/number_precision.py)."""
 
     def __init__(self, params: StructuredOutputsParams, start, tokens: TokenBytes | None = None):
         self.params = params

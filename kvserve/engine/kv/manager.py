@@ -1,7 +1,7 @@
 """Paged KV cache bookkeeping: block tables, reference counts, prefix cache, copy-on-write, swap.
 
 Pure Python: this module hands out block ids; the runner owns the tensors. A model's layers form KV
-groups (engine/kv_groups.py): one block table per group and sequence, all drawing blocks ("pages") from
+groups (engine/kv/groups.py): one block table per group and sequence, all drawing blocks ("pages") from
 one pool; a sliding-window group lets go of the blocks its window has passed (NULL_PAGE takes their
 place in the table). Prefix-cache entries are per group: a block's chained hash is the same in every
 group, each group's page holding it is found under (group, hash). Every device block but NULL_PAGE is
@@ -12,7 +12,7 @@ in exactly one of three places:
   cached   ref 0, hashed, in the LRU             reusable on a prefix hit, evicted when a fresh
                                                  block is needed and the free list is empty
 
-A lower tier (a `LowerTier`, the disk: engine/kv_disk.py) extends the prefix cache: a cached block
+A lower tier (a `LowerTier`, the disk: engine/kv/disk.py) extends the prefix cache: a cached block
 evicted from the pool is offloaded to it (the runner copies the page out before anything overwrites it),
 and a lookup that runs past the pool's blocks goes on in the tier, whose verified pages are loaded into
 fresh blocks (a page the tier cannot produce intact is a miss: the prefix ends before it).
@@ -33,8 +33,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from kvserve.engine.kv_eviction import CachedBlocks, KVSharePolicy
-from kvserve.engine.kv_groups import NULL_PAGE, KVGroup, KVLayout
+from kvserve.engine.kv.eviction import CachedBlocks, KVSharePolicy
+from kvserve.engine.kv.groups import NULL_PAGE, KVGroup, KVLayout
 from kvserve.engine.request import Sequence
 
 BlockHash = bytes
@@ -42,7 +42,7 @@ BlockHash = bytes
 
 class LowerTier(Protocol):
     """Where evicted prefix blocks go and come back from: keyed by tier_key, pages as bytes. One or more
-    levels: "host" (engine/kv_host.py, on CUDA), "disk" (engine/kv_disk.py)."""
+    levels: "host" (engine/kv/host.py, on CUDA), "disk" (engine/kv/disk.py)."""
 
     def contains(self, key: bytes) -> bool: ...
 
@@ -129,7 +129,7 @@ class _SeqBlocks:
     host: list[list[int | None]] | None = None
     # Chained hashes of the leading full, computed blocks; kept across swaps to re-register them.
     hashes: list[BlockHash] = field(default_factory=list)
-    tenant: str = "default"  # whose cache its registered blocks count in (engine/kv_eviction.py)
+    tenant: str = "default"  # whose cache its registered blocks count in (engine/kv/eviction.py)
     retain_s: float = 0.0  # how long its blocks stay cached after their last use (prompt_cache_retention)
 
 
@@ -167,7 +167,7 @@ class KVCacheManager:
         """`num_device_blocks`: the pool's pages, NULL_PAGE included where the layout slides. `layout`:
         the model's KV groups (default: one group of full attention, the classic paged cache). `tier`: a
         lower tier for evicted prefix blocks (with prefix caching only). `shares`: tenants' weights and pins
-        in the prefix cache (engine/kv_eviction.py). `clock`: what retention TTLs are measured on."""
+        in the prefix cache (engine/kv/eviction.py). `clock`: what retention TTLs are measured on."""
         self.layout = layout or KVLayout((KVGroup((0,), None),))
         reserved = self.layout.reserved_pages
         if block_size <= 0 or num_device_blocks < reserved or num_host_blocks < 0:
@@ -221,7 +221,7 @@ class KVCacheManager:
 
     def blocks_for_tokens(self, num_tokens: int, new_tokens: int | None = None) -> int:
         """Blocks (over all groups) a sequence of `num_tokens` holds while its last `new_tokens` (default:
-        all) are computed: a sliding group holds only what its window reaches (engine/kv_groups.py)."""
+        all) are computed: a sliding group holds only what its window reaches (engine/kv/groups.py)."""
         return self.layout.pages_held(num_tokens, self.block_size, new_tokens)
 
     def block_table(self, seq: Sequence, group: int = 0) -> list[int]:

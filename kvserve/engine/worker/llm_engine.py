@@ -16,14 +16,14 @@ import torch
 from kvserve.config import EngineConfig, TierLimits, engine_config_from_kwargs
 from kvserve.engine.core import EngineCore, Executor, StepStats  # noqa: F401  (StepStats: the step's figures)
 from kvserve.engine.interjection import Interjection
-from kvserve.engine.kv_cache import KVCacheManager
-from kvserve.engine.kv_disk import DiskKVStore, kv_namespace, model_digest
-from kvserve.engine.kv_host import HostKVStore
-from kvserve.engine.kv_eviction import KVSharePolicy
-from kvserve.engine.kv_groups import KVLayout
+from kvserve.engine.kv.manager import KVCacheManager
+from kvserve.engine.kv.disk import DiskKVStore, kv_namespace, model_digest
+from kvserve.engine.kv.host import HostKVStore
+from kvserve.engine.kv.eviction import KVSharePolicy
+from kvserve.engine.kv.groups import KVLayout
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.request import EngineRequest, Priority
-from kvserve.engine.runner import ModelRunner
+from kvserve.engine.worker.runner import ModelRunner
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.step_time import StepTimePrior
 from kvserve.kernels import kv_quant
@@ -33,7 +33,7 @@ from kvserve.models.loader import (build_model, checkpoint_header, checkpoint_in
                                    weights_label)
 from kvserve.models.model_info import ModelInfo
 from kvserve.models.tokenizer import Tokenizer
-from kvserve.engine.grammar import GrammarCompiler
+from kvserve.engine.structured.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ on llguidance's own thread pool (LLExecutor: the masks of a batch in parallel, w
 widened to a boolean mask on the logits' device, and every disallowed token's logit set to -inf. Only the
 constrained rows are touched: another request's row is the same bits with or without its neighbours' grammars.
 
-A JSON row whose number has all the digits a double carries (engine/number_precision.py) is masked first, and
+A JSON row whose number has all the digits a double carries (engine/structured/number_precision.py) is masked first, and
 its digit-led tokens are taken out of its mask too, unless nothing else would be left (a number the schema's
 bounds do not yet let end).
 """

@@ -7,7 +7,7 @@ I-JSON (RFC 7493) asks that numbers carry no more precision or range than a doub
 zeros after its point before the first significant one (past a double's smallest subnormal), or 3 exponent
 digits, a further digit is not offered where the grammar lets the number go on otherwise or end (engine/
 grammar_mask.py applies that). An integer schema gets I-JSON's bounds in the schema itself
-(engine/structured.py), well inside this.
+(engine/structured/params.py), well inside this.
 
 Plain Python over the token's bytes (no torch): the scanner follows JSON's lexical states (inside a string, an
 escape, a number's integer part, fraction or exponent), so digits inside strings never count.

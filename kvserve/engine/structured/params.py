@@ -4,7 +4,7 @@ SamplingParams through every hop (the engine thread, Ray) and keys the compiled-
 
 Limits on what a request may send are checked here, before anything is compiled: a schema's size and nesting
 depth, a pattern's or a grammar's length, the number of choices (StructuredLimits; the server's config may
-change them). The compiler (engine/grammar.py) then bounds the work a grammar may cost.
+change them). The compiler (engine/structured/grammar.py) then bounds the work a grammar may cost.
 """
 from __future__ import annotations
 
