@@ -141,11 +141,11 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = 16  # tokens per KV block (the unit of allocation, prefix caching and swaps)
     kv_cache_memory: int | None = None  # bytes for the device KV pool; None: derive from num blocks or default
-    num_gpu_blocks_override: int | None = None
+    num_gpu_blocks_override: int | None = None  # KV blocks in the pool, whatever kv_cache_memory says
     swap_space: int = 1 << 30  # bytes of host memory for swapped-out blocks
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = True  # reuse the KV blocks of a prompt prefix computed before (hashed per tenant)
     # "auto": the model's dtype; "int8": int8 rows with a scale each (kernels/kv_quant.py), about half the bytes
     kv_cache_dtype: str = "auto"
     # KV groups per attention kind (engine/kv/groups.py): sliding-window layers hold only their window's
@@ -155,7 +155,7 @@ class CacheConfig:
     # directory (per model file, dtype, block size and layout) and read back on a hit, across restarts and by
     # replicas sharing the directory; at most kv_disk_bytes of it. None: no disk tier.
     kv_disk_dir: str | None = None
-    kv_disk_bytes: int = 8 << 30
+    kv_disk_bytes: int = 8 << 30  # the disk tier's size at most (oldest pages out first)
     # The host-memory tier (engine/kv/host.py), for CUDA: evicted prefix blocks are kept in this many bytes of
     # host memory before they go to the disk tier (when there is one). 0: none. On a CPU the pool is host
     # memory already: give the pool the memory instead.
@@ -164,7 +164,7 @@ class CacheConfig:
     # cached blocks per weight (1 unless named here); a tenant's pinned blocks (system prompts) stay while
     # another tenant has blocks over its pin.
     kv_tenant_weights: dict = field(default_factory=dict)
-    kv_pinned_blocks: dict = field(default_factory=dict)
+    kv_pinned_blocks: dict = field(default_factory=dict)  # tenant -> blocks of its cache eviction leaves alone
 
     def __post_init__(self):
         _validate(self, dict(block_size=POSITIVE_INT, kv_cache_memory=OPTIONAL_POSITIVE_INT,
@@ -227,8 +227,8 @@ INTERACTIVE_MAX_TTFT_S = 0.5
 class TierLimits:
     """Admission bounds for one priority tier."""
 
-    max_waiting: int = 1024
-    max_queued_prompt_tokens: int = 1 << 20
+    max_waiting: int = 1024  # requests waiting in the tier's queue at most
+    max_queued_prompt_tokens: int = 1 << 20  # prompt tokens waiting in the tier's queue at most
     max_queue_wait_s: float = 60.0  # estimated wait above which new requests are refused
     # Estimated time to first token above which new requests are refused: a TTFT SLO (inf: none). Unlike
     # max_queue_wait_s it counts the request's own prefill, so long prompts are refused sooner.
@@ -249,14 +249,18 @@ class TierLimits:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 4096
-    enable_chunked_prefill: bool = True
+    max_num_seqs: int = 64  # sequences running at once at most
+    max_num_batched_tokens: int = 2048  # tokens one step computes at most (prefill chunks and decodes)
+    max_model_len: int = 4096  # prompt plus output tokens of a sequence at most (and the model's own limit)
+    enable_chunked_prefill: bool = True  # a long prompt is prefilled in chunks, between other sequences' decodes
+    # When the KV pool runs out, a sequence is preempted: its blocks swapped to host memory (swap_space) or
+    # dropped and recomputed later; auto swaps where the swap space allows.
     preemption_mode: PreemptionMode = PreemptionMode.AUTO
+    # Admission bounds of the interactive tier and of the batch tier (TierLimits; each table's keys replace its
+    # tier's defaults).
     interactive: TierLimits = field(default_factory=lambda: TierLimits(max_ttft_s=INTERACTIVE_MAX_TTFT_S))
     batch: TierLimits = field(default_factory=lambda: TierLimits(max_waiting=4096, max_queue_wait_s=3600.0,
-                                                                 queue_timeout_s=7200.0))
+                                                                 queue_timeout_s=7200.0))  # (see interactive)
     batch_decode_quantum: int = 64  # batch seqs yield after this many decode steps when interactive work waits
     # While interactive sequences run or wait, batch-tier prefill chunks get at most this many tokens per
     # step in all: a step's length is what interactive work waits for, at every token (TTFT and TPOT).
@@ -275,7 +279,7 @@ class SchedulerConfig:
     # prompt lookup, then the tenant's recent outputs), lengths chosen per step by the controller, verified
     # exactly in one chunk. Off by default until its benchmarks show it never slows a loaded server here.
     speculative_decoding: bool = False
-    num_speculative_tokens: int = 8
+    num_speculative_tokens: int = 8  # drafted tokens per sequence and step at most
     # False: every proposal is drafted whole, whatever the load (a static draft length, as other engines have it).
     speculative_controller: bool = True
 
@@ -294,9 +298,11 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
-    device: str = "auto"  # "auto" | "cpu" | "cuda"
-    seed: int = 0
+    # "auto" | "float32" | "bfloat16" | "float16": the compute dtype; auto is bfloat16 where the fused CPU decoder
+    # serves the model (and the CPU has native bf16), else float32
+    dtype: str = "auto"
+    device: str = "auto"  # "auto" (CUDA when present, else the CPU) | "cpu" | "cuda" | "cuda:N"
+    seed: int = 0  # the engine's torch seed (a request's own `seed` makes its sampling reproducible)
     # "auto" | "bf16" | "int8" | "int4": the form the matrices are computed from (models/quant.py; auto keeps a
     # GGUF's class: 4-bit types at 4 bits, other quantized types at 8, float files dense)
     weights: str = "auto"
@@ -311,13 +317,13 @@ class EngineConfig:
     # hold only those blocks, for long contexts in less memory at a measured cost in quality (BENCHMARKS.md);
     # served op by op (the fused decoder has no sinks), responses say so (x-kvserve-kv-policy).
     attention_policy: str = "full"
-    attention_sinks: int = 4
-    attention_window: int = 2048
+    attention_sinks: int = 4  # sinks_window: leading tokens every such layer keeps attending to
+    attention_window: int = 2048  # sinks_window: the latest tokens every such layer attends to
     # Structured outputs (engine/structured/params.py, engine/structured/grammar.py): a constraint still compiling after this many seconds is refused
     # (400), as is a JSON schema above this many bytes or nesting levels.
     structured_compile_timeout_s: float = 5.0
-    structured_max_schema_bytes: int = 64 * 1024
-    structured_max_schema_depth: int = 32
+    structured_max_schema_bytes: int = 64 * 1024  # (see structured_compile_timeout_s)
+    structured_max_schema_depth: int = 32  # (see structured_compile_timeout_s)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -424,11 +430,11 @@ class ModelPrice:
     pays `batch_discount` times them), and what one replica of the model costs to run per hour (its GPU or
     CPU share: the cost side of each request, from the engine time it used)."""
 
-    input: float = 0.02
-    cached_input: float = 0.005
-    output: float = 0.08
-    batch_discount: float = 0.5
-    replica_cost_per_hour: float = 0.10
+    input: float = 0.02  # dollars per million prompt tokens
+    cached_input: float = 0.005  # ... per million prompt tokens served from the prefix cache
+    output: float = 0.08  # ... per million output tokens
+    batch_discount: float = 0.5  # the batch tier pays this times the list prices
+    replica_cost_per_hour: float = 0.10  # dollars an hour one replica costs to run (the cost side of usage)
 
     def __post_init__(self):
         _validate(self, dict(input=NONNEG_NUMBER, cached_input=NONNEG_NUMBER, output=NONNEG_NUMBER,
@@ -445,13 +451,13 @@ class ModelFleet:
     `replicas` fixes the pool's size; `min_replicas` < `max_replicas` turns on autoscaling between them on
     the engines' own signals (fleet/autoscale.py). Each replica reserves `cpus` CPUs and `gpus` GPUs."""
 
-    replicas: int = 1
-    min_replicas: int | None = None
-    max_replicas: int | None = None
-    cpus: float = 1.0
-    gpus: float = 0.0
-    upscale_delay_s: float = 10.0
-    downscale_delay_s: float = 120.0
+    replicas: int = 1  # the pool's size (its initial size when autoscaling)
+    min_replicas: int | None = None  # autoscaling's lower bound (unset: replicas)
+    max_replicas: int | None = None  # autoscaling's upper bound (unset: no autoscaling)
+    cpus: float = 1.0  # CPUs each replica reserves in Ray
+    gpus: float = 0.0  # GPUs each replica reserves in Ray
+    upscale_delay_s: float = 10.0  # the autoscaler wants more replicas this long before it adds one
+    downscale_delay_s: float = 120.0  # ...and fewer this long before it removes one
     target_queued_tokens: int = 2048  # per replica: waiting prompt tokens the autoscaler aims at
     target_kv_usage: float = 0.8  # per replica: KV-cache use above which it adds a replica
 
@@ -480,18 +486,18 @@ class ModelFleet:
 class FleetConfig:
     """The `[fleet]` table: the gateway, routing, migration, health and rollout of `kvserve serve --fleet`."""
 
-    gateway_replicas: int = 1
-    gateway_cpus: float = 0.5
+    gateway_replicas: int = 1  # gateway (HTTP ingress) replicas
+    gateway_cpus: float = 0.5  # CPUs each gateway reserves in Ray
     gateway_resources: dict = field(default_factory=dict)  # custom Ray resources, to pin gateways to ingress nodes
     migration_limit: int = 3  # times one request may move to another replica before it fails
     route_timeout_s: float = 30.0  # a request that no replica accepts in this time fails (never a hung stream)
-    health_check_period_s: float = 5.0
+    health_check_period_s: float = 5.0  # Serve checks each replica's engine this often
     health_check_timeout_s: float = 30.0  # a check that does not answer in this time fails too
     drain_timeout_s: float = 60.0  # a stopping replica (update, downscale) finishes its streams for at most this long
     stats_period_s: float = 0.5  # how often each replica's load reaches the gateways' routers
-    affinity_blocks: int = 8  # routing (fleet/routing.py RoutingPolicy)
-    load_bound: float = 1.25
-    ray_namespace: str = "kvserve"
+    affinity_blocks: int = 8  # full KV blocks of a prompt that key its replica affinity (fleet/routing.py)
+    load_bound: float = 1.25  # a replica takes at most this times its fair share of the requests in flight
+    ray_namespace: str = "kvserve"  # the Ray namespace of the fleet's deployments and its record of the config
 
     def __post_init__(self):
         _validate(self, dict(gateway_replicas=POSITIVE_INT, gateway_cpus=NONNEG_NUMBER, migration_limit=NONNEG_INT,
@@ -520,8 +526,8 @@ def _table(cls, data: dict, where: str):
 class RegionPolicy:
     """How a region fails over to its peers and comes back to them (service/region_routing.py)."""
 
-    probe_period_s: float = 0.5
-    probe_timeout_s: float = 1.0
+    probe_period_s: float = 0.5  # how often each peer is probed (GET <peer>/v1/region/status)
+    probe_timeout_s: float = 1.0  # a probe not answered within this failed
     fail_after: int = 3  # failed probes in a row that make a peer DOWN
     stale_after_s: float = 3.0  # ...or this long without a successful probe
     recover_after_s: float = 10.0  # healthy this long, every probe answered, before a peer takes traffic again
@@ -567,9 +573,9 @@ class RegionPeer:
     """Another region's gateway, as this region reaches it (and, where one file lists every region, the Ray
     cluster a fleet of that region runs on: `kvserve serve --fleet --region NAME` joins it)."""
 
-    name: str
+    name: str  # the region's name, as `local`, `ledger` and `--region` give it
     url: str  # its base URL (the address clients of that region use)
-    ray_address: str = ""  # "": a local Ray instance started for the region's fleet
+    ray_address: str = ""  # the Ray cluster of the region's fleet; "": a local Ray instance started for it
 
     def __post_init__(self):
         if not self.name or not str(self.url).startswith(("http://", "https://")):
@@ -581,8 +587,8 @@ class RegionsConfig:
     """The `[regions]` table: this server's region, its peer regions' gateways, and how it fails over to them
     (`[regions.policy]`: service/region_routing.py RegionPolicy). Without `local` and a peer, no regions."""
 
-    local: str = ""
-    peers: tuple[RegionPeer, ...] = ()
+    local: str = ""  # this server's region (or `kvserve serve --region NAME`)
+    peers: tuple[RegionPeer, ...] = ()  # the other regions ([[regions.peers]])
     policy: RegionPolicy = field(default_factory=RegionPolicy)
     forward_timeout_s: float = 30.0  # a forwarded request's connect and first-byte time at most
     # Budgets shared by the regions: the region whose store keeps the ledger of leases ("": each region's
@@ -590,7 +596,7 @@ class RegionsConfig:
     # every region's store, with which regions call each other's ledger endpoints.
     ledger: str = ""
     escrow: EscrowPolicy = field(default_factory=EscrowPolicy)
-    token_env: str = "KVSERVE_REGION_TOKEN"
+    token_env: str = "KVSERVE_REGION_TOKEN"  # (see ledger)
     ray_address: str = ""  # this region's Ray cluster (its entry's in a file that lists every region)
 
     def __post_init__(self):
@@ -642,12 +648,12 @@ class RegionsConfig:
 class BatchConfig:
     """The `[batch]` table: file limits and how much of the engines batch lines may take at once."""
 
-    max_file_lines: int = 50_000
-    max_file_bytes: int = 200 * 1024 * 1024
+    max_file_lines: int = 50_000  # lines of an input file at most
+    max_file_bytes: int = 200 * 1024 * 1024  # bytes of an uploaded file at most
     max_inflight: int = 16  # lines in flight in this server, over all batches (shared round-robin by tenant)
-    max_inflight_per_batch: int = 8
+    max_inflight_per_batch: int = 8  # lines of one batch in flight at most
     lease_s: float = 15.0  # a line's runner holds it this long, renewed while it runs; then another may take it
-    poll_s: float = 0.25
+    poll_s: float = 0.25  # how often the runner looks for new lines, cancellations and expiry
 
     def __post_init__(self):
         _validate(self, dict(max_file_lines=POSITIVE_INT, max_file_bytes=POSITIVE_INT, max_inflight=POSITIVE_INT,
@@ -662,10 +668,10 @@ class ServedModel:
     """One `[[models]]` entry of the server TOML: where the weights are and the engine arguments (checked
     when the entry is built: a bad one fails at start, naming the model, the key and the value)."""
 
-    id: str
-    source: str
+    id: str  # the name requests give as `model` (not "auto")
+    source: str  # a .gguf path, a Hugging Face checkpoint directory, a catalog id or pkg:<package>[/<file>]
     role: str = ""  # "fast" | "capable" | "" (model="auto" routing)
-    description: str = ""
+    description: str = ""  # free text for the file's readers (what the weights are)
     engine_args: dict = field(default_factory=dict)  # vLLM-style flat args; `interactive`/`batch` tables are TierLimits
     version: str = "1"  # a label for this model's weights/config; responses carry it (x-kvserve-model-version)
     fleet: ModelFleet = field(default_factory=ModelFleet)
@@ -690,8 +696,8 @@ class ServedModel:
 class AutoRoutingConfig:
     """model="auto": batch -> fast; short prompts -> fast; else capable while its queue is short and it is ready."""
 
-    short_prompt_chars: int = 256
-    capable_max_queue_depth: int = 4
+    short_prompt_chars: int = 256  # a prompt shorter than this many characters goes to the fast model
+    capable_max_queue_depth: int = 4  # a longer one goes to the capable model while its queue is shorter
 
     def __post_init__(self):
         _validate(self, dict(short_prompt_chars=NONNEG_INT, capable_max_queue_depth=NONNEG_INT))
@@ -699,18 +705,21 @@ class AutoRoutingConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = "127.0.0.1"  # the address the server listens on
+    port: int = 8000  # its port
     config_path: str | None = None  # the TOML this was read from (None: the packaged default models)
     models: list[ServedModel] = field(default_factory=list)
     home: str | None = None  # data directory; None: $KVSERVE_HOME or ~/.kvserve
-    db_path: str | None = None  # None: <home>/kvserve.db
+    # the store, an SQLite file or a postgresql:// URL; None: $KVSERVE_DB, else <home>/kvserve.db
+    db_path: str | None = None
     stall_timeout_s: float = 30.0  # /health is 503 when work is pending and no step finished for this long
     shutdown_timeout_s: float = 30.0  # SIGTERM: grace period for running requests
+    # Per tier, the time to first token aimed at: a recent p50 above it makes x-kvserve-load "high" (the fleet's
+    # autoscaler takes the interactive one as its TTFT target)
     ttft_target_ms: dict = field(default_factory=lambda: {"interactive": 500.0, "batch": 10_000.0})
-    max_body_bytes: int = 1 << 20
+    max_body_bytes: int = 1 << 20  # a request body above this is refused (413)
     default_max_tokens: int = 1024  # when a request sets no max_tokens (also capped by the remaining context)
-    metrics_window_s: float = 60.0
+    metrics_window_s: float = 60.0  # the window of recent requests and steps /v1/metrics/serving and load read
     load_sample_interval_s: float = 5.0  # how often the server samples KV use and queues for the dashboard
     load_history_samples: int = 720  # samples kept per model (720 x 5 s: the last hour)
     auth_cache_ttl_s: float = 5.0  # a token revoked by another process (the CLI) is refused within this time
@@ -719,12 +728,12 @@ class ServerConfig:
     # prompt_cache_retention: the longest TTL a tenant may ask for (seconds; a tenant named in
     # prompt_cache_retention_limits has its own), beyond which the request is refused (400)
     prompt_cache_max_retention_s: float = 86_400.0
-    prompt_cache_retention_limits: dict = field(default_factory=dict)
+    prompt_cache_retention_limits: dict = field(default_factory=dict)  # tenant -> its own longest TTL (seconds)
     auto: AutoRoutingConfig = field(default_factory=AutoRoutingConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     regions: RegionsConfig = field(default_factory=RegionsConfig)
-    log_level: str = "info"
+    log_level: str = "info"  # critical, error, warning, info, debug or trace
 
     def retention_limit_s(self, tenant: str) -> float:
         """The longest prompt_cache_retention this tenant may ask for."""

@@ -21,6 +21,7 @@ PACKAGE = ROOT / "kvserve"
 # `kvserve` itself (kvserve/__init__.py) loads kernels.isa before anything can import torch, and nothing more.
 RANKS: dict[str, int] = {
     "config": 0,
+    "config_reference": 1,  # writes docs/configuration.md from config.py's dataclasses; reads config alone
     # metering sits low, not beside the service as the house plan draws it: what is left in it is pure
     # arithmetic (prices, money, budgets and rate-limit windows, reports) that the store's tables and the
     # planner's break-even prices build on; its store-backed part, the gate, is the service's (service/gate.py).
