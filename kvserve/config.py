@@ -296,6 +296,24 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class StructuredLimits:
+    """Bounds on what one request's output constraint may ask, checked before anything is compiled
+    (engine/structured/params.py) and while it compiles (engine/structured/grammar.py); EngineConfig's
+    structured_* keys set the first two and the time budget."""
+
+    max_schema_bytes: int = 64 * 1024  # a JSON schema, as compact JSON
+    max_schema_depth: int = 32  # nested objects and arrays in the schema document
+    max_pattern_bytes: int = 16 * 1024  # a regex or a grammar
+    max_choices: int = 1024
+    compile_timeout_s: float = 5.0  # a grammar still compiling after this is refused (400)
+
+    def __post_init__(self):
+        _validate(self, dict(max_schema_bytes=POSITIVE_INT, max_schema_depth=POSITIVE_INT,
+                             max_pattern_bytes=POSITIVE_INT, max_choices=POSITIVE_INT,
+                             compile_timeout_s=POSITIVE_NUMBER))
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str
     # "auto" | "float32" | "bfloat16" | "float16": the compute dtype; auto is bfloat16 where the fused CPU decoder
@@ -328,9 +346,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     @property
-    def structured_limits(self):
-        from kvserve.engine.structured.params import StructuredLimits
-
+    def structured_limits(self) -> StructuredLimits:
         return StructuredLimits(max_schema_bytes=self.structured_max_schema_bytes,
                                 max_schema_depth=self.structured_max_schema_depth,
                                 compile_timeout_s=self.structured_compile_timeout_s)

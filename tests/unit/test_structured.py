@@ -9,9 +9,10 @@ import threading
 
 import pytest
 
+from kvserve.config import StructuredLimits
 from kvserve.engine.structured import grammar as grammar_mod
 from kvserve.engine.structured.grammar import GrammarCompiler
-from kvserve.engine.structured.params import InvalidStructuredOutput, StructuredLimits, StructuredOutputsParams as SO
+from kvserve.engine.structured.params import InvalidStructuredOutput, StructuredOutputsParams as SO
 
 
 def test_exactly_one_constraint_and_schemas_keep_their_key_order():
@@ -128,7 +129,7 @@ def test_unbounded_integers_get_i_json_bounds_and_stop_running_on(compiler, smol
 
 def test_a_draft_ends_where_the_grammar_forbids_or_a_numbers_digits_close(compiler, smollm2_tokenizer):
     """Sequence.draftable: the scheduler drafts for a constrained sequence only tokens its grammar allows, up to
-    where a number's digits close; drop_output_tokens takes tokens back with the matcher's and scanner's state."""
+    where a number's digits close."""
     from kvserve import SamplingParams
     from kvserve.engine.request import EngineRequest, Sequence
 
@@ -147,6 +148,3 @@ def test_a_draft_ends_where_the_grammar_forbids_or_a_numbers_digits_close(compil
     for t in head + digits[:17]:
         seq.append_token(t)
     assert seq.numbers.digits_closed and seq.draftable(enc("}")) == 0  # no drafts from a closed number
-    seq.drop_output_tokens(2)
-    assert not seq.numbers.digits_closed and seq.output_token_ids == list(head + digits[:15])
-    assert seq.grammar.validate_tokens(list(enc("5}"))) == 2  # the matcher is back there too

@@ -25,9 +25,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 
+from kvserve.config import StructuredLimits
 from kvserve.engine.structured.number_precision import NumberScanner, TokenBytes
-from kvserve.engine.structured.params import (InvalidStructuredOutput, StructuredLimits, StructuredOutputsParams,
-                                      interoperable_integers)
+from kvserve.engine.structured.params import InvalidStructuredOutput, StructuredOutputsParams, interoperable_integers
 
 CACHE_ENTRIES = 512
 COMPILE_WORKERS = 2

@@ -3,8 +3,8 @@ regular expression, one of a list of strings, or a grammar. Frozen and plain dat
 SamplingParams through every hop (the engine thread, Ray) and keys the compiled-grammar cache.
 
 Limits on what a request may send are checked here, before anything is compiled: a schema's size and nesting
-depth, a pattern's or a grammar's length, the number of choices (StructuredLimits; the server's config may
-change them). The compiler (engine/structured/grammar.py) then bounds the work a grammar may cost.
+depth, a pattern's or a grammar's length, the number of choices (kvserve.config.StructuredLimits, set by the
+engine's config). The compiler (engine/structured/grammar.py) then bounds the work a grammar may cost.
 """
 from __future__ import annotations
 
@@ -12,27 +12,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.config import StructuredLimits
 from kvserve.engine.errors import InvalidStructuredOutput
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
-
-
-@dataclass(frozen=True)
-class StructuredLimits:
-    """Bounds on what one request may ask (server config `[structured_outputs]`)."""
-
-    max_schema_bytes: int = 64 * 1024  # a JSON schema, as compact JSON
-    max_schema_depth: int = 32  # nested objects and arrays in the schema document
-    max_pattern_bytes: int = 16 * 1024  # a regex or a grammar
-    max_choices: int = 1024
-    compile_timeout_s: float = 5.0  # a grammar still compiling after this is refused (400)
-
-    def __post_init__(self):
-        for name in ("max_schema_bytes", "max_schema_depth", "max_pattern_bytes", "max_choices"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"structured_outputs.{name} must be a positive integer")
-        if not self.compile_timeout_s > 0:
-            raise ValueError("structured_outputs.compile_timeout_s must be positive")
 
 
 @dataclass(frozen=True)
