@@ -1022,6 +1022,48 @@ def assemble(plots_dir: Path) -> str:
     return with_benchmark_pages(md, plots_dir)
 
 
+# ---- the table of contents BENCHMARKS.md opens with ----------------------------------------------------------------
+
+CONTENTS = "**Contents**"
+
+
+def heading_anchor(title: str) -> str:
+    """GitHub's anchor for a heading's text: lower case, punctuation other than - and _ dropped, spaces to -."""
+    return "".join(c for c in title.lower() if c.isalnum() or c in " -_").replace(" ", "-")
+
+
+def with_contents(md: str) -> str:
+    """`md` with a table of contents before its first `##` section: a link to each `##` section. Anchors count
+    every heading outside code blocks, as GitHub numbers repeated ones (-1, -2, ...); an earlier table of contents
+    is replaced, so rendering again gives the same page."""
+    lines = md.splitlines()
+    if CONTENTS in lines:  # drop the old one: its line, the blank after it, its links and the blank after them
+        i = lines.index(CONTENTS)
+        j = i + 1
+        while j < len(lines) and (lines[j].startswith("- [") or not lines[j].strip()):
+            j += 1
+        lines[i:j] = []
+    seen: dict[str, int] = {}
+    links, first, fenced = [], None, False
+    for n, line in enumerate(lines):
+        if line.startswith("```"):
+            fenced = not fenced
+        level = len(line) - len(line.lstrip("#"))
+        if fenced or not 1 <= level <= 6 or line[level:level + 1] != " ":
+            continue
+        title = line[level:].strip()
+        slug = heading_anchor(title)
+        anchor = slug if slug not in seen else f"{slug}-{seen[slug]}"
+        seen[slug] = seen.get(slug, 0) + 1
+        if level == 2:
+            first = n if first is None else first
+            links.append(f"- [{title}](#{anchor})")
+    if first is None:
+        return md
+    lines[first:first] = [CONTENTS, "", *links, ""]
+    return "\n".join(lines) + "\n"
+
+
 def render(a: argparse.Namespace) -> int:
     root = Path(a.session)
     if not root.is_dir():
@@ -1050,7 +1092,7 @@ def render(a: argparse.Namespace) -> int:
     if analysis.exists():  # hand-written reading of the numbers (targets, profile), kept across renders
         md = md.rstrip("\n") + "\n\n" + analysis.read_text()
     Path(a.markdown).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.markdown).write_text(md)
+    Path(a.markdown).write_text(with_contents(md))
     print(f"wrote {a.markdown}" + (f" and {', '.join(str(p) for p in made)}" if made else ""))
     return 0
 

@@ -263,6 +263,25 @@ def test_benchmarks_md_keeps_a_section_per_cpu_kind(tmp_path):
     assert f"## {report.CPU_KINDS['avx512']}" not in md  # a kind never rendered has no section
 
 
+def test_benchmarks_md_opens_with_a_table_of_contents():
+    """A link to each `##` section before the first one, with GitHub's anchors (repeated headings numbered, code
+    blocks skipped); rendering again replaces it, and the committed BENCHMARKS.md has the one a render writes."""
+    from benchmarks import report
+
+    md = ("# Benchmarks\n\nintro\n\n## Summary: kvserve against each peer\n\n### Machine\n\n```bash\n## not a heading\n"
+          "```\n\n## Machine\n\n## Long context: what sinks + window costs\n")
+    out = report.with_contents(md)
+    assert out.startswith("# Benchmarks\n\nintro\n\n**Contents**\n\n"
+                          "- [Summary: kvserve against each peer](#summary-kvserve-against-each-peer)\n"
+                          "- [Machine](#machine-1)\n"
+                          "- [Long context: what sinks + window costs](#long-context-what-sinks--window-costs)\n\n"
+                          "## Summary")
+    assert "not a heading](" not in out
+    assert report.with_contents(out) == out
+    committed = (Path(report.REPO) / "BENCHMARKS.md").read_text()
+    assert report.with_contents(committed) == committed, "BENCHMARKS.md's contents are stale: python -m benchmarks.report"
+
+
 def test_benchmarks_md_opens_with_a_summary_per_cpu_kind(tmp_path):
     """Before the kinds' sections: per kind, kvserve's median / each peer's and the ratio, read from the kind's
     rendered pages (the page's own ratio where it gives one) and from an earlier peers page of that kind; a kind
