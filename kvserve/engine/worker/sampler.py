@@ -135,101 +135,18 @@ class SamplingMetadata:
             generators = [None] * B
         if len(output_token_ids) != B or len(prompt_token_ids) != B or len(generators) != B:
             raise ValueError("params, output_token_ids, prompt_token_ids and generators must have equal lengths")
-        eos_shared: set[int] | None
-        if isinstance(eos_token_ids, (set, frozenset)) or not eos_token_ids or isinstance(
-                next(iter(eos_token_ids)), int):
-            eos_shared = set(eos_token_ids)  # type: ignore[arg-type]
-            eos_rows = None
-        else:
-            eos_shared = None
-            eos_rows = [set(e) for e in eos_token_ids]  # type: ignore[union-attr]
-            if len(eos_rows) != B:
-                raise ValueError("eos_token_ids per row must have one entry per row")
+        eos_shared, eos_rows = _eos_sets(eos_token_ids, B)
         if num_output_tokens is None:
             num_output_tokens = [len(o) for o in output_token_ids]
 
-        def t(values, dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-        # ---- greedy / random split ----
-        greedy = [p.greedy or p.top_k == 1 for p in params]
-        rand = [i for i in range(B) if not greedy[i]]
-        R = len(rand)
-        all_greedy = R == 0
-        all_random = R == B
-        rp = [params[i] for i in rand]
-
-        temps = [p.temperature for p in rp]
-        if not temps or all(x == 1.0 for x in temps):
-            temperature: float | torch.Tensor | None = None
-        elif all(x == temps[0] for x in temps):
-            temperature = float(temps[0])
-        else:
-            temperature = t(temps, torch.float32)
-
-        min_p = t([p.min_p for p in rp], torch.float32) if any(p.min_p > 0 for p in rp) else None
-
-        frows = [j for j, p in enumerate(rp) if p.top_p < 1.0 or p.top_k > 0]
-        no_top_p_k = not frows
-        top_k = top_p = filter_rows = None
-        top_k_values: list[int] = []
-        top_p_values: list[float] = []
-        if frows:
-            fp = [rp[j] for j in frows]
-            top_k = t([p.top_k for p in fp], torch.int64)
-            top_p = t([p.top_p for p in fp], torch.float32)
-            top_k_values = [p.top_k for p in fp]
-            top_p_values = [p.top_p for p in fp]
-            filter_rows = None if len(frows) == R else t(frows, torch.int64)
-
-        seeded = [(j, generators[i]) for j, i in enumerate(rand) if generators[i] is not None]
-        unseeded = [j for j, i in enumerate(rand) if generators[i] is None]
-        unseeded_rows = None if len(unseeded) == R else t(unseeded, torch.int64)
-
-        # ---- penalties ----
-        use_rep = [p.repetition_penalty != 1.0 for p in params]
-        use_fp = [p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params]
-        no_penalties = not any(use_rep) and not any(use_fp)
-        rep = freq = pres = out_tok = prompt_tok = None
-        if not no_penalties:
-            if any(use_rep):
-                rep = t([p.repetition_penalty for p in params], torch.float32)
-                prompt_tok = _flat_rows([prompt_token_ids[i] if use_rep[i] else () for i in range(B)], device)
-            if any(p.frequency_penalty != 0.0 for p in params):
-                freq = t([p.frequency_penalty for p in params], torch.float32)
-            if any(p.presence_penalty != 0.0 for p in params):
-                pres = t([p.presence_penalty for p in params], torch.float32)
-            out_tok = _flat_rows([output_token_ids[i] if use_rep[i] or use_fp[i] else () for i in range(B)],
-                                 device)
-
-        # ---- min_tokens ----
-        ban_rows: list[int] = []
-        ban_toks: list[int] = []
-        for i, p in enumerate(params):
-            if p.min_tokens and num_output_tokens[i] < p.min_tokens:
-                ids = set(eos_shared if eos_rows is None else eos_rows[i])
-                ids.update(p.stop_token_ids)
-                ban_rows.extend([i] * len(ids))
-                ban_toks.extend(sorted(ids))
-        banned = (t(ban_rows, torch.int64), t(ban_toks, torch.int64)) if ban_rows else None
-
-        # ---- logprobs ----
-        lrows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        num_lp = [params[i].logprobs for i in lrows]
-        max_num_logprobs = max(num_lp) if lrows else None  # type: ignore[type-var]
-        logprob_rows = None if len(lrows) in (0, B) else t(lrows, torch.int64)
-
+        rand, split = _row_split_fields(params, device)
         return cls(
-            batch_size=B, device=device, all_greedy=all_greedy, all_random=all_random,
-            greedy_rows=None if all_random or all_greedy else t([i for i in range(B) if greedy[i]], torch.int64),
-            random_rows=None if all_random else t(rand, torch.int64),
-            temperature=temperature, min_p=min_p, no_top_p_k=no_top_p_k, filter_rows=filter_rows,
-            top_k=top_k, top_p=top_p, top_k_values=top_k_values, top_p_values=top_p_values,
-             seeded=seeded, unseeded_rows=unseeded_rows,
-            no_penalties=no_penalties, repetition_penalty=rep,
-            frequency_penalty=freq, presence_penalty=pres, output_tokens=out_tok, prompt_tokens=prompt_tok,
-            banned=banned, max_num_logprobs=max_num_logprobs, logprob_rows=logprob_rows,
-            logprob_row_list=lrows, num_logprobs=num_lp,  # type: ignore[arg-type]
+            batch_size=B, device=device, **split,
+            **_truncation_fields([params[i] for i in rand], device),
+            **_draw_fields(rand, generators, device),
+            **_penalty_fields(params, output_token_ids, prompt_token_ids, device),
+            banned=_banned(params, num_output_tokens, eos_shared, eos_rows, device),
+            **_logprob_fields(params, device),
         )
 
     @classmethod
@@ -239,6 +156,118 @@ class SamplingMetadata:
         """Convenience: build from `kvserve.engine.request.Sequence` objects."""
         return cls.build([s.sampling for s in seqs], [s.output_token_ids for s in seqs],
                          [s.prompt_token_ids for s in seqs], generators, eos_token_ids, None, device)
+
+
+# ---- the parts of SamplingMetadata.build, one concern each; each returns its fields by name ----
+def _tensor(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def _eos_sets(eos_token_ids: Iterable[int] | Seq[Iterable[int]],
+              B: int) -> tuple[set[int] | None, list[set[int]] | None]:
+    """(one shared eos set, None) or (None, one set per row)."""
+    if isinstance(eos_token_ids, (set, frozenset)) or not eos_token_ids or isinstance(
+            next(iter(eos_token_ids)), int):
+        return set(eos_token_ids), None  # type: ignore[arg-type]
+    eos_rows = [set(e) for e in eos_token_ids]  # type: ignore[union-attr]
+    if len(eos_rows) != B:
+        raise ValueError("eos_token_ids per row must have one entry per row")
+    return None, eos_rows
+
+
+def _row_split_fields(params: Seq[SamplingParams], device: torch.device) -> tuple[list[int], dict]:
+    """The greedy / random split (greedy: temperature ~0 or top_k == 1): the random rows' batch indices, and the
+    fields that name both sets."""
+    greedy = [p.greedy or p.top_k == 1 for p in params]
+    rand = [i for i in range(len(params)) if not greedy[i]]
+    all_greedy, all_random = not rand, len(rand) == len(params)
+    return rand, dict(
+        all_greedy=all_greedy, all_random=all_random,
+        greedy_rows=None if all_random or all_greedy else _tensor([i for i, g in enumerate(greedy) if g], torch.int64,
+                                                                  device),
+        random_rows=None if all_random else _tensor(rand, torch.int64, device))
+
+
+def _truncation_fields(rp: Seq[SamplingParams], device: torch.device) -> dict:
+    """temperature, min_p, top_k and top_p of the random rows `rp` (random-row space), each None where no row
+    needs it, so the sampler can skip the step."""
+    temps = [p.temperature for p in rp]
+    if not temps or all(x == 1.0 for x in temps):
+        temperature: float | torch.Tensor | None = None
+    elif all(x == temps[0] for x in temps):
+        temperature = float(temps[0])
+    else:
+        temperature = _tensor(temps, torch.float32, device)
+
+    min_p = _tensor([p.min_p for p in rp], torch.float32, device) if any(p.min_p > 0 for p in rp) else None
+
+    frows = [j for j, p in enumerate(rp) if p.top_p < 1.0 or p.top_k > 0]
+    top_k = top_p = filter_rows = None
+    top_k_values: list[int] = []
+    top_p_values: list[float] = []
+    if frows:
+        fp = [rp[j] for j in frows]
+        top_k = _tensor([p.top_k for p in fp], torch.int64, device)
+        top_p = _tensor([p.top_p for p in fp], torch.float32, device)
+        top_k_values = [p.top_k for p in fp]
+        top_p_values = [p.top_p for p in fp]
+        filter_rows = None if len(frows) == len(rp) else _tensor(frows, torch.int64, device)
+    return dict(temperature=temperature, min_p=min_p, no_top_p_k=not frows, filter_rows=filter_rows, top_k=top_k,
+                top_p=top_p, top_k_values=top_k_values, top_p_values=top_p_values)
+
+
+def _draw_fields(rand: Seq[int], generators: Seq[torch.Generator | None], device: torch.device) -> dict:
+    """Which random rows draw from their own generator (seeded) and which from torch's default one."""
+    seeded = [(j, generators[i]) for j, i in enumerate(rand) if generators[i] is not None]
+    unseeded = [j for j, i in enumerate(rand) if generators[i] is None]
+    unseeded_rows = None if len(unseeded) == len(rand) else _tensor(unseeded, torch.int64, device)
+    return dict(seeded=seeded, unseeded_rows=unseeded_rows)
+
+
+def _penalty_fields(params: Seq[SamplingParams], output_token_ids: Seq[Seq[int]], prompt_token_ids: Seq[Seq[int]],
+                    device: torch.device) -> dict:
+    """Repetition, frequency and presence penalties (batch space) and the token lists they count, only for the
+    rows that use them."""
+    B = len(params)
+    use_rep = [p.repetition_penalty != 1.0 for p in params]
+    use_fp = [p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params]
+    no_penalties = not any(use_rep) and not any(use_fp)
+    rep = freq = pres = out_tok = prompt_tok = None
+    if not no_penalties:
+        if any(use_rep):
+            rep = _tensor([p.repetition_penalty for p in params], torch.float32, device)
+            prompt_tok = _flat_rows([prompt_token_ids[i] if use_rep[i] else () for i in range(B)], device)
+        if any(p.frequency_penalty != 0.0 for p in params):
+            freq = _tensor([p.frequency_penalty for p in params], torch.float32, device)
+        if any(p.presence_penalty != 0.0 for p in params):
+            pres = _tensor([p.presence_penalty for p in params], torch.float32, device)
+        out_tok = _flat_rows([output_token_ids[i] if use_rep[i] or use_fp[i] else () for i in range(B)], device)
+    return dict(no_penalties=no_penalties, repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres,
+                output_tokens=out_tok, prompt_tokens=prompt_tok)
+
+
+def _banned(params: Seq[SamplingParams], num_output_tokens: Seq[int], eos_shared: set[int] | None,
+            eos_rows: list[set[int]] | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """min_tokens: (row, token id) pairs banned while a row has fewer outputs than its min_tokens (its eos ids
+    and stop_token_ids)."""
+    ban_rows: list[int] = []
+    ban_toks: list[int] = []
+    for i, p in enumerate(params):
+        if p.min_tokens and num_output_tokens[i] < p.min_tokens:
+            ids = set(eos_shared if eos_rows is None else eos_rows[i])
+            ids.update(p.stop_token_ids)
+            ban_rows.extend([i] * len(ids))
+            ban_toks.extend(sorted(ids))
+    return (_tensor(ban_rows, torch.int64, device), _tensor(ban_toks, torch.int64, device)) if ban_rows else None
+
+
+def _logprob_fields(params: Seq[SamplingParams], device: torch.device) -> dict:
+    """The rows that want logprobs, and how many each."""
+    lrows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    num_lp = [params[i].logprobs for i in lrows]
+    return dict(max_num_logprobs=max(num_lp) if lrows else None,  # type: ignore[type-var]
+                logprob_rows=None if len(lrows) in (0, len(params)) else _tensor(lrows, torch.int64, device),
+                logprob_row_list=lrows, num_logprobs=num_lp)
 
 
 class SamplerOutput:
