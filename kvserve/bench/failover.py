@@ -1,4 +1,4 @@
-"""A streaming client that survives a region: the documented retry (README "Regions"), and a chaos driver that
+"""A streaming client that survives a region: the documented retry (docs/regions.md), and a chaos driver that
 measures what clients see while regions are killed, frozen and brought back.
 
 The retry: send the stream to the client's own region with an `Idempotency-Key`; when the connection fails, the
