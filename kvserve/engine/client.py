@@ -15,7 +15,7 @@ from kvserve.engine.errors import ModelFailed, ModelWarming, ServerDraining
 if TYPE_CHECKING:
     from kvserve.engine.outputs import RequestOutput
     from kvserve.engine.request import EngineRequest
-    from kvserve.engine.scheduler import SchedulerStats
+    from kvserve.engine.stats import SchedulerStats
     from kvserve.models.tokenizer import Tokenizer
 
 

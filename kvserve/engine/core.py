@@ -161,34 +161,26 @@ class EngineCore:
                 out.forks[s.seq.seq_id] = children
 
     def _update(self, out: SchedulerOutput, result: RunnerOutput, touched: dict) -> None:
-        tokens = result.token_ids
-        self.scheduler.update_from_output(out, tokens)
-        now = self.clock()
+        """The scheduler takes each sampled token (Scheduler.update_from_output); here each one meets the
+        stop checks, and a parent's forks start before its first token can finish it (a stop, eos or
+        max_tokens=1 would free the blocks they are to share)."""
+        tokens, logprobs = result.token_ids, result.logprobs
         seq_states = self.outputs.seq_states
-        order: list[Sequence] = []  # the sampled sequences, each parent followed by its new forks
-        for s in out.scheduled:
-            if s.sample and s.seq.seq_id in tokens:
-                order.append(s.seq)
-                order.extend(out.forks.get(s.seq.seq_id, ()))
-        # Forks first: processing the parent's token may finish it (max_tokens=1, eos, a stop) and free
-        # the blocks its forks are to share.
-        for parent_id, children in out.forks.items():
-            parent = seq_states[parent_id].seq
-            for child in children:
-                for token in tokens[child.seq_id]:
-                    child.append_token(token)
+        now = self.clock()
+
+        def process(seq: Sequence, i: int, token: int) -> None:
+            lps = logprobs.get(seq.seq_id)
+            self.outputs.process_token(seq_states[seq.seq_id], token, lps[i] if lps else None, touched)
+
+        def on_token(seq: Sequence, i: int, token: int) -> None:
+            children = out.forks.get(seq.seq_id, ()) if i == 0 else ()
+            for child in children:  # each with its own first token, sampled beside the parent's
+                child.append_token(tokens[child.seq_id][0])
                 child.timings.first_token = child.timings.last_token = now
                 child.timings.token_times.append(now)
-                self.scheduler.fork(parent, child)
-        logprobs = result.logprobs
-        for seq in order:
-            lps = logprobs.get(seq.seq_id)
-            new = tokens[seq.seq_id]
-            if len(new) > 1:  # a verified draft: each token's stop checks see only the tokens before it
-                seq.drop_output_tokens(len(new) - 1)
-            for i, tok in enumerate(new):
-                if i:
-                    if seq.is_finished:  # a stop before the end of the draft: the rest is dropped
-                        break
-                    seq.append_token(tok)
-                self.outputs.process_token(seq_states[seq.seq_id], tok, lps[i] if lps else None, touched)
+                self.scheduler.fork(seq, child)
+            process(seq, i, token)
+            for child in children:
+                process(child, 0, tokens[child.seq_id][0])
+
+        self.scheduler.update_from_output(out, tokens, on_token)

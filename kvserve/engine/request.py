@@ -188,17 +188,6 @@ class Sequence:
             if self.numbers is not None:
                 self.numbers.advance(token_id)
 
-    def drop_output_tokens(self, n: int) -> None:
-        """Take back its last `n` tokens, and its constraint's state with them (a verified draft's tokens are
-        appended again one at a time, each seeing only those before it: engine/core.py)."""
-        if n <= 0:
-            return
-        del self.output_token_ids[len(self.output_token_ids) - n:]
-        if self.grammar is not None:
-            self.grammar.rollback(n)
-            if self.numbers is not None:
-                self.numbers.rollback(n)
-
     def draftable(self, draft: tuple[int, ...]) -> int:
         """How many of `draft`'s leading tokens may be verified as its next tokens: all of them without a
         constraint; with one, those the grammar allows, up to where a JSON number's digits close (that row's

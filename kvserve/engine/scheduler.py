@@ -3,30 +3,26 @@
 Pure Python (no torch, no I/O): it works on token counts and block ids, so the engine, microsecond
 unit tests and the planner's simulator (under a fake clock) all drive the very same code.
 
-Queues: per tier (interactive, batch) a waiting queue made of a `preempted` deque (recompute
-preemptions, re-admitted first) and one FIFO per tenant (picked by virtual-time fairness); one
-`running` list; one `swapped` list. A sequence is in exactly one of them until it finishes.
+Queues: per tier (interactive, batch) a waiting queue with its tenants' fairness (engine/tiers.py); one
+`running` list; one `swapped` list. A sequence is in exactly one of them until it finishes. Its snapshot for
+metrics is engine/stats.py's.
 """
 from __future__ import annotations
 
 import enum
 import time
-from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from kvserve.config import PreemptionMode, SchedulerConfig, TierLimits
 from kvserve.engine import admission
-from kvserve.engine.admission import EXPECTED_OUTPUT_TOKENS
-from kvserve.engine.kv.manager import KVCacheManager, KVCacheUsage
+from kvserve.engine.kv.manager import KVCacheManager
 from kvserve.engine.request import Priority, Sequence, SequenceStatus
 from kvserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
-from kvserve.engine.speculation import Candidate, DrafterStats, Speculator
+from kvserve.engine.speculation import Candidate, Speculator
+from kvserve.engine.stats import SchedulerStats
 from kvserve.engine.step_time import StepTimeModel
-
-# Virtual-time fair queuing weights (VTC's defaults): a generated token costs about two prompt tokens.
-PROMPT_TOKEN_WEIGHT = 1.0
-OUTPUT_TOKEN_WEIGHT = 2.0
+from kvserve.engine.tiers import TierQueues, order_key
 
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
@@ -38,83 +34,8 @@ def _batch_prefill_tokens(seq: Sequence, n: int) -> int:
     return n if n > 1 and seq.priority is Priority.BATCH else 0
 
 
-def _order_key(seq: Sequence) -> tuple[int, float, int]:
-    """Scheduling order; the maximum is the preemption victim (lowest tier, latest arrival)."""
-    return (int(seq.priority), seq.timings.arrival, seq.seq_id)
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    waiting: dict[Priority, int]  # queue depth per tier (fresh + recompute-preempted)
-    waiting_prompt_tokens: dict[Priority, int]  # their prompt tokens still to compute, per tier
-    running: int
-    swapped: int
-    blocks_used: int
-    blocks_cached: int
-    blocks_free: int
-    num_preemptions: int  # total since start
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    tokens_per_s: float  # decode tokens/s of the running batch, from the step-time model
-    queue_wait_s: dict[Priority, float]  # estimated wait for a request arriving now
-    ttft_s: dict[Priority, float]  # estimated time to first token of a one-token prompt arriving now
-    kv: KVCacheUsage
-    # Speculative decoding since start, per drafter; the controller's mean draft length over the decodes it
-    # last drafted for (0: none).
-    drafts: dict[str, DrafterStats] = field(default_factory=dict)
-    draft_length: float = 0.0
-
-    @property
-    def num_waiting(self) -> int:
-        return sum(self.waiting.values())
-
-    @classmethod
-    def pooled(cls, stats: "list[SchedulerStats]") -> "SchedulerStats":
-        """Several engines' snapshots as one (a fleet's pool): sums, and the shortest estimated wait and TTFT
-        per tier, since a new request goes to the least loaded."""
-        def total(name: str):
-            return sum(getattr(s, name) for s in stats)
-
-        def per_tier(name: str, combine=sum):
-            return {p: combine(getattr(s, name).get(p, 0) for s in stats) for p in Priority}
-
-        def pool(values: list):  # counts add; per-level byte tables add level by level
-            if values and isinstance(values[0], dict):
-                return dict(sum((Counter(v) for v in values), Counter()))
-            return sum(values)
-
-        kv = KVCacheUsage(**{f: pool([getattr(s.kv, f) for s in stats]) for f in KVCacheUsage.__dataclass_fields__})
-        return cls(waiting=per_tier("waiting"), waiting_prompt_tokens=per_tier("waiting_prompt_tokens"),
-                   running=total("running"), swapped=total("swapped"), blocks_used=total("blocks_used"),
-                   blocks_cached=total("blocks_cached"), blocks_free=total("blocks_free"),
-                   num_preemptions=total("num_preemptions"), prefix_query_tokens=total("prefix_query_tokens"),
-                   prefix_hit_tokens=total("prefix_hit_tokens"), tokens_per_s=total("tokens_per_s"),
-                   queue_wait_s=per_tier("queue_wait_s", min), ttft_s=per_tier("ttft_s", min), kv=kv,
-                   drafts={name: DrafterStats(*(sum(getattr(s.drafts[name], f) for s in stats if name in s.drafts)
-                                                for f in ("proposed", "accepted", "drafts")))
-                           for name in {n for s in stats for n in s.drafts}},
-                   draft_length=sum(s.draft_length for s in stats) / max(1, sum(s.draft_length > 0 for s in stats)))
-
-
-@dataclass
-class _Tier:
-    """One priority tier's waiting work and its tenants' fairness counters."""
-
-    preempted: deque[Sequence] = field(default_factory=deque)  # earliest arrival first
-    by_tenant: dict[str, deque[Sequence]] = field(default_factory=dict)  # only non-empty deques
-    num_waiting: int = 0
-    prompt_tokens: int = 0  # prompt tokens waiting sequences have to compute (admission: _prompt_work)
-    load_s: float = 0.0  # seconds their lower-tier hits take to read back (admission's estimates)
-    output_tokens: int = 0  # expected output tokens of waiting sequences (wait estimate)
-    served: dict[str, float] = field(default_factory=dict)  # VTC counter per tenant
-    live: dict[str, int] = field(default_factory=dict)  # unfinished sequences per active tenant
-
-
 @dataclass
 class _SeqState:
-    queued_prompt_tokens: int = 0  # what this sequence added to its tier's counters while waiting
-    queued_load_s: float = 0.0
-    queued_output_tokens: int = 0
     decode_steps: int = 0  # tokens sampled since last admitted or swapped in (batch quantum)
 
 
@@ -150,7 +71,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self._clock = clock
-        self._tiers = {Priority.INTERACTIVE: _Tier(), Priority.BATCH: _Tier()}
+        self._tiers = {Priority.INTERACTIVE: TierQueues(), Priority.BATCH: TierQueues()}
         self._running: list[Sequence] = []
         self._swapped: list[Sequence] = []
         self._state: dict[int, _SeqState] = {}
@@ -184,7 +105,7 @@ class Scheduler:
             work.update(self._check_tier_bounds(prio, [s for s in seqs if s.priority is prio]))
         for seq in seqs:
             self._track(seq)
-            self._enqueue_back(seq, work[seq.seq_id])
+            self._tiers[seq.priority].push_back(seq, work[seq.seq_id])
 
     def estimated_queue_wait(self, tier: Priority) -> float:
         """Seconds before a request arriving now in `tier` is admitted (gets a seat and starts prefill)."""
@@ -373,7 +294,7 @@ class Scheduler:
         tier = self._tiers[Priority.INTERACTIVE]
         if cfg.interactive_interjection and tier.num_waiting and self._room_for(tier.prompt_tokens, len(self._running)):
             while tier.num_waiting and step.budget > 0 and len(self._running) < cfg.max_num_seqs:
-                seq = self._next_waiting(tier)
+                seq = tier.next()
                 if self._exceeds_pool(seq.num_tokens) or self._try_admit(step, seq) is not _Admit.OK:
                     break  # left to the next regular step, which handles all of these
         out = self._close_step(step, timed=False)
@@ -385,14 +306,13 @@ class Scheduler:
     def _expire_waiting(self, step: _Step) -> None:
         for prio, tier in self._tiers.items():
             timeout = self._limits(prio).queue_timeout_s
-            for queue in list(tier.by_tenant.values()):
-                while queue and step.now - queue[0].timings.arrival > timeout:
-                    self._finish_in_step(step, queue[0], SequenceStatus.FINISHED_QUEUE_TIMEOUT)
+            for seq in tier.expired(step.now, timeout):
+                self._finish_in_step(step, seq, SequenceStatus.FINISHED_QUEUE_TIMEOUT)
 
     def _schedule_running(self, step: _Step, defer_batch_prefill: bool, hold_batch: bool) -> None:
         """Running decodes, then running prefill chunks. Batch prefill chunks (defer_batch_prefill) or
         all batch work (hold_batch) go to step.deferred, scheduled after interactive admissions."""
-        ordered = sorted(self._running, key=_order_key)
+        ordered = sorted(self._running, key=order_key)
         decodes = [s for s in ordered if s.num_uncomputed_tokens <= 1]
         prefills = [s for s in ordered if s.num_uncomputed_tokens > 1]
         for seq in decodes:
@@ -413,7 +333,7 @@ class Scheduler:
         if n == 0:
             return
         while not self.kv.allocate_slots(seq, n):
-            victim = max(self._running, key=_order_key)
+            victim = max(self._running, key=order_key)
             if victim is seq and len(self._running) == 1:
                 self._finish_in_step(step, seq, SequenceStatus.FINISHED_LENGTH)  # cannot fit even alone
                 return
@@ -426,7 +346,7 @@ class Scheduler:
         """Bring swapped sequences back in order. The first that cannot come back stops the rest and
         closes admission for its tier and below: newer work does not overtake it."""
         interactive_waiting = self._interactive_waiting()
-        for seq in sorted(self._swapped, key=_order_key):
+        for seq in sorted(self._swapped, key=order_key):
             # A batch sequence brought back now would be the first victim of interactive admissions.
             held_back = seq.priority is Priority.BATCH and interactive_waiting
             if held_back or not self._try_swap_in(step, seq):
@@ -453,7 +373,7 @@ class Scheduler:
     def _schedule_waiting(self, step: _Step, prio: Priority) -> None:
         tier = self._tiers[prio]
         while tier.num_waiting and prio not in step.closed and step.budget > 0:
-            seq = self._next_waiting(tier)
+            seq = tier.next()
             if seq.seq_id in step.preempted:  # blocks just ran out for it: nothing newer goes either
                 step.close_admission(prio)
                 break
@@ -482,7 +402,7 @@ class Scheduler:
             self.kv.free(seq)
             seq.num_computed_tokens = 0
             return _Admit.NO_BUDGET if n == 0 else _Admit.NO_BLOCKS
-        self._dequeue(seq)
+        self._tiers[seq.priority].remove(seq)
         if seq.timings.first_scheduled is None:
             seq.timings.first_scheduled = step.now
             seq.num_cached_tokens = cached
@@ -512,7 +432,7 @@ class Scheduler:
                                                        sample=start + n >= seq.num_tokens)
         step.budget -= n
         step.batch_prefill_budget -= _batch_prefill_tokens(seq, n)
-        self._charge(seq, start, n, +1)
+        self._tiers[seq.priority].charge(seq, start, n, +1)
 
     def _close_step(self, step: _Step, timed: bool = True) -> SchedulerOutput:
         out = step.out
@@ -535,7 +455,7 @@ class Scheduler:
         if ss is not None:  # scheduled earlier this step: give its tokens back
             step.budget += ss.num_new_tokens
             step.batch_prefill_budget += _batch_prefill_tokens(seq, ss.num_new_tokens)
-            self._charge(seq, ss.start, ss.num_new_tokens, -1)
+            self._tiers[seq.priority].charge(seq, ss.start, ss.num_new_tokens, -1)
         self._running.remove(seq)
         seq.num_preemptions += 1
         self._num_preemptions += 1
@@ -549,14 +469,14 @@ class Scheduler:
             self.kv.free(seq)
             seq.num_computed_tokens = 0
             seq.status = WAITING
-            self._enqueue_front(seq)
+            self._tiers[seq.priority].push_front(seq, self._prompt_work(seq))
 
     def _take_batch_seat(self, step: _Step) -> bool:
         """max_num_seqs reached with interactive work waiting: the latest running batch sequence yields."""
         batch = [s for s in self._running if s.priority is Priority.BATCH]
         if not batch:
             return False
-        self._preempt(step, max(batch, key=_order_key))
+        self._preempt(step, max(batch, key=order_key))
         return True
 
     def _yield_batch(self, step: _Step, fits: Callable[[], bool]) -> bool:
@@ -567,7 +487,7 @@ class Scheduler:
                     if s.priority is Priority.BATCH and self._state[s.seq_id].decode_steps >= quantum]
             if not done:
                 return False
-            self._preempt(step, max(done, key=_order_key))
+            self._preempt(step, max(done, key=order_key))
             if fits():
                 return True
 
@@ -602,32 +522,47 @@ class Scheduler:
 
     # ---- after the step ------------------------------------------------------------------------
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[int, list[int]]) -> None:
-        """Apply a finished step: advance computed tokens, append sampled tokens, cache full blocks.
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[int, list[int]],
+                           on_token: Callable[[Sequence, int, int], None] | None = None) -> None:
+        """Apply a finished step: advance computed tokens, cache full blocks, and take each sampled token.
 
         `sampled` maps seq_id to its new tokens for every scheduled sequence with sample=True (other ids
         in it are ignored). Sequences finished or aborted while the step ran are skipped.
-        """
+
+        This is the one place a sampled token joins its sequence: appended, timed, the blocks it completes
+        cached, then `on_token(seq, i, token)` (the engine's stop check) sees it with only the tokens before
+        it. A verified draft's tokens go one at a time: a token's K/V is computed once the token after it is
+        taken, and a stop inside the draft drops the rest (finish freed their slots)."""
         now = self._clock()
-        emitted = 0
+        self._time_step(output, sampled, now)  # before any token can finish the last sequence
         for ss in output.scheduled:
             seq = ss.seq
             if seq.status is not RUNNING:
                 continue
             got = sampled.get(seq.seq_id) if ss.sample else None
-            emitted += len(got or ())
             if ss.draft_token_ids and got:
-                # Its last token and the accepted drafts are computed; the token sampled after them is not.
-                seq.num_computed_tokens = ss.start + len(got)
+                # Its last token is computed; each accepted draft is when the token after it is taken.
+                seq.num_computed_tokens = ss.start + 1
                 self.speculator.observe(seq.seq_id, len(ss.draft_token_ids), len(got) - 1)
             else:
                 seq.num_computed_tokens = ss.start + ss.num_new_tokens
-            for token in got or ():
+            self.kv.cache_full_blocks(seq)
+            for i, token in enumerate(got or ()):
+                if i:  # the accepted draft before it is computed
+                    seq.num_computed_tokens += 1
+                    self.kv.cache_full_blocks(seq)
                 seq.append_token(token)
                 self._record_token(seq, now)
-            self.kv.cache_full_blocks(seq)
+                if on_token is not None:
+                    on_token(seq, i, token)
+                    if seq.is_finished:
+                        break
             if ss.draft_token_ids:
                 self.kv.release_tail(seq)  # the rejected drafts' slots
+
+    def _time_step(self, output: SchedulerOutput, sampled: dict[int, list[int]], now: float) -> None:
+        emitted = sum(len(sampled.get(ss.seq.seq_id) or ()) for ss in output.scheduled
+                      if ss.sample and ss.seq.status is RUNNING)
         # A verified draft is a decode plus its draft rows; the step-time model counts the rows as prefill.
         drafted = sum(len(ss.draft_token_ids) for ss in output.scheduled)
         decode = sum(1 for ss in output.scheduled if ss.num_new_tokens - len(ss.draft_token_ids) == 1)
@@ -759,7 +694,7 @@ class Scheduler:
         """Register a new live sequence: state, request index, tenant activity."""
         self._state[seq.seq_id] = _SeqState()
         self._requests.setdefault(seq.request_id, []).append(seq)
-        self._activate_tenant(self._tiers[seq.priority], seq.tenant)
+        self._tiers[seq.priority].activate(seq.tenant)
 
     def _untrack(self, seq: Sequence) -> None:
         del self._state[seq.seq_id]
@@ -767,73 +702,7 @@ class Scheduler:
         siblings.remove(seq)
         if not siblings:
             del self._requests[seq.request_id]
-        tier = self._tiers[seq.priority]
-        tier.live[seq.tenant] -= 1
-        if tier.live[seq.tenant] == 0:
-            del tier.live[seq.tenant]
-
-    def _activate_tenant(self, tier: _Tier, tenant: str) -> None:
-        """A tenant becoming active starts no lower than the least-served active tenant (no banked credit)."""
-        if tenant not in tier.live:
-            active = [tier.served.get(t, 0.0) for t in tier.live]
-            floor = min(active) if active else max(tier.served.values(), default=0.0)
-            tier.served[tenant] = max(tier.served.get(tenant, 0.0), floor)
-            tier.live[tenant] = 0
-        tier.live[tenant] += 1
-
-    def _charge(self, seq: Sequence, start: int, n: int, sign: int) -> None:
-        """Add the weighted tokens of a scheduled chunk to its tenant's virtual time."""
-        prompt = max(0, min(start + n, seq.num_prompt_tokens) - start)
-        cost = PROMPT_TOKEN_WEIGHT * prompt + OUTPUT_TOKEN_WEIGHT * (n - prompt)
-        served = self._tiers[seq.priority].served
-        served[seq.tenant] = served.get(seq.tenant, 0.0) + sign * cost
-
-    def _next_waiting(self, tier: _Tier) -> Sequence:
-        if tier.preempted:
-            return tier.preempted[0]
-        heads = (q[0] for q in tier.by_tenant.values())
-        return min(heads, key=lambda s: (tier.served.get(s.tenant, 0.0), s.timings.arrival, s.seq_id))
-
-    def _enqueue_back(self, seq: Sequence, work: tuple[int, float]) -> None:
-        """A new request's sequence, with its _prompt_work (admission has just computed it)."""
-        tier = self._tiers[seq.priority]
-        tier.by_tenant.setdefault(seq.tenant, deque()).append(seq)
-        self._count_waiting(tier, seq, work)
-
-    def _enqueue_front(self, seq: Sequence) -> None:
-        """Recompute-preempted: ahead of every fresh request of its tier, ordered by arrival."""
-        tier = self._tiers[seq.priority]
-        key = _order_key(seq)
-        idx = next((i for i, s in enumerate(tier.preempted) if _order_key(s) > key), len(tier.preempted))
-        tier.preempted.insert(idx, seq)
-        self._count_waiting(tier, seq, self._prompt_work(seq))
-
-    def _count_waiting(self, tier: _Tier, seq: Sequence, work: tuple[int, float]) -> None:
-        st = self._state[seq.seq_id]
-        st.queued_prompt_tokens, st.queued_load_s = work
-        max_tokens = seq.max_tokens
-        expected = EXPECTED_OUTPUT_TOKENS if max_tokens is None else min(max_tokens, EXPECTED_OUTPUT_TOKENS)
-        st.queued_output_tokens = expected
-        tier.num_waiting += 1
-        tier.prompt_tokens += st.queued_prompt_tokens
-        tier.load_s += st.queued_load_s
-        tier.output_tokens += st.queued_output_tokens
-
-    def _dequeue(self, seq: Sequence) -> None:
-        """Remove a waiting sequence from its tier's queue and counters."""
-        tier = self._tiers[seq.priority]
-        if seq in tier.preempted:
-            tier.preempted.remove(seq)
-        else:
-            queue = tier.by_tenant[seq.tenant]
-            queue.remove(seq)
-            if not queue:
-                del tier.by_tenant[seq.tenant]
-        st = self._state[seq.seq_id]
-        tier.num_waiting -= 1
-        tier.prompt_tokens -= st.queued_prompt_tokens
-        tier.load_s -= st.queued_load_s
-        tier.output_tokens -= st.queued_output_tokens
+        self._tiers[seq.priority].deactivate(seq.tenant)
 
     def _remove_from_queues(self, seq: Sequence) -> None:
         if seq.status is RUNNING:
@@ -841,4 +710,4 @@ class Scheduler:
         elif seq.status is SWAPPED:
             self._swapped.remove(seq)
         elif seq.status is WAITING:
-            self._dequeue(seq)
+            self._tiers[seq.priority].remove(seq)

@@ -29,7 +29,7 @@ from kvserve.engine.errors import CapacityExhausted, KVServeError, ModelFailed, 
 from kvserve.engine.kv.manager import BlockHash
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.request import EngineRequest
-from kvserve.engine.scheduler import SchedulerStats
+from kvserve.engine.stats import SchedulerStats
 from kvserve.fleet import wire
 from kvserve.fleet.routing import RoutingPolicy, affinity_key
 

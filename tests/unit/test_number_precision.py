@@ -62,21 +62,3 @@ def test_digits_inside_strings_never_count():
     assert scan('"a\\"", 0.' + "3" * 30).digits_closed
     s = scan('{"a": "x", "b": 0.' + "4" * 30, split=3)
     assert s.digits_closed and s.copy().digits_closed
-
-
-def test_rollback_returns_to_the_state_tokens_ago():
-    s = scan('{"x": 0.' + "1" * 16)
-    index = {p: i for i, p in enumerate(PIECES)}
-    s.advance(index[b"2"])
-    assert s.digits_closed
-    s.advance(index[b","])
-    assert not s.digits_closed
-    s.rollback(2)
-    assert not s.digits_closed  # 16 digits again
-    s.advance(index[b"9,"])
-    assert not s.digits_closed
-    s.rollback(1)
-    s.advance(index[b"3"])
-    assert s.digits_closed
-    with pytest.raises(ValueError, match="cannot roll back"):
-        NumberScanner(TOKENS).rollback(1)

@@ -14,14 +14,12 @@ escape, a number's integer part, fraction or exponent), so digits inside strings
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 MAX_SIGNIFICANT_DIGITS = 17
 MAX_FRACTION_LEADING_ZEROS = 324
 MAX_EXPONENT_DIGITS = 3
 
-ROLLBACK_TOKENS = 64  # how many tokens back `rollback` reaches (a verified draft's, engine/core.py)
 _OUTSIDE, _STRING, _ESCAPE, _INTEGER, _FRACTION, _EXPONENT = range(6)
 _DIGITS = frozenset(b"0123456789")
 
@@ -42,16 +40,14 @@ class NumberScanner:
     """One sequence's place in JSON text, advanced a token at a time: whether another digit would carry more
     than a double does (`digits_closed`)."""
 
-    __slots__ = ("tokens", "_state", "_significant", "_zeros", "_exponent", "_history")
+    __slots__ = ("tokens", "_state", "_significant", "_zeros", "_exponent")
 
     def __init__(self, tokens: TokenBytes):
         self.tokens = tokens
         self._state = _OUTSIDE
         self._significant = self._zeros = self._exponent = 0
-        self._history: deque = deque(maxlen=ROLLBACK_TOKENS)
 
     def advance(self, token_id: int) -> None:
-        self._history.append(self._snapshot())
         pieces = self.tokens.pieces
         for c in pieces[token_id] if token_id < len(pieces) else b"":
             self._byte(c)
@@ -90,17 +86,8 @@ class NumberScanner:
             return self._significant >= MAX_SIGNIFICANT_DIGITS or self._zeros >= MAX_FRACTION_LEADING_ZEROS
         return s == _EXPONENT and self._exponent >= MAX_EXPONENT_DIGITS
 
-    def rollback(self, n: int) -> None:
-        """Back to where it was `n` tokens ago (at most ROLLBACK_TOKENS)."""
-        if n > len(self._history):
-            raise ValueError(f"cannot roll back {n} tokens: {len(self._history)} kept")
-        for _ in range(n - 1):
-            self._history.pop()
-        if n:
-            self._state, self._significant, self._zeros, self._exponent = self._history.pop()
-
     def copy(self) -> "NumberScanner":
-        """Where it is now (no history)."""
+        """Where it is now."""
         other = NumberScanner(self.tokens)
         other._state, other._significant, other._zeros, other._exponent = self._snapshot()
         return other
