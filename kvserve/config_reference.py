@@ -48,7 +48,8 @@ SECTIONS = (
             "How `model = \"auto\"` picks between the models with `role = \"fast\"` and `role = \"capable\"`."),
     Section("[[models]]", C.ServedModel,
             "One entry per served model. Every other key of the entry is an engine argument (the next three "
-            "sections); `install` is a hint shown when the source cannot be found.",
+            "sections), but `install`: the command that installs a `pkg:` source, for the catalog's message "
+            "when it is missing.",
             skip=("engine_args", "fleet", "price")),
     Section("[[models]] engine arguments", C.EngineConfig,
             "Keys of a `[[models]]` entry (or keyword arguments of `LLM(...)`), named as vLLM names them where it "
