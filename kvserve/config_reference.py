@@ -36,8 +36,7 @@ class Section:
     skip: tuple[str, ...] = ()  # fields that are not keys of this table (set elsewhere, or not by the user)
 
 
-# The tables `ServerConfig.from_toml` reads, in the order a models file usually has them. ModelConfig is not here:
-# it is read from the model's own file (GGUF metadata or config.json), never set by the user.
+# The tables `ServerConfig.from_toml` reads, in the order a models file usually has them.
 SECTIONS = (
     Section("[server]", C.ServerConfig,
             "The server process: address, data directory and store, timeouts, limits. `kvserve serve` flags "
@@ -81,6 +80,9 @@ SECTIONS = (
     Section("[regions.escrow]", C.EscrowPolicy,
             "How regions share one budget or rate limit through the ledger region (with `[regions] ledger`)."),
 )
+
+# The frozen dataclasses of config.py that no TOML table sets, and why (every other one has a section above).
+NOT_SETTINGS = {"ModelConfig": "read from the model's own file", "StructuredLimits": "EngineConfig's structured_* keys"}
 
 
 # ---- reading the field's own documentation --------------------------------------------------------------------------

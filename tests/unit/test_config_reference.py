@@ -48,3 +48,18 @@ def test_every_table_of_the_models_file_has_a_section():
     assert tables == {"[server]", "[server.auto]", "[[models]]", "[models.interactive]", "[models.price]",
                       "[models.fleet]", "[fleet]", "[batch]", "[regions]", "[[regions.peers]]", "[regions.policy]",
                       "[regions.escrow]"}
+
+
+def test_every_config_dataclass_has_a_section_or_a_reason():
+    """A new config dataclass is a decision: a table of the models file (a section) or not a setting (why)."""
+    import dataclasses
+    import inspect
+
+    from kvserve import config as C
+
+    found = {name for name, cls in inspect.getmembers(C, inspect.isclass)
+             if dataclasses.is_dataclass(cls) and cls.__module__ == C.__name__}
+    covered = {s.cls.__name__ for s in R.SECTIONS} | set(R.NOT_SETTINGS)
+    assert found == covered, (f"kvserve/config.py dataclasses without a section in kvserve/config_reference.py "
+                              f"(SECTIONS, or NOT_SETTINGS with the reason): {sorted(found - covered)}; "
+                              f"gone: {sorted(covered - found)}")
