@@ -156,6 +156,13 @@ class CacheConfig:
     # replicas sharing the directory; at most kv_disk_bytes of it. None: no disk tier.
     kv_disk_dir: str | None = None
     kv_disk_bytes: int = 8 << 30  # the disk tier's size at most (oldest pages out first)
+    # On a graceful shutdown (SIGTERM, LLM.close) the pool's cached prefix blocks that the disk tier lacks are
+    # written to it, most recently used first, for at most this many seconds, so a restart finds them. 0: none.
+    kv_disk_flush_seconds: float = 10.0
+    # Write each prefix block to the disk tier once it is full and cached (the step copies the page out, the
+    # tier's writer thread writes it), not only when the pool evicts it or the engine shuts down: a crash then
+    # loses only the pages still queued, at the cost of writing every block once.
+    kv_disk_write_through: bool = False
     # The host-memory tier (engine/kv/host.py), for CUDA: evicted prefix blocks are kept in this many bytes of
     # host memory before they go to the disk tier (when there is one). 0: none. On a CPU the pool is host
     # memory already: give the pool the memory instead.
@@ -170,6 +177,7 @@ class CacheConfig:
         _validate(self, dict(block_size=POSITIVE_INT, kv_cache_memory=OPTIONAL_POSITIVE_INT,
                              num_gpu_blocks_override=OPTIONAL_POSITIVE_INT, swap_space=NONNEG_INT,
                              enable_prefix_caching=BOOL, kv_groups=BOOL, kv_disk_bytes=POSITIVE_INT,
+                             kv_disk_flush_seconds=NONNEG_NUMBER, kv_disk_write_through=BOOL,
                              kv_host_bytes=NONNEG_INT,
                              kv_disk_dir=(lambda v: v is None or (isinstance(v, str) and v != ""),
                                           "a directory path, or unset"),

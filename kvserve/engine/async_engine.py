@@ -141,9 +141,11 @@ class AsyncLLM:
             self.status = EngineStatus.DRAINING
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop stepping (`timeout`: for the step in flight) and close the engine on its thread, which saves its
+        prefix cache to the disk tier for a restart (kv_disk_flush_seconds more at most)."""
         self._stop = True
         self._wake.set()
-        self._thread.join(timeout)
+        self._thread.join(timeout + self.config.cache.kv_disk_flush_seconds)
         self.status = EngineStatus.STOPPED
 
     @property
@@ -263,6 +265,18 @@ class AsyncLLM:
             self.error = f"{type(e).__name__}: {e}"
             self.status = EngineStatus.FAILED
             self._fail_all()
+        self._close(save=self.status != EngineStatus.FAILED)
+
+    def _close(self, save: bool) -> None:
+        """The engine's close (LLMEngine.close), here on its thread after its last step, so no step changes the
+        pool while it saves."""
+        close = getattr(self.engine, "close", None)  # an injected engine may have nothing to close
+        if close is None:
+            return
+        try:
+            close(save)
+        except Exception:
+            log.exception("closing the engine for %s failed", self.model_id)
 
     def _loop(self) -> None:
         engine = self.engine

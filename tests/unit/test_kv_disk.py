@@ -371,3 +371,168 @@ def test_a_writer_killed_mid_write_leaves_only_exact_pages(tmp_path):
             got = s.get(key(i))
             assert got is None or got == page(key(i), size)
         assert s.stats().hits == written
+
+
+# ---- a shutdown's save (DiskKVStore.save, KVCacheManager.save_to, LLMEngine.close) ----------------------------
+
+def pages_of(asked: list[list[bytes]] | None = None):
+    """`save`'s page source: each key's one payload; `asked` records the batches asked for."""
+    def fetch(keys: list[bytes]) -> list[bytes]:
+        if asked is not None:
+            asked.append(list(keys))
+        return [page(k) for k in keys]
+    return fetch
+
+
+def test_save_writes_what_the_store_lacks_most_recent_first_and_a_restart_keeps_that_order(tmp_path):
+    keys = [key(i) for i in range(10)]
+    with DiskKVStore(tmp_path, NS, PAGE, byte_budget=100 * FILE) as s:
+        assert s.put(keys[3], page(keys[3])) and s.flush(5)
+        writes = s.stats().writes
+        asked: list[list[bytes]] = []
+        assert s.save(keys, pages_of(asked), time.monotonic() + 30, batch=4) == 9
+        assert [k for batch in asked for k in batch] == keys[:3] + keys[4:]  # in order, the held one never read
+        assert s.stats().writes == writes + 9
+        assert s.save(keys, pages_of(asked), time.monotonic() + 30) == 0  # all held: nothing rewritten
+    with DiskKVStore(tmp_path, NS, PAGE, byte_budget=4 * FILE) as s:  # a restart with room for 4: the newest stay
+        assert sorted(k for k in keys if s.contains(k)) == sorted(keys[:4])
+        assert all(s.get(k) == page(k) for k in keys[:4])
+
+
+def test_save_keeps_to_the_budget_and_evicts_older_pages_never_its_own(tmp_path):
+    old = [key(100 + i) for i in range(3)]
+    keys = [key(i) for i in range(8)]
+    with DiskKVStore(tmp_path, NS, PAGE, byte_budget=5 * FILE) as s:
+        for k in old + [keys[2]]:
+            s.write_now(k, page(k))
+        # keys[2] is the oldest page on disk but one the pool still uses: it is kept, the older pages go
+        assert s.save(keys, pages_of(), time.monotonic() + 30) == 4
+        assert sorted(k for k in keys + old if s.contains(k)) == sorted(keys[:5])
+        assert s.stats().bytes <= 5 * FILE and len(files(s)) == 5
+
+
+def test_save_stops_at_its_deadline(tmp_path, monkeypatch):
+    keys = [key(i) for i in range(20)]
+    with DiskKVStore(tmp_path, NS, PAGE, byte_budget=100 * FILE) as s:
+        assert s.save(keys, pages_of(), time.monotonic() - 1) == 0 and not files(s)
+        clock = iter(range(1000))  # each look at the clock a second later: room for the first pages only
+        t0 = time.monotonic()
+        monkeypatch.setattr(time, "monotonic", lambda: t0 + next(clock))
+        written = s.save(keys, pages_of(), t0 + 6, batch=4)
+        monkeypatch.undo()
+        assert 0 < written < len(keys)
+        assert sorted(k for k in keys if s.contains(k)) == sorted(keys[:written])  # the most recent ones
+
+
+@pytest.fixture(scope="module")
+def _weights():
+    from tests.engine_checks import shared_weights, torch_threads
+
+    with torch_threads(1), shared_weights():
+        yield
+
+
+BLOCK = 16
+
+
+def tiny_engine(path, disk: Path, **kwargs):
+    from tests.engine_checks import make_engine
+
+    args = dict(dtype="float32", num_gpu_blocks_override=64, swap_space=0, block_size=BLOCK, kv_disk_dir=str(disk))
+    args.update(kwargs)
+    return make_engine(path, **args)
+
+
+def serve(eng, prompt: list[int], max_tokens: int = 2):
+    from kvserve.engine.sampling import SamplingParams
+
+    eng.core.add_request(eng.request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)))
+    out = None
+    while eng.core.has_unfinished_requests():
+        for ro in eng.core.step():
+            if ro.finished:
+                out = ro
+    return out
+
+
+def prompt_of(seed: int, blocks: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40_000) for _ in range(blocks * BLOCK + 1)]  # `blocks` full blocks are cacheable
+
+
+@pytest.fixture(params=["llama", "gemma3"])
+def tiny(request, _weights, tiny_llama_gguf, tiny_gemma_gguf):
+    return tiny_llama_gguf if request.param == "llama" else tiny_gemma_gguf
+
+
+def test_close_saves_the_pool_and_a_restart_hits_it_with_the_same_tokens(tiny, tmp_path):
+    prompt = prompt_of(0, 6)
+    eng = tiny_engine(tiny, tmp_path)
+    first = serve(eng, prompt)
+    assert eng.kv_disk.stats().entries == 0  # nothing was evicted: only the save writes
+    started = time.monotonic()
+    eng.close()
+    assert time.monotonic() - started < 10
+    assert eng.kv_disk.stats().entries > 0
+    again = tiny_engine(tiny, tmp_path)
+    out = serve(again, prompt)
+    assert out.num_cached_tokens == out.num_tier_cached_tokens >= 6 * BLOCK - BLOCK  # the window's groups need less
+    assert out.outputs[0].token_ids == first.outputs[0].token_ids
+    writes = again.kv_disk.stats().writes
+    again.close()
+    assert again.kv_disk.stats().writes == writes  # every page it found there: none written again
+
+
+def test_close_writes_only_what_the_disk_lacks(tiny_llama_gguf, _weights, tmp_path):
+    eng = tiny_engine(tiny_llama_gguf, tmp_path, num_gpu_blocks_override=12)  # two prompts don't fit
+    a, b = prompt_of(1, 8), prompt_of(2, 8)
+    serve(eng, a)
+    serve(eng, b)  # evicts a's blocks to the disk while it serves
+    assert eng.kv_disk.flush(30)
+    evicted = eng.kv_disk.stats().writes
+    assert evicted > 0
+    eng.close()
+    stats = eng.kv_disk.stats()
+    assert stats.writes == stats.entries > evicted  # the pool's pages were added, no page written twice
+
+
+def test_close_saves_most_recent_first_within_the_budget(tiny_llama_gguf, _weights, tmp_path):
+    from kvserve.engine.kv.disk import HEADER_BYTES as HEADER
+
+    probe = tiny_engine(tiny_llama_gguf, tmp_path / "probe")
+    page_file = HEADER + probe.runner.page_bytes
+    a, b = prompt_of(3, 4), prompt_of(4, 4)
+    eng = tiny_engine(tiny_llama_gguf, tmp_path, kv_disk_bytes=4 * page_file)  # room for one prompt's blocks
+    serve(eng, a)
+    serve(eng, b)
+    eng.close()
+    assert eng.kv_disk.stats().bytes <= 4 * page_file
+    again = tiny_engine(tiny_llama_gguf, tmp_path)
+    assert serve(again, b).num_tier_cached_tokens == 4 * BLOCK  # the most recent prompt's blocks were saved
+    assert serve(again, a).num_tier_cached_tokens == 0
+
+
+def test_a_tiny_flush_time_saves_less(tiny_llama_gguf, _weights, tmp_path):
+    prompt = prompt_of(5, 6)
+    short = tiny_engine(tiny_llama_gguf, tmp_path / "short", kv_disk_flush_seconds=1e-9)
+    serve(short, prompt)
+    short.close()
+    assert short.kv_disk.stats().entries == 0
+    full = tiny_engine(tiny_llama_gguf, tmp_path / "full")
+    serve(full, prompt)
+    full.close()
+    assert full.kv_disk.stats().entries == 6
+
+
+def test_write_through_writes_while_serving(tiny_llama_gguf, _weights, tmp_path):
+    prompt = prompt_of(6, 6)
+    eng = tiny_engine(tiny_llama_gguf, tmp_path, kv_disk_write_through=True, kv_disk_flush_seconds=0)
+    serve(eng, prompt, max_tokens=3)  # the decode steps after the prefill copy its blocks out
+    assert eng.kv_disk.flush(30)
+    assert eng.kv_disk.stats().entries == 6
+    eng.close()  # no save: what it has came from serving
+    again = tiny_engine(tiny_llama_gguf, tmp_path)
+    assert serve(again, prompt).num_tier_cached_tokens == 6 * BLOCK
+    off = tiny_engine(tiny_llama_gguf, tmp_path / "off", kv_disk_flush_seconds=0)
+    serve(off, prompt, max_tokens=3)
+    assert off.kv_disk.flush(30) and off.kv_disk.stats().entries == 0

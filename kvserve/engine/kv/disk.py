@@ -32,6 +32,7 @@ import zlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Callable
 
 MAGIC = b"KVSPAGE\x00"
 FORMAT_VERSION = 1
@@ -148,7 +149,7 @@ class DiskKVStore:
     # -- public API --------------------------------------------------------------------------------------
 
     def put(self, key: bytes, payload) -> bool:
-        """Queue `payload` (copied) for the writer; never waits on the disk. False: dropped (queue full,
+        """Queue `payload` for the writer; never waits on the disk. False: dropped (queue full,
         wrong length, closed). A key stored or already pending is not written again (True)."""
         key = _check_key(key)
         view = memoryview(payload)
@@ -156,7 +157,8 @@ class DiskKVStore:
             verdict = self._admit_locked(key, view.nbytes)
         if verdict is not None:
             return verdict
-        data = view.tobytes()  # the caller may reuse its buffer at once; copied outside the lock
+        # The caller may reuse a buffer at once: copied (outside the lock), unless it is bytes, which never change.
+        data = payload if type(payload) is bytes else view.tobytes()
         with self._changed:
             verdict = self._admit_locked(key, view.nbytes)
             if verdict is not None:
@@ -204,6 +206,31 @@ class DiskKVStore:
                 self._counts["io_errors"] += 1
             _remove(tmp)
             return False
+
+    def save(self, keys: list[bytes], pages: Callable[[list[bytes]], list], deadline: float, batch: int = 16) -> int:
+        """A shutdown's save of a pool: write, in the calling thread, the pages of `keys` (most recently used
+        first) that the store neither holds nor has queued, until `deadline` (time.monotonic()). Only the first
+        keys the budget holds count, and those held already are made recent first, so a write evicts older pages,
+        never one of these; afterwards the store's recency, and the files' mtimes that a restart reads it from,
+        follow `keys`. `pages(some keys)` gives their payloads, asked for `batch` at a time (a passed deadline
+        wastes at most one batch's copy). Returns the pages written."""
+        keys = list(dict.fromkeys(_check_key(k) for k in keys))[:self._max_entries]
+        with self._lock:
+            for key in reversed(keys):
+                if key in self._index:
+                    self._index.move_to_end(key)
+            todo = [k for k in keys if k not in self._index and k not in self._pending]
+        written = 0
+        for start in range(0, len(todo), batch):
+            if time.monotonic() >= deadline:
+                break
+            chunk = todo[start:start + batch]
+            for key, payload in zip(chunk, pages(chunk)):
+                if time.monotonic() >= deadline:
+                    break
+                written += self.write_now(key, payload)
+        self._make_recent(keys)
+        return written
 
     def get(self, key: bytes) -> bytes | None:
         """The page stored under `key`, or None. Bad data, a missing file or a failing disk is a miss that
@@ -334,6 +361,19 @@ class DiskKVStore:
             if len(payload) != length or f.read(1) or zlib.crc32(payload) != crc:
                 return None
             return payload
+
+    def _make_recent(self, keys: list[bytes]) -> None:
+        """The held ones of `keys` become the most recently used, the first newest, in the index and by mtime."""
+        with self._lock:
+            held = [key for key in reversed(keys) if key in self._index]
+            for key in held:
+                self._index.move_to_end(key)
+        now = time.time_ns()
+        for i, key in enumerate(held):
+            try:
+                os.utime(self._path(key), ns=(now + 1000 * i,) * 2)  # apart on a microsecond clock too
+            except OSError:
+                pass  # only its recency after a restart is lost
 
     def _scan(self) -> None:
         """Rebuild the index from the files, oldest modification first; remove temp files of interrupted

@@ -68,6 +68,13 @@ class CachedBlocks:
         """Cached blocks per tenant."""
         return {t: len(lru) for t, lru in self._by_tenant.items()}
 
+    def newest_first(self) -> list[int]:
+        """Every evictable block, the retained ones first (kept on purpose), then the most recently used of any
+        tenant: the order a shutdown saves them in (the reverse of eviction's, between tenants too)."""
+        retained = sorted(self._retained, key=self._retained.__getitem__, reverse=True)
+        stamped = [(stamp, bid) for lru in self._by_tenant.values() for bid, stamp in lru.items()]
+        return retained + [bid for _, bid in sorted(stamped, reverse=True)]
+
     def add(self, bid: int, tenant: str, retain_until: float = 0.0, now: float = 0.0) -> None:
         """The block became evictable (its last reference went): the newest of its tenant's, or retained until
         `retain_until` where that is later than `now`."""

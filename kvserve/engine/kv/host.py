@@ -39,7 +39,9 @@ class HostKVStore:
     (to `below`, when given). A lower tier of the KV manager (kv_cache.LowerTier), levels "host" and, through
     `below`, "disk"."""
 
-    def __init__(self, page_bytes: int, byte_budget: int, below: PageStore | None = None):
+    def __init__(self, page_bytes: int, byte_budget: int, below: PageStore | None = None, write_through: bool = False):
+        """`write_through`: every page put here goes on to `below` at once too (the engine's
+        kv_disk_write_through), not only once this tier evicts it."""
         if page_bytes <= 0:
             raise ValueError(f"page_bytes must be positive, got {page_bytes}")
         if byte_budget < page_bytes:
@@ -47,6 +49,7 @@ class HostKVStore:
         self.page_bytes = page_bytes
         self.byte_budget = byte_budget
         self.below = below
+        self.write_through = write_through and below is not None
         self._pages: OrderedDict[bytes, bytes] = OrderedDict()  # least recently used first
         self._max_pages = byte_budget // page_bytes
         self._read_s: float | None = None
@@ -59,6 +62,8 @@ class HostKVStore:
         view = memoryview(payload)
         if view.nbytes != self.page_bytes:
             return False
+        if self.write_through:
+            self.below.put(key, payload)
         if key in self._pages:
             self._pages.move_to_end(key)
             return True
@@ -102,6 +107,10 @@ class HostKVStore:
             if below is None:
                 return None
         return below + len(here) * (self._read_s or 0.0)
+
+    def newest_pages(self) -> list[tuple[bytes, bytes]]:
+        """(key, page) of every page held here, most recently used first (a shutdown saves them to the disk)."""
+        return list(reversed(self._pages.items()))
 
     def level_bytes(self) -> dict[str, int]:
         """Bytes each level holds."""

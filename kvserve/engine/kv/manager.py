@@ -15,7 +15,9 @@ in exactly one of three places:
 A lower tier (a `LowerTier`, the disk: engine/kv/disk.py) extends the prefix cache: a cached block
 evicted from the pool is offloaded to it (the runner copies the page out before anything overwrites it),
 and a lookup that runs past the pool's blocks goes on in the tier, whose verified pages are loaded into
-fresh blocks (a page the tier cannot produce intact is a miss: the prefix ends before it).
+fresh blocks (a page the tier cannot produce intact is a miss: the prefix ends before it). With
+`write_through` a block is offloaded as soon as it is full and cached; a graceful shutdown writes the pool's
+pages the disk lacks (`save_to`), so a restart finds the prefixes either way.
 
 Block operations reach the runner as lists that it executes at the start of the next step, in the
 order offload, swap-out, tier loads, swap-in, copy-on-write, forward. The manager keeps that order safe: a COW source
@@ -163,11 +165,13 @@ class KVCacheManager:
 
     def __init__(self, num_device_blocks: int, num_host_blocks: int = 0, block_size: int = 16,
                  enable_prefix_caching: bool = True, layout: KVLayout | None = None, tier: LowerTier | None = None,
-                 shares: KVSharePolicy | None = None, clock: Callable[[], float] = time.monotonic):
+                 shares: KVSharePolicy | None = None, clock: Callable[[], float] = time.monotonic,
+                 write_through: bool = False):
         """`num_device_blocks`: the pool's pages, NULL_PAGE included where the layout slides. `layout`:
         the model's KV groups (default: one group of full attention, the classic paged cache). `tier`: a
         lower tier for evicted prefix blocks (with prefix caching only). `shares`: tenants' weights and pins
-        in the prefix cache (engine/kv/eviction.py). `clock`: what retention TTLs are measured on."""
+        in the prefix cache (engine/kv/eviction.py). `clock`: what retention TTLs are measured on.
+        `write_through`: a block goes to the tier once it is full and cached, not only when evicted."""
         self.layout = layout or KVLayout((KVGroup((0,), None),))
         reserved = self.layout.reserved_pages
         if block_size <= 0 or num_device_blocks < reserved or num_host_blocks < 0:
@@ -202,6 +206,7 @@ class KVCacheManager:
         self.tier_hit_tokens = 0
         self.host_hit_tokens = 0
         self.offloaded_blocks = 0
+        self.write_through = write_through and self.tier is not None
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -358,7 +363,10 @@ class KVCacheManager:
             state.hashes.append(h)
             for g, table in enumerate(state.device):
                 if table[i] != self._null:
-                    self._register(g, table[i], h, state.tenant)
+                    if self._register(g, table[i], h, state.tenant) and self.write_through:
+                        key = tier_key(g, h)
+                        if not self.tier.contains(key):  # the runner copies it out before the next forward
+                            self._tier_ops.offload.append((table[i], key))
                     if state.retain_s:
                         self._retain([table[i]], state.retain_s)
 
@@ -465,6 +473,39 @@ class KVCacheManager:
         state.device, state.host = device, None
         self._swapped_in.add(seq.seq_id)
         return mapping
+
+    def newest_blocks(self) -> list[tuple[int, bytes]]:
+        """(device block, tier key) of every block whose page a restart could use, most recently used first: those
+        sequences hold (the latest admitted first, each from its prefix's start), the cached ones (retained, then
+        newest), then those evicted for the tier whose page no step has copied out yet. Between steps only: a
+        page is what its block holds now."""
+        out: list[tuple[int, bytes]] = []
+        seen: set[int] = set()
+        held = (bid for state in reversed(self._seqs.values()) for table in state.device for bid in table)
+        for bid in itertools.chain(held, self._cached.newest_first()):
+            block = self._blocks[bid]
+            if bid in seen or bid == self._null or block.block_hash is None or bid in self._loading:
+                continue  # a block with a load pending holds no page yet (the tier has it)
+            seen.add(bid)
+            out.append((bid, tier_key(block.group, block.block_hash)))
+        return out + self._tier_ops.offload
+
+    def save_to(self, disk, read_pages: Callable[[list[int]], list[bytes]], deadline: float, host=None) -> int:
+        """A graceful shutdown: write to `disk` (engine/kv/disk.py) what a restart could use that it lacks, the
+        pool's pages (`read_pages(blocks)`: the runner copies them out) most recently used first, then the pages
+        of `host` (engine/kv/host.py), until `deadline` (time.monotonic()) and within its budget. Between steps
+        only. Returns the pages written."""
+        pool: dict[bytes, int] = {}
+        for bid, key in self.newest_blocks():
+            pool.setdefault(key, bid)
+        kept = dict(host.newest_pages()) if host is not None else {}
+        keys = list(pool) + [k for k in kept if k not in pool]
+
+        def pages(chunk: list[bytes]) -> list[bytes]:
+            read = iter(read_pages([pool[k] for k in chunk if k in pool]))
+            return [next(read) if k in pool else kept[k] for k in chunk]
+
+        return disk.save(keys, pages, deadline)
 
     def take_tier_ops(self) -> TierOps:
         """Hand the step's offloads and loads to the scheduler (before take_pending_copies closes the step)."""
@@ -754,14 +795,16 @@ class KVCacheManager:
                 if bid != self._null:
                     self._release(bid)
 
-    def _register(self, group: int, bid: int, block_hash: BlockHash, tenant: str) -> None:
-        """Make a full block findable by hash in its group, unless it already is or another block holds the hash."""
+    def _register(self, group: int, bid: int, block_hash: BlockHash, tenant: str) -> bool:
+        """Make a full block findable by hash in its group, unless it already is or another block holds the hash
+        (False)."""
         block = self._blocks[bid]
         by_hash = self._by_hash[group]
         if block.block_hash is not None or block_hash in by_hash:
-            return
+            return False
         block.block_hash, block.group, block.tenant = block_hash, group, tenant
         by_hash[block_hash] = bid
+        return True
 
     def _commit_lookup(self, seq_id: int) -> None:
         queried, hit, from_tier, from_host = self._pending_lookup.pop(seq_id, (0, 0, 0, 0))

@@ -118,7 +118,8 @@ class LLMEngine:
                 log.warning("%s: kv_host_bytes on a CPU keeps copies of evicted blocks in the memory the pool "
                             "could hold them in; a larger kv_cache_memory does the same without the copies",
                             self.model_id)
-            self.kv_host = HostKVStore(executor.page_bytes, cache_cfg.kv_host_bytes, below=self.kv_disk)
+            self.kv_host = HostKVStore(executor.page_bytes, cache_cfg.kv_host_bytes, below=self.kv_disk,
+                                       write_through=cache_cfg.kv_disk_write_through)
         tier = self.kv_host or self.kv_disk
         if tier is not None:
             executor.tier = tier
@@ -127,7 +128,9 @@ class LLMEngine:
                                                          cache_cfg.enable_prefix_caching, self.kv_layout,
                                                          tier=tier,
                                                          shares=KVSharePolicy(cache_cfg.kv_tenant_weights,
-                                                                              cache_cfg.kv_pinned_blocks)),
+                                                                              cache_cfg.kv_pinned_blocks),
+                                                         write_through=cache_cfg.kv_disk_write_through
+                                                         and self.kv_disk is not None),
                                executor, max_model_len=self.max_model_len, model_id=self.model_id,
                                tokenizer=self.tokenizer, eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
                                clock=clock, step_time=prior,
@@ -158,10 +161,22 @@ class LLMEngine:
                  store.root, stats.entries, stats.bytes / 1e6, cache_cfg.kv_disk_bytes / 1e9, time.perf_counter() - t0)
         return store
 
-    def close(self) -> None:
-        """Finish what the engine hands off its thread: the disk tier's queued writes."""
-        if self.kv_disk is not None:
-            self.kv_disk.close()
+    def close(self, save: bool = True) -> None:
+        """Between steps, on the thread that steps the engine: save the prefix pages the disk tier lacks, most
+        recently used first for at most kv_disk_flush_seconds, so a restart finds them (`save`: unless a failed
+        step left the pool in doubt), then finish the disk tier's queued writes."""
+        if self.kv_disk is None:
+            return
+        if save and self.config.cache.kv_disk_flush_seconds > 0:
+            t0 = time.monotonic()
+            try:
+                saved = self.core.kv.save_to(self.kv_disk, self.runner.read_pages,
+                                             t0 + self.config.cache.kv_disk_flush_seconds, host=self.kv_host)
+                log.info("%s: saved %d prefix pages to the KV disk tier in %.1fs", self.model_id, saved,
+                         time.monotonic() - t0)
+            except Exception:  # a failed save loses cache entries only
+                log.exception("%s: saving the prefix cache to the KV disk tier failed", self.model_id)
+        self.kv_disk.close()
 
     # ---- requests ------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
@@ -230,6 +245,10 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    def close(self) -> None:
+        """Save the prefix cache to the disk tier (kv_disk_dir) for the next LLM on it (LLMEngine.close)."""
+        self.engine.close()
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

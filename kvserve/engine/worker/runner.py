@@ -103,11 +103,12 @@ class ModelRunner:
         return 2 * len(self.kv_slots) * k.shape[0] * k.shape[2] * k.shape[3] * k.element_size()
 
     def offload(self, pairs: list[tuple[int, bytes]]) -> None:
-        """Copy evicted pages out and hand them to the lower tier under their keys (it writes them off this
-        thread; a full queue drops a page, which is only a lost cache entry)."""
+        """Copy evicted (or, written through, newly cached) pages out and hand them to the lower tier under their
+        keys: it writes them off this thread, whereas the blocks may be overwritten by the next forward; a full
+        queue drops a page, which is only a lost cache entry."""
         if not pairs or self.tier is None:
             return
-        pages = self._pages_out([b for b, _ in pairs])
+        pages = self.read_pages([b for b, _ in pairs])
         for (_, key), page in zip(pairs, pages):
             self.tier.put(key, page)
 
@@ -124,8 +125,10 @@ class ModelRunner:
             k.index_copy_(1, dst, data[:, j, 0].transpose(0, 1))
             v.index_copy_(1, dst, data[:, j, 1].transpose(0, 1))
 
-    def _pages_out(self, blocks: list[int]) -> list[bytes]:
-        """The pages of these blocks as bytes: [slot, key/value, head, token, width] each."""
+    def read_pages(self, blocks: list[int]) -> list[bytes]:
+        """The pages of these blocks as bytes: [slot, key/value, head, token, width] each (a lower tier's page)."""
+        if not blocks:
+            return []
         idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
         parts = torch.stack([torch.stack([k.index_select(1, idx), v.index_select(1, idx)]) for k, v in self.kv_slots])
         # [slots, 2, heads, pages, bs, width] -> [pages, slots, 2, heads, bs, width]
