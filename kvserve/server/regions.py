@@ -10,13 +10,16 @@ serve (service/region_routing.py decides which; this module does the I/O).
   `x-kvserve-forwarded-from`: a forwarded request is served where it lands or refused, never forwarded again.
   A request the local engine refuses at admission for capacity is forwarded the same way.
 - Every completion response carries `x-kvserve-region`: the region that served it.
+
+The front is given what it reads (the models' handles, the draining flag, the store once open) and the count of
+responses in flight (server/in_flight.py) that its relayed streams hold; it writes nothing of the server's.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Mapping
 from urllib.parse import quote
 
 import httpx
@@ -31,7 +34,9 @@ from kvserve.service.region_routing import Local, RegionDecision, RegionRouter
 from kvserve.service.router import LoadLevel
 
 if TYPE_CHECKING:
-    from kvserve.server.state import ServerState
+    from kvserve.server.in_flight import InFlight
+    from kvserve.service.models import ModelHandle
+    from kvserve.store import AsyncStore
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +50,12 @@ _LOAD = {LoadLevel.OK: 0.0, LoadLevel.HIGH: 0.5, LoadLevel.SHEDDING: 1.0}
 
 
 class RegionFront:
-    def __init__(self, config: RegionsConfig, state: "ServerState"):
-        self.config, self.state = config, state
+    def __init__(self, config: RegionsConfig, models: Mapping[str, "ModelHandle"], draining: Callable[[], bool],
+                 in_flight: "InFlight"):
+        self.config = config
+        self.models, self.draining = models, draining  # read only
+        self.in_flight = in_flight  # its relays hold a place there
+        self._store: AsyncStore | None = None  # for key lookups, once the server opened it (start)
         self.router = RegionRouter(config.local, [p.name for p in config.peers], config.policy)
         self.urls = {p.name: p.url.rstrip("/") for p in config.peers}
         self._client: httpx.AsyncClient | None = None
@@ -57,15 +66,16 @@ class RegionFront:
     def local(self) -> str:
         return self.config.local
 
-    async def start(self) -> None:
+    async def start(self, store: "AsyncStore") -> None:
+        """Probe the peers; with a [regions] ledger, share the budgets (`budgets`, for the metering gate)."""
+        self._store = store
         logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per probe
         p = self.config.policy
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.config.forward_timeout_s, connect=p.probe_timeout_s))
         self._task = asyncio.create_task(self._probe_loop(), name="kvserve-region-probes")
         if self.config.ledger:
-            self.budgets = BudgetShare(self.config, self.state.store, self._client, self.urls)
+            self.budgets = BudgetShare(self.config, store, self._client, self.urls)
             await self.budgets.start()
-            self.state.service.metering.share = self.budgets
 
     async def stop(self) -> None:
         if self.budgets is not None:
@@ -100,18 +110,18 @@ class RegionFront:
     def status(self) -> dict:
         """This region as its peers' probes see it: ready when every model is, its load the highest of its
         models' interactive tiers (0 ok, 0.5 high, 1.0 shedding)."""
-        handles = list(self.state.service.models.values()) if self.state.service is not None else []
+        handles = list(self.models.values())
         ready = bool(handles) and all(h.status == EngineStatus.READY for h in handles)
         load = max((_LOAD[h.load("interactive")] for h in handles), default=0.0)
-        return {"region": self.local, "ready": ready, "draining": self.state.draining, "load": load,
+        return {"region": self.local, "ready": ready, "draining": self.draining(), "load": load,
                 "peers": {name: s.health.value for name, s in self.router.peers.items()}}
 
     # ---- the choice ------------------------------------------------------------------------------
     def decide(self, request: Request, model: str | None, tier: str) -> RegionDecision:
-        handle = self.state.service.models.get(model) if (self.state.service is not None and model) else None
+        handle = self.models.get(model) if model else None
         healthy = handle is None or handle.status == EngineStatus.READY  # an unknown model: refused here
         shedding = handle is not None and healthy and handle.load(tier) is LoadLevel.SHEDDING
-        return self.router.choose(Local(healthy=healthy, draining=self.state.draining, over_bounds=shedding),
+        return self.router.choose(Local(healthy=healthy, draining=self.draining(), over_bounds=shedding),
                                   forwarded=self.is_forwarded(request))
 
     @staticmethod
@@ -129,6 +139,14 @@ class RegionFront:
         x-stainless-retry-count). Only retries ask the peers for their Idempotency-Key: first attempts pay nothing."""
         count = request.headers.get("x-stainless-retry-count", "0")
         return "last-event-id" in request.headers or (count.isdigit() and int(count) > 0)
+
+    async def retry_holder(self, request: Request, tenant: str, key: str) -> str | None:
+        """The peer that holds this Idempotency-Key, for a client's retry (not a forwarded call) whose key this
+        region's store does not hold."""
+        if self.is_forwarded(request) or not self.is_retry(request) \
+                or await self._store.aidempotency_state(tenant, key) is not None:
+            return None
+        return await self.key_holder(request, key)
 
     async def key_holder(self, request: Request, key: str) -> str | None:
         """The peer (up) that holds this Idempotency-Key for the caller's tenant, if any answers so in time."""
@@ -170,30 +188,29 @@ class RegionFront:
         headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_ON}
         headers[FORWARDED_HEADER] = self.local
         url = self.urls[peer] + request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        state = self.state
-        state.active_requests += 1  # a drain waits for forwarded streams as for its own
-        try:
-            upstream = await self._client.send(self._client.build_request("POST", url, headers=headers, content=body),
-                                               stream=True)
-        except httpx.HTTPError as e:
-            state.active_requests -= 1
-            log.warning("forwarding to region %s failed: %s", peer, e)
-            self.router.probe_failed(peer, time.monotonic())
-            return None
-        passed = {k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_PASSED_BACK}
-        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-            async def relay():
-                try:
-                    async for chunk in upstream.aiter_raw():
-                        yield chunk
-                finally:
-                    state.active_requests -= 1
-                    await upstream.aclose()
+        with self.in_flight.hold() as place:  # a drain waits for forwarded streams as for its own
+            try:
+                upstream = await self._client.send(
+                    self._client.build_request("POST", url, headers=headers, content=body), stream=True)
+            except httpx.HTTPError as e:
+                log.warning("forwarding to region %s failed: %s", peer, e)
+                self.router.probe_failed(peer, time.monotonic())
+                return None
+            passed = {k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_PASSED_BACK}
+            if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                async def relay():
+                    try:
+                        async for chunk in upstream.aiter_raw():
+                            yield chunk
+                    finally:
+                        place.release()
+                        await upstream.aclose()
 
-            return StreamingResponse(relay(), status_code=upstream.status_code, headers=passed)
-        try:
-            content = await upstream.aread()
-        finally:
-            state.active_requests -= 1
-            await upstream.aclose()
-        return Response(content, status_code=upstream.status_code, headers=passed)
+                response = StreamingResponse(relay(), status_code=upstream.status_code, headers=passed)
+                place.pass_on()  # the relay's end gives it back
+                return response
+            try:
+                content = await upstream.aread()
+            finally:
+                await upstream.aclose()
+            return Response(content, status_code=upstream.status_code, headers=passed)

@@ -1,4 +1,5 @@
-"""The HTTP side of a completion: body -> auth -> validate -> idempotency -> the completion service
+"""The HTTP side of a completion, one step per concern: accept (auth, body, validation) -> the region that serves
+it (server/regions.py) -> its Idempotency-Key (replay, attach or claim) -> run it on the completion service
 (kvserve/service: route, tokenize, submit, account) -> JSON or SSE, with the load headers.
 """
 from __future__ import annotations
@@ -18,7 +19,8 @@ from kvserve.engine.outputs import RequestOutput
 from kvserve.server.auth import authenticate, check_tenant_claim
 from kvserve.server.errors import APIError, api_error_response, internal_error_response, to_api_error
 from kvserve.server.idempotency import HEADER as IDEMPOTENCY_HEADER
-from kvserve.server.idempotency import REPLAY_HEADER, IdempotencyManager, InflightResponse
+from kvserve.server.idempotency import REPLAY_HEADER, InflightResponse
+from kvserve.server.in_flight import Place
 from kvserve.server.regions import REGION_HEADER
 from kvserve.server.state import ServerState
 from kvserve.server.streaming import DONE, ClientDisconnected, SSEResponse, run_until_disconnect, sse
@@ -77,6 +79,17 @@ class Call:
     tenant: str = ""
     completion: Completion | None = None  # once routed
 
+    @property
+    def key(self) -> str | None:
+        """The client's Idempotency-Key, if it sent one."""
+        return self.request.headers.get(IDEMPOTENCY_HEADER)
+
+    def body(self) -> dict:
+        """The validated request as JSON: what a peer region is sent and what an Idempotency-Key is bound to,
+        the same wherever the call lands (the fields the client set, by their wire names; unknown fields, which
+        the schema ignores, are not part of it)."""
+        return self.req.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
     def headers(self, queue_wait_ms: float | None = None, load: LoadLevel | None = None) -> dict[str, str]:
         c = self.completion
         h = {"x-request-id": c.response_id} if c is not None else {}
@@ -95,6 +108,20 @@ class Call:
 
 async def handle_completion(request: Request, kind: str) -> Response:
     """POST /v1/chat/completions (kind="chat") and /v1/completions (kind="completion")."""
+    call = await accept(request, kind)
+    elsewhere = await serve_elsewhere(call)
+    if elsewhere is not None:
+        return elsewhere
+    last_event = request.headers.get(RESUME_HEADER) if call.req.stream else None
+    resume = ResumePoint.parse(last_event) if last_event else None
+    answered, inflight = await claim_key(call, last_event)
+    if answered is not None:
+        return answered
+    return await run(call, inflight, resume)
+
+
+async def accept(request: Request, kind: str) -> Call:
+    """Authenticate the caller, read the body and validate it (401/403, 413, 400 otherwise)."""
     state: ServerState = request.app.state.kv
     call = Call(state, kind, request)
     tenant = await authenticate(request, state.store)
@@ -103,55 +130,75 @@ async def handle_completion(request: Request, kind: str) -> Response:
     schema = p.ChatCompletionRequest if kind == "chat" else p.CompletionRequest
     call.req = schema.model_validate(data)
     check_tenant_claim(tenant, call.req.tenant_id)
-    key = request.headers.get(IDEMPOTENCY_HEADER)
-    front = state.regions
-    if front is not None:  # another region serves what this one cannot now (server/regions.py)
-        decision = front.decide(request, call.req.model, call.req.priority)
-        target = decision.region if decision.region != front.local else None
-        if target is None and key is not None and not front.is_forwarded(request) and front.is_retry(request) \
-                and await state.store.aidempotency_state(call.tenant, key) is None:
-            target = await front.key_holder(request, key)  # a retry of a request another region holds
-        if target is not None:
-            forwarded = await front.forward(request, json.dumps(data).encode(), target)
-            if forwarded is not None:
-                return forwarded
-    idem: IdempotencyManager = state.idempotency
-    inflight: InflightResponse | None = None
-    last_event = request.headers.get(RESUME_HEADER) if call.req.stream else None
-    resume = ResumePoint.parse(last_event) if last_event else None
-    if key is not None:
-        result, inflight = await idem.begin(call.tenant, key, request.url.path, data)
-        if result.outcome is BeginOutcome.REPLAY:
-            return replay_response(result.response, last_event)
-        if result.outcome is BeginOutcome.IN_PROGRESS:
-            return await attach_response(inflight, last_event)
-    state.active_requests += 1
-    owned_by_stream = False
-    try:
+    return call
+
+
+async def serve_elsewhere(call: Call) -> Response | None:
+    """The response of the peer region that serves what this one cannot now, or of the peer holding a retry's
+    Idempotency-Key (server/regions.py); None: this region serves it."""
+    front = call.state.regions
+    if front is None:
+        return None
+    decision = front.decide(call.request, call.req.model, call.req.priority)
+    target = decision.region if decision.region != front.local else None
+    if target is None and call.key is not None:
+        target = await front.retry_holder(call.request, call.tenant, call.key)
+    return await forward(call, target) if target is not None else None
+
+
+async def forward(call: Call, peer: str) -> Response | None:
+    """The peer's response to the validated request; None when the peer could not be reached."""
+    return await call.state.regions.forward(call.request, json.dumps(call.body()).encode(), peer)
+
+
+async def claim_key(call: Call, last_event: str | None) -> tuple[Response | None, InflightResponse | None]:
+    """With an Idempotency-Key: the stored response (a replay), the running one's (attached), or the claim this
+    call records its response in (422 for the key used with another body). (None, None) without a key."""
+    if call.key is None:
+        return None, None
+    result, inflight = await call.state.idempotency.begin(call.tenant, call.key, call.request.url.path, call.body())
+    if result.outcome is BeginOutcome.REPLAY:
+        return replay_response(result.response, last_event), None
+    if result.outcome is BeginOutcome.IN_PROGRESS:
+        return await attach_response(inflight, last_event), None
+    return None, inflight
+
+
+async def run(call: Call, inflight: InflightResponse | None, resume: ResumePoint | None) -> Response:
+    """Run the call here; its response counts as in flight until sent (a stream's, until it ends)."""
+    with call.state.in_flight.hold() as place:
         try:
-            response = await produce(call, inflight, resume)
+            response = await produce(call, inflight, place, resume)
         except ClientDisconnected:
             response = Response(status_code=499)
         except Exception as exc:
-            response = error_for(call, exc)
-            peer = front.failover_peer(request) if front is not None and isinstance(exc, CapacityExhausted) \
-                and key is None else None
-            if peer is not None:  # refused here for capacity: a peer with room takes it
-                response = await front.forward(request, json.dumps(data).encode(), peer) or response
-        if isinstance(response, SSEResponse):
-            owned_by_stream = True
-        elif inflight is not None:
-            if response.status_code == 200:
-                idem.complete(call.tenant, key, inflight, 200, dict(response.headers), body=bytes(response.body))
-            elif response.status_code == 499:  # its client left: a duplicate waiting on it is told to retry
-                idem.abandon(call.tenant, key, inflight)
-            else:
-                idem.abandon(call.tenant, key, inflight, response.status_code, dict(response.headers),
-                             bytes(getattr(response, "body", b"") or b""))
+            response = await refused(call, exc)
+        if inflight is not None and not isinstance(response, SSEResponse):  # a stream records its own
+            settle_key(call, inflight, response)
         return response
-    finally:
-        if not owned_by_stream:
-            state.active_requests -= 1
+
+
+async def refused(call: Call, exc: Exception) -> Response:
+    """The error response; for a refusal for capacity (without an Idempotency-Key), a peer with room's answer."""
+    response = error_for(call, exc)
+    front = call.state.regions
+    if front is not None and isinstance(exc, CapacityExhausted) and call.key is None:
+        peer = front.failover_peer(call.request)
+        if peer is not None:
+            response = await forward(call, peer) or response
+    return response
+
+
+def settle_key(call: Call, inflight: InflightResponse, response: Response) -> None:
+    """Store a JSON response under the call's Idempotency-Key; release the key after a failure."""
+    idem = call.state.idempotency
+    if response.status_code == 200:
+        idem.complete(call.tenant, call.key, inflight, 200, dict(response.headers), body=bytes(response.body))
+    elif response.status_code == 499:  # its client left: a duplicate waiting on it is told to retry
+        idem.abandon(call.tenant, call.key, inflight)
+    else:
+        idem.abandon(call.tenant, call.key, inflight, response.status_code, dict(response.headers),
+                     bytes(getattr(response, "body", b"") or b""))
 
 
 def error_for(call: Call, exc: BaseException) -> JSONResponse:
@@ -163,7 +210,9 @@ def error_for(call: Call, exc: BaseException) -> JSONResponse:
     return api_error_response(exc, headers)
 
 
-async def produce(call: Call, inflight: InflightResponse | None, resume: ResumePoint | None = None) -> Response:
+async def produce(call: Call, inflight: InflightResponse | None, place: Place,
+                  resume: ResumePoint | None = None) -> Response:
+    """The service's response to the call: JSON, or a stream that holds the call's `place` in flight till it ends."""
     service = call.state.service
     c = call.completion = service.open(call.kind, call.req, call.tenant)
     c.resume = resume
@@ -190,11 +239,13 @@ async def produce(call: Call, inflight: InflightResponse | None, resume: ResumeP
                 return
             closed = True
             c.abort_unfinished()
-            call.state.active_requests -= 1
+            place.release()
             if inflight is not None and not inflight.finished:
-                call.state.idempotency.abandon(call.tenant, call.request.headers.get(IDEMPOTENCY_HEADER), inflight)
+                call.state.idempotency.abandon(call.tenant, call.key, inflight)
 
-        return SSEResponse(events, headers=headers, on_close=on_close)
+        response = SSEResponse(events, headers=headers, on_close=on_close)
+        place.pass_on()  # its on_close gives the place back
+        return response
     finals = await run_until_disconnect(receive, c.finals())
     return JSONResponse(c.response(finals).model_dump(mode="json"), headers=call.headers(_queue_wait_ms(finals[0])))
 
@@ -260,7 +311,7 @@ async def record_stream(events: AsyncIterator[str], call: Call, inflight: Inflig
         with contextlib.suppress(Exception):
             await events.aclose()
     if inflight.events and inflight.events[-1] == DONE:
-        call.state.idempotency.complete(call.tenant, call.request.headers.get(IDEMPOTENCY_HEADER), inflight, 200,
+        call.state.idempotency.complete(call.tenant, call.key, inflight, 200,
                                         {**headers, "content-type": "text/event-stream"}, events=list(inflight.events))
 
 

@@ -14,6 +14,7 @@ from kvserve.batch.runner import BatchRunner
 from kvserve.config import ServerConfig, kvserve_home
 from kvserve.server.background import renew_leases, stop_task
 from kvserve.server.idempotency import IdempotencyManager
+from kvserve.server.in_flight import InFlight
 from kvserve.server.regions import RegionFront
 from kvserve.service.completion import CompletionService
 from kvserve.service.metrics import ServerMetrics
@@ -33,7 +34,7 @@ class ServerState:
         self.store: AsyncStore | None = None
         self.idempotency: IdempotencyManager | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.active_requests = 0  # completion requests whose response is not fully sent
+        self.in_flight = InFlight()  # completion responses not fully sent (a drain waits for them)
         self._tasks: set[asyncio.Task] = set()
         self.started_at = time.time()
         self.drain_done: asyncio.Event | None = None
@@ -42,7 +43,9 @@ class ServerState:
         self.batch_runner: BatchRunner | None = None
         self._sampler: asyncio.Task | None = None
         self._hold_renewer: asyncio.Task | None = None
-        self.regions: RegionFront | None = RegionFront(config.regions, self) if config.regions.enabled else None
+        self.regions: RegionFront | None = None
+        if config.regions.enabled:
+            self.regions = RegionFront(config.regions, self.service.models, lambda: self.draining, self.in_flight)
 
     @property
     def models(self) -> dict[str, ModelHandle]:
@@ -98,7 +101,9 @@ class ServerState:
         self.batch_runner.start()
         self._sampler = self.loop.create_task(self._sample_load())
         if self.regions is not None:
-            await self.regions.start()
+            await self.regions.start(self.store)
+            if self.regions.budgets is not None:  # budgets shared by the regions: the gate asks for leases
+                self.service.metering.share = self.regions.budgets
         for handle in self.models.values():
             handle.client.start()  # loads in its own thread; the server listens meanwhile
             log.info("loading model %s (%s) in the background", handle.id, handle.spec.source)
@@ -135,7 +140,7 @@ class ServerState:
             h.client.drain()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.active_requests == 0 and all(h.client.num_inflight == 0 for h in self.models.values()):
+            if self.in_flight.count == 0 and all(h.client.num_inflight == 0 for h in self.models.values()):
                 break
             await asyncio.sleep(0.05)
         else:
@@ -147,7 +152,7 @@ class ServerState:
                     log.warning("shutdown grace period over: aborted %d requests on %s", len(rids), h.id)
             # let the aborted streams send their last events
             end = time.monotonic() + 2.0
-            while self.active_requests and time.monotonic() < end:
+            while self.in_flight.count and time.monotonic() < end:
                 await asyncio.sleep(0.05)
         if self.drain_done is not None:
             self.drain_done.set()

@@ -210,6 +210,47 @@ def test_invalid_sampling_combination_is_400():
     assert err.status == 400 and err.param == "min_tokens"
 
 
+@pytest.mark.parametrize("kind,body", [
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hé"}]}],
+              "temperature": 1, "stop": "\n", "metadata": {"request_id": "r"}, "unknown_extra": 3,
+              "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}},
+              "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+              "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+    ("completion", {"model": "m", "prompt": [[1, 2], [3]], "structured_outputs": {"json": {"type": "integer"}},
+                    "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}),
+])
+def test_a_forwarded_body_is_the_same_request(kind, body):
+    """What a peer region is sent (and an Idempotency-Key is bound to) validates to the same request, with the
+    schema's wire names, and is the same whichever spelling of it the client sent."""
+    from kvserve.server.serving import Call
+
+    schema = p.ChatCompletionRequest if kind == "chat" else p.CompletionRequest
+    req = schema.model_validate(body)
+    sent = Call(None, kind, None, req=req).body()
+    again = schema.model_validate(p.parse_json(json.dumps(sent).encode()))
+    assert again == req and again.model_fields_set == req.model_fields_set
+    assert Call(None, kind, None, req=again).body() == sent
+    text = json.dumps(sent)
+    assert "unknown_extra" not in sent and '"schema_"' not in text and '"json_"' not in text
+
+
+def test_a_place_in_flight_is_given_back_once_however_its_call_ends():
+    from kvserve.server.in_flight import InFlight
+
+    counted = InFlight()
+    with pytest.raises(RuntimeError):
+        with counted.hold():
+            assert counted.count == 1
+            raise RuntimeError("the call failed")
+    assert counted.count == 0
+    with counted.hold() as place:
+        place.pass_on()  # a stream's response owns it now
+    assert counted.count == 1
+    place.release()
+    place.release()
+    assert counted.count == 0
+
+
 # ---- error mapping ---------------------------------------------------------------------------------------
 
 
