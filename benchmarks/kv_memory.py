@@ -112,23 +112,23 @@ def real_rows(model: str, tokens: int) -> dict:
         eng = llm.engine
         prompt = _long_prompt(eng.tokenizer, tokens)
         params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1)
-        eng.add_request(eng.request(prompt, params))
+        eng.core.add_request(eng.request(prompt, params))
         t0 = time.perf_counter()
         first, peak, stamps, final = None, 0, [], None
-        while eng.has_unfinished_requests():
-            for ro in eng.step():
+        while eng.core.has_unfinished_requests():
+            for ro in eng.core.step():
                 now = time.perf_counter()
                 if ro.outputs and ro.outputs[0].delta_token_ids:
                     first = first or now
                     stamps.append(now)
                 if ro.finished:
                     final = ro
-            for seq in eng.scheduler._running:
-                peak = max(peak, eng.kv.num_blocks_held(seq))
+            for seq in eng.core.scheduler._running:
+                peak = max(peak, eng.core.kv.num_blocks_held(seq))
         page = eng.kv_page_bytes
         gaps = [b - a for a, b in zip(stamps, stamps[1:])]
         out[label] = {"peak_bytes": peak * page, "ttft_s": first - t0, "tpot_ms": 1000 * statistics.median(gaps),
-                      "pool_pages": eng.kv.num_device_blocks}
+                      "pool_pages": eng.core.kv.num_device_blocks}
         bits[label] = [(lp.token_id, lp.logprob) for lp in final.outputs[0].logprobs]
         _log(f"{label}: {out[label]}")
         del llm, eng
@@ -142,10 +142,10 @@ def _serve(eng, prompt: list[int], max_tokens: int = 1) -> tuple[float, int, int
     from kvserve import SamplingParams
 
     t0 = time.perf_counter()
-    eng.add_request(eng.request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)))
+    eng.core.add_request(eng.request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)))
     first, out = None, None
-    while eng.has_unfinished_requests():
-        for ro in eng.step():
+    while eng.core.has_unfinished_requests():
+        for ro in eng.core.step():
             if first is None and ro.outputs and ro.outputs[0].delta_token_ids:
                 first = time.perf_counter() - t0
             if ro.finished:
@@ -201,7 +201,7 @@ def disk_rows(model: str, runs: int, directory: Path) -> dict:
         eng = engine(**kw)
         for r in requests:
             _serve(eng, r, max_tokens=4)
-        u = eng.kv.usage()
+        u = eng.core.kv.usage()
         rates[label] = {"hit_rate": u.prefix_hit_rate, "from_disk": u.tier_hit_tokens / max(1, u.prefix_query_tokens)}
         if eng.kv_disk is not None:
             eng.close()

@@ -108,9 +108,9 @@ def run_static(llm, prompts: list[list[int]], lengths: list[int], batch: int) ->
         group = prompts[i:i + batch]
         longest = max(lengths[i:i + batch])
         for p in group:
-            engine.add_request(engine.request(p, greedy(longest)))
-        while engine.has_unfinished_requests():
-            for ro in engine.step():
+            engine.core.add_request(engine.request(p, greedy(longest)))
+        while engine.core.has_unfinished_requests():
+            for ro in engine.core.step():
                 if ro.finished:
                     generated += len(ro.outputs[0].token_ids)
     elapsed = time.perf_counter() - t0
@@ -157,10 +157,10 @@ def run_hf_static(hf, prompts: list[list[int]], lengths: list[int], batch: int) 
 
 def time_to_first_token(engine, prompt: list[int], salt: str) -> tuple[float, int]:
     t0 = time.perf_counter()
-    engine.add_request(engine.request(prompt, greedy(1), cache_salt=salt))
+    engine.core.add_request(engine.request(prompt, greedy(1), cache_salt=salt))
     ttft, cached = None, 0
-    while engine.has_unfinished_requests():
-        for ro in engine.step():
+    while engine.core.has_unfinished_requests():
+        for ro in engine.core.step():
             if ttft is None and ro.outputs[0].token_ids:
                 ttft = time.perf_counter() - t0
                 cached = ro.num_cached_tokens

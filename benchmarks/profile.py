@@ -78,10 +78,10 @@ def run(model: str, prompts: int, input_len: int, output_len: int, max_seqs: int
 
     def workload() -> tuple[int, float]:
         for _ in range(prompts):
-            engine.add_request(engine.request([rng.randrange(100, 40000) for _ in range(input_len)], params))
+            engine.core.add_request(engine.request([rng.randrange(100, 40000) for _ in range(input_len)], params))
         steps, t = 0, time.perf_counter()
-        while engine.has_unfinished_requests():
-            engine.step()
+        while engine.core.has_unfinished_requests():
+            engine.core.step()
             steps += 1
         return steps, time.perf_counter() - t
 
@@ -89,7 +89,7 @@ def run(model: str, prompts: int, input_len: int, output_len: int, max_seqs: int
     clock: collections.Counter = collections.Counter()
     model_obj = engine.runner.model
     decoder = model_obj.native_decoder
-    _wrap(engine.scheduler, "schedule", clock, "scheduler")
+    _wrap(engine.core.scheduler, "schedule", clock, "scheduler")
     _wrap(engine.runner, "execute", clock, "runner.execute")
     _wrap(model_obj, "forward", clock, "forward")
     _wrap(model_obj, "compute_logits", clock, "lm_head")

@@ -44,10 +44,10 @@ def decode_rates(engine, tokens: int, runs: int, context: int = 0) -> list[float
     rates = []
     for i in range(runs + 1):  # the first run warms up
         ids = [rng.randrange(100, engine.model_config.vocab_size) for _ in range(context)] if context else None
-        engine.add_request(engine.request(ids or "The history of the city begins", params))
+        engine.core.add_request(engine.request(ids or "The history of the city begins", params))
         first = last = None
-        while engine.has_unfinished_requests():
-            for out in engine.step():
+        while engine.core.has_unfinished_requests():
+            for out in engine.core.step():
                 now = time.perf_counter()
                 if first is None and out.outputs[0].token_ids:
                     first = now

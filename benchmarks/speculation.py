@@ -160,22 +160,22 @@ def ceiling(models: list[str], runs: int) -> list[dict]:
         outputs = {}
         params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
         for ids in prompts[8]:
-            off.add_request(off.request(ids, params))
-        while off.has_unfinished_requests():
+            off.core.add_request(off.request(ids, params))
+        while off.core.has_unfinished_requests():
             outputs.update({tuple(ro.prompt_token_ids): list(ro.outputs[0].token_ids)
-                            for ro in off.step() if ro.finished})
+                            for ro in off.core.step() if ro.finished})
         on = {"static": engine(speculative_decoding=True, num_speculative_tokens=CEILING_STATIC_K,
                                speculative_controller=False),
               "controller": engine(speculative_decoding=True)}
         for eng in on.values():
-            eng.scheduler.speculator.ngram = OracleDrafter(outputs)
+            eng.core.scheduler.speculator.ngram = OracleDrafter(outputs)
         run_case_ids(off, prompts[8][:4], params)  # warm up: kernels
         for c in (1, 8):
             base = []
             for a in CEILING_ACCEPTANCE:
                 got: dict[str, list[float]] = {}
                 for eng in on.values():  # each at this acceptance first: the controller's steady state is measured
-                    eng.scheduler.speculator.ngram.acceptance = a
+                    eng.core.scheduler.speculator.ngram.acceptance = a
                     run_case_ids(eng, prompts[c], params)
                 configs = [("off", off)] + list(on.items())
                 for r in range(runs):
@@ -229,7 +229,7 @@ def constrained(model: str, runs: int) -> list[dict]:
         for r in range(runs):
             for spec in ((False, True) if r % 2 == 0 else (True, False)):
                 if spec:
-                    engines[spec].scheduler.speculator.suffix = SuffixDrafter()
+                    engines[spec].core.scheduler.speculator.suffix = SuffixDrafter()
                 got[spec].append(run_case_ids(engines[spec], prompts[c], params))
                 _log(f"constrained c={c} {'on' if spec else 'off'}: {got[spec][-1]}")
         med = {spec: {m: statistics.median(x[m] for x in v) for m in ("tpot_p50_ms", "tokens_per_s")}
@@ -237,7 +237,7 @@ def constrained(model: str, runs: int) -> list[dict]:
         rows.append({"c": c, "off": med[False], "on": med[True],
                      "tpot_speedup": med[False]["tpot_p50_ms"] / med[True]["tpot_p50_ms"],
                      "throughput_ratio": med[True]["tokens_per_s"] / med[False]["tokens_per_s"]})
-    stats = engines[True].scheduler.speculator.stats
+    stats = engines[True].core.scheduler.speculator.stats
     del engines
     return [{"rows": rows, "drafts": {n: {"proposed": s.proposed, "accepted": s.accepted}
                                       for n, s in stats.items()}}]
@@ -246,10 +246,10 @@ def constrained(model: str, runs: int) -> list[dict]:
 def run_case_ids(engine, prompts: list[list[int]], params) -> dict:
     t0 = time.perf_counter()
     for ids in prompts:
-        engine.add_request(engine.request(ids, params))
+        engine.core.add_request(engine.request(ids, params))
     finals = []
-    while engine.has_unfinished_requests():
-        finals += [ro for ro in engine.step() if ro.finished]
+    while engine.core.has_unfinished_requests():
+        finals += [ro for ro in engine.core.step() if ro.finished]
     wall = time.perf_counter() - t0
     tpots = [(ro.metrics.finished_time - ro.metrics.first_token_time) / (len(ro.outputs[0].token_ids) - 1)
              for ro in finals]
@@ -334,11 +334,11 @@ def main(argv: list[str] | None = None) -> None:
         for kind, c in CASES:
             for spec in ((False, True) if r % 2 == 0 else (True, False)):  # alternate which goes first
                 if spec:  # the same prompts' earlier outputs would draft themselves: each case starts cold
-                    engines[spec].scheduler.speculator.suffix = SuffixDrafter()
+                    engines[spec].core.scheduler.speculator.suffix = SuffixDrafter()
                 res = run_case(engines[spec], tok, _prompts(kind, c))
                 raw.setdefault(f"{kind} c={c}", {}).setdefault("on" if spec else "off", []).append(res)
                 _log(f"run {r} {kind} c={c} {'on' if spec else 'off'}: {res}")
-    stats = engines[True].scheduler.speculator.stats
+    stats = engines[True].core.scheduler.speculator.stats
     rows = {}
     for case, by in raw.items():
         med = {k: {m: statistics.median(x[m] for x in v) for m in ("tpot_p50_ms", "tokens_per_s")}

@@ -153,10 +153,10 @@ def _offline_engine(model: str, config_path: str | None, engine_args: dict):
 
 def _stream(engine, out=sys.stdout, **request) -> str:
     """Run one request through the engine's step loop, printing deltas as they arrive; returns the text."""
-    rid = engine.add_request(engine.request(**request))
+    rid = engine.core.add_request(engine.request(**request))
     text = ""
-    while engine.has_unfinished_requests():
-        for ro in engine.step():
+    while engine.core.has_unfinished_requests():
+        for ro in engine.core.step():
             if ro.request_id != rid:
                 continue
             delta = ro.outputs[0].delta_text

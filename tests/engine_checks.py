@@ -88,7 +88,7 @@ class Req:
     params: SamplingParams
     priority: str | None = None
     cache_salt: str | None = None
-    resumed: list[int] | None = None  # output tokens generated elsewhere (LLMEngine.add_request's resumed_token_ids)
+    resumed: list[int] | None = None  # output tokens generated elsewhere (EngineRequest.resumed_token_ids)
 
 
 @dataclass
@@ -114,7 +114,7 @@ class Run:
 @contextlib.contextmanager
 def recording(engine, run: Run):
     """Wrap the engine's scheduler so that every SchedulerOutput is tallied into `run`."""
-    real = engine.scheduler.schedule
+    real = engine.core.scheduler.schedule
 
     def schedule():
         out = real()
@@ -126,11 +126,11 @@ def recording(engine, run: Run):
         run.max_batched_tokens = max(run.max_batched_tokens, out.num_batched_tokens)
         return out
 
-    engine.scheduler.schedule = schedule
+    engine.core.scheduler.schedule = schedule
     try:
         yield run
     finally:
-        del engine.scheduler.schedule
+        del engine.core.scheduler.schedule
 
 
 def drive(engine, requests: list[Req], max_steps: int = 100_000) -> Run:
@@ -140,16 +140,16 @@ def drive(engine, requests: list[Req], max_steps: int = 100_000) -> Run:
     streamed_text: dict[tuple[str, int], str] = defaultdict(str)
     final: dict[str, RequestOutput] = {}
     with recording(engine, run):
-        ids = [engine.add_request(engine.request(r.prompt, r.params, priority=r.priority, cache_salt=r.cache_salt,
+        ids = [engine.core.add_request(engine.request(r.prompt, r.params, priority=r.priority, cache_salt=r.cache_salt,
                                   resumed_token_ids=r.resumed)) for r in requests]
-        while engine.has_unfinished_requests():
-            for ro in engine.step():
+        while engine.core.has_unfinished_requests():
+            for ro in engine.core.step():
                 for o in ro.outputs:
                     streamed[ro.request_id, o.index] += o.delta_token_ids
                     streamed_text[ro.request_id, o.index] += o.delta_text
                 if ro.finished:
                     final[ro.request_id] = ro
-            stats = engine.scheduler.stats()
+            stats = engine.core.scheduler.stats()
             run.max_running = max(run.max_running, stats.running)
             run.max_swapped = max(run.max_swapped, stats.swapped)
             run.steps += 1
@@ -178,10 +178,10 @@ def forks_as_singles(output: RequestOutput) -> list[RequestOutput]:
 
 def assert_no_leaks(engine) -> None:
     """Nothing is running or queued, and every device block is free or cached; no host block is held."""
-    engine.kv.check_integrity()
-    assert not engine.has_unfinished_requests()
-    assert not engine.scheduler.has_unfinished()
-    u = engine.kv.usage()
+    engine.core.kv.check_integrity()
+    assert not engine.core.has_unfinished_requests()
+    assert not engine.core.scheduler.has_unfinished()
+    u = engine.core.kv.usage()
     assert u.used_device_blocks == 0, f"{u.used_device_blocks} device blocks still held: {u}"
     assert u.free_device_blocks + u.cached_device_blocks == u.num_device_blocks, u
     assert u.used_host_blocks == 0, f"{u.used_host_blocks} host blocks still held: {u}"
@@ -214,7 +214,7 @@ class SeededDrawReplay:
 
         assert engine.runner.sampler.method in ("inverse_cdf", "auto") and engine.device.type == "cpu", \
             "the replay follows the CPU's inverse-CDF draw"
-        assert not engine.has_unfinished_requests()
+        assert not engine.core.has_unfinished_requests()
         self.engine, self.requests, self._generator = engine, requests, make_generator
 
     def __call__(self, request: int, fork: int, prefix: list[int]) -> Draw:

@@ -101,12 +101,13 @@ class AsyncLLM:
         self.config = config
         self.model_id = model_id or config.model
         self.status = EngineStatus.WARMING
-        self.engine = None
+        self.engine = None  # the assembly (LLMEngine): the model, its tokenizer and tiers
+        self.core = None  # its EngineCore: what the engine thread steps
         self.error: str | None = None
         self._commands: queue.Queue = queue.Queue()
         self._held: list = []  # commands taken during an interjection that wait for the step's end
         # Raised by submit() for an interactive request: a step with batch work stops at its next layer
-        # and the request starts at once (LLMEngine.interject), instead of after the rest of the step.
+        # and the request starts at once (EngineCore.interject), instead of after the rest of the step.
         self._interject_flag = ctypes.c_int32(0)
         self._wake = threading.Event()
         self._stop = False
@@ -230,7 +231,7 @@ class AsyncLLM:
     @property
     def _grammars(self):
         """The loaded engine's structured-output compiler (None before the model is loaded, or without one)."""
-        return getattr(getattr(self.engine, "core", None), "grammars", None)
+        return getattr(self.core, "grammars", None)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -249,7 +250,8 @@ class AsyncLLM:
             # the process: keep the cyclic collector from re-walking it on every full collection.
             gc.collect()
             gc.freeze()
-            self.engine.interjection = Interjection(self._interject_flag, self._interject)
+            self.core = self.engine.core
+            self.core.interjection = Interjection(self._interject_flag, self._interject)
             self.status = EngineStatus.READY
         except Exception as e:  # loading failed: report it, never crash the server
             log.exception("engine for %s failed to load", self.model_id)
@@ -279,16 +281,16 @@ class AsyncLLM:
             log.exception("closing the engine for %s failed", self.model_id)
 
     def _loop(self) -> None:
-        engine = self.engine
+        core = self.core
         while not self._stop:
             self._apply_commands()
-            if not engine.has_unfinished_requests():
+            if not core.has_unfinished_requests():
                 self.last_progress_at = time.monotonic()
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
             t0 = time.monotonic()
-            outputs = engine.step()
+            outputs = core.step()
             t1 = time.monotonic()
             self.busy_seconds += t1 - t0
             self.last_step_at = self.last_progress_at = t1
@@ -300,7 +302,7 @@ class AsyncLLM:
         step's end: an abort now would free blocks the suspended step is still writing."""
         self._interject_flag.value = 0
         self._apply_commands(interactive_adds_only=True)
-        outputs = self.engine.interject()
+        outputs = self.core.interject()
         if outputs is not None:
             self._publish(outputs)
 
@@ -310,7 +312,7 @@ class AsyncLLM:
         self._deliver(outputs)
         self._update_counts()
         if self._on_step is not None:
-            self._on_step(self, self.engine.last_step)
+            self._on_step(self, self.core.last_step)
 
     def _take_commands(self) -> Iterator:
         """The commands to apply, in their order: those held back by an interjection, then the queue's.
@@ -324,7 +326,7 @@ class AsyncLLM:
                 return
 
     def _apply_commands(self, interactive_adds_only: bool = False) -> None:
-        engine = self.engine
+        core = self.core
         if not interactive_adds_only:
             self._interject_flag.value = 0  # what raised it is applied now (a later submit raises it again)
         for cmd in self._take_commands():
@@ -333,14 +335,14 @@ class AsyncLLM:
                 continue
             if isinstance(cmd, _Add):
                 try:
-                    rid = engine.add_request(cmd.request)
+                    rid = core.add_request(cmd.request)
                 except Exception as e:
                     cmd.done.set_exception(e)
                     continue
                 self._sinks[rid] = cmd.sink
                 cmd.done.set_result(rid)
             elif isinstance(cmd, _Abort):
-                out = engine.abort_request(cmd.request_id)
+                out = core.abort_request(cmd.request_id)
                 sink = self._sinks.pop(cmd.request_id, None)
                 if out is not None:
                     if sink is not None:
@@ -365,8 +367,8 @@ class AsyncLLM:
             loop.call_soon_threadsafe(_put_all, items)
 
     def _update_counts(self) -> None:
-        self.num_inflight = self.engine.num_unfinished_requests
-        self.stats = self.engine.scheduler.stats()  # an immutable snapshot other threads may read
+        self.num_inflight = self.core.num_unfinished_requests
+        self.stats = self.core.scheduler.stats()  # an immutable snapshot other threads may read
         self.num_waiting = self.stats.num_waiting
 
     def _fail_all(self) -> None:
@@ -375,7 +377,7 @@ class AsyncLLM:
                 cmd.done.set_exception(ModelFailed(f"model {self.model_id} failed: {self.error}"))
         for rid in list(self._sinks):
             try:
-                out = self.engine.abort_request(rid)
+                out = self.core.abort_request(rid)
             except Exception:
                 out = None
             sink = self._sinks.pop(rid)

@@ -127,13 +127,13 @@ class EngineReplica:
             raise PermissionError(f"fault injection is off (set {FAULT_INJECTION_ENV}=1)")
         if kind != "stall":
             raise ValueError(f"unknown fault {kind!r}")
-        engine = self.client.engine
-        step = engine.step
+        core = self.client.core
+        step = core.step
 
         def stalled_step():
             while True:
                 time.sleep(3600)
             return step()  # pragma: no cover
 
-        engine.step = stalled_step
+        core.step = stalled_step
         return self.replica_id

@@ -157,24 +157,24 @@ class _Profiler:
         self.samples: list[tuple[list[Work], float, int]] = []  # (work, seconds, profile point)
         self.point = 0
         self._captured = None
-        schedule = engine.scheduler.schedule
+        schedule = engine.core.scheduler.schedule
 
         def capture():
             self._captured = schedule()
             return self._captured
 
-        engine.scheduler.schedule = capture
+        engine.core.scheduler.schedule = capture
 
     def add(self, prompt_len: int, max_tokens: int, prompt: list[int] | None = None) -> str:
         from kvserve.engine.sampling import SamplingParams
 
         prompt = prompt or [self.rng.randrange(self.vocab) for _ in range(prompt_len)]
-        return self.engine.add_request(self.engine.request(prompt, SamplingParams(max_tokens=max_tokens,
+        return self.engine.core.add_request(self.engine.request(prompt, SamplingParams(max_tokens=max_tokens,
                                                                                   ignore_eos=True, temperature=0.0)))
 
     def step(self, record: bool) -> None:
         t0 = time.perf_counter()
-        self.engine.step()
+        self.engine.core.step()
         seconds = time.perf_counter() - t0
         out = self._captured
         if record and out is not None and out.scheduled:
@@ -182,13 +182,13 @@ class _Profiler:
                                  self.point))
 
     def _until_decoding(self) -> None:
-        sched = self.engine.scheduler
+        sched = self.engine.core.scheduler
         while sched.stats().num_waiting or any(s.is_prefill for s in sched._running):
             self.step(False)
 
     def clear(self, ids: list[str]) -> None:
         for rid in ids:
-            self.engine.abort_request(rid)
+            self.engine.core.abort_request(rid)
 
     def decode_point(self, batch: int, context: int, shared: bool) -> None:
         """`batch` sequences decoding at `context` tokens. `shared`: they share one prompt, so only the first
@@ -244,7 +244,7 @@ def calibrate(model_id: str, config_path: str | None = None, output: str | Path 
     prof.decode_point(1, 64, True)  # warm-up (kernels, allocator), not recorded
     prof.samples.clear()
     cfg = engine.config.scheduler
-    pool_tokens = engine.kv.token_capacity
+    pool_tokens = engine.core.kv.token_capacity
     for _ in range(PASSES):  # whole passes, so a neighbour's burst on a shared machine hits one pass of a point
         prof.point = 0
         for context, batches, shared in DECODE_POINTS:
@@ -260,14 +260,15 @@ def calibrate(model_id: str, config_path: str | None = None, output: str | Path 
     bandwidth = measure_bandwidth()
     result = fit(point_medians([(features(spec, dtype, dtype, w), s, p) for w, s, p in prof.samples]), bandwidth)
     # The pool in pages of the engine's KV groups (engine/kv/groups.py), as search.replica_memory reads it back.
-    layout, layers = engine.kv.layout, engine.model_config.num_layers
-    kv_pool = engine.kv.num_pages * engine.kv.block_size * engine.kv_bytes_per_token * layout.group_size / layers
+    layout, layers = engine.core.kv.layout, engine.model_config.num_layers
+    kv = engine.core.kv
+    kv_pool = kv.num_pages * kv.block_size * engine.kv_bytes_per_token * layout.group_size / layers
     windows = [layout.groups[layout.placement(layer)[0]].window for layer in range(layers)]  # rebuild the layout
     doc = {
         "version": 1, "source": "kvserve plan calibrate", "measured_at": datetime.now(timezone.utc).isoformat(),
         "cpu": _cpu_name(), "cores": os.cpu_count(), "model": model_id, "weight_dtype": dtype, "kv_dtype": dtype,
-        "num_blocks": engine.kv.num_pages, "kv_layer_windows": windows,
-        "block_size": engine.kv.block_size, "kv_pool_bytes": kv_pool,
+        "num_blocks": engine.core.kv.num_pages, "kv_layer_windows": windows,
+        "block_size": engine.core.kv.block_size, "kv_pool_bytes": kv_pool,
         "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
         "max_model_len": engine.max_model_len, "profile_s": profile_s, "fit": result, "model_spec": asdict(spec),
         "machine": {"name": f"cpu ({_cpu_name()}, {os.cpu_count()} cores)",

@@ -27,13 +27,13 @@ def run(**kwargs) -> tuple[list, int, object]:
     eng = make_engine("smollm2-135m", dtype="bfloat16", max_num_batched_tokens=128, **kwargs)
     rng = random.Random(3)
     prompt = [rng.randrange(1000, 40000) for _ in range(600)]
-    eng.add_request(eng.request(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)))
+    eng.core.add_request(eng.request(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)))
     peak, out = 0, None
-    while eng.has_unfinished_requests():
-        for ro in eng.step():
+    while eng.core.has_unfinished_requests():
+        for ro in eng.core.step():
             out = ro if ro.finished else out
-        for seq in eng.scheduler._running:
-            peak = max(peak, eng.kv.num_blocks_held(seq))
+        for seq in eng.core.scheduler._running:
+            peak = max(peak, eng.core.kv.num_blocks_held(seq))
     assert_no_leaks(eng)
     (o,) = out.outputs
     return [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs], peak, eng
@@ -41,7 +41,7 @@ def run(**kwargs) -> tuple[list, int, object]:
 
 def test_the_policy_holds_its_window_and_sinks_and_changes_no_bit_for_it():
     bits, peak, eng = run(**POLICY)
-    layout = eng.kv.layout
+    layout = eng.core.kv.layout
     assert layout.num_groups == 1 and layout.groups[0].window == 128 and layout.groups[0].sinks == 4
     assert eng.runner.model.native_decoder is None  # served op by op: the fused kernels have no sinks
     # The sinks' block, the window and the chunk being computed; never the whole 624 tokens' 39 blocks.

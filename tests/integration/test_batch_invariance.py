@@ -124,7 +124,7 @@ def test_chunked_prefill_at_any_size_gives_the_bits_of_one_chunk(model, requests
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_gives_the_bits_of_no_preemption(model, requests, alone, mode):
-    total, largest = blocks_needed(requests, engine(model).kv)
+    total, largest = blocks_needed(requests, engine(model).core.kv)
     eng = engine(model, num_gpu_blocks_override=max(largest + 1, total // 2), preemption_mode=mode,
                  swap_space="32MiB", enable_prefix_caching=mode != "swap")
     run = drive(eng, requests)

@@ -132,7 +132,7 @@ def test_unchunked_prefill_matches_alone(requests, alone):
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_matches_alone(llm, requests, alone, mode):
-    total, largest = blocks_needed(requests, llm.engine.kv)
+    total, largest = blocks_needed(requests, llm.engine.core.kv)
     # Prefix caching off for swap: blocks shared through the cache cannot be swapped out.
     eng = smol(num_gpu_blocks_override=max(largest + 1, total // 2), preemption_mode=mode, swap_space="32MiB",
                enable_prefix_caching=mode != "swap").engine
@@ -170,7 +170,7 @@ def test_cancelling_an_async_stream_frees_its_blocks(_weights):
     try:
         assert async_llm.wait_ready(120)
         eng = async_llm.engine
-        baseline = eng.kv.usage().used_device_blocks
+        baseline = eng.core.kv.usage().used_device_blocks
         seen = []
 
         async def consume(started: asyncio.Event):
@@ -193,7 +193,7 @@ def test_cancelling_an_async_stream_frees_its_blocks(_weights):
             if task.done():
                 task.result()  # it failed: raise its error here
             assert started.is_set()
-            assert eng.kv.usage().used_device_blocks > baseline  # racy read, but blocks are held while it runs
+            assert eng.core.kv.usage().used_device_blocks > baseline  # racy read, but blocks are held while it runs
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
@@ -203,9 +203,9 @@ def test_cancelling_an_async_stream_frees_its_blocks(_weights):
         assert others[-1].finished and len(others[-1].outputs[0].token_ids) == 4
         assert not seen[-1].finished
         deadline = time.monotonic() + 60
-        while (eng.has_unfinished_requests() or async_llm.num_inflight) and time.monotonic() < deadline:
+        while (eng.core.has_unfinished_requests() or async_llm.num_inflight) and time.monotonic() < deadline:
             time.sleep(0.02)  # the abort is applied between engine steps
-        assert eng.kv.usage().used_device_blocks == baseline
+        assert eng.core.kv.usage().used_device_blocks == baseline
         assert_no_leaks(eng)
     finally:
         async_llm.stop()
@@ -221,15 +221,15 @@ def test_a_thousand_aborted_requests_leak_nothing(_weights, tiny_llama_gguf):
         prompt = shared[:rng.randrange(0, 64)] + [rng.randrange(100, 40_000) for _ in range(rng.randrange(1, 40))]
         params = SamplingParams(n=rng.choice([1, 1, 1, 2, 4]), temperature=rng.choice([0.0, 1.0]), seed=i,
                                 max_tokens=rng.randrange(1, 64), ignore_eos=True)
-        ids.append(eng.add_request(eng.request(prompt, params, priority=rng.choice(["interactive", "batch"]))))
+        ids.append(eng.core.add_request(eng.request(prompt, params, priority=rng.choice(["interactive", "batch"]))))
     finished, swapped = set(), 0
     for _ in range(12):
-        finished.update(ro.request_id for ro in eng.step() if ro.finished)
-        swapped = max(swapped, eng.scheduler.stats().swapped)
-    assert eng.scheduler.stats().num_preemptions > 0 and swapped > 0
+        finished.update(ro.request_id for ro in eng.core.step() if ro.finished)
+        swapped = max(swapped, eng.core.scheduler.stats().swapped)
+    assert eng.core.scheduler.stats().num_preemptions > 0 and swapped > 0
     rng.shuffle(ids)
     for rid in ids:
-        out = eng.abort_request(rid)
+        out = eng.core.abort_request(rid)
         if rid in finished:
             assert out is None
         else:
@@ -365,17 +365,18 @@ def test_stops_lengths_logprobs_and_text(llm, tokenizer):
 def test_admission_errors(_weights):
     eng = make_engine(MODEL, dtype="float32", kv_cache_memory="16MiB", swap_space=0,
                       interactive=TierLimits(max_waiting=2))
-    ids = [eng.add_request(eng.request("Hello there", SamplingParams(max_tokens=4))) for _ in range(2)]
+    ids = [eng.core.add_request(eng.request("Hello there", SamplingParams(max_tokens=4))) for _ in range(2)]
     with pytest.raises(CapacityExhausted) as exc:
-        eng.add_request(eng.request("Hello there", SamplingParams(max_tokens=4)))
+        eng.core.add_request(eng.request("Hello there", SamplingParams(max_tokens=4)))
     assert exc.value.reason == "queue_full" and exc.value.retry_after >= 1
-    eng.add_request(eng.request("Hello there", SamplingParams(max_tokens=4), priority="batch"))  # the other tier has room
+    # the other tier has room
+    eng.core.add_request(eng.request("Hello there", SamplingParams(max_tokens=4), priority="batch"))
     with pytest.raises(ContextLengthExceeded):
-        eng.add_request(eng.request(list(range(100, 100 + eng.max_model_len)), SamplingParams(max_tokens=1)))
+        eng.core.add_request(eng.request(list(range(100, 100 + eng.max_model_len)), SamplingParams(max_tokens=1)))
     with pytest.raises(ContextLengthExceeded):
-        eng.add_request(eng.request("Hello there", SamplingParams(max_tokens=eng.max_model_len)))
+        eng.core.add_request(eng.request("Hello there", SamplingParams(max_tokens=eng.max_model_len)))
     for rid in ids:
-        assert eng.abort_request(rid).outputs[0].finish_reason == "abort"
-    while eng.has_unfinished_requests():
-        eng.step()
+        assert eng.core.abort_request(rid).outputs[0].finish_reason == "abort"
+    while eng.core.has_unfinished_requests():
+        eng.core.step()
     assert_no_leaks(eng)

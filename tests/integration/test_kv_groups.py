@@ -55,15 +55,15 @@ def _bits(output) -> list:
 def _run(eng, reqs: list[Req]) -> tuple[list, int, list, int]:
     """(each request's bits, the most blocks one sequence held at once, each request's cached tokens, the
     most sequences running at once)."""
-    ids = [eng.add_request(eng.request(r.prompt, r.params)) for r in reqs]
+    ids = [eng.core.add_request(eng.request(r.prompt, r.params)) for r in reqs]
     peak, running, final = 0, 0, {}
-    while eng.has_unfinished_requests():
-        for ro in eng.step():
+    while eng.core.has_unfinished_requests():
+        for ro in eng.core.step():
             if ro.finished:
                 final[ro.request_id] = ro
-        for seq in eng.scheduler._running:
-            peak = max(peak, eng.kv.num_blocks_held(seq))
-        running = max(running, len(eng.scheduler._running))
+        for seq in eng.core.scheduler._running:
+            peak = max(peak, eng.core.kv.num_blocks_held(seq))
+        running = max(running, len(eng.core.scheduler._running))
     assert_no_leaks(eng)
     return [_bits(final[i]) for i in ids], peak, [final[i].num_cached_tokens for i in ids], running
 
@@ -72,7 +72,7 @@ def _run(eng, reqs: list[Req]) -> tuple[list, int, list, int]:
 def full(prompts):
     """Every layer holds every block: the reference bits, and the blocks a sequence holds then."""
     eng = engine(kv_groups=False, enable_prefix_caching=False)
-    assert eng.kv.num_groups == 1
+    assert eng.core.kv.num_groups == 1
     runs = [_run(eng, [Req(p, _greedy())]) for p in prompts]
     return [r[0][0] for r in runs], runs[0][1], eng
 
@@ -80,16 +80,16 @@ def full(prompts):
 def test_groups_hold_a_third_of_the_bytes_and_change_no_bit(prompts, full):
     want, full_peak, full_engine = full
     eng = engine(enable_prefix_caching=False)
-    layout = eng.kv.layout
-    assert layout.num_groups == 6 and layout.group_size == 3 and eng.kv.num_groups == 6
+    layout = eng.core.kv.layout
+    assert layout.num_groups == 6 and layout.group_size == 3 and eng.core.kv.num_groups == 6
     bits, peak, _, _ = _run(eng, [Req(prompts[0], _greedy())])
     assert bits[0] == want[0]
     # The peak is within the rule's (engine/kv/groups.py): the full group's every block and each sliding
     # group's window and a chunk of at most 512 tokens. A group's block is a sixth of a classic one in bytes.
-    assert peak <= layout.pages_held(PROMPT_TOKENS + 24, eng.kv.block_size, new_tokens=512)
+    assert peak <= layout.pages_held(PROMPT_TOKENS + 24, eng.core.kv.block_size, new_tokens=512)
     assert peak / 6 <= 0.36 * full_peak, (peak, full_peak)
     # And the same pool memory holds about six times the pages.
-    assert eng.kv.num_device_blocks >= 5.9 * full_engine.kv.num_device_blocks
+    assert eng.core.kv.num_device_blocks >= 5.9 * full_engine.core.kv.num_device_blocks
 
 
 def test_a_prefix_hit_needs_only_the_windows_blocks_and_gives_the_same_bits(prompts, full):
@@ -100,7 +100,7 @@ def test_a_prefix_hit_needs_only_the_windows_blocks_and_gives_the_same_bits(prom
     assert cached[0] >= PROMPT_TOKENS - 32
     assert bits[0] == want[0]
     # The hit's sliding groups took only the blocks their window reaches: NULL_PAGE before them.
-    assert eng.kv.usage().prefix_hit_tokens >= cached[0]
+    assert eng.core.kv.usage().prefix_hit_tokens >= cached[0]
 
 
 def test_two_long_sequences_share_a_pool_that_fits_one_without_groups(prompts, full):

@@ -68,7 +68,7 @@ def reference(model, requests) -> list:
 
 
 def accepted(eng) -> int:
-    return sum(s.accepted for s in eng.scheduler.speculator.stats.values())
+    return sum(s.accepted for s in eng.core.scheduler.speculator.stats.values())
 
 
 def test_speculation_gives_the_bits_of_decoding(model, requests, reference):
@@ -81,7 +81,7 @@ def test_speculation_gives_the_bits_of_decoding(model, requests, reference):
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_speculation_under_preemption_gives_the_bits_of_decoding(model, requests, reference, mode):
-    total, largest = blocks_needed(requests, engine(model).kv)
+    total, largest = blocks_needed(requests, engine(model).core.kv)
     eng = engine(model, speculative_decoding=True, num_gpu_blocks_override=max(largest + 2, total // 2),
                  preemption_mode=mode, swap_space="32MiB", enable_prefix_caching=mode != "swap")
     run = drive(eng, requests)
@@ -135,7 +135,7 @@ def test_a_request_that_opts_out_is_never_drafted_for(model, requests):
     eng = engine(model, speculative_decoding=True)
     off = [Req(r.prompt, replace(r.params, speculation=False)) for r in requests[:4]]
     drive(eng, off)
-    assert all(s.proposed == 0 for s in eng.scheduler.speculator.stats.values())
+    assert all(s.proposed == 0 for s in eng.core.scheduler.speculator.stats.values())
     assert_no_leaks(eng)
 
 
@@ -185,7 +185,7 @@ def test_unseeded_sampling_with_drafts_keeps_the_distribution(tiny_llama_gguf):
     base = accepted(spec)
     a = drive(plain, [Req(prompt, params)] * n).tokens
     b = drive(spec, [Req(prompt, params)] * n).tokens
-    stats = spec.scheduler.speculator.stats["suffix"]
+    stats = spec.core.scheduler.speculator.stats["suffix"]
     assert accepted(spec) - base > n // 2 and stats.proposed - stats.accepted > n // 10
     for pos in range(4):
         stat, dof = chi_square([t[0][pos] for t in a], [t[0][pos] for t in b])
@@ -255,26 +255,27 @@ def test_an_interjection_into_a_step_with_drafts_keeps_every_bit(model, requests
     eng = engine(model, speculative_decoding=True)
     greedy = [i for i, r in enumerate(requests) if r.params.n == 1]
     late = greedy.pop()
-    ids = {eng.add_request(eng.request(requests[i].prompt, requests[i].params, priority="batch")): i for i in greedy}
+    ids = {eng.core.add_request(eng.request(requests[i].prompt, requests[i].params, priority="batch")): i
+           for i in greedy}
     finals = {}
 
     def collect(outputs) -> None:
         finals.update((ro.request_id, ro) for ro in outputs or () if ro.finished)
 
     for _ in range(3):  # prefill, then decodes with drafts
-        collect(eng.step())
+        collect(eng.core.step())
     flag, interjected = ctypes.c_int32(1), []
 
     def run_interjection():
         flag.value = 0
-        rid = eng.add_request(eng.request(requests[late].prompt, requests[late].params, priority="interactive"))
+        rid = eng.core.add_request(eng.request(requests[late].prompt, requests[late].params, priority="interactive"))
         ids[rid] = late
-        interjected.append(eng.interject())
+        interjected.append(eng.core.interject())
         collect(interjected[-1])
 
-    eng.interjection = Interjection(flag, run_interjection)
-    while eng.has_unfinished_requests():
-        collect(eng.step())
+    eng.core.interjection = Interjection(flag, run_interjection)
+    while eng.core.has_unfinished_requests():
+        collect(eng.core.step())
     assert interjected and interjected[0], "no interjection ran"
     assert {rid: bits_of(finals[rid]) for rid in ids} == {rid: reference[i] for rid, i in ids.items()}
     assert accepted(eng) > 0

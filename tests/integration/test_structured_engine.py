@@ -102,7 +102,7 @@ def test_a_resumed_stream_goes_on_under_its_constraint(tiny_llama_gguf):
     for a, b in zip(whole.outputs, run.outputs):
         assert a.outputs[0].token_ids[5:] == b.outputs[0].token_ids  # seeded or greedy: the same continuation
     with pytest.raises(Exception, match="do not match"):
-        eng.add_request(eng.request(reqs[0].prompt, reqs[0].params, resumed_token_ids=eng.tokenizer.encode(
+        eng.core.add_request(eng.request(reqs[0].prompt, reqs[0].params, resumed_token_ids=eng.tokenizer.encode(
             "not json", add_special_tokens=False)))
 
 

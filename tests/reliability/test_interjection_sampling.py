@@ -37,23 +37,24 @@ def test_an_interjected_sampled_request_and_the_steps_after_it(tiny_llama_gguf):
     hot = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)
     with torch_threads(1):
         eng = make_engine(tiny_llama_gguf, dtype="float32", num_gpu_blocks_override=128, max_num_seqs=16)
-        ids = [eng.add_request(eng.request([rng.randrange(100, 40_000) for _ in range(n)], greedy, priority="batch"))
+        ids = [eng.core.add_request(eng.request([rng.randrange(100, 40_000) for _ in range(n)], greedy,
+                                                priority="batch"))
                for n in (30, 18, 45)]
-        eng.step()
-        eng.step()  # the batch work decodes now
+        eng.core.step()
+        eng.core.step()  # the batch work decodes now
         flag = ctypes.c_int32(1)
         interjected = []
 
         def run_interjection():
             flag.value = 0
-            ids.append(eng.add_request(eng.request([rng.randrange(100, 40_000) for _ in range(26)], hot,
+            ids.append(eng.core.add_request(eng.request([rng.randrange(100, 40_000) for _ in range(26)], hot,
                                        priority="interactive")))
-            interjected.append(eng.interject())
+            interjected.append(eng.core.interject())
 
-        eng.interjection = Interjection(flag, run_interjection)
+        eng.core.interjection = Interjection(flag, run_interjection)
         finals = {}
-        while eng.has_unfinished_requests():
-            for ro in eng.step():
+        while eng.core.has_unfinished_requests():
+            for ro in eng.core.step():
                 if ro.finished:
                     finals[ro.request_id] = ro
     assert interjected and interjected[0], "no interjection ran"

@@ -61,11 +61,11 @@ def engine(**kwargs):
 
 
 def serve_output(eng, prompt: list[int], salt: str | None = None):
-    eng.add_request(eng.request(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2),
+    eng.core.add_request(eng.request(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2),
                                 cache_salt=salt))
     out = None
-    while eng.has_unfinished_requests():
-        for ro in eng.step():
+    while eng.core.has_unfinished_requests():
+        for ro in eng.core.step():
             if ro.finished:
                 out = ro
     return out
@@ -209,9 +209,9 @@ ps = [[rng.randrange(1000, 40000) for _ in range({tokens})] for _ in range({n})]
 print("ready", flush=True)
 while True:
     for p in ps:
-        eng.add_request(eng.request(p, SamplingParams(temperature=0, max_tokens=1)))
-        while eng.has_unfinished_requests():
-            eng.step()
+        eng.core.add_request(eng.request(p, SamplingParams(temperature=0, max_tokens=1)))
+        while eng.core.has_unfinished_requests():
+            eng.core.step()
 """
 
 

@@ -99,7 +99,7 @@ def test_the_simulator_and_the_engine_make_the_same_schedule(tiny_llama_gguf):
     engine = LLMEngine(replace(config, scheduler=sched), clock=clock)
     # swapping on both sides (the engine's host pool, from its swap_space)
     sim = Simulator(_step_cost, num_blocks, block_size, sched, enable_prefix_caching=False,
-                    num_host_blocks=engine.kv.num_host_blocks)
+                    num_host_blocks=engine.core.kv.num_host_blocks)
     sim_steps: list[list[tuple[str, int, bool]]] = []
     sim_execute = sim.executor.execute
 
@@ -110,7 +110,7 @@ def test_the_simulator_and_the_engine_make_the_same_schedule(tiny_llama_gguf):
     sim.executor.execute = record_sim
     result = sim.run(Workload("mixed", arrivals))
     assert sum(t.completed for t in result.tiers.values()) == len(arrivals) and result.preemptions > 0
-    assert engine.kv.num_host_blocks > 0
+    assert engine.core.kv.num_host_blocks > 0
 
     engine_steps: list[list[tuple[str, int, bool]]] = []
     run_model = engine.runner.execute
@@ -123,16 +123,16 @@ def test_the_simulator_and_the_engine_make_the_same_schedule(tiny_llama_gguf):
 
     engine.runner.execute = clocked
     pending = list(enumerate(arrivals))
-    while pending or engine.has_unfinished_requests():
+    while pending or engine.core.has_unfinished_requests():
         while pending and pending[0][1].time <= clock.now:
             i, a = pending.pop(0)
             params = SamplingParams(max_tokens=a.output_tokens, ignore_eos=True, temperature=0)
-            engine.add_request(EngineRequest(f"sim-{i}", range(100, 100 + a.prompt_tokens), params, a.priority,
+            engine.core.add_request(EngineRequest(f"sim-{i}", range(100, 100 + a.prompt_tokens), params, a.priority,
                                              a.tenant, cache_salt=a.tenant, arrival=a.time))
-        if not engine.has_unfinished_requests():
+        if not engine.core.has_unfinished_requests():
             clock.now = pending[0][1].time
             continue
-        engine.step()
+        engine.core.step()
     assert engine_steps == sim_steps
 
 
@@ -169,3 +169,47 @@ def test_a_request_is_one_frozen_validated_value():
     while core.has_unfinished_requests():
         finished = core.step()
     assert [len(o.outputs[0].token_ids) for o in finished] == [61]
+
+
+class VerifyingExecutor(ScriptedExecutor):
+    """Verifies drafts against the script: a draft's leading tokens the script has are accepted, then the script's
+    next token is sampled after them."""
+
+    def execute(self, out, interjection=None) -> RunnerOutput:
+        self.batches.append([(s.seq.request_id, s.num_new_tokens) for s in out.scheduled])
+        sampled = {}
+        for s in out.scheduled:
+            if s.sample:
+                script, at = self.scripts[s.seq.request_id], s.seq.num_output_tokens
+                n = 0
+                while n < len(s.draft_token_ids) and s.draft_token_ids[n] == script[at + n]:
+                    n += 1
+                sampled[s.seq.seq_id] = script[at:at + n + 1]
+        return RunnerOutput(sampled)
+
+
+def test_a_verified_drafts_tokens_are_appended_once_each_and_a_stop_inside_it_drops_the_rest(monkeypatch):
+    """Scheduler.update_from_output appends each token of a verified draft once, the stop check between them: the
+    stop token inside the draft ends the sequence there, its slots are freed, nothing is taken back."""
+    from kvserve.engine.request import Sequence
+
+    appended = []
+    append = Sequence.append_token
+    monkeypatch.setattr(Sequence, "append_token", lambda seq, token: (appended.append(token), append(seq, token)))
+    clock = SimClock()
+    pattern = [50, 51, 52, 53]
+    executor = VerifyingExecutor(clock, {"a": [50, 51, 52, 53, 50, 51, 52, 53]})
+    kv = KVCacheManager(32)
+    core = EngineCore(SchedulerConfig(speculative_decoding=True, speculative_controller=False,
+                                      num_speculative_tokens=4), kv, executor, max_model_len=2048, model_id="sim",
+                      clock=clock)
+    core.add_request(EngineRequest("a", pattern * 3, SamplingParams(max_tokens=8, stop_token_ids=[52], temperature=0)))
+    finals = []
+    while core.has_unfinished_requests():
+        finals += [ro for ro in core.step() if ro.finished]
+    assert executor.batches == [[("a", 12)], [("a", 5)]]  # the prompt, then a decode with 4 drafts
+    out = finals[0].outputs[0]
+    assert out.token_ids == [50, 51, 52] and out.finish_reason == "stop" and out.stop_reason == 52
+    assert appended == [50, 51, 52]  # each once, none past the stop
+    kv.check_integrity()
+    assert kv.usage().used_device_blocks == 0

@@ -110,7 +110,7 @@ def test_output_invariance(tiny, reference, condition):
     reqs, alone, ref_engine = reference
     kwargs = dict(CONDITIONS[condition])
     if "preemption" in condition:
-        total, largest = blocks_needed(reqs, ref_engine.kv)
+        total, largest = blocks_needed(reqs, ref_engine.core.kv)
         kwargs["num_gpu_blocks_override"] = max(largest + 1, total // 5)
     eng = engine(tiny, **kwargs)
     run = drive(eng, reqs)
@@ -202,7 +202,7 @@ def test_forks_under_preemption(tiny):
                                                             ignore_eos=True, logprobs=1)) for i in range(6)]
     ref_engine = engine(tiny)
     ref = drive(ref_engine, reqs)
-    total, largest = blocks_needed(reqs, ref_engine.kv)
+    total, largest = blocks_needed(reqs, ref_engine.core.kv)
     eng = engine(tiny, num_gpu_blocks_override=max(largest + 1, total // 3), preemption_mode="auto")
     run = drive(eng, reqs)
     assert run.preemptions > 0
@@ -239,7 +239,8 @@ def test_a_request_resumed_after_its_first_tokens_goes_on_as_it_would_have(tiny)
                     replay=lambda request, fork, prefix: base(request, fork, sent[request] + prefix))
     assert_no_leaks(eng)
     with pytest.raises(InvalidRequest, match="n = 1"):
-        eng.add_request(eng.request(reqs[0].prompt, SamplingParams(n=2, temperature=1.0), resumed_token_ids=sent[0]))
+        eng.core.add_request(eng.request(reqs[0].prompt, SamplingParams(n=2, temperature=1.0),
+                                         resumed_token_ids=sent[0]))
 
 
 # ---- aborts ------------------------------------------------------------------------------------------
@@ -259,22 +260,23 @@ def test_aborts_at_random_points_leak_nothing(tiny):
             prompt = head + rand_tokens(rng, rng.randrange(1, 60))
             params = SamplingParams(n=rng.choice([1, 1, 1, 2, 3]), temperature=rng.choice([0.0, 1.0]),
                                     seed=rng.randrange(1000), max_tokens=rng.randrange(1, 30), ignore_eos=True)
-            live.append(eng.add_request(eng.request(prompt, params, priority=rng.choice(["interactive", "batch"]))))
-        for ro in eng.step():
+            priority = rng.choice(["interactive", "batch"])
+            live.append(eng.core.add_request(eng.request(prompt, params, priority=priority)))
+        for ro in eng.core.step():
             if ro.finished:
                 live.remove(ro.request_id)
-        eng.kv.check_integrity()
-        swapped_steps += eng.scheduler.stats().swapped > 0
+        eng.core.kv.check_integrity()
+        swapped_steps += eng.core.scheduler.stats().swapped > 0
         for rid in rng.sample(live, k=min(len(live), rng.randrange(0, 3))):
-            out = eng.abort_request(rid)
+            out = eng.core.abort_request(rid)
             assert out is not None and out.finished
             assert all(o.finish_reason is not None for o in out.outputs)
             live.remove(rid)
             aborted += 1
     assert aborted > 20 and swapped_steps > 0  # some aborts found sequences swapped out
     for rid in live:
-        eng.abort_request(rid)
-    assert eng.abort_request("no-such-request") is None
+        eng.core.abort_request(rid)
+    assert eng.core.abort_request("no-such-request") is None
     assert_no_leaks(eng)
     req = Req(rand_tokens(rng, 30), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2))
     compare_outputs(drive(engine(tiny), [req]), drive(eng, [req]), "after the aborts", requests=[req])
@@ -290,7 +292,7 @@ def test_async_cancel_frees_blocks(tiny):
     try:
         assert llm.wait_ready(60)
         eng = llm.engine
-        baseline = eng.kv.usage().used_device_blocks
+        baseline = eng.core.kv.usage().used_device_blocks
         long_params = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0)
 
         async def consume(started: asyncio.Event):
@@ -316,10 +318,10 @@ def test_async_cancel_frees_blocks(tiny):
         last = asyncio.run(main())
         assert last.finished and len(last.outputs[0].token_ids) == 5
         for _ in range(500):  # the abort is applied between steps of the engine thread
-            if not eng.has_unfinished_requests() and llm.num_inflight == 0:
+            if not eng.core.has_unfinished_requests() and llm.num_inflight == 0:
                 break
             time.sleep(0.01)
-        assert eng.kv.usage().used_device_blocks == baseline
+        assert eng.core.kv.usage().used_device_blocks == baseline
         assert_no_leaks(eng)
     finally:
         llm.stop()
@@ -332,15 +334,15 @@ def test_admission_errors(tiny):
 
     eng = engine(tiny, interactive=TierLimits(max_waiting=2))
     rng = random.Random(9)
-    ids = [eng.add_request(eng.request(rand_tokens(rng, 10), SamplingParams(max_tokens=4))) for _ in range(2)]
+    ids = [eng.core.add_request(eng.request(rand_tokens(rng, 10), SamplingParams(max_tokens=4))) for _ in range(2)]
     with pytest.raises(CapacityExhausted):
-        eng.add_request(eng.request(rand_tokens(rng, 10), SamplingParams(max_tokens=4)))
+        eng.core.add_request(eng.request(rand_tokens(rng, 10), SamplingParams(max_tokens=4)))
     with pytest.raises(ContextLengthExceeded):
-        eng.add_request(eng.request(rand_tokens(rng, eng.max_model_len), SamplingParams(max_tokens=4)))
+        eng.core.add_request(eng.request(rand_tokens(rng, eng.max_model_len), SamplingParams(max_tokens=4)))
     with pytest.raises(ContextLengthExceeded):
-        eng.add_request(eng.request(rand_tokens(rng, 10), SamplingParams(max_tokens=eng.max_model_len)))
+        eng.core.add_request(eng.request(rand_tokens(rng, 10), SamplingParams(max_tokens=eng.max_model_len)))
     for rid in ids:
-        eng.abort_request(rid)
+        eng.core.abort_request(rid)
     assert_no_leaks(eng)
 
 
@@ -420,24 +422,24 @@ def test_an_interjected_interactive_request_changes_no_output(tiny, path):
                 if ro.finished:
                     finals[ro.request_id] = ro
 
-        ids = [eng.add_request(eng.request(r.prompt, r.params, priority=r.priority)) for r in flood]
-        collect(eng.step())
-        collect(eng.step())  # the flood decodes now
+        ids = [eng.core.add_request(eng.request(r.prompt, r.params, priority=r.priority)) for r in flood]
+        collect(eng.core.step())
+        collect(eng.core.step())  # the flood decodes now
         if interject:
             flag = ctypes.c_int32(1)
 
             def run_interjection():
                 flag.value = 0
-                ids.append(eng.add_request(eng.request(chat.prompt, chat.params, priority=chat.priority)))
-                outputs = eng.interject()
+                ids.append(eng.core.add_request(eng.request(chat.prompt, chat.params, priority=chat.priority)))
+                outputs = eng.core.interject()
                 seen.append([(ro.request_id, list(ro.outputs[0].token_ids)) for ro in outputs])
                 collect(outputs)
 
-            eng.interjection = Interjection(flag, run_interjection)
+            eng.core.interjection = Interjection(flag, run_interjection)
         else:
-            ids.append(eng.add_request(eng.request(chat.prompt, chat.params, priority=chat.priority)))
-        while eng.has_unfinished_requests():
-            collect(eng.step())
+            ids.append(eng.core.add_request(eng.request(chat.prompt, chat.params, priority=chat.priority)))
+        while eng.core.has_unfinished_requests():
+            collect(eng.core.step())
         for rid in ids:
             assert streamed[rid] == finals[rid].outputs[0].token_ids, "deltas must add up to the final"
         assert_no_leaks(eng)
@@ -474,7 +476,7 @@ def test_an_interjection_applies_interactive_adds_only_and_holds_the_rest():
             self.calls.append(("abort", request_id))
 
     llm = AsyncLLM(EngineConfig(model="none"), model_id="fake")
-    llm.engine = Recorder()
+    llm.core = Recorder()
 
     def add(request_id, priority):
         cmd = _Add(EngineRequest(request_id, [1], priority=priority), None, Future())
@@ -487,10 +489,10 @@ def test_an_interjection_applies_interactive_adds_only_and_holds_the_rest():
     add("chat-2", "interactive")
     llm._interject_flag.value = 1
     llm._apply_commands(interactive_adds_only=True)
-    assert llm.engine.calls == [("add", "chat-1"), ("add", "chat-2")] and chat.done.result() == "chat-1"
+    assert llm.core.calls == [("add", "chat-1"), ("add", "chat-2")] and chat.done.result() == "chat-1"
     assert llm.is_stalled(timeout=-1.0), "held commands are pending work"
     llm._apply_commands()
-    assert llm.engine.calls[2:] == [("add", "batch-1"), ("abort", "old")]
+    assert llm.core.calls[2:] == [("add", "batch-1"), ("abort", "old")]
     assert llm._interject_flag.value == 0 and not llm._held
 
 
@@ -503,18 +505,19 @@ def test_engine_time_split_over_requests_adds_up_to_the_busy_time(tiny):
     rng = random.Random(5)
     eng = engine(tiny, max_num_batched_tokens=64, num_gpu_blocks_override=48, swap_space="1MiB")
     params = dict(max_tokens=6, ignore_eos=True, temperature=0)
-    ids = [eng.add_request(eng.request(rand_tokens(rng, n), SamplingParams(**params))) for n in (200, 8, 40, 3)]
-    ids.append(eng.add_request(eng.request(rand_tokens(rng, 20), SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=5))))
-    victim = eng.add_request(eng.request(rand_tokens(rng, 30), SamplingParams(max_tokens=50, ignore_eos=True)))
+    ids = [eng.core.add_request(eng.request(rand_tokens(rng, n), SamplingParams(**params))) for n in (200, 8, 40, 3)]
+    ids.append(eng.core.add_request(eng.request(rand_tokens(rng, 20),
+                                                SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=5))))
+    victim = eng.core.add_request(eng.request(rand_tokens(rng, 30), SamplingParams(max_tokens=50, ignore_eos=True)))
     busy, finals, steps = 0.0, {}, 0
-    while eng.has_unfinished_requests():
-        for ro in eng.step():
+    while eng.core.has_unfinished_requests():
+        for ro in eng.core.step():
             if ro.finished:
                 finals[ro.request_id] = ro
-        busy += eng.last_step.duration
+        busy += eng.core.last_step.duration
         steps += 1
         if steps == 4:
-            aborted = eng.abort_request(victim)
+            aborted = eng.core.abort_request(victim)
             finals[victim] = aborted
     charged = sum(ro.engine_seconds for ro in finals.values())
     assert set(finals) == set(ids) | {victim}

@@ -127,7 +127,7 @@ def test_the_pool_holds_about_twice_the_tokens(tiny_llama_gguf):
     c = int8.engine.model_config
     assert int8.engine.kv_bytes_per_token == 2 * c.num_layers * c.num_kv_heads * (c.head_dim + 2 * -(-c.head_dim // 16))
     assert bf16.engine.kv_bytes_per_token == 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2
-    ratio = int8.engine.kv.num_device_blocks / bf16.engine.kv.num_device_blocks
+    ratio = int8.engine.core.kv.num_device_blocks / bf16.engine.core.kv.num_device_blocks
     assert ratio == pytest.approx(2 * c.head_dim / kv_quant.row_width(c.head_dim, True), rel=0.02)
     key_cache = int8.engine.runner.kv_caches[0][0]
     assert key_cache.dtype == torch.uint8 and key_cache.shape[-1] == kv_quant.row_width(c.head_dim, True)

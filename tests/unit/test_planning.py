@@ -445,10 +445,10 @@ def test_calibration_profiles_the_real_engine_and_plans_with_it(tmp_path, tiny_l
     assert prior is not None and prior.weight_dtype == "fp32" and calibrated_prior("another-model") is None
     config = engine_config_from_kwargs(str(tiny_llama_gguf), dtype="float32", num_gpu_blocks_override=512)
     engine = LLMEngine(config, model_id="tiny", step_time_prior=prior)
-    assert engine.scheduler.step_time.predict(16) == prior.model().predict(16) != StepTimeModel().predict(16)
+    assert engine.core.scheduler.step_time.predict(16) == prior.model().predict(16) != StepTimeModel().predict(16)
     # measured at another dtype: the engine keeps the generic defaults
     engine = LLMEngine(config, model_id="tiny", step_time_prior=replace(prior, weight_dtype="bf16"))
-    assert engine.scheduler.step_time.predict(16) == StepTimeModel().predict(16)
+    assert engine.core.scheduler.step_time.predict(16) == StepTimeModel().predict(16)
 
 
 def test_speculation_drafts_long_where_steps_read_weights_and_short_where_they_compute():

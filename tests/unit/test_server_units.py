@@ -355,13 +355,19 @@ max_waiting = 5
 
 
 class _FakeEngine:
-    """Just enough of LLMEngine for AsyncLLM: a step that hangs once a request is added."""
+    """Just enough of LLMEngine for AsyncLLM: its core's step hangs once a request is added."""
 
     max_model_len = 128
     tokenizer = None
-    last_step = None
 
     def __init__(self, config):
+        self.core = _FakeCore()
+
+
+class _FakeCore:
+    last_step = None
+
+    def __init__(self):
         self.requests = {}
         self.release = threading.Event()
         self.kv = KVCacheManager(8)
@@ -412,13 +418,13 @@ def test_health_and_ready_in_process(tmp_path):
                 assert (await c.get("/metrics")).status_code == 200
                 r = await c.get("/v1/models")
                 assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-                handle.client.engine.requests.clear()
-                handle.client.engine.release.set()
+                handle.client.core.requests.clear()
+                handle.client.core.release.set()
                 state.draining = True
                 assert (await c.get("/ready")).status_code == 503
         finally:
             state.draining = True
-            handle.client.engine.release.set()
+            handle.client.core.release.set()
             await state.shutdown()
 
     asyncio.run(scenario())

@@ -14,8 +14,7 @@ from typing import Callable
 import torch
 
 from kvserve.config import EngineConfig, TierLimits, engine_config_from_kwargs
-from kvserve.engine.core import EngineCore, Executor, StepStats  # noqa: F401  (StepStats: the step's figures)
-from kvserve.engine.interjection import Interjection
+from kvserve.engine.core import EngineCore, Executor
 from kvserve.engine.kv.manager import KVCacheManager
 from kvserve.engine.kv.disk import DiskKVStore, kv_namespace, model_digest
 from kvserve.engine.kv.host import HostKVStore
@@ -25,7 +24,7 @@ from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.request import EngineRequest, Priority
 from kvserve.engine.worker.runner import ModelRunner
 from kvserve.engine.sampling import SamplingParams
-from kvserve.engine.step_time import StepTimePrior
+from kvserve.engine.step_time import StepTimeModel, StepTimePrior
 from kvserve.kernels import kv_quant
 from kvserve.models import backend
 from kvserve.models.catalog import resolve_model
@@ -39,7 +38,8 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    """One model's engine: requests in, RequestOutputs out, one EngineCore step at a time.
+    """One model's engine, assembled: the loaded model, its hardware plan, the runner, the KV tiers and the
+    EngineCore over them (`core`: the step loop callers drive, engine/core.py).
 
     By default it loads `config.model`, plans its hardware once (models/backend.plan) and runs it with a
     ModelRunner. A caller may instead give the `executor` (anything with `execute(SchedulerOutput,
@@ -50,7 +50,32 @@ class LLMEngine:
                  info: ModelInfo | None = None, clock: Callable[[], float] = time.monotonic,
                  step_time_prior: StepTimePrior | None = None):
         t0 = time.perf_counter()
+        checkpoint, path = self._load_and_plan(config, model_id, executor, info)
+        num_blocks, num_host_blocks = self._size_kv()
+        self.runner = executor or self._build_runner(checkpoint, num_blocks, num_host_blocks)
+        del checkpoint
+        tier = self._open_tiers(path)
+        prior = step_time_prior.model() if step_time_prior is not None and step_time_prior.fits(self.dtype) else None
+        self.core = self._build_core(num_blocks, num_host_blocks, tier, clock, prior)
+        self._request_ids = itertools.count()
+        self.load_seconds = time.perf_counter() - t0
+        built = getattr(getattr(self.runner, "model", None), "backend", None)
+        # The numerics in force: the plan's, unless the built model fell back from the fused decoder.
+        self.numerics = self.plan.numerics if built is None or built.invariant else "fast"
+        cache_cfg = self.config.cache
+        log.info("loaded %s (%s, %s, path %s, numerics %s) in %.1fs: %d KV blocks of %d tokens and %d layers in %d "
+                 "KV groups (%s, %d bytes a token), %d host blocks%s", self.model_id, self.dtype, self.device,
+                 built.name if built else "injected executor", self.numerics, self.load_seconds, num_blocks,
+                 cache_cfg.block_size, self.kv_layout.group_size, self.kv_layout.num_groups,
+                 "int8" if self.kv_int8 else str(self.dtype).removeprefix("torch."), self.kv_bytes_per_token,
+                 num_host_blocks, "; step-time prior from this machine's calibration" if prior else "")
+
+    def _load_and_plan(self, config: EngineConfig, model_id: str | None, executor: Executor | None,
+                       info: ModelInfo | None):
+        """The hardware plan and the model's info: from the checkpoint's header and weights (returned, with its
+        path, for the runner to consume), or for an injected executor from `info` (None, None)."""
         cache_cfg = config.cache
+        checkpoint = path = None
         if executor is None:
             resolved_id, path = resolve_model(config.model)
             header_config, tensor_names = checkpoint_header(path)
@@ -64,7 +89,7 @@ class LLMEngine:
         else:
             if info is None or not cache_cfg.num_gpu_blocks_override:
                 raise ValueError("an injected executor needs the model's info and config.cache.num_gpu_blocks_override")
-            resolved_id, path = config.model, None
+            resolved_id = config.model
             cpu = torch.device("cpu")
             self.plan = backend.Plan(device=cpu, dtype=backend.resolve_dtype(config.dtype, cpu), path="injected",
                                      quantized_weights=False, onednn_weights=False,
@@ -77,9 +102,13 @@ class LLMEngine:
         self.model_config, self.tokenizer = info.config.with_attention_window(config.sinks_window), info.tokenizer
         sched_cfg = replace(config.scheduler, max_model_len=min(config.scheduler.max_model_len,
                                                                 self.model_config.max_position_embeddings))
-        self.config = config = replace(config, scheduler=sched_cfg)
+        self.config = replace(config, scheduler=sched_cfg)
         self.max_model_len = sched_cfg.max_model_len
+        return checkpoint, path
 
+    def _size_kv(self) -> tuple[int, int]:
+        """The KV layout and page size, and how many device and host blocks the plan's memory holds."""
+        cache_cfg = self.config.cache
         elem = kv_quant.bytes_per_element(self.model_config.head_dim, self.dtype, self.kv_int8)
         self.kv_bytes_per_token = round(self.model_config.kv_bytes_per_token_per_element * elem)
         self.kv_layout = KVLayout.for_model(self.model_config, split=cache_cfg.kv_groups)
@@ -95,59 +124,55 @@ class LLMEngine:
             cap = (2 ** 31 - 1) // (cache_cfg.block_size * self.model_config.num_kv_heads * row)
             if num_blocks > cap:
                 log.info("%s: KV pool capped at %d blocks (of %d that fit): a cache tensor over 2^31 elements is slow "
-                         "to index on CUDA", model_id or resolved_id, cap, num_blocks)
+                         "to index on CUDA", self.model_id, cap, num_blocks)
                 num_blocks = cap
-        num_host_blocks = cache_cfg.swap_space // block_bytes
-        if executor is None:
-            torch.manual_seed(config.seed)
-            forms = checkpoint.forms
-            model = build_model(checkpoint, self.plan, max_positions=self.max_model_len, consume=True,
-                                attention_window=config.sinks_window)
-            del checkpoint
-            log.info("%s weights: %s, %.2f GB held (%s)", self.model_id, self.weights,
-                     model.weight_bytes() / 1e9, describe_forms(forms))
-            executor = ModelRunner(model, self.model_config, num_blocks, num_host_blocks, cache_cfg.block_size,
-                                   self.dtype, self.device, kv_int8=self.kv_int8,
-                                   eos_token_ids=self.tokenizer.eos_token_ids, layout=self.kv_layout)
-        self.runner = executor
+        return num_blocks, cache_cfg.swap_space // block_bytes
+
+    def _build_runner(self, checkpoint, num_blocks: int, num_host_blocks: int) -> ModelRunner:
+        """The model built to the plan from the checkpoint (which it consumes), in a ModelRunner with its KV pool."""
+        config = self.config
+        torch.manual_seed(config.seed)
+        forms = checkpoint.forms
+        model = build_model(checkpoint, self.plan, max_positions=self.max_model_len, consume=True,
+                            attention_window=config.sinks_window)
+        log.info("%s weights: %s, %.2f GB held (%s)", self.model_id, self.weights,
+                 model.weight_bytes() / 1e9, describe_forms(forms))
+        return ModelRunner(model, self.model_config, num_blocks, num_host_blocks, config.cache.block_size,
+                           self.dtype, self.device, kv_int8=self.kv_int8,
+                           eos_token_ids=self.tokenizer.eos_token_ids, layout=self.kv_layout)
+
+    def _open_tiers(self, model_path) -> HostKVStore | DiskKVStore | None:
+        """The KV pool's lower tiers (host memory over disk), where prefix caching and the settings ask for them;
+        returns the top one, which the runner reads and writes."""
+        cache_cfg = self.config.cache
         self.kv_disk = self.kv_host = None
-        if cache_cfg.kv_disk_dir is not None and cache_cfg.enable_prefix_caching and path is not None:
-            self.kv_disk = self._open_kv_disk(cache_cfg, path)
+        if cache_cfg.kv_disk_dir is not None and cache_cfg.enable_prefix_caching and model_path is not None:
+            self.kv_disk = self._open_kv_disk(cache_cfg, model_path)
         if cache_cfg.kv_host_bytes and cache_cfg.enable_prefix_caching:
             if self.device.type == "cpu":
                 log.warning("%s: kv_host_bytes on a CPU keeps copies of evicted blocks in the memory the pool "
                             "could hold them in; a larger kv_cache_memory does the same without the copies",
                             self.model_id)
-            self.kv_host = HostKVStore(executor.page_bytes, cache_cfg.kv_host_bytes, below=self.kv_disk,
+            self.kv_host = HostKVStore(self.runner.page_bytes, cache_cfg.kv_host_bytes, below=self.kv_disk,
                                        write_through=cache_cfg.kv_disk_write_through)
         tier = self.kv_host or self.kv_disk
         if tier is not None:
-            executor.tier = tier
-        prior = step_time_prior.model() if step_time_prior is not None and step_time_prior.fits(self.dtype) else None
-        self.core = EngineCore(sched_cfg, KVCacheManager(num_blocks, num_host_blocks, cache_cfg.block_size,
-                                                         cache_cfg.enable_prefix_caching, self.kv_layout,
-                                                         tier=tier,
-                                                         shares=KVSharePolicy(cache_cfg.kv_tenant_weights,
-                                                                              cache_cfg.kv_pinned_blocks),
-                                                         write_through=cache_cfg.kv_disk_write_through
-                                                         and self.kv_disk is not None),
-                               executor, max_model_len=self.max_model_len, model_id=self.model_id,
-                               tokenizer=self.tokenizer, eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
-                               clock=clock, step_time=prior,
-                               grammars=GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
-                                                        config.structured_limits))
-        self.scheduler, self.kv, self.outputs = self.core.scheduler, self.core.kv, self.core.outputs
-        self._request_ids = itertools.count()
-        self.load_seconds = time.perf_counter() - t0
-        built = getattr(getattr(executor, "model", None), "backend", None)
-        # The numerics in force: the plan's, unless the built model fell back from the fused decoder.
-        self.numerics = self.plan.numerics if built is None or built.invariant else "fast"
-        log.info("loaded %s (%s, %s, path %s, numerics %s) in %.1fs: %d KV blocks of %d tokens and %d layers in %d "
-                 "KV groups (%s, %d bytes a token), %d host blocks%s", self.model_id, self.dtype, self.device,
-                 built.name if built else "injected executor", self.numerics, self.load_seconds, num_blocks,
-                 cache_cfg.block_size, self.kv_layout.group_size, self.kv_layout.num_groups,
-                 "int8" if self.kv_int8 else str(self.dtype).removeprefix("torch."), self.kv_bytes_per_token,
-                 num_host_blocks, "; step-time prior from this machine's calibration" if prior else "")
+            self.runner.tier = tier
+        return tier
+
+    def _build_core(self, num_blocks: int, num_host_blocks: int, tier, clock: Callable[[], float],
+                    prior: StepTimeModel | None) -> EngineCore:
+        """The EngineCore over the runner: its KV pool, the tokenizer's stops and the grammar compiler."""
+        cache_cfg = self.config.cache
+        kv = KVCacheManager(num_blocks, num_host_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching,
+                            self.kv_layout, tier=tier,
+                            shares=KVSharePolicy(cache_cfg.kv_tenant_weights, cache_cfg.kv_pinned_blocks),
+                            write_through=cache_cfg.kv_disk_write_through and self.kv_disk is not None)
+        return EngineCore(self.config.scheduler, kv, self.runner, max_model_len=self.max_model_len,
+                          model_id=self.model_id, tokenizer=self.tokenizer,
+                          eos_token_ids=frozenset(self.tokenizer.eos_token_ids), clock=clock, step_time=prior,
+                          grammars=GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                   self.config.structured_limits))
 
     def _open_kv_disk(self, cache_cfg, model_path) -> DiskKVStore:
         """The disk tier for this model file, dtype, block size and KV layout (another of any never hits)."""
@@ -190,40 +215,6 @@ class LLMEngine:
         ids = self.encode_prompt(prompt, messages)
         return EngineRequest(request_id or f"req-{next(self._request_ids)}", ids, params or SamplingParams(),
                              Priority.parse(priority), prompt=prompt if isinstance(prompt, str) else None, **fields)
-
-    def add_request(self, request: EngineRequest) -> str:
-        """Queue a request. Raises ContextLengthExceeded / CapacityExhausted at once when refused."""
-        return self.core.add_request(request)
-
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its blocks; returns its final output (finish_reason 'abort')."""
-        return self.core.abort_request(request_id)
-
-    def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
-
-    @property
-    def num_unfinished_requests(self) -> int:
-        return self.core.num_unfinished_requests
-
-    # ---- steps (EngineCore's) ----------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        return self.core.step()
-
-    def interject(self) -> list[RequestOutput] | None:
-        return self.core.interject()
-
-    @property
-    def interjection(self) -> Interjection | None:
-        return self.core.interjection
-
-    @interjection.setter
-    def interjection(self, value: Interjection | None) -> None:
-        self.core.interjection = value
-
-    @property
-    def last_step(self) -> StepStats | None:
-        return self.core.last_step
 
     @staticmethod
     def reset_deltas(outputs: list[RequestOutput]) -> None:
@@ -268,8 +259,8 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(inputs)
         if len(sampling_params) != len(inputs):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
-        engine = self.engine
-        ids = [engine.add_request(engine.request(params=sp, priority=priority, **inp))
+        engine, core = self.engine, self.engine.core
+        ids = [core.add_request(engine.request(params=sp, priority=priority, **inp))
                for inp, sp in zip(inputs, sampling_params)]
         results: dict[str, RequestOutput] = {}
         bar = None
@@ -277,8 +268,8 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(ids), desc="generate", unit="req")
-        while engine.has_unfinished_requests():
-            for ro in engine.step():
+        while core.has_unfinished_requests():
+            for ro in core.step():
                 if ro.finished:
                     results[ro.request_id] = ro
                     if bar:
