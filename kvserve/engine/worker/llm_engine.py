@@ -52,7 +52,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         checkpoint, path = self._load_and_plan(config, model_id, executor, info)
         num_blocks, num_host_blocks = self._size_kv()
-        self.runner = executor or self._build_runner(checkpoint, num_blocks, num_host_blocks)
+        self.runner = self._build_runner(checkpoint, num_blocks, num_host_blocks) if executor is None else executor
         del checkpoint
         tier = self._open_tiers(path)
         prior = step_time_prior.model() if step_time_prior is not None and step_time_prior.fits(self.dtype) else None
