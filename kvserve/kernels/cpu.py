@@ -1,6 +1,7 @@
 """Build, cache and call the CPU kernels through ctypes: `paged_attention_cpu.cpp` (paged decode
 attention, KV writes, and the fused RMSNorm, rotary and gated activations of a decoder layer) and
-`decoder_cpu.cpp` (a whole step's decoder stack, on AMX tiles or vector units), sharing `cpu_common.h`.
+`decoder_cpu.cpp` (the entry points of the packed GEMM and of a whole step's decoder stack, on AMX tiles or
+vector units; its kernels live in the headers beside it, by concern), sharing `cpu_common.h`.
 
 The sources are compiled once per machine with the system g++ (-O3 -march=native -fopenmp) into one
 library in `$KVSERVE_KERNEL_CACHE` (default ~/.cache/kvserve/kernels), keyed by a hash of the sources, the
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "paged_attention_cpu.cpp", _HERE / "decoder_cpu.cpp"]  # compiled into one library
-HEADERS = [_HERE / "cpu_common.h"]
+HEADERS = sorted(_HERE.glob("*.h"))  # every header the sources may include: an edit to any rebuilds
 # Never -ffast-math: linking it adds crtfastmath, which turns on flush-to-zero for the whole process.
 # The instruction set comes from isa.compile_flags() (-march=native unless KVSERVE_CPU_ISA lowers it).
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
@@ -254,7 +255,7 @@ class NativeKernels:
 
     def pack_quant(self, values: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, bits: int) -> torch.Tensor:
         """A quantized [N, K] weight, w = scale * q + minimum per (row, 32 columns), in the kernels' layout
-        (decoder_cpu.cpp, QWeight), flat uint8. values: int8 [N, K] (bits 8) or uint8 [N, K / 2] of two
+        (gemm_quant_layout.h, QWeight), flat uint8. values: int8 [N, K] (bits 8) or uint8 [N, K / 2] of two
         0..15 values a byte, element 2j in the low nibble (bits 4); scales and minimums float16 [N, K / 32]."""
         n = scales.shape[0]
         k = scales.shape[1] * 32
@@ -285,7 +286,7 @@ class NativeKernels:
                      out_dtype: torch.dtype = torch.bfloat16, invariant: bool = False) -> torch.Tensor:
         """x [T, K] bf16 times a weight [n, K] packed by pack_quant (bits 4, 8) or pack_weight (bits 0) ->
         [T, n] in bf16, or in float32 holding the same bf16-rounded values (the LM head's logits). `invariant`:
-        each row's values are the same bits whatever T (the batch-invariant numerics, decoder_cpu.cpp's gemm)."""
+        each row's values are the same bits whatever T (the batch-invariant numerics, gemm.h's gemm)."""
         if not self.fused:
             raise RuntimeError("the packed GEMM needs AMX or AVX2")
         x = x.contiguous()
@@ -340,7 +341,7 @@ class NativeKernels:
 
 
 class LayerParams(ctypes.Structure):
-    """decoder_cpu.cpp's LayerParams: one layer's packed weights, norms, cache and rotary tables, by address."""
+    """decoder_step.h's LayerParams: one layer's packed weights, norms, cache and rotary tables, by address."""
 
     _fields_ = ([(name, _PTR) for name in ("attn_in_norm", "attn_out_norm", "mlp_in_norm", "mlp_out_norm", "q_norm",
                                            "k_norm")]
@@ -352,7 +353,7 @@ class LayerParams(ctypes.Structure):
 
 
 class ModelParams(ctypes.Structure):
-    """decoder_cpu.cpp's ModelParams."""
+    """decoder_step.h's ModelParams."""
 
     _fields_ = [(name, _I64) for name in ("num_layers", "hidden", "q_heads", "kv_heads", "head_dim", "intermediate",
                                           "num_blocks", "block_size", "act")] + [

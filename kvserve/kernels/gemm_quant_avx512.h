@@ -1,0 +1,316 @@
+// The quantized GEMM with AVX-512 BF16 (AMX builds too): decode-sized steps multiply the stored values as read
+// (VDPBF16PS: W8A16, W4A16), longer ones widen each column pair into a bf16 panel for the bf16 GEMM of this CPU
+// (gemm_bf16.h). The layout: gemm_quant_layout.h.
+#pragma once
+#include "gemm_bf16.h"
+#include "gemm_quant_layout.h"
+
+namespace {
+
+#if defined(__AVX512BF16__)
+// Each row's sums over each 32-deep chunk of A (fp32), which the minimums multiply.
+struct QuantRows {
+  std::vector<float> sums;
+  void load(const bf16* a, int64_t m, int64_t k) {
+    const int64_t chunks = k / 32;
+    sums.resize(m * chunks);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t c = 0; c < chunks; ++c) {
+        float s = 0.0f;
+        for (int j = 0; j < 32; ++j) s += to_float(a[i * k + c * 32 + j]);
+        sums[i * chunks + c] = s;
+      }
+  }
+};
+
+constexpr int kQuantRows = 4;  // rows a direct pass holds: kQuantChains partial sums and a total each
+constexpr int64_t kQuantDirectRows = 8;  // up to this many rows, multiply as read; above, widen to a panel
+
+// Tile row (16 columns x a k pair) of int8 values as bf16 (exact: |q| <= 128).
+inline __m512bh q8_row(const uint8_t* q) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+  return (__m512bh)_mm512_cvtne2ps_pbh(hi, lo);
+}
+// Tile rows p (low nibbles) and p + 8 (high) of int4 values as the bf16 of 128 + q: 0x4300 | q, no
+// conversion (the 128 is taken off with the chunk's sum of A).
+inline void q4_rows(const uint8_t* q, __m512bh& lo, __m512bh& hi) {
+  const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+  const __m512i bias = _mm512_set1_epi16(0x4300);
+  lo = (__m512bh)_mm512_ternarylogic_epi32(bytes, _mm512_set1_epi16(0x0F), bias, 0xEA);  // (a & b) | c
+  hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(bytes, 4), bias);
+}
+
+// c [R, 16] = R rows of A (bf16, stride lda) times one quantized column block. Each row sums a chunk in
+// kQuantChains interleaved accumulators (VDPBF16PS's latency is several of its issue slots: one chain a row
+// waited on it), the same for every R, so a row's result does not depend on how many rows ride with it.
+constexpr int kQuantChains = 4;  // the sum below adds four
+// Chunks ahead that a pass asks for: a block's chunks are one short stream (20 KiB for k = 2048 at 4 bits),
+// which the hardware prefetcher has barely picked up before it ends (steps of a few rows gain; one row does not).
+constexpr int64_t kQuantPrefetchChunks = 8;
+template <int R, int Bits>
+void quant_block(const bf16* a, int64_t lda, const float* sums, int64_t chunks, const uint8_t* b, float* c) {
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  const int64_t cb = quant_chunk_bytes(Bits);
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const uint8_t* t = b + ch * cb;
+    for (int64_t l = 0; l < cb; l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(t + kQuantPrefetchChunks * cb + l), _MM_HINT_T0);
+    const uint32_t* ar = reinterpret_cast<const uint32_t*>(a + ch * 32);
+    __m512 part[kQuantChains][R];
+    for (int j = 0; j < kQuantChains; ++j)
+      for (int i = 0; i < R; ++i) part[j][i] = _mm512_setzero_ps();
+    auto dot = [&](int chain, int pair, __m512bh w) {
+      for (int i = 0; i < R; ++i)
+        part[chain][i] = _mm512_dpbf16_ps(part[chain][i],
+                                          (__m512bh)_mm512_set1_epi32(static_cast<int>(ar[i * lda / 2 + pair])), w);
+    };
+    if constexpr (Bits == 8) {
+      for (int rr = 0; rr < 16; rr += 4) {  // the chain of each product is known when compiled
+        dot(0, rr, q8_row(t + rr * 32));
+        dot(1, rr + 1, q8_row(t + (rr + 1) * 32));
+        dot(2, rr + 2, q8_row(t + (rr + 2) * 32));
+        dot(3, rr + 3, q8_row(t + (rr + 3) * 32));
+      }
+    } else {
+      for (int p = 0; p < 8; p += 2) {
+        __m512bh lo, hi;
+        q4_rows(t + p * 32, lo, hi);
+        dot(0, p, lo);
+        dot(1, p + 8, hi);
+        q4_rows(t + (p + 1) * 32, lo, hi);
+        dot(2, p + 1, lo);
+        dot(3, p + 9, hi);
+      }
+    }
+    __m512 s[R];
+    for (int i = 0; i < R; ++i)
+      s[i] = _mm512_add_ps(_mm512_add_ps(part[0][i], part[1][i]), _mm512_add_ps(part[2][i], part[3][i]));
+    const uint8_t* tail = t + quant_values_bytes(Bits);
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail)));
+    const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 32)));
+    for (int i = 0; i < R; ++i) {
+      const __m512 sx = _mm512_set1_ps(sums[i * chunks + ch]);
+      const __m512 dot = Bits == 4 ? _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), sx, s[i]) : s[i];
+      acc[i] = _mm512_fmadd_ps(scale, dot, _mm512_fmadd_ps(minimum, sx, acc[i]));
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(c + i * 16, acc[i]);
+}
+
+// A chunk's minimums as the widened weights add them: m for 8-bit values, m - 128 s for 4-bit ones, which are
+// multiplied as 128 + q (what widen_dot gets from q4_rows without a conversion; one rounding, in fp32).
+template <int Bits>
+inline __m512 widen_offset(__m512 s16, __m512 m16) {
+  return Bits == 4 ? _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s16, m16) : m16;
+}
+
+// One column block's weights as bf16 in the tile layout: w = s * q + m in fp32 (for 4-bit values
+// s * (128 + q) + (m - 128 s): widen_offset), rounded to nearest even.
+template <int Bits>
+void widen_block(const uint8_t* b, int64_t chunks, bf16* out) {
+  const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
+  const int64_t cb = quant_chunk_bytes(Bits);
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const uint8_t* t = b + ch * cb;
+    const uint8_t* tail = t + quant_values_bytes(Bits);
+    const __m512 s16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail)));
+    const __m512 m16 = widen_offset<Bits>(
+        s16, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 32))));
+    const __m512 s_lo = _mm512_permutexvar_ps(pairs_lo, s16), s_hi = _mm512_permutexvar_ps(pairs_hi, s16);
+    const __m512 m_lo = _mm512_permutexvar_ps(pairs_lo, m16), m_hi = _mm512_permutexvar_ps(pairs_hi, m16);
+    bf16* o = out + ch * 512;
+    auto emit = [&](__m512i q_lo, __m512i q_hi, bf16* dst) {  // one tile row: 32 values as int32 halves
+      const __m512 w_lo = _mm512_fmadd_ps(s_lo, _mm512_cvtepi32_ps(q_lo), m_lo);
+      const __m512 w_hi = _mm512_fmadd_ps(s_hi, _mm512_cvtepi32_ps(q_hi), m_hi);
+      _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+    };
+    if constexpr (Bits == 8) {
+      for (int rr = 0; rr < 16; ++rr) {
+        const __m128i* q = reinterpret_cast<const __m128i*>(t + rr * 32);
+        emit(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)), _mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)), o + rr * 32);
+      }
+    } else {
+      const __m512i nibble = _mm512_set1_epi32(0x0F), offset = _mm512_set1_epi32(128);
+      for (int p = 0; p < 8; ++p) {
+        const __m128i* q = reinterpret_cast<const __m128i*>(t + p * 32);
+        const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(q)), b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(q + 1));
+        emit(_mm512_add_epi32(_mm512_and_si512(b0, nibble), offset),
+             _mm512_add_epi32(_mm512_and_si512(b1, nibble), offset), o + p * 32);
+        emit(_mm512_add_epi32(_mm512_srli_epi32(b0, 4), offset), _mm512_add_epi32(_mm512_srli_epi32(b1, 4), offset),
+             o + (p + 8) * 32);
+      }
+    }
+  }
+}
+
+template <int R, int Bits>
+void quant_rows(int rows, const bf16* a, int64_t lda, const float* sums, int64_t chunks, const uint8_t* b, float* c) {
+  if constexpr (R > 1) {
+    if (rows < R) return quant_rows<R - 1, Bits>(rows, a, lda, sums, chunks, b, c);
+  }
+  quant_block<R, Bits>(a, lda, sums, chunks, b, c);
+}
+
+// The panel's arithmetic without the panel, for decode-sized steps under the batch-invariant numerics: each
+// tile row of NB column blocks' weights is widened to bf16 as widen_block writes it, in registers, and
+// multiplied at once, one chain per output in k order: the bits the vector micro kernel gives on the panel
+// (gemm_pair), which longer steps take. The chain is VDPBF16PS's latency a tile row, so a single row of 4-bit
+// weights takes four column blocks (four chains) to keep the units busy.
+// 4-bit rows come from q4_rows (bf16 of 128 + q, no conversion) and go to fp32 by interleaving with zeros,
+// which takes each 128-bit lane's pairs in another order: the scales, minimums and so the sums follow that
+// order of columns (kShuffled), which is put back at the end. c: NB blocks of [R, 16], kQuantDirectRows * 16
+// apart.
+template <int R, int NB, int Bits>
+void widen_dot(const bf16* a, int64_t lda, int64_t chunks, const uint8_t* b, int64_t block_bytes, float* c) {
+  // 8-bit: each fp32 lane's column in emit's order (the tile row's element pairs). 4-bit: the columns of the
+  // low and high interleaves' lanes, and the column each sum lane then holds.
+  const __m512i pairs_lo = Bits == 4 ? _mm512_set_epi32(13, 13, 12, 12, 9, 9, 8, 8, 5, 5, 4, 4, 1, 1, 0, 0)
+                                     : _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i pairs_hi = Bits == 4 ? _mm512_set_epi32(15, 15, 14, 14, 11, 11, 10, 10, 7, 7, 6, 6, 3, 3, 2, 2)
+                                     : _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
+  const __m512i kShuffled = _mm512_set_epi32(15, 14, 7, 6, 13, 12, 5, 4, 11, 10, 3, 2, 9, 8, 1, 0);
+  const int64_t cb = quant_chunk_bytes(Bits);
+  __m512 acc[NB][R];
+  for (int j = 0; j < NB; ++j)
+    for (int i = 0; i < R; ++i) acc[j][i] = _mm512_setzero_ps();
+  struct Factors { __m512 s_lo, s_hi, m_lo, m_hi; };
+  const auto factors = [&](const uint8_t* t) {
+    const uint8_t* tail = t + quant_values_bytes(Bits);
+    const __m512 s16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail)));
+    const __m512 m16 = widen_offset<Bits>(
+        s16, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 32))));
+    return Factors{_mm512_permutexvar_ps(pairs_lo, s16), _mm512_permutexvar_ps(pairs_hi, s16),
+                   _mm512_permutexvar_ps(pairs_lo, m16), _mm512_permutexvar_ps(pairs_hi, m16)};
+  };
+  // A tile row's 32 values (fp32 halves) as widen_block's emit rounds them: s * q + m in fp32, then bf16.
+  const auto emit = [](const Factors& f, __m512 q_lo, __m512 q_hi) {
+    return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(f.s_hi, q_hi, f.m_hi), _mm512_fmadd_ps(f.s_lo, q_lo, f.m_lo));
+  };
+  const auto weights = [&](const uint8_t* t, const Factors& f, int rr) {  // int8: tile row rr
+    const __m128i* q = reinterpret_cast<const __m128i*>(t + rr * 32);
+    return emit(f, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))),
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
+  };
+  const auto halves = [&](const Factors& f, __m512bh x) {  // int4: a q4_rows row, 128 + q in each bf16
+    const __m512i zero = _mm512_setzero_si512();
+    return emit(f, (__m512)_mm512_unpacklo_epi16(zero, (__m512i)x), (__m512)_mm512_unpackhi_epi16(zero, (__m512i)x));
+  };
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const uint8_t* t[NB];
+    Factors f[NB];
+    for (int j = 0; j < NB; ++j) {
+      t[j] = b + j * block_bytes + ch * cb;
+      for (int64_t l = 0; l < cb; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(t[j] + kQuantPrefetchChunks * cb + l), _MM_HINT_T0);
+      f[j] = factors(t[j]);
+    }
+    const uint32_t* ar = reinterpret_cast<const uint32_t*>(a + ch * 32);
+    const auto multiply = [&](int rr, const __m512bh* w) {
+      for (int i = 0; i < R; ++i) {
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(ar[i * lda / 2 + rr]));
+        for (int j = 0; j < NB; ++j) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], x, w[j]);
+      }
+    };
+    if constexpr (Bits == 8) {
+      for (int rr = 0; rr < 16; ++rr) {
+        __m512bh w[NB];
+        for (int j = 0; j < NB; ++j) w[j] = weights(t[j], f[j], rr);
+        multiply(rr, w);
+      }
+    } else {  // tile rows p and p + 8 share their bytes: read once, row p + 8 kept until its turn
+      __m512bh later[8][NB];
+      for (int p = 0; p < 8; ++p) {
+        __m512bh w[NB];
+        for (int j = 0; j < NB; ++j) {
+          __m512bh lo;
+          q4_rows(t[j] + p * 32, lo, later[p][j]);
+          w[j] = halves(f[j], lo);
+        }
+        multiply(p, w);
+      }
+      for (int p = 0; p < 8; ++p) {
+        __m512bh w[NB];
+        for (int j = 0; j < NB; ++j) w[j] = halves(f[j], later[p][j]);
+        multiply(p + 8, w);
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j)
+    for (int i = 0; i < R; ++i)
+      _mm512_storeu_ps(c + j * kQuantDirectRows * 16 + i * 16,
+                       Bits == 4 ? _mm512_permutexvar_ps(kShuffled, acc[j][i]) : acc[j][i]);
+}
+
+template <int R, int Bits>
+void widen_dot_rows(int rows, int blocks, const bf16* a, int64_t lda, int64_t chunks, const uint8_t* b,
+                    int64_t block_bytes, float* c) {
+  if constexpr (R > 1) {
+    if (rows < R) return widen_dot_rows<R - 1, Bits>(rows, blocks, a, lda, chunks, b, block_bytes, c);
+  }
+  switch (blocks) {
+    case 4: return widen_dot<R, 4, Bits>(a, lda, chunks, b, block_bytes, c);
+    case 3: return widen_dot<R, 3, Bits>(a, lda, chunks, b, block_bytes, c);
+    case 2: return widen_dot<R, 2, Bits>(a, lda, chunks, b, block_bytes, c);
+    default: return widen_dot<R, 1, Bits>(a, lda, chunks, b, block_bytes, c);
+  }
+}
+
+
+// Steps of up to kQuantDirectRows rows multiply the values as read (quant_block); longer ones widen each
+// column pair into a bf16 panel for the GEMM of this CPU. The two round differently (the panel rounds each
+// weight to bf16 first), so under the batch-invariant numerics every step gets the panel's bits: long ones
+// from the panel, short ones from widen_dot (the same products in registers) where the GEMM runs on vectors;
+// on AMX the tile products differ from vector ones, so there every step takes the panel.
+template <int Bits, typename Epilogue>
+void gemm_quant_bits(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int64_t nblocks, TileState& ts,
+                     Epilogue& epi) {
+  const int64_t chunks = k / 32, block_bytes = chunks * quant_chunk_bytes(Bits);
+  const int64_t pairs = (nblocks + 1) / 2;
+  if (ts.invariant && m <= kQuantDirectRows && !amx_ready()) {
+    // One row of 4-bit weights: four column blocks a task (widen_dot's chains); else a pair (8-bit weights are
+    // twice the bytes, and two streams of them keep a row busy).
+    const int64_t per_task = m == 1 && Bits == 4 ? 4 : 2, tasks = (nblocks + per_task - 1) / per_task;
+    alignas(64) float c[4][kQuantDirectRows * 16];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t nb0 = task * per_task;
+      const int blocks = static_cast<int>(std::min(per_task, nblocks - nb0));
+      widen_dot_rows<kQuantDirectRows, Bits>(static_cast<int>(m), blocks, a, k, chunks, w + nb0 * block_bytes,
+                                             block_bytes, c[0]);
+      for (int j = 0; j < blocks; j += 2) epi(0, nb0 + j, j + 1 < blocks, 0, static_cast<int>(m), c[j], c[j + 1]);
+    }
+    return;
+  }
+  if (m <= kQuantDirectRows && !ts.invariant) {
+    QuantRows rows;
+    rows.load(a, m, k);  // quant_block takes the minimums (and int4's offset) off A's chunk sums
+    alignas(64) float c[2][kQuantDirectRows * 16];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t pair = 0; pair < pairs; ++pair) {
+      const int64_t nb0 = 2 * pair;
+      const bool two = nb0 + 1 < nblocks;
+      for (int half = 0; half < (two ? 2 : 1); ++half)
+        for (int64_t r = 0; r < m; r += kQuantRows)
+          quant_rows<kQuantRows, Bits>(static_cast<int>(std::min<int64_t>(kQuantRows, m - r)), a + r * k, k,
+                                       rows.sums.data() + r * chunks, chunks, w + (nb0 + half) * block_bytes,
+                                       c[half] + r * 16);
+      epi(0, nb0, two, 0, static_cast<int>(m), c[0], c[1]);
+    }
+    return;
+  }
+  static thread_local std::vector<bf16> panel;
+  panel.resize(2 * chunks * 512);
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    const int64_t nb0 = 2 * pair;
+    const bool two = nb0 + 1 < nblocks;
+    widen_pair<Bits>(w, nb0, two, block_bytes, chunks, panel.data());
+    gemm_pair(a, m, k, panel.data(), two, nb0, ts, epi);
+  }
+}
+#endif  // __AVX512BF16__
+
+}  // namespace
