@@ -536,3 +536,19 @@ def test_write_through_writes_while_serving(tiny_llama_gguf, _weights, tmp_path)
     off = tiny_engine(tiny_llama_gguf, tmp_path / "off", kv_disk_flush_seconds=0)
     serve(off, prompt, max_tokens=3)
     assert off.kv_disk.flush(30) and off.kv_disk.stats().entries == 0
+
+
+def test_host_level_writes_through_to_the_disk_and_lists_its_pages_newest_first(tmp_path):
+    from kvserve.engine.kv.host import HostKVStore
+
+    keys = [key(i) for i in range(4)]
+    with DiskKVStore(tmp_path, NS, PAGE, byte_budget=100 * FILE) as disk:
+        plain, through = HostKVStore(PAGE, 8 * PAGE, below=disk), HostKVStore(PAGE, 8 * PAGE, below=disk,
+                                                                                write_through=True)
+        plain.put(keys[0], page(keys[0]))
+        for k in keys[1:]:
+            through.put(k, page(k))
+        through.get(keys[1])
+        assert disk.flush(5) and sorted(k for k in keys if disk.contains(k)) == sorted(keys[1:])
+        assert [k for k, _ in through.newest_pages()] == [keys[1], keys[3], keys[2]]
+        assert all(p == page(k) for k, p in through.newest_pages())
