@@ -20,7 +20,7 @@ run: $(STAMP)
 	$(VENV)/bin/kvserve serve
 
 test: $(STAMP)
-	$(PY) -m pytest -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -ra --durations=20 $(PYTEST_ARGS)
 
 # The reliability suite at full scale (about 25 minutes): figures and outcomes into RELIABILITY.md.
 RELIABILITY_OUT := reliability-results

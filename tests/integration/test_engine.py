@@ -162,6 +162,7 @@ def test_prefix_cache_hit_on_a_512_token_prefix(llm):
 
 # ---- aborts --------------------------------------------------------------------------------------
 
+@pytest.mark.isa_independent
 def test_cancelling_an_async_stream_frees_its_blocks(_weights):
     from kvserve.engine.async_engine import AsyncLLM
 
@@ -211,6 +212,7 @@ def test_cancelling_an_async_stream_frees_its_blocks(_weights):
         async_llm.stop()
 
 
+@pytest.mark.isa_independent
 def test_a_thousand_aborted_requests_leak_nothing(_weights, tiny_llama_gguf):
     rng = random.Random(12)
     shared = [rng.randrange(100, 40_000) for _ in range(64)]
@@ -362,6 +364,7 @@ def test_stops_lengths_logprobs_and_text(llm, tokenizer):
 
 # ---- admission -----------------------------------------------------------------------------------
 
+@pytest.mark.isa_independent
 def test_admission_errors(_weights):
     eng = make_engine(MODEL, dtype="float32", kv_cache_memory="16MiB", swap_space=0,
                       interactive=TierLimits(max_waiting=2))

@@ -150,6 +150,7 @@ def test_loading_the_library_keeps_denormals(native):
     assert tiny.item() != 0.0
 
 
+@pytest.mark.isa_independent
 @needs_compiler
 def test_build_is_cached_per_source_and_falls_back_when_disabled(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSERVE_KERNEL_CACHE", str(tmp_path))

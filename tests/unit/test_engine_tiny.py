@@ -245,6 +245,7 @@ def test_a_request_resumed_after_its_first_tokens_goes_on_as_it_would_have(tiny)
 
 # ---- aborts ------------------------------------------------------------------------------------------
 
+@pytest.mark.isa_independent
 def test_aborts_at_random_points_leak_nothing(tiny):
     """Requests of every kind aborted while waiting, running, swapped out or mid-prefill, under
     preemption pressure; the engine then still generates what a fresh one does."""
@@ -283,6 +284,7 @@ def test_aborts_at_random_points_leak_nothing(tiny):
     assert_no_leaks(eng)
 
 
+@pytest.mark.isa_independent
 def test_async_cancel_frees_blocks(tiny):
     from kvserve.engine.async_engine import AsyncLLM
 
@@ -329,6 +331,7 @@ def test_async_cancel_frees_blocks(tiny):
 
 # ---- admission ---------------------------------------------------------------------------------------
 
+@pytest.mark.isa_independent
 def test_admission_errors(tiny):
     from kvserve.engine.errors import CapacityExhausted, ContextLengthExceeded
 
@@ -348,6 +351,7 @@ def test_admission_errors(tiny):
 
 # ---- the comparison itself ---------------------------------------------------------------------------
 
+@pytest.mark.isa_independent
 def test_compare_outputs_allows_one_near_tie_only():
     from kvserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -451,6 +455,7 @@ def test_an_interjected_interactive_request_changes_no_output(tiny, path):
     compare_outputs(plain, interjected, "interjected", requests=flood + [chat])
 
 
+@pytest.mark.isa_independent
 def test_an_interjection_applies_interactive_adds_only_and_holds_the_rest():
     """AsyncLLM inside a suspended step: aborts (which would free blocks the step still writes) and batch
     requests wait, in their order, for the step's end."""
@@ -498,6 +503,7 @@ def test_an_interjection_applies_interactive_adds_only_and_holds_the_rest():
 
 # ---- engine time per request ------------------------------------------------------------------------
 
+@pytest.mark.isa_independent
 def test_engine_time_split_over_requests_adds_up_to_the_busy_time(tiny):
     """Each step's measured time is charged to its sequences by token share (OutputProcessor.charge): over a
     run with chunked prefills, forks, preemption and an abort, the requests' engine_seconds add up to the

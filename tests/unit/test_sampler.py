@@ -382,6 +382,7 @@ def test_penalties_match_naive_reference(subset):
     assert Sampler()(logits, md).tolist()[2] == int(ref[2].argmax())
 
 
+@pytest.mark.isa_independent
 def test_no_penalty_work_when_unused():
     md = md_for([SamplingParams(), SamplingParams(temperature=0)], outputs=[[1, 1], [2]])
     assert md.no_penalties and md.output_tokens is None and md.prompt_tokens is None
@@ -456,6 +457,7 @@ def test_no_logprobs_when_none_requested():
 # ----------------------------------------------------------------------------- metadata
 
 
+@pytest.mark.isa_independent
 def test_metadata_flags_and_validation():
     md = md_for([SamplingParams(temperature=0)] * 3)
     assert md.all_greedy and md.no_penalties and md.no_top_p_k and md.max_num_logprobs is None
@@ -473,6 +475,7 @@ def test_metadata_flags_and_validation():
         Sampler("multinomial")
 
 
+@pytest.mark.isa_independent
 def test_from_sequences():
     from kvserve.engine.request import Sequence
     seqs = [Sequence(0, "a", [1, 2], SamplingParams(temperature=0)),
@@ -486,6 +489,7 @@ def test_from_sequences():
 @pytest.mark.parametrize("field, value", [("top_k", 10**23), ("repetition_penalty", 1e-300),
                                           ("repetition_penalty", 1e9), ("temperature", float("nan")),
                                           ("top_p", float("inf")), ("stop_token_ids", [2**64])])
+@pytest.mark.isa_independent
 def test_sampling_params_refuse_what_broke_the_engine(field, value):
     """Out of these ranges the sampler's tensors overflowed or divided by zero and the engine failed for every
     request; the offline LLM and the server both refuse them here, at the parameters."""
