@@ -67,7 +67,7 @@ _NOT_INVARIANT = {
 
 
 def numerics_in_force(requested: str, path: str) -> str:
-    """"batch_invariant" where requested and the path gives it (the fused CPU decoder: decoder_cpu.cpp's gemm
+    """"batch_invariant" where requested and the path gives it (the fused CPU decoder: kernels/gemm.h's gemm
     with one summation order per element, every row attending as it would alone), else "fast", said once."""
     if requested != "batch_invariant" or path in ("cpu-fused", "injected"):
         return requested

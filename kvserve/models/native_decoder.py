@@ -50,7 +50,7 @@ PHASES = ("attention-in RMSNorm (+ residual add)", "QKV GEMM", "QK-norm, rotary,
 
 
 def _weight_fields(name: str, module, native: cpu_kernels.NativeKernels, keep: list) -> dict:
-    """A projection's QWeight fields (kernels/decoder_cpu.cpp): its quantized segments as packed at load
+    """A projection's QWeight fields (kernels/gemm_quant_layout.h): its quantized segments as packed at load
     (gate/up interleaved already), or its dense bf16 weight packed here (gate/up interleaved here)."""
     parts = module.packed
     if parts is None:

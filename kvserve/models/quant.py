@@ -1,7 +1,7 @@
 """Weights kept quantized: 8-bit and 4-bit values with an fp16 scale and minimum per 32 inputs of a row.
 
 A decode step on a CPU is bound by reading the weights, so the fused decoder's GEMMs read these instead of
-bfloat16 (kernels/decoder_cpu.cpp, QWeight): w = scale * q + minimum, q int8 or 0..15. The group is 32
+bfloat16 (kernels/gemm_quant_layout.h, QWeight): w = scale * q + minimum, q int8 or 0..15. The group is 32
 inputs, as GGUF's blocks and the K-quants' sub-blocks, so most of a file's matrices map onto it with the
 weights the file holds (`from_gguf`): Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 exactly, Q4_K and Q5_K up to the fp16
 rounding of each sub-block's scale and minimum (products of the super-block's fp16 factor and a 6-bit
