@@ -5,7 +5,9 @@ it loads. On an AVX2-only machine there is no lower level; the main run is the A
 
 Only what a level can change runs again: the numerics (kernels, forward passes, sampling, invariance). Tests
 marked `isa_independent` check logic no level changes (bookkeeping, validation, the build cache) and run once,
-in the main run."""
+in the main run. Parity with transformers runs again on the tiny models (test_model_parity_tiny: the same
+forward code, both architectures, float32 as the real models' parity); the shipped models' parity
+(test_parity_real), whose cost is transformers' own forward, runs in the main run."""
 from __future__ import annotations
 
 import os
@@ -22,7 +24,7 @@ LEVEL_TESTS = ["tests/unit/test_cpu_kernels.py", "tests/unit/test_quant_kernels.
                "tests/unit/test_kv_int8.py",
                "tests/unit/test_native_decoder.py", "tests/unit/test_engine_tiny.py",
                "tests/unit/test_model_parity_tiny.py", "tests/unit/test_sampler.py",
-               "tests/integration/test_engine.py", "tests/integration/test_parity_real.py",
+               "tests/integration/test_engine.py",
                "tests/integration/test_batch_invariance.py"]
 
 

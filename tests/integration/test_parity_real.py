@@ -73,7 +73,6 @@ def test_mixed_batch_matches(real):
         assert rel_err(ours, reference_logits(hf, ids)) <= TOL
 
 
-@pytest.mark.isa_independent
 def test_greedy_continuations_match_transformers_generate(real):
     from kvserve import LLM, SamplingParams
 
