@@ -133,24 +133,30 @@ class Fault:
 
 
 async def watch_health(client: httpx.AsyncClient, urls: list[str], names: list[str], stop: asyncio.Event,
-                       period_s: float = 0.1) -> list[tuple[float, str, str, str]]:
-    """(when, observer, peer, health) each time a region's view of a peer changes (GET /v1/region/status)."""
+                       period_s: float = 0.1, timeout_s: float = 1.0) -> list[tuple[float, str, str, str]]:
+    """(when, observer, peer, health) each time a region's view of a peer changes (GET /v1/region/status, every
+    region at once: a frozen one holds up no other). `when` is the observer's own moment of change where it says
+    how long the peer has held its health (peers_for_s): a busy observer that answers late does not make its
+    detection look late."""
     seen: dict[tuple[str, str], str] = {}
     changes = []
+
+    async def poll(url: str, name: str) -> None:
+        try:
+            r = await client.get(url + "/v1/region/status", timeout=timeout_s)
+            body = r.json() if r.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):
+            return
+        now = time.monotonic()
+        held = body.get("peers_for_s", {})
+        for peer, health in body.get("peers", {}).items():
+            if seen.get((name, peer)) != health:
+                seen[(name, peer)] = health
+                changes.append((now - float(held.get(peer, 0.0)), name, peer, health))
+
     while not stop.is_set():
-        for url, name in zip(urls, names):
-            try:
-                r = await client.get(url + "/v1/region/status", timeout=0.3)
-                peers = r.json().get("peers", {}) if r.status_code == 200 else {}
-            except (httpx.HTTPError, ValueError):
-                continue
-            now = time.monotonic()
-            for peer, health in peers.items():
-                if seen.get((name, peer)) != health:
-                    seen[(name, peer)] = health
-                    changes.append((now, name, peer, health))
-        await asyncio.sleep(period_s)
-    return changes
+        await asyncio.gather(*(poll(url, name) for url, name in zip(urls, names)), asyncio.sleep(period_s))
+    return sorted(changes)
 
 
 @dataclass

@@ -109,12 +109,16 @@ class RegionFront:
 
     def status(self) -> dict:
         """This region as its peers' probes see it: ready when every model is, its load the highest of its
-        models' interactive tiers (0 ok, 0.5 high, 1.0 shedding)."""
+        models' interactive tiers (0 ok, 0.5 high, 1.0 shedding); and its own view of each peer."""
         handles = list(self.models.values())
         ready = bool(handles) and all(h.status == EngineStatus.READY for h in handles)
         load = max((_LOAD[h.load("interactive")] for h in handles), default=0.0)
+        now = time.monotonic()
+        peers = self.router.peers.items()
         return {"region": self.local, "ready": ready, "draining": self.draining(), "load": load,
-                "peers": {name: s.health.value for name, s in self.router.peers.items()}}
+                "peers": {name: s.health.value for name, s in peers},
+                # how long each peer has held that health: an observer dates a change without a shared clock
+                "peers_for_s": {name: round(now - s.changed_at, 3) for name, s in peers if s.changed_at is not None}}
 
     # ---- the choice ------------------------------------------------------------------------------
     def decide(self, request: Request, model: str | None, tier: str) -> RegionDecision:

@@ -41,6 +41,7 @@ class PeerState:
     """What this gateway knows of one peer region."""
 
     health: Health = Health.DOWN
+    changed_at: float | None = None  # when `health` last changed (the caller's clock); None: never
     failures: int = 0  # in a row
     ever_failed: bool = False
     last_ok: float | None = None
@@ -48,6 +49,10 @@ class PeerState:
     rtt_ms: float = 0.0  # smoothed
     load: float = 0.0  # its gateways' own figure: 0 idle, 1.0 at its admission bounds
     draining: bool = False
+
+
+def _become(s: PeerState, health: Health, now: float) -> None:
+    s.health, s.changed_at = health, now
 
 
 @dataclass(frozen=True)
@@ -88,9 +93,9 @@ class RegionRouter:
             s.healthy_since = now
         if s.health is Health.DOWN:
             # a peer whose every probe answered is trusted at once; one that failed must stay healthy a while
-            s.health = Health.RECOVERING if s.ever_failed else Health.UP
+            _become(s, Health.RECOVERING if s.ever_failed else Health.UP, now)
         if s.health is Health.RECOVERING and now - s.healthy_since >= self.policy.recover_after_s:
-            s.health = Health.UP
+            _become(s, Health.UP, now)
 
     def probe_failed(self, peer: str, now: float) -> None:
         s = self.peers[peer]
@@ -98,14 +103,14 @@ class RegionRouter:
         s.ever_failed = True
         s.healthy_since = None
         if s.health is Health.RECOVERING or (s.health is Health.UP and s.failures >= self.policy.fail_after):
-            s.health = Health.DOWN
+            _become(s, Health.DOWN, now)
 
     def tick(self, now: float) -> None:
         """Time passes: a peer with no successful probe for stale_after_s is DOWN (probes that hang)."""
         for s in self.peers.values():
             if s.health is not Health.DOWN and (s.last_ok is None or now - s.last_ok >= self.policy.stale_after_s):
                 s.healthy_since, s.ever_failed = None, True
-                s.health = Health.DOWN
+                _become(s, Health.DOWN, now)
 
     # ---- the choice --------------------------------------------------------------------------
     def choose(self, local: Local, forwarded: bool = False) -> RegionDecision:

@@ -50,11 +50,12 @@ def test_a_dead_peer_is_detected_within_the_bound_by_failed_probes_or_by_silence
         if r.peers["eu"].health is Health.DOWN:
             down_at = t + POLICY.probe_timeout_s
     assert down_at <= POLICY.detection_bound_s < 5.0
+    assert r.peers["eu"].changed_at == down_at  # what /v1/region/status dates the change by (peers_for_s)
     # ap's probes hang: no answer at all; time alone makes it DOWN
     r.tick(POLICY.stale_after_s - 0.01)
     assert r.peers["ap"].health is Health.UP
     r.tick(POLICY.stale_after_s)
-    assert r.peers["ap"].health is Health.DOWN
+    assert r.peers["ap"].health is Health.DOWN and r.peers["ap"].changed_at == POLICY.stale_after_s
     assert r.choose(Local(healthy=False)).region is None
 
 
