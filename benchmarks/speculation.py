@@ -1,4 +1,4 @@
-"""What speculative decoding (engine/speculation.py) does to decode speed, in process, on a real model: the same
+"""What speculative decoding (engine/speculation/) does to decode speed, in process, on a real model: the same
 requests with it off and on, side by side, runs interleaved, medians of the runs.
 
   python -m benchmarks.speculation [--model smollm2-135m] [--runs 3] [--out docs/bench]
@@ -212,7 +212,7 @@ def constrained(model: str, runs: int) -> list[dict]:
     from kvserve import SamplingParams, StructuredOutputsParams
     from kvserve.config import TierLimits, engine_config_from_kwargs
     from kvserve.engine.worker.llm_engine import LLMEngine
-    from kvserve.engine.speculation import SuffixDrafter
+    from kvserve.engine.speculation.drafters import SuffixDrafter
 
     engines = {spec: LLMEngine(engine_config_from_kwargs(
         model, dtype="bfloat16", max_num_seqs=16, speculative_decoding=spec,
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     from kvserve.config import TierLimits, engine_config_from_kwargs
     from kvserve.engine.worker.llm_engine import LLMEngine
-    from kvserve.engine.speculation import SuffixDrafter
+    from kvserve.engine.speculation.drafters import SuffixDrafter
 
     engines = {}
     for spec in (False, True):  # admission unbounded: each case submits its whole batch at once

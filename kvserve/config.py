@@ -283,7 +283,7 @@ class SchedulerConfig:
     # a layer, not the rest of the flood's step. At most once per step, with the same room rule; only
     # where a step can stop between layers (the fused CPU decoder).
     interactive_interjection: bool = True
-    # Speculative decoding (engine/speculation.py): decodes draft up to num_speculative_tokens tokens (n-gram
+    # Speculative decoding (engine/speculation/): decodes draft up to num_speculative_tokens tokens (n-gram
     # prompt lookup, then the tenant's recent outputs), lengths chosen per step by the controller, verified
     # exactly in one chunk. Off by default until its benchmarks show it never slows a loaded server here.
     speculative_decoding: bool = False

@@ -43,7 +43,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per token; 0 = only the sampled token's
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    speculation: bool = True  # False: never drafted for (where the server speculates: engine/speculation.py)
+    speculation: bool = True  # False: never drafted for (where the server speculates: engine/speculation/)
     # What the output must match (a JSON schema, a regex, a choice, a grammar): engine/structured/params.py
     structured_outputs: StructuredOutputsParams | None = None
 

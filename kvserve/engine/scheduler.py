@@ -19,7 +19,7 @@ from kvserve.engine import admission
 from kvserve.engine.kv.manager import KVCacheManager
 from kvserve.engine.request import Priority, Sequence, SequenceStatus
 from kvserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
-from kvserve.engine.speculation import Candidate, Speculator
+from kvserve.engine.speculation.policy import Candidate, Speculator
 from kvserve.engine.stats import SchedulerStats
 from kvserve.engine.step_time import StepTimeModel
 from kvserve.engine.tiers import TierQueues, order_key

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.kv.manager import KVCacheUsage
 from kvserve.engine.request import Priority
-from kvserve.engine.speculation import DrafterStats
+from kvserve.engine.speculation.policy import DrafterStats
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,12 @@
-"""The pure half of speculative decoding (engine/speculation.py): what each drafter proposes, whose text it may
-draft from, and how the controller sizes drafts against the step's cost."""
+"""The pure half of speculative decoding (engine/speculation/): what each drafter proposes, whose text it may
+draft from, how the controller sizes drafts against the step's cost, and which drafts the target keeps."""
 from __future__ import annotations
 
 import pytest
 
-from kvserve.engine.speculation import (Candidate, NgramDrafter, RateGuard, Speculator, SuffixDrafter,
-                                       plan_draft_lengths)
+from kvserve.engine.speculation.drafters import NgramDrafter, SuffixDrafter
+from kvserve.engine.speculation.policy import Candidate, RateGuard, Speculator, plan_draft_lengths
+from kvserve.engine.speculation.verification import accepted_count
 
 
 def test_ngram_drafter_proposes_what_followed_the_latest_earlier_match():
@@ -133,7 +134,7 @@ def test_acceptance_is_per_tested_token_not_per_proposed():
     # after it were never tested. Accepted over proposed would say 0.33 and cut drafts that pay.
     import random
 
-    from kvserve.engine.speculation import Acceptance
+    from kvserve.engine.speculation.policy import Acceptance
 
     rng = random.Random(0)
     acc = Acceptance()
@@ -144,3 +145,10 @@ def test_acceptance_is_per_tested_token_not_per_proposed():
         acc.observe(4, accepted)
     assert acc.accepted / acc.proposed == pytest.approx(0.33, abs=0.03)
     assert acc.rate == pytest.approx(0.6, abs=0.12)  # a moving average: its last few hundred tokens
+
+
+def test_a_draft_stands_while_the_targets_samples_equal_it():
+    assert accepted_count([5, 6, 7, 8], [5, 6, 7]) == 3  # all kept, then the sample after the last draft
+    assert accepted_count([5, 9, 7, 8], [5, 6, 7]) == 1  # a later equal sample counts for nothing
+    assert accepted_count([4, 6, 7, 8], [5, 6, 7]) == 0
+    assert accepted_count([4], []) == 0

@@ -19,6 +19,7 @@ from kvserve.config import ModelConfig
 from kvserve.engine.interjection import Interjection
 from kvserve.engine.kv.groups import KVLayout
 from kvserve.engine.request import Sequence
+from kvserve.engine.speculation.verification import accepted_count
 from kvserve.engine.worker.sampler import Sampler, SamplingMetadata, make_generator
 from kvserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from kvserve.models.attention import AttentionMetadata, PrefillChunk, kv_cache_shape
@@ -174,10 +175,8 @@ class ModelRunner:
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor, result: RunnerOutput) -> None:
         """One token per sampled row; a parent that forks gives its row to each of its forks too. A verified
         draft's chunk samples each of its rows as decoding would (its outputs so far being the drafts before
-        the row) and keeps the drafts the samples equal, then the first sample that differs (or the one after
-        the last draft): the tokens are the sampler's own draws, so greedy gives the bits decoding gives and
-        random sampling its distribution. A seeded row's generator is then set where decoding those tokens
-        would have left it."""
+        the row) and keeps what engine/speculation/verification.py says. A seeded row's generator is then set
+        where decoding those tokens would have left it."""
         rows: list[int] = []
         seqs: list[Sequence] = []
         outputs: list[list[int]] = []
@@ -218,9 +217,7 @@ class ModelRunner:
             if logprobs and logprobs[j] is not None:
                 result.logprobs[seq.seq_id] = [logprobs[j]]
         for seq, first, draft in spans:
-            n = 0
-            while n < len(draft) and tokens[first + n] == draft[n]:
-                n += 1
+            n = accepted_count(tokens[first:first + len(draft) + 1], draft)
             result.token_ids[seq.seq_id] = tokens[first:first + n + 1]
             if logprobs and logprobs[first] is not None:
                 result.logprobs[seq.seq_id] = logprobs[first:first + n + 1]
