@@ -68,6 +68,17 @@ def make_engine(model, **kwargs):
     return LLMEngine(engine_config_from_kwargs(str(model), **kwargs))
 
 
+def serve_one(engine, prompt, params: SamplingParams, **request_kwargs) -> RequestOutput:
+    """Add one request and step the engine until nothing is left; its final output."""
+    engine.core.add_request(engine.request(prompt, params, **request_kwargs))
+    final = None
+    while engine.core.has_unfinished_requests():
+        for ro in engine.core.step():
+            if ro.finished:
+                final = ro
+    return final
+
+
 @contextlib.contextmanager
 def torch_threads(n: int):
     """Intra-op threads for a test module. On a shared, oversubscribed CPU a second OpenMP thread makes

@@ -28,7 +28,7 @@ import httpx
 
 from kvserve import SamplingParams
 from kvserve.store import Store
-from tests.engine_checks import make_engine, shared_weights, torch_threads
+from tests.engine_checks import make_engine, serve_one, shared_weights, torch_threads
 from tests.live_server import LiveServer
 from tests.reliability.conftest import scale
 
@@ -61,14 +61,8 @@ def engine(**kwargs):
 
 
 def serve_output(eng, prompt: list[int], salt: str | None = None):
-    eng.core.add_request(eng.request(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2),
-                                cache_salt=salt))
-    out = None
-    while eng.core.has_unfinished_requests():
-        for ro in eng.core.step():
-            if ro.finished:
-                out = ro
-    return out
+    return serve_one(eng, prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2),
+                     cache_salt=salt)
 
 
 def bits(out) -> list:

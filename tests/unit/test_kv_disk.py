@@ -445,14 +445,9 @@ def tiny_engine(path, disk: Path, **kwargs):
 
 def serve(eng, prompt: list[int], max_tokens: int = 2):
     from kvserve.engine.sampling import SamplingParams
+    from tests.engine_checks import serve_one
 
-    eng.core.add_request(eng.request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)))
-    out = None
-    while eng.core.has_unfinished_requests():
-        for ro in eng.core.step():
-            if ro.finished:
-                out = ro
-    return out
+    return serve_one(eng, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
 
 
 def prompt_of(seed: int, blocks: int) -> list[int]:
