@@ -13,7 +13,8 @@ come with every full one.
    library's own source) with 32 greedy tokens, with and without groups: the most blocks the sequence held,
    the time to its first token and per output token, and whether the tokens and logprobs are the same bits.
 3. `--disk`: the disk tier (engine/kv/disk.py) on `--disk-model`: TTFT of a 2048-token prompt computed, loaded
-   from the disk after the pool evicted it, and after a restart; and a W4-like load whose prefixes do not fit the
+   from the disk after the pool evicted it, after a restart, and after a graceful restart of a pool that evicted
+   nothing (what the shutdown saved); and a W4-like load whose prefixes do not fit the
    pool, its prefix hit rate with the disk tier against an unbounded pool's.
 4. Fair shares (always, the allocator): a tenant's cached prefixes beside another tenant's flood of 16k-token
    prompts, with the tenants' shares and with one LRU for all.
@@ -155,7 +156,8 @@ def _serve(eng, prompt: list[int], max_tokens: int = 1) -> tuple[float, int, int
 
 def disk_rows(model: str, runs: int, directory: Path) -> dict:
     """Section 3: the disk tier. TTFT of a 2048-token prompt computed, loaded from the disk after the pool evicted
-    it, and after a restart on the same directory (one prompt a run, medians); then a W4-like load whose prefixes
+    it, after a restart on the same directory, and after a graceful restart of a pool that evicted nothing (one
+    prompt a run, medians); then a W4-like load whose prefixes
     do not fit the pool: its prefix hit rate with the disk tier against an unbounded pool's."""
     import random
     import shutil
@@ -182,12 +184,25 @@ def disk_rows(model: str, runs: int, directory: Path) -> dict:
     restarted = [_serve(eng, p) for p in prompts]
     eng.close()
     del eng
-    out: dict = {"prompt_tokens": 2048, "runs": runs}
-    for label, rows in (("cold", cold), ("disk", loaded), ("restart", restarted)):
+    # A graceful restart: a pool that holds every prompt evicts nothing to the disk while it serves; only the
+    # shutdown's save (LLMEngine.close) puts the pool's prefix blocks there for the restarted engine.
+    graceful_dir = directory / "graceful"
+    eng = engine(num_gpu_blocks_override=runs * (2048 // 16 + 1) + 64, kv_disk_dir=str(graceful_dir))
+    for p in prompts:
+        _serve(eng, p)
+    pages_before_shutdown = sum(1 for f in graceful_dir.rglob("*") if f.is_file() and len(f.name) == 64)
+    eng.close()
+    del eng
+    eng = engine(num_gpu_blocks_override=runs * (2048 // 16 + 1) + 64, kv_disk_dir=str(graceful_dir))
+    graceful = [_serve(eng, p) for p in prompts]
+    eng.close()
+    del eng
+    out: dict = {"prompt_tokens": 2048, "runs": runs, "graceful_pages_before_shutdown": pages_before_shutdown}
+    for label, rows in (("cold", cold), ("disk", loaded), ("restart", restarted), ("graceful", graceful)):
         out[label] = {"ttft_s": statistics.median(r[0] for r in rows), "cached": [r[1] for r in rows],
                       "from_disk": [r[2] for r in rows]}
-    out["disk_ratio"] = out["disk"]["ttft_s"] / out["cold"]["ttft_s"]
-    out["restart_ratio"] = out["restart"]["ttft_s"] / out["cold"]["ttft_s"]
+    for label in ("disk", "restart", "graceful"):
+        out[f"{label}_ratio"] = out[label]["ttft_s"] / out["cold"]["ttft_s"]
 
     # W4-like: 8 prefixes of 512 tokens (system prompts), 32 requests cycling over them, 64 own tokens each.
     prefixes = [[rng.randrange(1000, 30000) for _ in range(512)] for _ in range(8)]
@@ -296,9 +311,13 @@ def render(result: dict) -> str:
                   f"| loaded from the disk (the pool evicted it) | {disk['disk']['ttft_s']:.3f} | "
                   f"{100 * disk['disk_ratio']:.0f}% |",
                   f"| after a restart on the same directory | {disk['restart']['ttft_s']:.3f} | "
-                  f"{100 * disk['restart_ratio']:.0f}% |", "",
+                  f"{100 * disk['restart_ratio']:.0f}% |",
+                  f"| after a graceful restart, nothing evicted (the shutdown saved the pool) | "
+                  f"{disk['graceful']['ttft_s']:.3f} | {100 * disk['graceful_ratio']:.0f}% |", "",
                   "Prompt tokens served from the disk per run: "
-                  f"{disk['disk']['from_disk']} (evicted), {disk['restart']['from_disk']} (restart).", "",
+                  f"{disk['disk']['from_disk']} (evicted), {disk['restart']['from_disk']} (restart), "
+                  f"{disk['graceful']['from_disk']} (graceful restart; pages on the disk before its shutdown: "
+                  f"{disk['graceful_pages_before_shutdown']}).", "",
                   "W4-like load whose prefixes do not fit the pool (8 prefixes of 512 tokens, 32 requests cycling over "
                   "them, 64 own tokens each; a pool of about two prefixes):", "",
                   "| pool | prefix hit rate | of it from the disk |", "|---|---|---|"]

@@ -833,6 +833,9 @@ def add_report_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser
                     help="a session directory (default bench_results/latest)")
     ap.add_argument("--markdown", default=str(REPO / "BENCHMARKS.md"), help="default BENCHMARKS.md at the repo root")
     ap.add_argument("--plots", default=str(REPO / "docs" / "bench"), help="default docs/bench/")
+    ap.add_argument("--pages-only", action="store_true",
+                    help="assemble BENCHMARKS.md from the pages under --plots without rendering a session (after a "
+                         "platform benchmark such as benchmarks.kv_memory wrote its page)")
     return ap
 
 
@@ -1065,6 +1068,10 @@ def with_contents(md: str) -> str:
 
 
 def render(a: argparse.Namespace) -> int:
+    if a.pages_only:  # a platform benchmark wrote its page: assemble BENCHMARKS.md again, no session rendered
+        write_markdown(Path(a.plots), Path(a.markdown))
+        print(f"wrote {a.markdown}")
+        return 0
     root = Path(a.session)
     if not root.is_dir():
         print(f"no session directory {root} (run python -m benchmarks.suite first)")
@@ -1087,14 +1094,20 @@ def render(a: argparse.Namespace) -> int:
     w6 = w6_page(session)
     if w6:
         pages.write_page(a.plots, "w6", w6[1], w6[0])
-    md = assemble(Path(a.plots))
-    analysis = Path(a.plots) / "analysis.md"
-    if analysis.exists():  # hand-written reading of the numbers (targets, profile), kept across renders
-        md = md.rstrip("\n") + "\n\n" + analysis.read_text()
-    Path(a.markdown).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.markdown).write_text(with_contents(md))
+    write_markdown(Path(a.plots), Path(a.markdown))
     print(f"wrote {a.markdown}" + (f" and {', '.join(str(p) for p in made)}" if made else ""))
     return 0
+
+
+def write_markdown(plots: Path, markdown: Path) -> None:
+    """BENCHMARKS.md from the pages under `plots` as they are: the kinds' sections, the benchmarks' pages and the
+    analysis."""
+    md = assemble(plots)
+    analysis = plots / "analysis.md"
+    if analysis.exists():  # hand-written reading of the numbers (targets, profile), kept across renders
+        md = md.rstrip("\n") + "\n\n" + analysis.read_text()
+    markdown.parent.mkdir(parents=True, exist_ok=True)
+    markdown.write_text(with_contents(md))
 
 
 if __name__ == "__main__":
