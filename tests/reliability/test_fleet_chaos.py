@@ -45,7 +45,7 @@ def test_replicas_killed_every_30s_under_load_then_the_gateway(tmp_path, figures
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     from benchmarks.fleet import Fleet
 
-    duration = scale(70.0, 300.0)
+    duration = scale(40.0, 300.0)  # make test: one kill, then the gateway's
     fleet = Fleet(tmp_path)
     fleet.start(REPLICAS, 1.0)
     try:

@@ -78,8 +78,8 @@ def _wait_idle(server: LiveServer, timeout: float = 120) -> dict[str, float]:
 
 
 def test_overload_soak_with_shipped_defaults(tmp_path, figures):
-    duration = scale(60.0, 600.0)
-    warmup = scale(20.0, 120.0)  # RSS is compared from the end of the warm-up on
+    duration = scale(40.0, 600.0)
+    warmup = scale(15.0, 120.0)  # RSS is compared from the end of the warm-up on
     models = resources.files("kvserve").joinpath("default_models.toml").read_text()
     server = LiveServer(tmp_path, models).start(timeout=300)
     tokenizer = load_tokenizer(MODEL)
