@@ -29,27 +29,37 @@ def pytest_report_header(config):
 # the CPU-level reruns, each on one torch thread. The servers lane: tests that start servers, Ray clusters and
 # loads, one after another as in a serial run, so a load or chaos test never shares the machine with another
 # load. Each lane keeps one of the two cores busy. A test's lane is its directory's (unit: in-process;
-# integration, reliability: servers) unless its module is marked `in_process`.
+# integration, reliability: servers) unless its module is one of IN_PROCESS_MODULES.
 IN_PROCESS_LANE, SERVERS_LANE = "in-process", "servers"
+IN_PROCESS_MODULES = frozenset(f"tests/integration/test_{name}.py" for name in (
+    "attention_policy", "batch_invariance", "cpu_levels", "engine", "kv_groups", "parity_real", "speculation",
+    "structured_engine"))
 
 
-def lane(item) -> str:
-    if item.get_closest_marker("in_process") or item.path.parent.name == "unit":
-        return IN_PROCESS_LANE
-    return SERVERS_LANE
+def lane(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return IN_PROCESS_LANE if path.startswith("tests/unit/") or path in IN_PROCESS_MODULES else SERVERS_LANE
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(lane(item)))
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup with the two lanes as the groups, one worker each. Computed here from the node ids:
+    xdist's own groups (an `@group` suffix it writes into a node id) do not reach pytest 9's node ids."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LaneScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return lane(nodeid)
+
+    return LaneScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)
 def _one_thread_in_the_in_process_lane(request):
     """Under xdist the in-process lane computes on one thread beside the servers lane (on two cores a second
     OpenMP thread there would wait for a busy core); a serial run keeps torch's default."""
-    if os.environ.get("PYTEST_XDIST_WORKER") and lane(request.node) == IN_PROCESS_LANE:
+    if os.environ.get("PYTEST_XDIST_WORKER") and lane(request.node.nodeid) == IN_PROCESS_LANE:
         import torch
 
         before = torch.get_num_threads()

@@ -12,7 +12,7 @@ import pytest
 from kvserve import SamplingParams
 from tests.engine_checks import assert_no_leaks, make_engine, shared_weights, torch_threads
 
-pytestmark = [pytest.mark.real_model, pytest.mark.in_process]
+pytestmark = [pytest.mark.real_model]
 
 POLICY = dict(attention_policy="sinks_window", attention_sinks=4, attention_window=128)
 

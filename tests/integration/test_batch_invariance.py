@@ -25,7 +25,7 @@ from tests.engine_checks import (Req, assert_no_leaks, blocks_needed, drive, mak
                                  torch_threads)
 from tests.parity import PagedHarness
 
-pytestmark = [pytest.mark.real_model, pytest.mark.slow, pytest.mark.in_process]
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 MAX_TOKENS = 20
 PROMPTS = [

@@ -19,8 +19,6 @@ import pytest
 
 from kvserve.kernels import isa
 
-pytestmark = [pytest.mark.in_process]
-
 ROOT = Path(__file__).resolve().parents[2]
 LEVEL_TESTS = ["tests/unit/test_cpu_kernels.py", "tests/unit/test_quant_kernels.py", "tests/unit/test_quant_model.py",
                "tests/unit/test_kv_int8.py",

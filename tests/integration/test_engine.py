@@ -27,7 +27,7 @@ from kvserve.engine.errors import CapacityExhausted, ContextLengthExceeded
 from tests.engine_checks import (Req, SeededDrawReplay, assert_no_leaks, blocks_needed, compare_outputs, drive,
                                  forks_as_singles, make_engine, shared_weights, torch_threads)
 
-pytestmark = [pytest.mark.real_model, pytest.mark.slow, pytest.mark.in_process]
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 MODEL = "smollm2-135m"
 MAX_TOKENS = 16

@@ -14,8 +14,6 @@ import pytest
 from kvserve import SamplingParams
 from tests.engine_checks import Req, assert_no_leaks, make_engine, shared_weights, torch_threads
 
-pytestmark = [pytest.mark.in_process]
-
 MODEL = "gemma3-270m"
 PROMPT_TOKENS = 4600
 

@@ -10,7 +10,7 @@ from kvserve.models.loader import load_checkpoint
 from kvserve.models.tokenizer import Tokenizer
 from tests.parity import PagedHarness, hf_reference, reference_logits, rel_err
 
-pytestmark = [pytest.mark.real_model, pytest.mark.slow, pytest.mark.in_process]
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 TOL = 1e-4
 PROMPTS = [
     "The capital of France is",

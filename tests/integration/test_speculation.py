@@ -14,7 +14,7 @@ import torch
 from kvserve import SamplingParams
 from tests.engine_checks import Req, assert_no_leaks, blocks_needed, drive, make_engine, shared_weights, torch_threads
 
-pytestmark = [pytest.mark.real_model, pytest.mark.in_process]
+pytestmark = [pytest.mark.real_model]
 
 CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n" * 4) + "def mul(a, b):\n"
 PASSAGE = ("The committee met on Tuesday to review the budget. The budget covers roads, schools and parks. "

@@ -15,8 +15,6 @@ from kvserve import SamplingParams
 from kvserve.engine.structured.params import StructuredOutputsParams as SO
 from tests.engine_checks import Req, assert_no_leaks, drive, make_engine, torch_threads
 
-pytestmark = [pytest.mark.in_process]
-
 SCHEMA = {"type": "object", "properties": {
     "id": {"type": "integer", "minimum": 0, "maximum": 999},
     "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
