@@ -58,9 +58,13 @@ def pytest_xdist_make_scheduler(config, log):
 @pytest.fixture(autouse=True)
 def _one_thread_in_the_in_process_lane(request):
     """Under xdist the in-process lane computes on one thread beside the servers lane (on two cores a second
-    OpenMP thread there would wait for a busy core); a serial run keeps torch's default."""
+    OpenMP thread there would wait for a busy core), at the lowest CPU priority: the servers lane's timeouts,
+    failover windows and Ray workers (niceness 15) come first, and this lane takes the cycles they leave. A
+    serial run keeps torch's default and its priority."""
     if os.environ.get("PYTEST_XDIST_WORKER") and lane(request.node.nodeid) == IN_PROCESS_LANE:
         import torch
+
+        os.setpriority(os.PRIO_PROCESS, 0, 19)  # this worker runs only this lane; its children inherit it
 
         before = torch.get_num_threads()
         torch.set_num_threads(1)
