@@ -24,7 +24,7 @@ def pytest_report_header(config):
             f"; lower levels this CPU also runs: {', '.join(isa.lower_levels()) or 'none'})")
 
 
-# ---- two lanes: `make test` runs the suite in two pytest-xdist workers (-n 2 --dist loadgroup) ----------
+# ---- two lanes: `make test TEST_WORKERS=2` runs the suite in two pytest-xdist workers (--dist loadgroup) --
 # The in-process lane: tests that compute in pytest's own process (the engine, kernels, models, pure logic) and
 # the CPU-level reruns, each on one torch thread. The servers lane: tests that start servers, Ray clusters and
 # loads, one after another as in a serial run, so a load or chaos test never shares the machine with another
