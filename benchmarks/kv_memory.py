@@ -186,14 +186,14 @@ def disk_rows(model: str, runs: int, directory: Path) -> dict:
     del eng
     # A graceful restart: a pool that holds every prompt evicts nothing to the disk while it serves; only the
     # shutdown's save (LLMEngine.close) puts the pool's prefix blocks there for the restarted engine.
-    graceful_dir = directory / "graceful"
-    eng = engine(num_gpu_blocks_override=runs * (2048 // 16 + 1) + 64, kv_disk_dir=str(graceful_dir))
+    graceful_dir, every_prompt = directory / "graceful", runs * (2048 // 16 + 1) + 64
+    eng = engine(num_gpu_blocks_override=every_prompt, kv_disk_dir=str(graceful_dir))
     for p in prompts:
         _serve(eng, p)
     pages_before_shutdown = sum(1 for f in graceful_dir.rglob("*") if f.is_file() and len(f.name) == 64)
     eng.close()
     del eng
-    eng = engine(num_gpu_blocks_override=runs * (2048 // 16 + 1) + 64, kv_disk_dir=str(graceful_dir))
+    eng = engine(num_gpu_blocks_override=every_prompt, kv_disk_dir=str(graceful_dir))
     graceful = [_serve(eng, p) for p in prompts]
     eng.close()
     del eng

@@ -62,14 +62,11 @@ def _one_thread_in_the_in_process_lane(request):
     failover windows and Ray workers (niceness 15) come first, and this lane takes the cycles they leave. A
     serial run keeps torch's default and its priority."""
     if os.environ.get("PYTEST_XDIST_WORKER") and lane(request.node.nodeid) == IN_PROCESS_LANE:
-        import torch
+        from tests.engine_checks import torch_threads
 
         os.setpriority(os.PRIO_PROCESS, 0, 19)  # this worker runs only this lane; its children inherit it
-
-        before = torch.get_num_threads()
-        torch.set_num_threads(1)
-        yield
-        torch.set_num_threads(before)
+        with torch_threads(1):
+            yield
     else:
         yield
 
