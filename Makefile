@@ -19,11 +19,11 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/kvserve serve
 
-# TEST_WORKERS=2: two workers, one lane each (tests/conftest.py), about two thirds of the serial time; the
-# failover-window bounds of the chaos tests are then measured beside the other lane's work (docs/ARCHITECTURE.md).
-TEST_WORKERS ?= 0
+# Two pytest-xdist workers (tests/conftest.py: the servers lane in order on one, the in-process modules on
+# whichever is free, chaos and soak runs alone); TEST_WORKERS=0 runs everything in this one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -ra --durations=20 -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -ra --durations=20 -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 # The reliability suite at full scale (about 25 minutes): figures and outcomes into RELIABILITY.md.
 RELIABILITY_OUT := reliability-results

@@ -169,7 +169,7 @@ def build_jobs(workloads: list[str], runs: int, quick: bool, model: str = SMOLLM
                         200, runs, vllm_client_check=model == SMOLLM2,
                         shape={"input": io_[0], "output": io_[1], "num_prompts": n, "max_concurrency": 1}))
     if "W3" in workloads:
-        dur = 8 if q else 60
+        dur = 4 if q else 60
         batch_c, batch_io, inter_io = (2, (64, 64), (40, 16)) if q else (16, (256, 256), (64, 64))
         inter = _interactive(*inter_io)
         flood = f"batch:concurrency={batch_c},input={batch_io[0]},output={batch_io[1]},drain=0"
@@ -187,7 +187,7 @@ def build_jobs(workloads: list[str], runs: int, quick: bool, model: str = SMOLLM
         jobs.append(Job("W4", "W4", "prefix_on", args, 400, runs, shape=shape))
         jobs.append(Job("W4-nocache", "W4", "prefix_off", args, 450, runs, shape=shape))
     if "W5" in workloads:
-        dur = 8 if q else 60
+        dur = 4 if q else 60
         # the rate (3x what W1 sustained on the same target) is filled in at run time
         jobs.append(Job("W5", "W5", "overload", _random(*io_) + ["--duration", str(dur), "--goodput-ttft-ms", "1000"],
                         500, runs, shape={"input": io_[0], "output": io_[1], "duration": dur, "rate_factor": 3}))

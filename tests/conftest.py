@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import kvserve  # noqa: F401  first: it caps torch's CPU dispatch under KVSERVE_CPU_ISA before torch loads
+import contextlib
+import fcntl
 import importlib.util
 import os
 import tempfile
@@ -24,12 +26,14 @@ def pytest_report_header(config):
             f"; lower levels this CPU also runs: {', '.join(isa.lower_levels()) or 'none'})")
 
 
-# ---- two lanes: `make test TEST_WORKERS=2` runs the suite in two pytest-xdist workers (--dist loadgroup) --
-# The in-process lane: tests that compute in pytest's own process (the engine, kernels, models, pure logic) and
-# the CPU-level reruns, each on one torch thread. The servers lane: tests that start servers, Ray clusters and
-# loads, one after another as in a serial run, so a load or chaos test never shares the machine with another
-# load. Each lane keeps one of the two cores busy. A test's lane is its directory's (unit: in-process;
-# integration, reliability: servers) unless its module is one of IN_PROCESS_MODULES.
+# ---- two workers: `make test` runs the suite in two pytest-xdist workers (TEST_WORKERS=0: one process) ------
+# The servers lane (tests that start servers, Ray clusters and loads) is one unit of work, run in order on one
+# worker, so a load never shares the machine with another load; every other module (the in-process tests:
+# the engine, kernels, models, pure logic, the CPU-level reruns) is a unit of its own, taken by whichever
+# worker is free. A test marked `alone` (the chaos and soak runs, whose bounds are latencies) has the machine
+# to itself: the other worker finishes its current test and waits (machine_share). A test's lane is its
+# directory's (unit: in-process; integration, reliability: servers) unless its module is one of
+# IN_PROCESS_MODULES.
 IN_PROCESS_LANE, SERVERS_LANE = "in-process", "servers"
 IN_PROCESS_MODULES = frozenset(f"tests/integration/test_{name}.py" for name in (
     "attention_policy", "batch_invariance", "cpu_levels", "engine", "kv_groups", "parity_real", "speculation",
@@ -42,33 +46,70 @@ def lane(nodeid: str) -> str:
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadgroup with the two lanes as the groups, one worker each. Computed here from the node ids:
-    xdist's own groups (an `@group` suffix it writes into a node id) do not reach pytest 9's node ids."""
-    if config.getvalue("dist") != "loadgroup":
+    """--dist loadscope with the servers lane as one unit and each in-process module as one, in collection
+    order (the first in-process module, then the servers lane, then the rest as workers come free). Computed
+    here from the node ids: xdist's own groups (an `@group` suffix it writes into a node id) do not reach
+    pytest 9's node ids."""
+    if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    config.option.loadscopereorder = False
+
     class LaneScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return lane(nodeid)
+            return SERVERS_LANE if lane(nodeid) == SERVERS_LANE else nodeid.split("::", 1)[0]
 
     return LaneScheduling(config, log)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread_in_the_in_process_lane(request):
-    """Under xdist the in-process lane computes on one thread beside the servers lane (on two cores a second
-    OpenMP thread there would wait for a busy core), at the lowest CPU priority: the servers lane's timeouts,
-    failover windows and Ray workers (niceness 15) come first, and this lane takes the cycles they leave. A
-    serial run keeps torch's default and its priority."""
-    if os.environ.get("PYTEST_XDIST_WORKER") and lane(request.node.nodeid) == IN_PROCESS_LANE:
-        from tests.engine_checks import torch_threads
+_SHARE_FILES: dict[str, object] = {}
 
-        os.setpriority(os.PRIO_PROCESS, 0, 19)  # this worker runs only this lane; its children inherit it
-        with torch_threads(1):
+
+@contextlib.contextmanager
+def machine_share(alone: bool):
+    """Under xdist: an `alone` test holds the room exclusively and keeps the gate shut while it runs, so the
+    other worker, which passes the gate and holds the room shared for each of its tests, waits between two
+    tests (flock; the gate keeps a stream of shared holders from starving the exclusive one)."""
+    if not _SHARE_FILES:
+        base = Path(tempfile.gettempdir()) / f"kvserve-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}"
+        _SHARE_FILES.update(gate=open(f"{base}.gate", "a+"), room=open(f"{base}.room", "a+"))
+    gate, room = _SHARE_FILES["gate"], _SHARE_FILES["room"]
+    fcntl.flock(gate, fcntl.LOCK_EX)
+    if alone:
+        fcntl.flock(room, fcntl.LOCK_EX)
+        try:
             yield
-    else:
+        finally:
+            fcntl.flock(room, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        return
+    fcntl.flock(room, fcntl.LOCK_SH)
+    fcntl.flock(gate, fcntl.LOCK_UN)
+    try:
         yield
+    finally:
+        fcntl.flock(room, fcntl.LOCK_UN)
+
+
+@pytest.fixture(autouse=True)
+def _two_workers_share_the_machine(request):
+    """Under xdist: `alone` tests run with the machine to themselves (machine_share); an in-process test
+    computes on one thread at the lowest CPU priority (on two cores a second OpenMP thread would wait for a
+    busy core, and the servers' timeouts and Ray workers, niceness 15, come first). A serial run keeps
+    torch's default and its priority."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    with machine_share(request.node.get_closest_marker("alone") is not None):
+        if lane(request.node.nodeid) == IN_PROCESS_LANE:
+            from tests.engine_checks import torch_threads
+
+            os.setpriority(os.PRIO_PROCESS, 0, 19)  # this worker's later tests and children inherit it
+            with torch_threads(1):
+                yield
+        else:
+            yield
 
 
 @pytest.fixture(scope="session")

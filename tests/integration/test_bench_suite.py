@@ -37,7 +37,7 @@ def test_suite_and_report_against_the_fake_server(tmp_path):
         res = json.loads((root / "fake" / job / "run0.json").read_text())
         assert res["completed"] > 0 and res["failed"] == 0, (job, res["error_counts"])
     w3 = json.loads((root / "fake" / "W3-flood" / "run0.json").read_text())
-    assert w3["tiers"]["interactive"]["completed"] == 8 and w3["tiers"]["batch"]["cancelled"] == 2
+    assert w3["tiers"]["interactive"]["completed"] == 4 and w3["tiers"]["batch"]["cancelled"] == 2
     w5 = json.loads((root / "fake" / "W5" / "run0.json").read_text())
     assert w5["config"]["tiers"][0]["request_rate"] == 10.0
     md = (root / "BENCHMARKS.md").read_text()

@@ -38,7 +38,7 @@ def test_kernel_and_engine_tests_pass_at_a_lower_level(level):
         pytest.skip(f"{level} is not below this CPU's own level, or this CPU cannot run it")
     env = {k: v for k, v in os.environ.items() if k not in isa.TORCH_VARS and not k.startswith("PYTEST_XDIST")}
     env[isa.ENV] = level
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # the in-process lane (TEST_WORKERS=2): one thread
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # under two workers (make test): one thread
         env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-ra", "-p", "no:cacheprovider", "-m", "not isa_independent",
                            *LEVEL_TESTS],

@@ -19,7 +19,7 @@ from tests.reliability.conftest import scale
 
 pytest.importorskip("ray")
 
-pytestmark = [pytest.mark.slow, pytest.mark.real_model]
+pytestmark = [pytest.mark.slow, pytest.mark.real_model, pytest.mark.alone]
 
 REPLICAS, KILL_PERIOD_S = 2, 30.0
 

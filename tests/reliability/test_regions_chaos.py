@@ -31,7 +31,7 @@ from kvserve.store.tenants import mint_token
 from tests.live_server import LiveFleet, LiveServer, free_port, start_all, tiny_model_toml
 from tests.reliability.conftest import FULL, scale
 
-pytestmark = [pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.alone]
 
 NAMES = ["us", "eu", "ap"]
 PROMPTS = ["The history of the lighthouse", "A recipe for bread", "Why the sea is salty", "Rules of chess",
