@@ -20,7 +20,7 @@ run: $(STAMP)
 	$(VENV)/bin/kvserve serve
 
 # Two pytest-xdist workers (tests/conftest.py: the servers lane in order on one, the in-process modules on
-# whichever is free, chaos and soak runs alone); TEST_WORKERS=0 runs everything in this one process.
+# whichever is free, the chaos runs alone); TEST_WORKERS=0 runs everything in this one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -ra --durations=20 -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)

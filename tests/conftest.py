@@ -30,14 +30,16 @@ def pytest_report_header(config):
 # The servers lane (tests that start servers, Ray clusters and loads) is one unit of work, run in order on one
 # worker, so a load never shares the machine with another load; every other module (the in-process tests:
 # the engine, kernels, models, pure logic, the CPU-level reruns) is a unit of its own, taken by whichever
-# worker is free. A test marked `alone` (the chaos and soak runs, whose bounds are latencies) has the machine
-# to itself: the other worker finishes its current test and waits (machine_share). A test's lane is its
-# directory's (unit: in-process; integration, reliability: servers) unless its module is one of
-# IN_PROCESS_MODULES.
+# worker is free (each test of TEST_A_UNIT on its own). A test marked `alone` (the chaos runs of a fleet and
+# of regions, whose bounds are latencies) has the machine to itself: the other worker finishes its current
+# test and waits (machine_share). A test's lane is its directory's (unit: in-process; integration,
+# reliability: servers) unless its module is one of IN_PROCESS_MODULES.
 IN_PROCESS_LANE, SERVERS_LANE = "in-process", "servers"
 IN_PROCESS_MODULES = frozenset(f"tests/integration/test_{name}.py" for name in (
     "attention_policy", "batch_invariance", "cpu_levels", "engine", "kv_groups", "parity_real", "speculation",
     "structured_engine"))
+
+TEST_A_UNIT = frozenset({"tests/integration/test_cpu_levels.py"})  # each test minutes long: one a unit
 
 
 def lane(nodeid: str) -> str:
@@ -58,7 +60,10 @@ def pytest_xdist_make_scheduler(config, log):
 
     class LaneScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return SERVERS_LANE if lane(nodeid) == SERVERS_LANE else nodeid.split("::", 1)[0]
+            if lane(nodeid) == SERVERS_LANE:
+                return SERVERS_LANE
+            path = nodeid.split("::", 1)[0]
+            return nodeid if path in TEST_A_UNIT else path
 
     return LaneScheduling(config, log)
 

@@ -268,8 +268,8 @@ def _figures(results, expected, applied, changes, names, ttft_slo_s, window_s, d
     for t, f, _ in applied:
         if f.action not in ends:
             continue
-        victim = names[f.region]
-        seen = []
+        victim, until = names[f.region], back(t, f, ends[f.action])
+        seen = []  # a peer's "down" while the fault lasted (one after the region is back detected nothing)
         for observer in names:
             if observer == victim:
                 continue
@@ -277,7 +277,7 @@ def _figures(results, expected, applied, changes, names, ttft_slo_s, window_s, d
             before = [h for when, h in mine if when < t]
             if before and before[-1] == "down":  # already down in its eyes (probes timing out under load)
                 seen.append(t)
-            seen += [when for when, h in mine if h == "down" and when >= t]
+            seen += [when for when, h in mine if h == "down" and t <= when <= until]
         detections.append(min(seen) - t if seen else None)
     ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
     first_fault = min((t for t, _, _ in applied), default=start + duration_s)

@@ -20,18 +20,20 @@ import pytest
 from kvserve.kernels import isa
 
 ROOT = Path(__file__).resolve().parents[2]
-LEVEL_TESTS = ["tests/unit/test_cpu_kernels.py", "tests/unit/test_quant_kernels.py", "tests/unit/test_quant_model.py",
-               "tests/unit/test_kv_int8.py",
-               "tests/unit/test_native_decoder.py", "tests/unit/test_engine_tiny.py",
-               "tests/unit/test_model_parity_tiny.py", "tests/unit/test_sampler.py",
-               "tests/integration/test_engine.py",
-               "tests/integration/test_batch_invariance.py"]
+# In two parts of similar length, which two test workers run side by side (tests/conftest.py).
+LEVEL_TESTS = {
+    "kernels": ["tests/unit/test_cpu_kernels.py", "tests/unit/test_quant_kernels.py", "tests/unit/test_quant_model.py",
+                "tests/unit/test_kv_int8.py", "tests/unit/test_native_decoder.py", "tests/unit/test_engine_tiny.py",
+                "tests/unit/test_model_parity_tiny.py", "tests/unit/test_sampler.py"],
+    "engine": ["tests/integration/test_engine.py", "tests/integration/test_batch_invariance.py"],
+}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
+@pytest.mark.parametrize("part", sorted(LEVEL_TESTS))
 @pytest.mark.parametrize("level", ["avx512", "avx2"])
-def test_kernel_and_engine_tests_pass_at_a_lower_level(level):
+def test_kernel_and_engine_tests_pass_at_a_lower_level(level, part):
     if os.environ.get(isa.ENV, "native") != "native":
         pytest.skip(f"this run is itself at {isa.ENV}={os.environ[isa.ENV]}")
     if level not in isa.lower_levels():
@@ -41,7 +43,7 @@ def test_kernel_and_engine_tests_pass_at_a_lower_level(level):
     if os.environ.get("PYTEST_XDIST_WORKER"):  # under two workers (make test): one thread
         env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-ra", "-p", "no:cacheprovider", "-m", "not isa_independent",
-                           *LEVEL_TESTS],
+                           *LEVEL_TESTS[part]],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=2300)
     tail = (proc.stdout[-8000:] + proc.stderr[-2000:]).strip()
     print(f"--- {isa.ENV}={level}:\n{tail[-3000:]}")

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-pytestmark = [pytest.mark.slow, pytest.mark.real_model, pytest.mark.alone]
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
 STREAMS, TOKENS, KILL_AT = 12, 96, 0.3
 TOPICS = ["tides", "volcanoes", "bread", "chess", "rainbows", "bees", "glaciers", "trains", "violins", "comets",

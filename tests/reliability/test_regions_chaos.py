@@ -107,10 +107,12 @@ def _chaos(tmp_path, tiny_llama_gguf, figures, fleets: bool) -> None:
             expected.append(r.json()["choices"][0]["text"])
         spend_body = {"model": "m", "prompt": "Count to ten", "max_tokens": 8, "temperature": 0}
         budget = _share_a_budget(servers, spender.token, spend_body, scale(60, 200))
-        duration = scale(40.0, 180.0)
-        faults = [Fault(0.12 * duration, "kill", 1), Fault(0.3 * duration, "restart", 1),
-                  Fault(0.45 * duration, "freeze", 2), Fault(0.55 * duration, "thaw", 2),
-                  Fault(0.68 * duration, "partition", 0), Fault(0.8 * duration, "heal", 0)]
+        duration = scale(48.0, 180.0)
+        # Each region fault lasts past the 5 s detection bound (8 s at the short scale), or a peer could only
+        # "detect" it after the region was back.
+        faults = [Fault(scale(5.0, 0.12 * duration), "kill", 1), Fault(scale(13.0, 0.3 * duration), "restart", 1),
+                  Fault(scale(18.0, 0.45 * duration), "freeze", 2), Fault(scale(26.0, 0.55 * duration), "thaw", 2),
+                  Fault(scale(31.0, 0.68 * duration), "partition", 0), Fault(scale(39.0, 0.8 * duration), "heal", 0)]
         if fleets:  # a fleet region takes most of a minute to start again here: the partition comes after
             faults = [Fault(0.06 * duration, "kill-replica", 2), Fault(0.16 * duration, "kill-gateway", 0),
                       Fault(0.25 * duration, "kill", 1), Fault(0.35 * duration, "restart", 1),

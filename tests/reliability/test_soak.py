@@ -24,7 +24,7 @@ from kvserve.config import INTERACTIVE_TTFT_SLO_S
 from tests.live_server import LiveServer
 from tests.reliability.conftest import FULL, scale
 
-pytestmark = [pytest.mark.slow, pytest.mark.real_model, pytest.mark.alone]
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
 MODEL = "smollm2-135m"
 INPUT, OUTPUT = 256, 128
