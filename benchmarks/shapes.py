@@ -4,8 +4,8 @@
 
 A random-weight model with a real model's shape serves at that model's speed (the same bytes read per
 token, the same FLOPs); its text is noise, so quality comes from the shipped models (benchmarks.quality).
-Each shape is written once by tests/gguf_factory.py as Q8_0, with SmolLM2's tokenizer, then quantized by
-llama.cpp's own `llama-quantize` (from the llama.cpp peer's set-up) into the types llama.cpp users
+Each shape is written once by tests/gguf_factory.py as Q8_0 (and Q4_0), with SmolLM2's tokenizer, then quantized
+by llama.cpp's own `llama-quantize` (from the llama.cpp peer's set-up) into the types llama.cpp users
 download. Files are cached in `$PEERS_DIR/models/shapes/` (default /tmp/peers): writing the 8B shape takes
 minutes and 8 GB of disk.
 """
@@ -38,7 +38,8 @@ SHAPES = {
     "llama-1b": Shape("llama-1b", "Llama-3.2-1B", 2048, 8192, 16, 32, 8, 64),
     "llama-8b": Shape("llama-8b", "Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128),
 }
-QUANTS = ("Q4_K_M", "Q8_0")
+QUANTS = ("Q4_K_M", "Q8_0", "Q4_0")
+WRITTEN_HERE = ("Q8_0", "Q4_0")  # tests/gguf_factory.py writes these types itself (gguf-py quantizes them)
 
 
 @dataclass(frozen=True)
@@ -89,26 +90,26 @@ def model_path(shape: str, quant: str) -> Path:
 
 
 def make(shape: str, quant: str, log=print) -> Path:
-    """The shape's GGUF at `quant` (Q8_0, written here; anything else: llama-quantize of the Q8_0 file),
-    made if missing."""
+    """The shape's GGUF at `quant` (WRITTEN_HERE: written here; anything else: llama-quantize of the Q8_0
+    file), made if missing."""
     out = model_path(shape, quant)
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    base = model_path(shape, "Q8_0")
+    base = model_path(shape, quant if quant in WRITTEN_HERE else "Q8_0")
     if not base.exists():
         from kvserve.models.catalog import resolve_model
         from tests.gguf_factory import TinySpec, write_tiny_gguf
 
         s = SHAPES[shape]
         spec = TinySpec(arch="llama", hidden=s.hidden, intermediate=s.intermediate, layers=s.layers, heads=s.heads,
-                        kv_heads=s.kv_heads, head_dim=s.head_dim, context=8192, quant="Q8_0")
+                        kv_heads=s.kv_heads, head_dim=s.head_dim, context=8192, quant=base.name.split(".")[-2])
         t0 = time.time()
         tmp = base.with_suffix(".tmp")
         write_tiny_gguf(tmp, spec, resolve_model("smollm2-135m")[1], keep_float=False)
         os.replace(tmp, base)
         log(f"wrote {base} ({base.stat().st_size / 1e9:.2f} GB) in {time.time() - t0:.0f} s")
-    if quant == "Q8_0":
+    if quant in WRITTEN_HERE:
         return base
     tool = llama_quantize()
     if tool is None:
