@@ -120,10 +120,6 @@ class NativeKernels:
         # Rows up to which a quantized GEMM multiplies the file's values as read; longer steps widen them to
         # a bf16 panel first (the weights then rounded to bf16, as a dense bf16 model holds them).
         self.quant_direct_rows = int(self._lib.kvserve_quant_direct_rows())
-        self._lib.kvserve_invariant_quant_ints.restype = _I64
-        # Whether the batch-invariant numerics multiply quantized weights by activations rounded to 16-bit
-        # integers per 32 inputs (every step), rather than rounding the weights to bf16 as a panel does.
-        self.invariant_quant_ints = bool(self._lib.kvserve_invariant_quant_ints())
         self._quant_rows = self._lib.kvserve_quant_rows
         self._quant_rows.argtypes, self._quant_rows.restype = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR], None
         self._linear_quant = self._lib.kvserve_linear_quant

@@ -155,21 +155,6 @@ extern "C" int64_t kvserve_quant_direct_rows() {
 #endif
 }
 
-// 1 where the batch-invariant numerics run every step of a quantized GEMM on integers (each row's 32-deep
-// chunks rounded to 16-bit integers: quant_acts.h): AVX2 builds, and AVX-512 VNNI where AMX tiles are not in
-// use; 0 where every step takes the bf16 panel's rounding instead.
-extern "C" int64_t kvserve_invariant_quant_ints() {
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-  return amx_ready() ? 0 : 1;
-#elif defined(__AVX512BF16__)
-  return 0;
-#elif defined(__AVX2__) && defined(__FMA__)
-  return 1;
-#else
-  return 0;
-#endif
-}
-
 // Bytes of a quantized [n, k] weight in this build's layout.
 extern "C" int64_t kvserve_quant_bytes(int64_t n, int64_t k, int64_t bits) {
   return n / 16 * (k / 32) * quant_chunk_bytes(bits);

@@ -4,7 +4,6 @@
 #pragma once
 #include "gemm_bf16.h"
 #include "gemm_quant_layout.h"
-#include "quant_acts.h"
 
 namespace {
 
@@ -101,7 +100,7 @@ void quant_block(const bf16* a, int64_t lda, const float* sums, int64_t chunks, 
 }
 
 // A chunk's minimums as the widened weights add them: m for 8-bit values, m - 128 s for 4-bit ones, which are
-// multiplied as 128 + q (widen_block adds the 128 to the nibbles; one rounding, in fp32).
+// multiplied as 128 + q (what widen_dot gets from q4_rows without a conversion; one rounding, in fp32).
 template <int Bits>
 inline __m512 widen_offset(__m512 s16, __m512 m16) {
   return Bits == 4 ? _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s16, m16) : m16;
@@ -155,131 +154,136 @@ void quant_rows(int rows, const bf16* a, int64_t lda, const float* sums, int64_t
   quant_block<R, Bits>(a, lda, sums, chunks, b, c);
 }
 
-#if defined(__AVX512VNNI__)
-// The integer path (AVX-512 VNNI): A quantized per 32-deep chunk to int16 (QuantActs), the stored values
-// widened to int16 in registers and multiplied by VPDPWSSD, which reads the tile layout's k pairs as they
-// are (a 32-bit lane: one column's two k), so no weight is rounded. A chunk's integer sum is exact and fp32
-// takes scale_w * scale_x * sum + minimum * sum(x) per chunk in k order: a row's bits depend on its values
-// alone, whatever the step's rows, so this is the batch-invariant numerics without a panel's rounding.
-constexpr int kVnniRows = 8;  // rows a pass holds (integer sums in registers, fp32 totals beside them)
-
-// c [NB][R, 16] = R rows of A (quantized, from row `row`) times NB column blocks (b, then b + block_bytes),
-// read once, in order; c's blocks kVnniRows * 16 apart. Each row's broadcast k pair feeds NB products. Fewer
-// rows and blocks take more integer partial sums each, so VPDPWSSD's latency is covered whatever the shape
-// (the sums are exact: the bits do not change).
+// The panel's arithmetic without the panel, for decode-sized steps under the batch-invariant numerics: each
+// tile row of NB column blocks' weights is widened to bf16 as widen_block writes it, in registers, and
+// multiplied at once, one chain per output in k order: the bits the vector micro kernel gives on the panel
+// (gemm_pair), which longer steps take. The chain is VDPBF16PS's latency a tile row, so a single row of 4-bit
+// weights takes four column blocks (four chains) to keep the units busy.
+// 4-bit rows come from q4_rows (bf16 of 128 + q, no conversion) and go to fp32 by interleaving with zeros,
+// which takes each 128-bit lane's pairs in another order: the scales, minimums and so the sums follow that
+// order of columns (kShuffled), which is put back at the end. c: NB blocks of [R, 16], kQuantDirectRows * 16
+// apart.
 template <int R, int NB, int Bits>
-void int_blocks(const QuantActs& acts, int64_t row, int64_t k, int64_t chunks, const uint8_t* b, int64_t block_bytes,
-                float* c) {
-  constexpr int C = R * NB >= 4 ? 1 : R * NB >= 2 ? 2 : 4;
+void widen_dot(const bf16* a, int64_t lda, int64_t chunks, const uint8_t* b, int64_t block_bytes, float* c) {
+  // 8-bit: each fp32 lane's column in emit's order (the tile row's element pairs). 4-bit: the columns of the
+  // low and high interleaves' lanes, and the column each sum lane then holds.
+  const __m512i pairs_lo = Bits == 4 ? _mm512_set_epi32(13, 13, 12, 12, 9, 9, 8, 8, 5, 5, 4, 4, 1, 1, 0, 0)
+                                     : _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i pairs_hi = Bits == 4 ? _mm512_set_epi32(15, 15, 14, 14, 11, 11, 10, 10, 7, 7, 6, 6, 3, 3, 2, 2)
+                                     : _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
+  const __m512i kShuffled = _mm512_set_epi32(15, 14, 7, 6, 13, 12, 5, 4, 11, 10, 3, 2, 9, 8, 1, 0);
   const int64_t cb = quant_chunk_bytes(Bits);
-  alignas(64) float acc[NB][R][16] = {};
+  __m512 acc[NB][R];
+  for (int j = 0; j < NB; ++j)
+    for (int i = 0; i < R; ++i) acc[j][i] = _mm512_setzero_ps();
+  struct Factors { __m512 s_lo, s_hi, m_lo, m_hi; };
+  const auto factors = [&](const uint8_t* t) {
+    const uint8_t* tail = t + quant_values_bytes(Bits);
+    const __m512 s16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail)));
+    const __m512 m16 = widen_offset<Bits>(
+        s16, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 32))));
+    return Factors{_mm512_permutexvar_ps(pairs_lo, s16), _mm512_permutexvar_ps(pairs_hi, s16),
+                   _mm512_permutexvar_ps(pairs_lo, m16), _mm512_permutexvar_ps(pairs_hi, m16)};
+  };
+  // A tile row's 32 values (fp32 halves) as widen_block's emit rounds them: s * q + m in fp32, then bf16.
+  const auto emit = [](const Factors& f, __m512 q_lo, __m512 q_hi) {
+    return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(f.s_hi, q_hi, f.m_hi), _mm512_fmadd_ps(f.s_lo, q_lo, f.m_lo));
+  };
+  const auto weights = [&](const uint8_t* t, const Factors& f, int rr) {  // int8: tile row rr
+    const __m128i* q = reinterpret_cast<const __m128i*>(t + rr * 32);
+    return emit(f, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))),
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
+  };
+  const auto halves = [&](const Factors& f, __m512bh x) {  // int4: a q4_rows row, 128 + q in each bf16
+    const __m512i zero = _mm512_setzero_si512();
+    return emit(f, (__m512)_mm512_unpacklo_epi16(zero, (__m512i)x), (__m512)_mm512_unpackhi_epi16(zero, (__m512i)x));
+  };
   for (int64_t ch = 0; ch < chunks; ++ch) {
     const uint8_t* t[NB];
+    Factors f[NB];
     for (int j = 0; j < NB; ++j) {
       t[j] = b + j * block_bytes + ch * cb;
       for (int64_t l = 0; l < cb; l += 64)
         _mm_prefetch(reinterpret_cast<const char*>(t[j] + kQuantPrefetchChunks * cb + l), _MM_HINT_T0);
+      f[j] = factors(t[j]);
     }
-    const int32_t* x[R];  // each row's k pairs of this chunk
-    for (int i = 0; i < R; ++i) x[i] = reinterpret_cast<const int32_t*>(acts.q + (row + i) * k + ch * 32);
-    __m512i s[C][NB][R];
-    for (int h = 0; h < C; ++h)
-      for (int j = 0; j < NB; ++j)
-        for (int i = 0; i < R; ++i) s[h][j][i] = _mm512_setzero_si512();
-    const auto dot = [&](int chain, int pair, const __m512i* w) {
+    const uint32_t* ar = reinterpret_cast<const uint32_t*>(a + ch * 32);
+    const auto multiply = [&](int rr, const __m512bh* w) {
       for (int i = 0; i < R; ++i) {
-        const __m512i xi = _mm512_set1_epi32(x[i][pair]);
-        for (int j = 0; j < NB; ++j) s[chain][j][i] = _mm512_dpwssd_epi32(s[chain][j][i], xi, w[j]);
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(ar[i * lda / 2 + rr]));
+        for (int j = 0; j < NB; ++j) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], x, w[j]);
       }
     };
     if constexpr (Bits == 8) {
       for (int rr = 0; rr < 16; ++rr) {
-        __m512i w[NB];
-        for (int j = 0; j < NB; ++j)
-          w[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[j] + rr * 32)));
-        dot(rr % C, rr, w);
+        __m512bh w[NB];
+        for (int j = 0; j < NB; ++j) w[j] = weights(t[j], f[j], rr);
+        multiply(rr, w);
       }
-    } else {  // tile rows p (low nibbles) and p + 8 (high) share their bytes
-      const __m512i nibble = _mm512_set1_epi16(0x0F);
+    } else {  // tile rows p and p + 8 share their bytes: read once, row p + 8 kept until its turn
+      __m512bh later[8][NB];
       for (int p = 0; p < 8; ++p) {
-        __m512i lo[NB], hi[NB];
+        __m512bh w[NB];
         for (int j = 0; j < NB; ++j) {
-          const __m512i bytes =
-              _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[j] + p * 32)));
-          lo[j] = _mm512_and_si512(bytes, nibble);
-          hi[j] = _mm512_srli_epi16(bytes, 4);
+          __m512bh lo;
+          q4_rows(t[j] + p * 32, lo, later[p][j]);
+          w[j] = halves(f[j], lo);
         }
-        dot((2 * p) % C, p, lo);
-        dot((2 * p + 1) % C, p + 8, hi);
+        multiply(p, w);
       }
-    }
-    for (int j = 0; j < NB; ++j) {
-      const uint8_t* tail = t[j] + quant_values_bytes(Bits);
-      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail)));
-      const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 32)));
-      for (int i = 0; i < R; ++i) {
-        __m512i total = s[0][j][i];
-        for (int h = 1; h < C; ++h) total = _mm512_add_epi32(total, s[h][j][i]);
-        const int64_t f = (row + i) * chunks + ch;
-        _mm512_store_ps(acc[j][i], _mm512_fmadd_ps(_mm512_mul_ps(scale, _mm512_set1_ps(acts.scale[f])),
-                                                   _mm512_cvtepi32_ps(total),
-                                                   _mm512_fmadd_ps(minimum, _mm512_set1_ps(acts.sum[f]),
-                                                                   _mm512_load_ps(acc[j][i]))));
+      for (int p = 0; p < 8; ++p) {
+        __m512bh w[NB];
+        for (int j = 0; j < NB; ++j) w[j] = halves(f[j], later[p][j]);
+        multiply(p + 8, w);
       }
     }
   }
   for (int j = 0; j < NB; ++j)
-    for (int i = 0; i < R; ++i) _mm512_storeu_ps(c + j * kVnniRows * 16 + i * 16, _mm512_load_ps(acc[j][i]));
+    for (int i = 0; i < R; ++i)
+      _mm512_storeu_ps(c + j * kQuantDirectRows * 16 + i * 16,
+                       Bits == 4 ? _mm512_permutexvar_ps(kShuffled, acc[j][i]) : acc[j][i]);
 }
 
 template <int R, int Bits>
-void int_rows(int rows, bool two, const QuantActs& acts, int64_t row, int64_t k, int64_t chunks, const uint8_t* b,
-              int64_t block_bytes, float* c) {
+void widen_dot_rows(int rows, int blocks, const bf16* a, int64_t lda, int64_t chunks, const uint8_t* b,
+                    int64_t block_bytes, float* c) {
   if constexpr (R > 1) {
-    if (rows < R) return int_rows<R - 1, Bits>(rows, two, acts, row, k, chunks, b, block_bytes, c);
+    if (rows < R) return widen_dot_rows<R - 1, Bits>(rows, blocks, a, lda, chunks, b, block_bytes, c);
   }
-  if (two) return int_blocks<R, 2, Bits>(acts, row, k, chunks, b, block_bytes, c);
-  int_blocks<R, 1, Bits>(acts, row, k, chunks, b, block_bytes, c);
+  switch (blocks) {
+    case 4: return widen_dot<R, 4, Bits>(a, lda, chunks, b, block_bytes, c);
+    case 3: return widen_dot<R, 3, Bits>(a, lda, chunks, b, block_bytes, c);
+    case 2: return widen_dot<R, 2, Bits>(a, lda, chunks, b, block_bytes, c);
+    default: return widen_dot<R, 1, Bits>(a, lda, chunks, b, block_bytes, c);
+  }
 }
 
-// Every step on integers: A quantized once, then tasks of column pairs (at most 256 KiB of weights, which
-// stay in L2 while every row block passes over them); rows split evenly into blocks of at most kVnniRows.
-template <int Bits, typename Epilogue>
-void gemm_quant_ints(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int64_t nblocks, Epilogue& epi) {
-  const int64_t chunks = k / 32, block_bytes = chunks * quant_chunk_bytes(Bits);
-  const int64_t pairs = (nblocks + 1) / 2;
-  const QuantActs acts = quantize_rows(a, m, k);
-  const int64_t group = m <= 32 ? 1 : std::max<int64_t>(1, std::min<int64_t>(pairs / 8, (256 << 10) / (2 * block_bytes)));
-  const int64_t row_blocks = (m + kVnniRows - 1) / kVnniRows;
-  alignas(64) float c[2 * kVnniRows * 16];
-#pragma omp for schedule(dynamic, 1)
-  for (int64_t task = 0; task < (pairs + group - 1) / group; ++task)
-    for (int64_t rb = 0; rb < row_blocks; ++rb) {
-      const int64_t r = rb * m / row_blocks;
-      const int rows = static_cast<int>((rb + 1) * m / row_blocks - r);
-      for (int64_t pair = task * group; pair < std::min(pairs, (task + 1) * group); ++pair) {
-        const int64_t nb0 = 2 * pair;
-        const bool two = nb0 + 1 < nblocks;
-        int_rows<kVnniRows, Bits>(rows, two, acts, r, k, chunks, w + nb0 * block_bytes, block_bytes, c);
-        epi(r, nb0, two, 0, rows, c, c + kVnniRows * 16);
-      }
-    }
-}
-#endif  // __AVX512VNNI__
 
 // Steps of up to kQuantDirectRows rows multiply the values as read (quant_block); longer ones widen each
 // column pair into a bf16 panel for the GEMM of this CPU. The two round differently (the panel rounds each
-// weight to bf16 first), so the batch-invariant numerics take one arithmetic for every step: the integer path
-// (gemm_quant_ints) on the vector units, the panel where AMX tiles run the GEMM (their prefill is several
-// times the vector units', and tile products differ from vector ones).
+// weight to bf16 first), so under the batch-invariant numerics every step gets the panel's bits: long ones
+// from the panel, short ones from widen_dot (the same products in registers) where the GEMM runs on vectors;
+// on AMX the tile products differ from vector ones, so there every step takes the panel.
 template <int Bits, typename Epilogue>
 void gemm_quant_bits(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int64_t nblocks, TileState& ts,
                      Epilogue& epi) {
   const int64_t chunks = k / 32, block_bytes = chunks * quant_chunk_bytes(Bits);
   const int64_t pairs = (nblocks + 1) / 2;
-#if defined(__AVX512VNNI__)
-  if (ts.invariant && !amx_ready()) return gemm_quant_ints<Bits>(a, m, k, w, nblocks, epi);
-#endif
+  if (ts.invariant && m <= kQuantDirectRows && !amx_ready()) {
+    // One row of 4-bit weights: four column blocks a task (widen_dot's chains); else a pair (8-bit weights are
+    // twice the bytes, and two streams of them keep a row busy).
+    const int64_t per_task = m == 1 && Bits == 4 ? 4 : 2, tasks = (nblocks + per_task - 1) / per_task;
+    alignas(64) float c[4][kQuantDirectRows * 16];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t nb0 = task * per_task;
+      const int blocks = static_cast<int>(std::min(per_task, nblocks - nb0));
+      widen_dot_rows<kQuantDirectRows, Bits>(static_cast<int>(m), blocks, a, k, chunks, w + nb0 * block_bytes,
+                                             block_bytes, c[0]);
+      for (int j = 0; j < blocks; j += 2) epi(0, nb0 + j, j + 1 < blocks, 0, static_cast<int>(m), c[j], c[j + 1]);
+    }
+    return;
+  }
   if (m <= kQuantDirectRows && !ts.invariant) {
     QuantRows rows;
     rows.load(a, m, k);  // quant_block takes the minimums (and int4's offset) off A's chunk sums

@@ -38,16 +38,15 @@ def _path_error(native, x: torch.Tensor, w: torch.Tensor, invariant: bool = Fals
     panel), off by at most 2^-9 |x| |w|. AVX2 builds: short steps round each 32-deep chunk of a row to
     16-bit integers with a power-of-two scale (off by at most 2^-14 of the chunk's largest |x| per value);
     longer ones multiply the exact weights in fp32. Under the batch-invariant numerics every step rounds as
-    one path does: as AVX2's short steps where the build says so (`invariant_quant_ints`: AVX2, and AVX-512
-    VNNI without AMX tiles), else as the panel."""
+    one path does: AVX-512 BF16 and AMX builds as the panel, AVX2 builds as the short steps."""
     xd, wd = x.double(), w.double().abs()
-    direct = x.shape[0] <= native.quant_direct_rows
-    if invariant and native.invariant_quant_ints or not invariant and direct and not native.pair_layout:
-        chunk_max = xd.abs().view(x.shape[0], -1, 32).amax(-1).repeat_interleave(32, dim=1)
-        return 2.0 ** -14 * (chunk_max @ wd.T)
+    direct = not native.pair_layout if invariant else x.shape[0] <= native.quant_direct_rows
     if native.pair_layout:
-        return 0.0 if direct and not invariant else 2.0 ** -9 * (xd.abs() @ wd.T)
-    return 0.0
+        return 0.0 if direct else 2.0 ** -9 * (xd.abs() @ wd.T)
+    if not direct:
+        return 0.0
+    chunk_max = xd.abs().view(x.shape[0], -1, 32).amax(-1).repeat_interleave(32, dim=1)
+    return 2.0 ** -14 * (chunk_max @ wd.T)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
