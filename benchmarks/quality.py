@@ -243,7 +243,7 @@ def _speed(llm, shape, w1_runs: int, tpot_runs: int, price) -> dict:
     from benchmarks.offline import greedy, output_lengths, random_prompts, run_continuous
     from benchmarks.single import decode_rates
 
-    rates = decode_rates(llm.engine, TPOT_TOKENS, tpot_runs)
+    rates, _ = decode_rates(llm.engine, TPOT_TOKENS, tpot_runs)
     prompts = random_prompts(shape.num_prompts, shape.prompt_len, llm.engine.model_config.vocab_size, seed=0)
     llm.generate(prompts[:2], [greedy(4)] * 2, use_tqdm=False)  # warm-up
     runs = sorted((run_continuous(llm, prompts, output_lengths(shape, varied=False)) for _ in range(w1_runs)),

@@ -1,14 +1,15 @@
 """Load time, resident memory and single-sequence decode speed of each model and dtype.
 
     python -m benchmarks.single [--models smollm2-135m,gemma3-270m] [--dtypes float32,bfloat16] [--tokens 64]
-                                [--weights auto,bf16] [--kv auto,int8] [--context 2048] [--json out.json]
-                                [--markdown docs/bench/cpu/KIND-single.md]
+                                [--weights auto,bf16] [--kv auto,int8] [--numerics batch_invariant,fast]
+                                [--context 2048] [--json out.json] [--markdown docs/bench/cpu/KIND-single.md]
 
 Each (model, dtype) runs in a fresh process so the resident-memory figure is that model's alone.
 Decode speed is the offline engine's: one greedy sequence, `--tokens` tokens after the first,
 timed from the first token to the last (prefill excluded), median of `--runs` runs. `--context N`
 starts it from a prompt of N random tokens instead of a short sentence, so each step also reads N
-tokens of KV cache (`--kv`: the KV cache's dtype, CacheConfig.kv_cache_dtype). `--markdown` writes the
+tokens of KV cache (`--kv`: the KV cache's dtype, CacheConfig.kv_cache_dtype); the prefill of that prompt
+(from the request's submission to its first token, median of the runs) is reported too. `--markdown` writes the
 table with the command and the machine (BENCHMARKS.md shows docs/bench/cpu/<kind>-single.md under its
 CPU kind's section).
 """
@@ -32,18 +33,20 @@ def _rss_mib() -> float:
     return float("nan")
 
 
-def decode_rates(engine, tokens: int, runs: int, context: int = 0) -> list[float]:
-    """Tokens/s of one greedy sequence, `tokens` tokens after the first (prefill excluded), for each of
-    `runs` runs after a warm-up run; from a prompt of `context` random tokens where given."""
+def decode_rates(engine, tokens: int, runs: int, context: int = 0) -> tuple[list[float], list[float]]:
+    """Tokens/s of one greedy sequence, `tokens` tokens after the first (prefill excluded), and seconds from
+    its submission to its first token, for each of `runs` runs after a warm-up run; from a prompt of
+    `context` random tokens where given."""
     import random
 
     from kvserve import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
     rng = random.Random(0)
-    rates = []
+    rates, prefills = [], []
     for i in range(runs + 1):  # the first run warms up
         ids = [rng.randrange(100, engine.model_config.vocab_size) for _ in range(context)] if context else None
+        submitted = time.perf_counter()
         engine.core.add_request(engine.request(ids or "The history of the city begins", params))
         first = last = None
         while engine.core.has_unfinished_requests():
@@ -54,22 +57,25 @@ def decode_rates(engine, tokens: int, runs: int, context: int = 0) -> list[float
                 last = now
         if i:
             rates.append(tokens / (last - first))
-    return rates
+            prefills.append(first - submitted)
+    return rates, prefills
 
 
-def measure(model: str, dtype: str, tokens: int, runs: int, weights: str, kv: str = "auto", context: int = 0) -> dict:
+def measure(model: str, dtype: str, tokens: int, runs: int, weights: str, kv: str = "auto", context: int = 0,
+            numerics: str = "batch_invariant") -> dict:
     from kvserve import LLM
 
     t0 = time.perf_counter()
     llm = LLM(model, dtype=dtype, kv_cache_memory="256MiB", swap_space=0, weights=weights, kv_cache_dtype=kv,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, numerics=numerics)
     load_s = time.perf_counter() - t0
     rss = _rss_mib()
     engine = llm.engine
-    rates = decode_rates(engine, tokens, runs, context)
+    rates, prefills = decode_rates(engine, tokens, runs, context)
     import torch
 
     return {"model": model, "dtype": dtype, "weights": engine.weights, "kv": kv, "context": context,
+            "numerics": engine.numerics, "prefill_ms": round(1000 * statistics.median(prefills), 1),
             "load_s": round(load_s, 2),
             "rss_mib": round(rss), "decode_tok_s": round(statistics.median(rates), 1),
             "decode_ms_per_token": round(1000 / statistics.median(rates), 2), "threads": torch.get_num_threads()}
@@ -84,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--weights", default="auto",
                     help="comma-separated EngineConfig.weights settings: auto, bf16, int8, int4 (default auto)")
     ap.add_argument("--kv", default="auto", help="comma-separated KV cache dtypes: auto, int8 (default auto)")
+    ap.add_argument("--numerics", default="batch_invariant",
+                    help="comma-separated EngineConfig.numerics settings: batch_invariant, fast (default batch_invariant)")
     ap.add_argument("--context", type=int, default=0, help="decode from a prompt of this many random tokens")
     ap.add_argument("--json", default=None, help="write the rows here too")
     ap.add_argument("--markdown", default=None, help="write the table, the command and the machine here")
@@ -91,22 +99,25 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.child:
         model, dtype = args.child.split(":")
-        print(json.dumps(measure(model, dtype, args.tokens, args.runs, args.weights, args.kv, args.context)))
+        print(json.dumps(measure(model, dtype, args.tokens, args.runs, args.weights, args.kv, args.context,
+                                 args.numerics)))
         return
     rows = []
     for model in args.models.split(","):
         for dtype in args.dtypes.split(","):
             for weights in args.weights.split(","):
                 for kv in args.kv.split(","):
-                    cmd = [sys.executable, "-m", "benchmarks.single", "--child", f"{model}:{dtype}",
-                           "--tokens", str(args.tokens), "--runs", str(args.runs), "--weights", weights,
-                           "--kv", kv, "--context", str(args.context)]
-                    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-                    rows.append(json.loads(out.strip().splitlines()[-1]))
-    table = ["| model | dtype | weights | KV | context | load s | RSS MiB | decode tok/s | ms/token |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    table += [f"| {os.path.basename(r['model'])} | {r['dtype']} | {r['weights']} | {r['kv']} | {r['context']} | {r['load_s']} | "
-              f"{r['rss_mib']} | {r['decode_tok_s']} | {r['decode_ms_per_token']} |" for r in rows]
+                    for numerics in args.numerics.split(","):
+                        cmd = [sys.executable, "-m", "benchmarks.single", "--child", f"{model}:{dtype}",
+                               "--tokens", str(args.tokens), "--runs", str(args.runs), "--weights", weights,
+                               "--kv", kv, "--context", str(args.context), "--numerics", numerics]
+                        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+                        rows.append(json.loads(out.strip().splitlines()[-1]))
+    table = ["| model | dtype | weights | KV | numerics | context | load s | RSS MiB | prefill ms | decode tok/s | ms/token |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    table += [f"| {os.path.basename(r['model'])} | {r['dtype']} | {r['weights']} | {r['kv']} | {r['numerics']} | "
+              f"{r['context']} | {r['load_s']} | {r['rss_mib']} | {r['prefill_ms']} | {r['decode_tok_s']} | "
+              f"{r['decode_ms_per_token']} |" for r in rows]
     print("\n".join(table))
     print(json.dumps(rows))
     if args.markdown:
