@@ -96,14 +96,15 @@ def make(shape: str, quant: str, log=print) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    base = model_path(shape, quant if quant in WRITTEN_HERE else "Q8_0")
+    base_quant = quant if quant in WRITTEN_HERE else "Q8_0"
+    base = model_path(shape, base_quant)
     if not base.exists():
         from kvserve.models.catalog import resolve_model
         from tests.gguf_factory import TinySpec, write_tiny_gguf
 
         s = SHAPES[shape]
         spec = TinySpec(arch="llama", hidden=s.hidden, intermediate=s.intermediate, layers=s.layers, heads=s.heads,
-                        kv_heads=s.kv_heads, head_dim=s.head_dim, context=8192, quant=base.name.split(".")[-2])
+                        kv_heads=s.kv_heads, head_dim=s.head_dim, context=8192, quant=base_quant)
         t0 = time.time()
         tmp = base.with_suffix(".tmp")
         write_tiny_gguf(tmp, spec, resolve_model("smollm2-135m")[1], keep_float=False)

@@ -42,8 +42,12 @@ IN_PROCESS_MODULES = frozenset(f"tests/integration/test_{name}.py" for name in (
 TEST_A_UNIT = frozenset({"tests/integration/test_cpu_levels.py"})  # each test minutes long: one a unit
 
 
+def module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
 def lane(nodeid: str) -> str:
-    path = nodeid.split("::", 1)[0]
+    path = module_of(nodeid)
     return IN_PROCESS_LANE if path.startswith("tests/unit/") or path in IN_PROCESS_MODULES else SERVERS_LANE
 
 
@@ -62,7 +66,7 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             if lane(nodeid) == SERVERS_LANE:
                 return SERVERS_LANE
-            path = nodeid.split("::", 1)[0]
+            path = module_of(nodeid)
             return nodeid if path in TEST_A_UNIT else path
 
     return LaneScheduling(config, log)

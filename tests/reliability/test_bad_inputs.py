@@ -103,7 +103,6 @@ class Case:
     type: str = "invalid_request_error"
 
 
-
 def past_the_rate_limit(s) -> httpx.Response:
     """The limited tenant (one request a minute) asks three times at once: the windows are whole minutes, so
     two calls may straddle a boundary and both pass, but of three at most one boundary falls between them.
@@ -193,7 +192,7 @@ CASES = [
     Case("an admin route with a tenant's token", lambda s: httpx.put(
         s.base + "/v1/admin/tenants/acme/limits", json={"rpm": 5}, headers=s.headers(), timeout=30), 403,
          "permission_denied", type="permission_error"),
-    Case("a tenant past its requests per minute", lambda s: past_the_rate_limit(s), 429, "rate_limit_exceeded",
+    Case("a tenant past its requests per minute", past_the_rate_limit, 429, "rate_limit_exceeded",
          type="requests"),
     # ---- Idempotency-Key --------------------------------------------------------------------------------------
     Case("empty Idempotency-Key", post("/v1/completions", completion(), **{"Idempotency-Key": ""}), 400,
