@@ -2,6 +2,7 @@
 
     python -m benchmarks.single [--models smollm2-135m,gemma3-270m] [--dtypes float32,bfloat16] [--tokens 64]
                                 [--weights auto,bf16] [--kv auto,int8] [--numerics batch_invariant,fast]
+                                [--activations auto,bf16,int8]
                                 [--context 2048] [--json out.json] [--markdown docs/bench/cpu/KIND-single.md]
 
 Each (model, dtype) runs in a fresh process so the resident-memory figure is that model's alone.
@@ -16,6 +17,7 @@ CPU kind's section).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -62,12 +64,12 @@ def decode_rates(engine, tokens: int, runs: int, context: int = 0) -> tuple[list
 
 
 def measure(model: str, dtype: str, tokens: int, runs: int, weights: str, kv: str = "auto", context: int = 0,
-            numerics: str = "batch_invariant") -> dict:
+            numerics: str = "batch_invariant", activations: str = "auto") -> dict:
     from kvserve import LLM
 
     t0 = time.perf_counter()
     llm = LLM(model, dtype=dtype, kv_cache_memory="256MiB", swap_space=0, weights=weights, kv_cache_dtype=kv,
-              enable_prefix_caching=False, numerics=numerics)
+              enable_prefix_caching=False, numerics=numerics, activations=activations)
     load_s = time.perf_counter() - t0
     rss = _rss_mib()
     engine = llm.engine
@@ -75,7 +77,7 @@ def measure(model: str, dtype: str, tokens: int, runs: int, weights: str, kv: st
     import torch
 
     return {"model": model, "dtype": dtype, "weights": engine.weights, "kv": kv, "context": context,
-            "numerics": engine.numerics, "prefill_ms": round(1000 * statistics.median(prefills), 1),
+            "numerics": engine.numerics, "activations": engine.activations, "prefill_ms": round(1000 * statistics.median(prefills), 1),
             "load_s": round(load_s, 2),
             "rss_mib": round(rss), "decode_tok_s": round(statistics.median(rates), 1),
             "decode_ms_per_token": round(1000 / statistics.median(rates), 2), "threads": torch.get_num_threads()}
@@ -92,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv", default="auto", help="comma-separated KV cache dtypes: auto, int8 (default auto)")
     ap.add_argument("--numerics", default="batch_invariant",
                     help="comma-separated EngineConfig.numerics settings: batch_invariant, fast (default batch_invariant)")
+    ap.add_argument("--activations", default="auto",
+                    help="comma-separated EngineConfig.activations settings: auto, bf16, int8 (default auto)")
     ap.add_argument("--context", type=int, default=0, help="decode from a prompt of this many random tokens")
     ap.add_argument("--json", default=None, help="write the rows here too")
     ap.add_argument("--markdown", default=None, help="write the table, the command and the machine here")
@@ -100,23 +104,20 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         model, dtype = args.child.split(":")
         print(json.dumps(measure(model, dtype, args.tokens, args.runs, args.weights, args.kv, args.context,
-                                 args.numerics)))
+                                 args.numerics, args.activations)))
         return
     rows = []
-    for model in args.models.split(","):
-        for dtype in args.dtypes.split(","):
-            for weights in args.weights.split(","):
-                for kv in args.kv.split(","):
-                    for numerics in args.numerics.split(","):
-                        cmd = [sys.executable, "-m", "benchmarks.single", "--child", f"{model}:{dtype}",
-                               "--tokens", str(args.tokens), "--runs", str(args.runs), "--weights", weights,
-                               "--kv", kv, "--context", str(args.context), "--numerics", numerics]
-                        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-                        rows.append(json.loads(out.strip().splitlines()[-1]))
-    table = ["| model | dtype | weights | KV | numerics | context | load s | RSS MiB | prefill ms | decode tok/s | ms/token |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    settings = (args.models, args.dtypes, args.weights, args.kv, args.numerics, args.activations)
+    for model, dtype, weights, kv, numerics, activations in itertools.product(*(s.split(",") for s in settings)):
+        cmd = [sys.executable, "-m", "benchmarks.single", "--child", f"{model}:{dtype}", "--tokens", str(args.tokens),
+               "--runs", str(args.runs), "--weights", weights, "--kv", kv, "--context", str(args.context),
+               "--numerics", numerics, "--activations", activations]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+    table = ["| model | dtype | weights | KV | numerics | activations | context | load s | RSS MiB | prefill ms | "
+             "decode tok/s | ms/token |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     table += [f"| {os.path.basename(r['model'])} | {r['dtype']} | {r['weights']} | {r['kv']} | {r['numerics']} | "
-              f"{r['context']} | {r['load_s']} | {r['rss_mib']} | {r['prefill_ms']} | {r['decode_tok_s']} | "
+              f"{r['activations']} | {r['context']} | {r['load_s']} | {r['rss_mib']} | {r['prefill_ms']} | {r['decode_tok_s']} | "
               f"{r['decode_ms_per_token']} |" for r in rows]
     print("\n".join(table))
     print(json.dumps(rows))

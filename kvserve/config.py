@@ -215,6 +215,7 @@ class Priority(IntEnum):
 
 TIER_NAMES = tuple(p.label for p in Priority)
 NUMERICS = ("batch_invariant", "fast")  # EngineConfig.numerics
+ACTIVATIONS = ("auto", "bf16", "int8")  # EngineConfig.activations
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half")
 ATTENTION_POLICIES = ("full", "sinks_window")
 WEIGHT_MODES = ("auto", "bf16", "int8", "int4")  # EngineConfig.weights (models/quant.weight_bits)
@@ -338,6 +339,10 @@ class EngineConfig:
     # or decode, chunking, cache hits, preemption, migration); "fast": kernels may pick by shape. Where the
     # path cannot give it (float32, CUDA) the engine runs "fast" and says so (models/backend.plan).
     numerics: str = "batch_invariant"
+    # What quantized matrices multiply: "int8" (each step's activations quantized to 8 bits per 32 inputs,
+    # integer dot products, batch-invariant at every step size), "bf16", or "auto": int8 where the CPU kind
+    # measured faster with it (AVX-512 VNNI without AMX), else bf16 (models/backend.resolve_activations).
+    activations: str = "auto"
     # "full": every layer attends as the model was trained. "sinks_window" (opt-in, StreamingLLM): layers
     # without a native window attend to the first attention_sinks tokens and the last attention_window ones and
     # hold only those blocks, for long contexts in less memory at a measured cost in quality (BENCHMARKS.md);
@@ -377,6 +382,7 @@ class EngineConfig:
             model=(lambda v: isinstance(v, str) and v != "", "a catalog id, a .gguf path or a checkpoint directory"),
             dtype=(lambda v: v in ("auto",) + DTYPES or not isinstance(v, str), f"one of auto, {', '.join(DTYPES)}"),
             numerics=(lambda v: v in NUMERICS, f"one of {', '.join(NUMERICS)}"),
+            activations=(lambda v: v in ACTIVATIONS, f"one of {', '.join(ACTIVATIONS)}"),
             device=(lambda v: v in ("auto", "cpu") or (isinstance(v, str) and v.startswith("cuda")),
                     "auto, cpu, cuda or cuda:N"),
             seed=NONNEG_INT, onednn_weights=BOOL, native_decoder=BOOL,

@@ -29,8 +29,9 @@ class PagedHarness:
     """Our model behind a ModelRunner, with a trivial block allocator (fresh blocks per sequence)."""
 
     def __init__(self, ck: Checkpoint, num_blocks: int = 256, dtype=torch.float32, kv_int8: bool = False,
-                 numerics: str = "batch_invariant"):
-        self.model = build_model(ck, plan_for(ck, dtype, numerics=numerics), max_positions=4096)
+                 numerics: str = "batch_invariant", activations: str = "bf16"):
+        self.model = build_model(ck, plan_for(ck, dtype, numerics=numerics, activations=activations),
+                                 max_positions=4096)
         self.runner = ModelRunner(self.model, ck.config, num_blocks, 0, BLOCK, dtype, torch.device("cpu"),
                                   kv_int8=kv_int8)
         self.next_block = 1  # block 0 stays unused so padding never aliases real data

@@ -108,8 +108,10 @@ class NativeKernels:
         self._lib.kvserve_compiled_isa.restype = _I64
         bits = self._lib.kvserve_compiled_isa()
         # The instruction sets compiled in (isa.compile_flags), as names.
-        self.compiled_isa = frozenset(name for bit, name in enumerate(("avx2", "avx512f", "avx512_bf16", "amx"))
+        self.compiled_isa = frozenset(name for bit, name in enumerate(("avx2", "avx512f", "avx512_bf16", "amx", "avx512_vnni"))
                                       if bits >> bit & 1)
+        # Quantized matrices can multiply activations quantized to 8 bits (gemm_quant_int8: VPDPBUSD).
+        self.int8_activations = {"avx512_bf16", "avx512_vnni"} <= self.compiled_isa
         self._pack = self._lib.kvserve_pack_weight_bf16
         self._pack.argtypes, self._pack.restype = [_PTR, _I64, _I64, _PTR], None
         self._pack_quant = self._lib.kvserve_pack_quant
@@ -123,7 +125,7 @@ class NativeKernels:
         self._quant_rows = self._lib.kvserve_quant_rows
         self._quant_rows.argtypes, self._quant_rows.restype = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR], None
         self._linear_quant = self._lib.kvserve_linear_quant
-        self._linear_quant.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64]
+        self._linear_quant.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64]
         self._linear_quant.restype = None
         for name in ("kvserve_quantize_kv_rows", "kvserve_dequantize_kv_rows"):
             f = getattr(self._lib, name)
@@ -283,10 +285,13 @@ class NativeKernels:
         return out.view(*ids.shape, k)
 
     def linear_quant(self, x: torch.Tensor, packed: torch.Tensor, bits: int, n: int,
-                     out_dtype: torch.dtype = torch.bfloat16, invariant: bool = False) -> torch.Tensor:
+                     out_dtype: torch.dtype = torch.bfloat16, invariant: bool = False,
+                     int8_acts: bool = False) -> torch.Tensor:
         """x [T, K] bf16 times a weight [n, K] packed by pack_quant (bits 4, 8) or pack_weight (bits 0) ->
         [T, n] in bf16, or in float32 holding the same bf16-rounded values (the LM head's logits). `invariant`:
-        each row's values are the same bits whatever T (the batch-invariant numerics, gemm.h's gemm)."""
+        each row's values are the same bits whatever T (the batch-invariant numerics, gemm.h's gemm).
+        `int8_acts`: a quantized weight multiplies x quantized to 8 bits per 32 inputs (where
+        `int8_activations`; every T then batch-invariant)."""
         if not self.fused:
             raise RuntimeError("the packed GEMM needs AMX or AVX2")
         x = x.contiguous()
@@ -294,9 +299,11 @@ class NativeKernels:
         size = n * k * 2 if bits == 0 else self._quant_bytes(n, k, bits)
         if x.dtype != torch.bfloat16 or x.dim() != 2 or k % 32 or n % 16 or packed.numel() * packed.element_size() != size:
             raise ValueError(f"linear_quant takes bf16 [T, K] and a packed [{n}, K] weight of {bits} bits")
+        if int8_acts and not self.int8_activations:
+            raise ValueError("8-bit activations need a build with AVX-512 BF16 and VNNI")
         out = torch.empty((x.shape[0], n), dtype=out_dtype)
         self._linear_quant(x.data_ptr(), x.shape[0], k, packed.data_ptr(), bits, n, out.data_ptr(),
-                           int(out_dtype == torch.float32), int(invariant))
+                           int(out_dtype == torch.float32), int(invariant), int(int8_acts))
         return out
 
     def forward(self, model_params: ctypes.Structure, layer_params: ctypes.Array, hidden: torch.Tensor,
@@ -358,7 +365,7 @@ class ModelParams(ctypes.Structure):
     _fields_ = [(name, _I64) for name in ("num_layers", "hidden", "q_heads", "kv_heads", "head_dim", "intermediate",
                                           "num_blocks", "block_size", "act")] + [
         ("eps", _F32), ("norm_unit_offset", _I64), ("final_norm", _PTR), ("phase_seconds", _PTR), ("kv_int8", _I64),
-        ("invariant", _I64)]
+        ("invariant", _I64), ("int8_acts", _I64)]
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,9 @@ extern "C" int64_t kvserve_compiled_isa() {
   bits |= 4;
 #endif
   if (kCompiledWithAmx) bits |= 8;
+#if defined(__AVX512VNNI__)
+  bits |= 16;
+#endif
   return bits;
 }
 
@@ -164,11 +167,12 @@ extern "C" int64_t kvserve_quant_bytes(int64_t n, int64_t k, int64_t bits) {
 // kvserve_pack_weight_bf16 (bits 0): bf16, or (out_f32) fp32 holding each value rounded to bf16 as torch's
 // bf16 linear rounds it (the LM head, whose logits the sampler reads in fp32).
 extern "C" void kvserve_linear_quant(const void* x, int64_t m, int64_t k, const void* packed, int64_t bits, int64_t n,
-                                     void* out, int64_t out_f32, int64_t invariant) {
+                                     void* out, int64_t out_f32, int64_t invariant, int64_t int8_acts) {
 #pragma omp parallel
   {
     TileState ts;
     ts.invariant = invariant != 0;
+    ts.int8_acts = int8_acts != 0;
     const QWeight w{packed, bits};
     if (out_f32) gemm(static_cast<const bf16*>(x), m, k, w, n / 16, ts, StoreTiles<float>{static_cast<float*>(out), n});
     else gemm(static_cast<const bf16*>(x), m, k, w, n / 16, ts, StoreTiles<bf16>{static_cast<bf16*>(out), n});

@@ -67,6 +67,7 @@ struct ModelParams {
   int64_t kv_int8;  // the caches hold 8-bit rows (cpu_common.h, quantize_kv_row)
   int64_t invariant;  // batch-invariant numerics (gemm, gemm_quant_bits); tile chunks are then passed only where
                     // their rows attend as a row alone does (AVX2's row groups: NativeDecoder)
+  int64_t int8_acts;  // quantized matrices multiply activations quantized to 8 bits (gemm_quant_int8)
 };
 
 // The body of kvserve_forward_bf16 (decoder_cpu.cpp, which says what each argument holds).
@@ -136,6 +137,7 @@ inline int64_t decoder_forward(const ModelParams* mp, const LayerParams* layers,
   {
     TileState ts;
     ts.invariant = p.invariant != 0;
+    ts.int8_acts = p.int8_acts != 0;
     std::vector<float> scores;
     std::vector<bf16> probs;
     Scratch scratch;

@@ -22,6 +22,7 @@ struct alignas(64) TileConfig {
 // The config depends only on the rows of the two row blocks; reloaded when they change.
 struct TileState {
   bool invariant = false;  // batch-invariant numerics (see gemm): a row's sums never depend on the rows beside it
+  bool int8_acts = false;  // quantized weights multiply activations quantized to 8 bits (gemm_quant_int8)
   int rows0 = -1, rows1 = -1;
   void ensure(int r0, int r1) {
     if (r0 == rows0 && r1 == rows1) return;
@@ -165,6 +166,7 @@ inline void store_sums(float* dst, int64_t stride, int64_t offset, bool four) {
 constexpr bool kCompiledWithAmx = false;
 struct TileState {
   bool invariant = false;  // batch-invariant numerics (see gemm): a row's sums never depend on the rows beside it
+  bool int8_acts = false;  // quantized weights multiply activations quantized to 8 bits (gemm_quant_int8)
 };
 #endif
 

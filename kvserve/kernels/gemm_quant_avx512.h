@@ -5,6 +5,8 @@
 #include "gemm_bf16.h"
 #include "gemm_quant_layout.h"
 
+#include <limits>
+
 namespace {
 
 #if defined(__AVX512BF16__)
@@ -259,6 +261,187 @@ void widen_dot_rows(int rows, int blocks, const bf16* a, int64_t lda, int64_t ch
 }
 
 
+// ---- 8-bit activations (W4A8, W8A8) ----
+// A's rows quantized once per GEMM to int8 per 32-deep chunk, as llama.cpp's q8_0 blocks: x ~ scale * q,
+// scale = max |x| / 127, q rounded to nearest even. VPDPBUSD then multiplies 4 k of a column's weights (the
+// unsigned operand: 0..15, or int8 + 128) by the row's 4 values (signed) in one 32-bit lane, exactly; fp32
+// takes each chunk's integer sum times the two scales, in chunk order. Nothing in a row's arithmetic
+// depends on the rows beside it, so every step size is batch-invariant by construction.
+struct Int8Acts {
+  const int8_t* q;  // [m][k]
+  const float* scale;  // [m][chunks] (NaN where the chunk holds a non-finite value)
+  const float* sum;  // [m][chunks]: the chunk's sum of scale * q, which the minimums multiply
+  const int32_t* offset;  // [m][chunks]: -128 * the sum of q (8-bit weights are multiplied as q + 128)
+};
+
+inline void quantize_chunk8(const bf16* x, int8_t* q, float* scale, float* sum, int32_t* offset) {
+  const __m512 v0 = load16(x), v1 = load16(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const float s = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+  *sum = s;
+  if (!std::isfinite(s) || !std::isfinite(amax) || amax == 0.0f) {  // a NaN or inf in the chunk makes its sum one
+    *scale = std::isfinite(s) && std::isfinite(amax) ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+    *offset = 0;
+    std::memset(q, 0, 32);
+    return;
+  }
+  *scale = amax / 127.0f;
+  const __m512 inv = _mm512_set1_ps(127.0f / amax);
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(q1));
+  const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  *sum = *scale * static_cast<float>(total);  // the sum of what the products see: the minimums' error then
+  *offset = -128 * total;                      // cancels the mean of the weights' values (as llama.cpp's q8_1)
+}
+
+// A [m, k] quantized once per GEMM into a buffer all threads read (inside the parallel region: the single
+// thread's buffer is shared, the rows split between the threads, and the loop's barrier closes it).
+inline Int8Acts quantize_rows8(const bf16* a, int64_t m, int64_t k) {
+  static thread_local std::vector<int8_t> values;
+  static thread_local std::vector<float> factors;
+  static thread_local std::vector<int32_t> offsets;
+  const int64_t chunks = k / 32;
+  Int8Acts acts{};
+#pragma omp single copyprivate(acts)
+  {
+    values.resize(m * k);
+    factors.resize(2 * m * chunks);
+    offsets.resize(m * chunks);
+    acts = Int8Acts{values.data(), factors.data(), factors.data() + m * chunks, offsets.data()};
+  }
+#pragma omp for schedule(static)
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t f = i * chunks + c;
+      quantize_chunk8(a + i * k + c * 32, const_cast<int8_t*>(acts.q) + i * k + c * 32,
+                      const_cast<float*>(acts.scale) + f, const_cast<float*>(acts.sum) + f,
+                      const_cast<int32_t*>(acts.offset) + f);
+    }
+  return acts;
+}
+
+// c = R rows of A (quantized, from row `row`) times NB column blocks (block_bytes apart), each block's sums
+// [R, 16] at c + j * ldc. A quad of k (4p..4p+3) is tile rows 2p and 2p + 1, 64 bytes in a row: one VPERMW
+// puts each column's two pairs side by side in its 32-bit lane (4-bit values: rows 2p + 8 and 2p + 9, k
+// 16 + 4p.., sit in the same bytes' high nibbles).
+template <int R, int NB, int Bits>
+void int8_block(const Int8Acts& acts, int64_t row, int64_t k, int64_t chunks, const uint8_t* b, int64_t block_bytes,
+                float* c, int64_t ldc) {
+  const __m512i quads = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i nibble = _mm512_set1_epi8(0x0F), sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t cb = quant_chunk_bytes(Bits);
+  __m512 acc[NB][R];
+  for (int j = 0; j < NB; ++j)
+    for (int i = 0; i < R; ++i) acc[j][i] = _mm512_setzero_ps();
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const uint8_t* t[NB];
+    for (int j = 0; j < NB; ++j) {
+      t[j] = b + j * block_bytes + ch * cb;
+      for (int64_t l = 0; l < cb; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(t[j] + kQuantPrefetchChunks * cb + l), _MM_HINT_T0);
+    }
+    const int8_t* x = acts.q + row * k + ch * 32;
+    const auto quad = [&](int i, int p) {  // row i's values k = 4p..4p + 3 in every lane
+      int32_t v;
+      std::memcpy(&v, x + i * k + 4 * p, 4);
+      return _mm512_set1_epi32(v);
+    };
+    __m512i s[NB][R];  // exact integer sums (the order of their adds does not matter)
+    for (int j = 0; j < NB; ++j)
+      for (int i = 0; i < R; ++i)
+        s[j][i] = Bits == 8 ? _mm512_set1_epi32(acts.offset[(row + i) * chunks + ch]) : _mm512_setzero_si512();
+    if constexpr (Bits == 8) {
+      for (int p = 0; p < 8; ++p)
+        for (int j = 0; j < NB; ++j) {
+          const __m512i w = _mm512_xor_si512(_mm512_permutexvar_epi16(quads, _mm512_loadu_si512(t[j] + 64 * p)), sign);
+          for (int i = 0; i < R; ++i) s[j][i] = _mm512_dpbusd_epi32(s[j][i], w, quad(i, p));
+        }
+    } else {
+      __m512i h[NB][R];  // the high nibbles' sums: a second chain
+      for (int j = 0; j < NB; ++j)
+        for (int i = 0; i < R; ++i) h[j][i] = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p)
+        for (int j = 0; j < NB; ++j) {
+          const __m512i v = _mm512_permutexvar_epi16(quads, _mm512_loadu_si512(t[j] + 64 * p));
+          const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+          for (int i = 0; i < R; ++i) {
+            s[j][i] = _mm512_dpbusd_epi32(s[j][i], lo, quad(i, p));
+            h[j][i] = _mm512_dpbusd_epi32(h[j][i], hi, quad(i, 4 + p));
+          }
+        }
+      for (int j = 0; j < NB; ++j)
+        for (int i = 0; i < R; ++i) s[j][i] = _mm512_add_epi32(s[j][i], h[j][i]);
+    }
+    for (int j = 0; j < NB; ++j) {
+      const uint8_t* tail = t[j] + quant_values_bytes(Bits);
+      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail)));
+      const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 32)));
+      for (int i = 0; i < R; ++i) {
+        const int64_t f = (row + i) * chunks + ch;
+        acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[j][i]), _mm512_mul_ps(scale, _mm512_set1_ps(acts.scale[f])),
+                                    _mm512_fmadd_ps(minimum, _mm512_set1_ps(acts.sum[f]), acc[j][i]));
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j)
+    for (int i = 0; i < R; ++i) _mm512_storeu_ps(c + j * ldc + i * 16, acc[j][i]);
+}
+
+template <int R, int NB, int Bits>
+void int8_rows(int rows, int blocks, const Int8Acts& acts, int64_t row, int64_t k, int64_t chunks, const uint8_t* b,
+               int64_t block_bytes, float* c, int64_t ldc) {
+  if constexpr (R > 1) {
+    if (rows < R) return int8_rows<R - 1, NB, Bits>(rows, blocks, acts, row, k, chunks, b, block_bytes, c, ldc);
+  }
+  if constexpr (NB > 1) {
+    if (blocks < NB) return int8_rows<R, NB - 1, Bits>(rows, blocks, acts, row, k, chunks, b, block_bytes, c, ldc);
+  }
+  int8_block<R, NB, Bits>(acts, row, k, chunks, b, block_bytes, c, ldc);
+}
+
+constexpr int kInt8Rows = 8;  // rows a long step's pass holds (one column block: 8 integer and 8 fp32 sums)
+
+// Every step on 8-bit activations. Decode-sized steps (up to kQuantDirectRows rows) take up to four column
+// blocks a task, each read once; longer ones take a group of column pairs that stays in L2 while every
+// block of kInt8Rows rows passes over it.
+template <int Bits, typename Epilogue>
+void gemm_quant_int8(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int64_t nblocks, Epilogue& epi) {
+  const int64_t chunks = k / 32, block_bytes = chunks * quant_chunk_bytes(Bits);
+  const Int8Acts acts = quantize_rows8(a, m, k);
+  alignas(64) float c[4][kQuantDirectRows * 16];
+  if (m <= kQuantDirectRows) {
+    const int64_t per_task = m == 1 ? 4 : 2, tasks = (nblocks + per_task - 1) / per_task;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t nb0 = task * per_task;
+      const int blocks = static_cast<int>(std::min(per_task, nblocks - nb0));
+      int8_rows<kQuantDirectRows, 4, Bits>(static_cast<int>(m), blocks, acts, 0, k, chunks, w + nb0 * block_bytes,
+                                           block_bytes, c[0], kQuantDirectRows * 16);
+      for (int j = 0; j < blocks; j += 2) epi(0, nb0 + j, j + 1 < blocks, 0, static_cast<int>(m), c[j], c[j + 1]);
+    }
+    return;
+  }
+  const int64_t pairs = (nblocks + 1) / 2;
+  const int64_t group = std::max<int64_t>(1, std::min<int64_t>(pairs / 8, (256 << 10) / (2 * block_bytes)));
+  const int64_t row_blocks = (m + kInt8Rows - 1) / kInt8Rows;
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t task = 0; task < (pairs + group - 1) / group; ++task)
+    for (int64_t rb = 0; rb < row_blocks; ++rb) {
+      const int64_t r = rb * m / row_blocks;
+      const int rows = static_cast<int>((rb + 1) * m / row_blocks - r);
+      for (int64_t pair = task * group; pair < std::min(pairs, (task + 1) * group); ++pair) {
+        const int64_t nb0 = 2 * pair;
+        const bool two = nb0 + 1 < nblocks;
+        for (int half = 0; half < (two ? 2 : 1); ++half)
+          int8_rows<kInt8Rows, 1, Bits>(rows, 1, acts, r, k, chunks, w + (nb0 + half) * block_bytes, block_bytes,
+                                        c[half], kQuantDirectRows * 16);
+        epi(r, nb0, two, 0, rows, c[0], c[1]);
+      }
+    }
+}
+
 // Steps of up to kQuantDirectRows rows multiply the values as read (quant_block); longer ones widen each
 // column pair into a bf16 panel for the GEMM of this CPU. The two round differently (the panel rounds each
 // weight to bf16 first), so under the batch-invariant numerics every step gets the panel's bits: long ones
@@ -268,6 +451,7 @@ template <int Bits, typename Epilogue>
 void gemm_quant_bits(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int64_t nblocks, TileState& ts,
                      Epilogue& epi) {
   const int64_t chunks = k / 32, block_bytes = chunks * quant_chunk_bytes(Bits);
+  if (ts.int8_acts) return gemm_quant_int8<Bits>(a, m, k, w, nblocks, epi);
   const int64_t pairs = (nblocks + 1) / 2;
   if (ts.invariant && m <= kQuantDirectRows && !amx_ready()) {
     // One row of 4-bit weights: four column blocks a task (widen_dot's chains); else a pair (8-bit weights are

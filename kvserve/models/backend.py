@@ -34,6 +34,7 @@ class Backend:
     name: str
     native: cpu_kernels.NativeKernels | None = None  # the per-op CPU kernels, where they serve
     invariant: bool = False  # batch-invariant numerics in force (Plan.numerics, on the fused decoder's path)
+    int8_activations: bool = False  # quantized matrices multiply 8-bit activations (Plan.activations)
 
 
 TORCH = Backend("torch")  # a layer's path until a built model hands it its own (unit tests of single layers)
@@ -51,6 +52,7 @@ class Plan:
     kv_int8: bool  # the KV cache holds 8-bit rows with scales (kv_quant), else the model's dtype
     kv_memory: int  # bytes for the device KV pool
     numerics: str = "fast"  # "batch_invariant" only on the path that gives it (see numerics_in_force)
+    activations: str = "bf16"  # what quantized matrices multiply: "bf16", or "int8" (see resolve_activations)
 
     @property
     def fused(self) -> bool:
@@ -75,6 +77,24 @@ def numerics_in_force(requested: str, path: str) -> str:
                 "a token's logits may differ in their last bits with the make-up of its step", path,
                 _NOT_INVARIANT.get(path, "no invariant kernels"))
     return "fast"
+
+
+def resolve_activations(requested: str, native: cpu_kernels.NativeKernels | None, quantized_weights: bool) -> str:
+    """What the quantized matrices multiply (engine setting `activations`), chosen per CPU kind by measurement
+    (BENCHMARKS.md, "8-bit activations"): "int8" (each step's rows quantized to 8 bits per 32 inputs, integer
+    dot products: gemm_quant_int8) on AVX-512 VNNI without AMX, where it is faster than the bf16 paths at
+    every step size and batch-invariant by construction; "bf16" elsewhere (AMX multiplies long steps on bf16
+    tiles; AVX2 has its own exact 16-bit integer path). Dense matrices always multiply bf16."""
+    can = native is not None and native.int8_activations
+    if requested == "int8" and not can:
+        raise ConfigError("activations = int8 needs the native kernels built with AVX-512 BF16 and VNNI "
+                          f"(this build: {', '.join(sorted(native.compiled_isa)) if native else 'none'}); "
+                          "use auto or bf16")
+    if not quantized_weights:
+        return "bf16"
+    if requested == "auto":
+        return "int8" if can and "amx" not in native.compiled_isa else "bf16"
+    return requested
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -122,10 +142,10 @@ def onednn_prepack_available() -> bool:
 
 def plan(config: ModelConfig, tensor_names, *, device: str = "auto", dtype: str = "auto",
          kv_cache_dtype: str = "auto", kv_cache_memory: int | None = None, native_decoder: bool = True,
-         onednn_weights: bool = True, numerics: str = "batch_invariant") -> Plan:
+         onednn_weights: bool = True, numerics: str = "batch_invariant", activations: str = "auto") -> Plan:
     """The one hardware decision for a checkpoint (its header: config and tensor names) and the engine's
     settings: device, dtype (bf16 where the fused decoder serves, see resolve_dtype), path, whether its
-    quantized matrices are kept, the KV cache's form and its memory."""
+    quantized matrices are kept and what they multiply, the KV cache's form and its memory."""
     dev = resolve_device(device)
     fused = native_decoder and dev.type == "cpu" and fused_decoder_would_serve(config, tensor_names)
     dt = resolve_dtype(dtype, dev, fused=fused)
@@ -145,7 +165,8 @@ def plan(config: ModelConfig, tensor_names, *, device: str = "auto", dtype: str 
                 onednn_weights=onednn_weights and dev.type == "cpu" and dt == torch.bfloat16
                 and onednn_prepack_available(),
                 kv_int8=kv_cache_dtype == "int8", kv_memory=kv_memory,
-                numerics=numerics_in_force(numerics, path))
+                numerics=numerics_in_force(numerics, path),
+                activations=resolve_activations(activations, per_op.native, packed_gemm))
 
 
 def choose(device: torch.device, dtype: torch.dtype) -> Backend:
@@ -167,8 +188,10 @@ def prepare(model, the_plan: Plan) -> Backend:
     else:
         model.dequantize_weights(the_plan.dtype, the_plan.device)
     invariant = the_plan.numerics == "batch_invariant"
+    int8_activations = the_plan.activations == "int8"
+    backend = replace(backend, int8_activations=int8_activations)
     if the_plan.fused:
-        if model.attach_native_decoder(backend.native, invariant):
+        if model.attach_native_decoder(backend.native, invariant, int8_activations):
             model.pack_dense_lm_head(backend.native)
             backend = replace(backend, name="cpu-fused", invariant=invariant)
         else:  # the built model is checked again: a layer the header could not show (a norm convention)

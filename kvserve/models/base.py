@@ -73,18 +73,18 @@ class CausalLM(nn.Module):
         """Float32 logits [T, vocab]: the packed LM head (quantized, or bf16 for the fused decoder) writes them
         directly, each rounded to bf16 as `F.linear(hidden, lm_head).float()` rounds it."""
         if self.lm_head_packed is not None and hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu":
-            return packed_linear([self.lm_head_packed], hidden, torch.float32, self.backend.invariant)
+            return packed_linear([self.lm_head_packed], hidden, self.backend, torch.float32)
         if self.lm_head_onednn is not None:
             return onednn_linear(hidden, self.lm_head_onednn, None).float()
         return torch.nn.functional.linear(hidden, self.lm_head).float()
 
-    def attach_native_decoder(self, native, invariant: bool = False) -> bool:
+    def attach_native_decoder(self, native, invariant: bool = False, int8_activations: bool = False) -> bool:
         """Pack the projections for the fused native decoder where it applies (bf16, AMX kernels: see
         models/backend.prepare); before `prepack_onednn` frees the dense weights. Returns whether it attached.
-        `invariant`: with the batch-invariant numerics."""
+        `invariant`: with the batch-invariant numerics; `int8_activations`: see Plan.activations."""
         from kvserve.models.native_decoder import NativeDecoder
 
-        self.native_decoder = NativeDecoder.build(self, native, invariant)
+        self.native_decoder = NativeDecoder.build(self, native, invariant, int8_activations)
         return self.native_decoder is not None
 
     def use_backend(self, backend) -> None:

@@ -232,13 +232,15 @@ class Linear(QuantizableWeight):
         return linear(self, x)
 
 
-def packed_linear(parts: list[PackedPart], x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
-                  invariant: bool = False) -> torch.Tensor:
-    """x [..., K] bf16 times a weight in the packed GEMM's layout (its segments side by side); `invariant`: each
-    row's bits whatever the other rows (the batch-invariant numerics)."""
+def packed_linear(parts: list[PackedPart], x: torch.Tensor, backend: Backend,
+                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [..., K] bf16 times a weight in the packed GEMM's layout (its segments side by side), with the
+    backend's arithmetic: batch-invariant numerics (each row's bits whatever the other rows), 8-bit
+    activations."""
     native = cpu_kernels.load()
     rows = x.reshape(-1, x.shape[-1])
-    outs = [native.linear_quant(rows, p.data, p.bits, p.rows, out_dtype, invariant) for p in parts]
+    outs = [native.linear_quant(rows, p.data, p.bits, p.rows, out_dtype, backend.invariant, backend.int8_activations)
+            for p in parts]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
     return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -246,7 +248,7 @@ def packed_linear(parts: list[PackedPart], x: torch.Tensor, out_dtype: torch.dty
 def linear(module: "Linear | FusedLinear", x: torch.Tensor) -> torch.Tensor:
     """The packed quantized GEMM, oneDNN's prepacked one, or torch's; the bias (never quantized) after."""
     if module.packed is not None:
-        out = packed_linear(module.packed, x, invariant=module.backend.invariant)
+        out = packed_linear(module.packed, x, module.backend)
         return out if module.bias is None else out + module.bias
     if module.onednn is not None:
         return onednn_linear(x, module.onednn, module.bias)

@@ -81,7 +81,8 @@ class NativeDecoder:
     max_attention_keys = 1 << 16  # over rows attending alone: the sum of the keys each attends to
     tile_min_rows = 8  # a chunk this long attends on tiles (below it, packing its keys costs more than it saves)
 
-    def __init__(self, model, native: cpu_kernels.NativeKernels, invariant: bool = False):
+    def __init__(self, model, native: cpu_kernels.NativeKernels, invariant: bool = False,
+                 int8_activations: bool = False):
         self.native = native
         self.invariant = invariant
         self.model = model
@@ -92,7 +93,8 @@ class NativeDecoder:
             num_layers=len(model.layers), hidden=config.hidden_size, q_heads=config.num_heads,
             kv_heads=config.num_kv_heads, head_dim=config.head_dim, intermediate=config.intermediate_size,
             act=_ACTIVATIONS[first.mlp.activation], eps=norm.eps, norm_unit_offset=int(norm.unit_offset),
-            final_norm=model.norm.weight.data_ptr(), invariant=int(invariant))
+            final_norm=model.norm.weight.data_ptr(), invariant=int(invariant),
+            int8_acts=int(int8_activations))
         self._packed = []  # keeps the dense weights' packed copies alive; the table holds their addresses
         self._layers = cpu_kernels.LayerParams * len(model.layers)
         self._static = []
@@ -133,12 +135,13 @@ class NativeDecoder:
 
     @classmethod
     def build(cls, model, native: cpu_kernels.NativeKernels | None,
-              invariant: bool = False) -> "NativeDecoder | None":
+              invariant: bool = False, int8_activations: bool = False) -> "NativeDecoder | None":
         """The fused decoder for this model on these kernels, or None where it does not apply (see the
-        module docstring). `invariant`: the batch-invariant numerics (engine setting `numerics`)."""
+        module docstring). `invariant`: the batch-invariant numerics (engine setting `numerics`);
+        `int8_activations`: quantized matrices multiply 8-bit activations (Plan.activations)."""
         if native is None or not native.fused or not cls.supports(model):
             return None
-        return cls(model, native, invariant)
+        return cls(model, native, invariant, int8_activations)
 
     @classmethod
     def supports(cls, model) -> bool:

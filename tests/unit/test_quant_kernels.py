@@ -89,6 +89,63 @@ def test_invariant_rows_are_the_same_bits_in_any_step(native, bits):
         assert torch.equal(native.linear_quant(x[i:i + 1], packed, bits, n, torch.float32, True), full[i:i + 1]), i
 
 
+def _as_int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [m, k] as the 8-bit activations see it (gemm_quant_int8): per 32 inputs, q = x * (127 / max |x|)
+    rounded to nearest even, times max |x| / 127, all in fp32 (an all-zero chunk stays zero)."""
+    chunks = x.float().view(x.shape[0], -1, 32)
+    amax = chunks.abs().amax(-1, keepdim=True).double()
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    # Quotients correctly rounded to fp32 as the kernel's are (from float64: a second rounding that is exact
+    # for division); torch's fp32 scalar / tensor may round differently.
+    q = torch.round(chunks * (127.0 / safe).float())
+    return (q.double() * (safe / 127.0).float().double()).view_as(x)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 96), (3, 48, 576), (8, 112, 1536), (9, 64, 576), (70, 16, 256),
+                                   (300, 32, 2048)])
+def test_int8_activations_multiply_the_rows_rounded_to_8_bits(native, bits, m, n, k):
+    """8-bit activations: the weights' exact values times each row rounded to int8 per 32 inputs, within
+    the output's rounding; the same bits with or without the batch-invariant flag (they always are)."""
+    if not native.int8_activations:
+        pytest.skip("8-bit activations need AVX-512 BF16 and VNNI")
+    torch.manual_seed(m * 1000 + n + k + bits)
+    qm = quant.quantize(torch.randn(n, k), bits)
+    packed = native.pack_quant(qm.values, qm.scales, qm.minimums, bits)
+    x = torch.randn(m, k).bfloat16() * torch.logspace(-2, 2, m).unsqueeze(1).bfloat16()
+    x[0, :32] = 0  # a chunk of zeros
+    out = native.linear_quant(x, packed, bits, n, torch.float32, False, True)
+    _assert_close(out, _reference(_as_int8_rows(x), qm.dequantize()), k)
+    assert torch.equal(native.linear_quant(x, packed, bits, n, torch.float32, True, True), out)
+    # Against the exact rows, the rounding costs at most half a step (max |x| / 254) a value.
+    step = x.double().abs().view(m, -1, 32).amax(-1).repeat_interleave(32, dim=1) / 254
+    _assert_close(out, _reference(x, qm.dequantize()), k, step @ qm.dequantize().double().abs().T)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_int8_activation_rows_are_the_same_bits_in_any_step(native, bits):
+    """8-bit activations are batch-invariant by construction, at every step size; a non-finite input
+    spoils its own row only."""
+    if not native.int8_activations:
+        pytest.skip("8-bit activations need AVX-512 BF16 and VNNI")
+    torch.manual_seed(bits)
+    n, k = 112, 576
+    qm = quant.quantize(torch.randn(n, k), bits)
+    packed = native.pack_quant(qm.values, qm.scales, qm.minimums, bits)
+    x = torch.randn(300, k).bfloat16() * torch.logspace(-3, 3, 300).unsqueeze(1).bfloat16()
+    x[7, 40] = float("inf")
+    full = native.linear_quant(x, packed, bits, n, torch.float32, False, True)
+    assert full[7].isnan().all() and full[torch.arange(300) != 7].isfinite().all()
+    def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:  # NaN included
+        return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+    for m in (1, 2, 5, 8, 9, 17, 299):
+        assert same_bits(native.linear_quant(x[:m], packed, bits, n, torch.float32, False, True), full[:m]), m
+    for i in (5, 7, 150, 299):
+        assert same_bits(native.linear_quant(x[i:i + 1], packed, bits, n, torch.float32, False, True),
+                         full[i:i + 1]), i
+
+
 def test_int4_with_large_offsets_keeps_its_precision(native):
     """The int4 path sums x (128 + q) and takes 128 sum(x) off: rows whose inputs all share a sign must
     still come out right."""

@@ -82,7 +82,7 @@ class LLMEngine:
             self.plan = backend.plan(header_config, tensor_names, device=config.device, dtype=config.dtype,
                                      kv_cache_dtype=cache_cfg.kv_cache_dtype, kv_cache_memory=cache_cfg.kv_cache_memory,
                                      native_decoder=config.native_decoder, onednn_weights=config.onednn_weights,
-                                     numerics=config.numerics)
+                                     numerics=config.numerics, activations=config.activations)
             checkpoint = load_checkpoint(path, config.weights, self.plan.dtype)
             self.weights = weights_label(checkpoint, self.plan.quantized_weights, self.plan.dtype)
             info = checkpoint_info(checkpoint, name=model_id or resolved_id)
@@ -97,6 +97,7 @@ class LLMEngine:
                                      numerics=config.numerics)
             self.weights = "injected executor"
         self.device, self.dtype, self.kv_int8 = self.plan.device, self.plan.dtype, self.plan.kv_int8
+        self.activations = self.plan.activations  # what its quantized matrices multiply (bf16 or int8)
         self.model_id = model_id or resolved_id
         self.info = info
         self.model_config, self.tokenizer = info.config.with_attention_window(config.sinks_window), info.tokenizer
@@ -135,8 +136,8 @@ class LLMEngine:
         forms = checkpoint.forms
         model = build_model(checkpoint, self.plan, max_positions=self.max_model_len, consume=True,
                             attention_window=config.sinks_window)
-        log.info("%s weights: %s, %.2f GB held (%s)", self.model_id, self.weights,
-                 model.weight_bytes() / 1e9, describe_forms(forms))
+        log.info("%s weights: %s, %.2f GB held (%s); quantized matrices multiply %s activations", self.model_id,
+                 self.weights, model.weight_bytes() / 1e9, describe_forms(forms), self.plan.activations)
         return ModelRunner(model, self.model_config, num_blocks, num_host_blocks, config.cache.block_size,
                            self.dtype, self.device, kv_int8=self.kv_int8,
                            eos_token_ids=self.tokenizer.eos_token_ids, layout=self.kv_layout)
