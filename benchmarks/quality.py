@@ -164,25 +164,29 @@ DENSE = "bf16"  # the row the others are also compared with: today's dequantized
 
 @dataclass(frozen=True)
 class Choice:
-    """One row of the table: the form the weights are computed from (EngineConfig.weights) and the KV
-    cache's dtype."""
+    """One row of the table: the form the weights are computed from (EngineConfig.weights), the KV
+    cache's dtype and what the quantized matrices multiply (EngineConfig.activations, named on every row so
+    that a row means the same on every CPU kind)."""
 
     weights: str
     kv: str = "bf16"
+    activations: str = "bf16"
 
     def engine_args(self) -> dict:
-        return {"weights": self.weights, **KV_ARGS[self.kv]}
+        return {"weights": self.weights, "activations": self.activations, **KV_ARGS[self.kv]}
 
     def __str__(self) -> str:
-        return f"weights {self.weights}, KV {self.kv}"
+        return f"weights {self.weights}, KV {self.kv}, activations {self.activations}"
 
 
 # The engine arguments that select each KV dtype (CacheConfig.kv_cache_dtype).
 KV_ARGS = {"bf16": {}, "int8": {"kv_cache_dtype": "int8"}}
 TARGET_KV_INT8 = 0.002  # the issue's: KLD of 8-bit KV, measured where only the KV differs (float32 everything else)
-# DENSE first: the others compare with it; an 8-bit KV row right after its weights' bf16-KV row.
+# DENSE first: the others compare with it; an 8-bit KV row right after its weights' bf16-KV row; the
+# quantized weights again with 8-bit activations last.
 CHOICES = (Choice(DENSE), Choice(DENSE, "int8"), Choice("auto"), Choice("auto", "int8"), Choice("int8"),
-           Choice("int4"))
+           Choice("int4"), Choice("auto", activations="int8"), Choice("int8", activations="int8"),
+           Choice("int4", activations="int8"))
 
 
 def questions(path: Path = QUESTIONS) -> list[tuple[str, str]]:
@@ -257,7 +261,7 @@ def _speed(llm, shape, w1_runs: int, tpot_runs: int, price) -> dict:
 
 def tradeoff_model(model: str, shape, w1_runs: int, tpot_runs: int, task: list[tuple[str, str]], log) -> dict:
     """The float32 reference and one row per choice for one model."""
-    from kvserve.config import ModelPrice, ServerConfig
+    from kvserve.config import ConfigError, ModelPrice, ServerConfig
 
     price = next((m.price for m in ServerConfig.from_toml().models if m.id == model), ModelPrice())
     expected = [a for _, a in task]
@@ -281,8 +285,14 @@ def tradeoff_model(model: str, shape, w1_runs: int, tpot_runs: int, task: list[t
     del llm
     rows, dense, accumulation, bf16_kv = [], None, None, None
     for choice in CHOICES:
-        llm = _llm(model, "bfloat16", shape, native_decoder=True, **choice.engine_args())
-        row = {"weights": choice.weights, "kv": choice.kv, "loaded": llm.engine.weights}
+        try:
+            llm = _llm(model, "bfloat16", shape, native_decoder=True, **choice.engine_args())
+        except ConfigError as e:  # 8-bit activations where the kernels lack them
+            rows.append({"weights": choice.weights, "kv": choice.kv, "activations": choice.activations,
+                         "loaded": "-", "status": f"not on this CPU ({e})"})
+            continue
+        row = {"weights": choice.weights, "kv": choice.kv, "activations": llm.engine.activations,
+               "loaded": llm.engine.weights}
         if llm.engine.runner.model.native_decoder is None:
             rows.append({**row, "status": "no fused decoder on this CPU or model"})
             continue
@@ -301,7 +311,7 @@ def tradeoff_model(model: str, shape, w1_runs: int, tpot_runs: int, task: list[t
         if choice.kv != "bf16" and bf16_kv is not None and bf16_kv[0] == choice.weights:
             row.update(kld_vs_kv=float(kl_divergence(bf16_kv[1], logits[:-1]).mean()),
                        top1_vs_kv=top1_agreement(bf16_kv[1], logits[:-1]))
-        bf16_kv = (choice.weights, logits[:-1]) if choice.kv == "bf16" else None
+        bf16_kv = (choice.weights, logits[:-1]) if choice.kv == "bf16" and choice.activations == "bf16" else None
         del logits
         log(f"{model} {choice}: {llm.engine.weights}, KLD {row['kld']:.5f}, top-1 {row['top1']:.1%}, "
             f"task {row['task_same']}/{len(task)}")
@@ -320,9 +330,17 @@ def checks(rows: list[dict], accumulation: dict | None, kv_alone: dict | None = 
     and, beside it, whether auto is at least as close to float32 as the dequantized path. 8-bit KV: float32
     with an 8-bit cache against float32 within TARGET_KV_INT8 (`kv_alone`: the format's own error; at
     bfloat16 any change of rounding, the accumulation order's included, moves the logits further than that).
-    Each int8-KV row's KLD against the same weights with bf16 KV is reported beside it, not held to it."""
-    by = {r["weights"]: r for r in rows if "kld" in r and r["kv"] == "bf16"}
+    Each int8-KV row's KLD against the same weights with bf16 KV is reported beside it, not held to it.
+    8-bit activations (`activations_<weights>`): the row beside the same weights with bf16 activations, reported
+    for the setting's default (EngineConfig.activations), not held to a target."""
+    by = {r["weights"]: r for r in rows if "kld" in r and r["kv"] == "bf16" and _bf16_activations(r)}
     out = {}
+    for r in rows:
+        if "kld" in r and r["kv"] == "bf16" and not _bf16_activations(r) and r["weights"] in by:
+            b = by[r["weights"]]
+            out[f"activations_{r['weights']}"] = {
+                "weights": r["weights"], **{f"{key}{suffix}": row[key] for suffix, row in (("", r), ("_bf16", b))
+                                            for key in ("kld", "top1", "task_same", "tpot_ms")}}
     if kv_alone is not None:
         out["kv_int8"] = {**kv_alone, "kld_max": TARGET_KV_INT8, "passed": kv_alone["kld"] <= TARGET_KV_INT8}
     for r in rows:
@@ -341,6 +359,10 @@ def checks(rows: list[dict], accumulation: dict | None, kv_alone: dict | None = 
                                 "passed": r["kld_vs_dense"] <= accumulation["kld"],
                                 "closer_to_float32": r["kld"] <= d["kld"] and r["top1"] >= d["top1"]}
     return out
+
+
+def _bf16_activations(row: dict) -> bool:
+    return row.get("activations", "bf16") == "bf16"
 
 
 def run_tradeoff(models: list[str], quick: bool = False, w1_runs: int = 1, log=print) -> dict:
@@ -396,24 +418,27 @@ def tradeoff_markdown(data: dict, command: str) -> str:
              "of 16 with an fp16 scale each, kvserve/kernels/kv_quant.py). The 8-bit KV target is measured on "
              "its own: float32 with an 8-bit cache against float32 (below the table); each int8-KV row is also "
              "compared with the row above it (the same weights, bf16 KV), a figure that bf16's own rounding "
-             "moves as much (the accumulation-order line).", "",
-             f"| model | weights | KV | computed from | perplexity | KLD vs float32 | top-1 vs float32 "
+             "moves as much (the accumulation-order line).",
+             "- activations: what the quantized matrices multiply (`activations`): bf16, or int8 (each step's rows "
+             "quantized to 8 bits per 32 inputs with an fp32 scale, integer dot products; kernels/"
+             "gemm_quant_avx512.h, gemm_quant_int8).", "",
+             f"| model | weights | KV | activations | computed from | perplexity | KLD vs float32 | top-1 vs float32 "
              f"| task = float32 (of {n}) | task correct (of {n}) | KLD vs bf16 | top-1 vs bf16 | TPOT c=1 (ms) "
              "| W1 out tok/s | cost / M output tokens | target |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for md in data["models"]:
         ref, c8 = md["reference"], md["checks"].get("int8")
-        lines.append(f"| {md['model']} | float32 reference | float32 | float32 | {ref['perplexity']:.3f} | - | - | - | "
+        lines.append(f"| {md['model']} | float32 reference | float32 | float32 | float32 | {ref['perplexity']:.3f} | - | - | - | "
                      f"{ref['task_correct']} | - | - | - | - | - | - |")
         for r in md["rows"]:
-            head = f"| {md['model']} | {r['weights']} | {r['kv']} | {r['loaded']} |"
+            head = f"| {md['model']} | {r['weights']} | {r['kv']} | {r.get('activations', 'bf16')} | {r['loaded']} |"
             if "kld" not in r:
                 lines.append(f"{head} {r['status']} |" + " - |" * 10)
                 continue
             vs = (f"{r['kld_vs_dense']:.5f} | {r['top1_vs_dense']:.1%}" if "kld_vs_dense" in r
                   else "(this row) | (this row)")
             kv = md["checks"].get("kv_int8") if r["kv"] == "int8" else None
-            target = (_mark(c8["passed"]) if r["weights"] == "int8" and r["kv"] == "bf16" and c8
+            target = (_mark(c8["passed"]) if r["weights"] == "int8" and r["kv"] == "bf16" and _bf16_activations(r) and c8
                       else _mark(kv["passed"]) + " (KV alone)" if kv else "-")
             lines.append(f"{head} {r['perplexity']:.3f} | {r['kld']:.5f} | {r['top1']:.1%} | {r['task_same']} | "
                          f"{r['task_correct']} | {vs} | {r['tpot_ms']:.1f} | {r['w1_out_tok_s']:.1f} | "
@@ -421,7 +446,8 @@ def tradeoff_markdown(data: dict, command: str) -> str:
     lines += ["", "Targets:", ""]
     for md in data["models"]:
         c = md["checks"]
-        dense = next((r for r in md["rows"] if r["weights"] == DENSE and r["kv"] == "bf16" and "kld" in r), None)
+        dense = next((r for r in md["rows"] if r["weights"] == DENSE and r["kv"] == "bf16" and "kld" in r
+                      and _bf16_activations(r)), None)
         if "int8" in c:
             x = c["int8"]
             lines.append(f"- {md['model']}, 8-bit weights (`weights = int8`): KLD {x['kld']:.5f} (target <= "
@@ -446,6 +472,11 @@ def tradeoff_markdown(data: dict, command: str) -> str:
         for x in (v for k, v in c.items() if k.startswith("kv_") and k != "kv_int8"):
             lines.append(f"  At bfloat16 with `weights = {x['weights']}`, against the same weights with bf16 KV: "
                          f"KLD {x['kld']:.5f}, top-1 {x['top1']:.1%}.")
+        for x in (v for k, v in c.items() if k.startswith("activations_")):
+            lines.append(f"- {md['model']}, `weights = {x['weights']}` with 8-bit activations against bf16 ones: "
+                         f"KLD vs float32 {x['kld']:.5f} (bf16 activations {x['kld_bf16']:.5f}), top-1 "
+                         f"{x['top1']:.1%} ({x['top1_bf16']:.1%}), task = float32 {x['task_same']} "
+                         f"({x['task_same_bf16']}), TPOT {x['tpot_ms']:.1f} ms ({x['tpot_ms_bf16']:.1f} ms).")
     return "\n".join(lines) + "\n"
 
 
@@ -464,7 +495,8 @@ def planner_data(data: dict, page: str) -> str:
              f'page = "{page}"', ""]
     for dtype in ("int8", "int4"):
         for md in data["models"]:
-            r = next((r for r in md["rows"] if r["weights"] == dtype and r["kv"] == "bf16" and "kld" in r), None)
+            r = next((r for r in md["rows"] if r["weights"] == dtype and r["kv"] == "bf16" and "kld" in r
+                      and _bf16_activations(r)), None)
             if r is not None:
                 lines += ["[[weights]]", f'dtype = "{dtype}"', f'model = "{md["model"]}"',
                           f"kld = {r['kld']:.6f}", f"top1 = {r['top1']:.4f}",

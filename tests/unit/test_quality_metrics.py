@@ -73,6 +73,18 @@ def test_the_targets():
     assert "auto_vs_dense" not in q.checks(rows, None)
 
 
+def test_8bit_activation_rows_stand_beside_their_weights_bf16_rows():
+    """An 8-bit activations row is reported against the same weights with bf16 activations; it takes no
+    other row's place (the int8 weights' target and the planner read the bf16 activations row)."""
+    rows = [_row("bf16", 0.0033, 0.976), _row("int8", 0.0029, 0.981),
+            _row("int8", 0.0060, 0.970, activations="int8", tpot_ms=9.0)]
+    c = q.checks(rows, None)
+    assert c["int8"]["kld"] == 0.0029 and c["int8"]["passed"]
+    assert c["activations_int8"] == {"weights": "int8", "kld": 0.0060, "top1": 0.970, "task_same": 48,
+                                     "tpot_ms": 9.0, "kld_bf16": 0.0029, "top1_bf16": 0.981, "task_same_bf16": 48,
+                                     "tpot_ms_bf16": 12.0}
+
+
 def test_the_8bit_kv_target_is_the_cache_alone():
     """Held to float32 with an 8-bit cache against float32; the bf16 comparison is reported, not held."""
     rows = [_row("bf16", 0.0033, 0.976), {**_row("bf16", 0.0090, 0.970), "kv": "int8", "kld_vs_kv": 0.0068,
@@ -96,7 +108,7 @@ def test_the_page_and_the_planner_data(monkeypatch):
             "tpot_tokens": 64, "tpot_runs": 3, "w1_runs": 1, "models": [model],
             "shape": {"num_prompts": 64, "prompt_len": 256, "output_len": 128, "batch": 32}}
     page = q.tradeoff_markdown(data, "python -m benchmarks.quality --tradeoff")
-    assert "| smollm2-135m | int8 | bf16 | int8 | 16.000 | 0.00290 | 97.4% | 48 | 30 | 0.00400 | 96.0% | 12.0 " \
+    assert "| smollm2-135m | int8 | bf16 | bf16 | int8 | 16.000 | 0.00290 | 97.4% | 48 | 30 | 0.00400 | 96.0% | 12.0 " \
            "| 100.0 | $0.30 | FAIL |" in page
     assert "8-bit weights (`weights = int8`): KLD 0.00290 (target <= 0.005), top-1 97.4% (target >= 98%): FAIL" in page
     table = weight_quality_from_toml(tomllib.loads(q.planner_data(data, "docs/bench/quality-tradeoff.md")))
