@@ -61,12 +61,14 @@ PATHS = (("float32, op by op", "float32", False), ("bfloat16, op by op", "bfloat
 
 
 def _teacher_forced(llm, ids: list[int]) -> torch.Tensor:
-    """Float32 logits [len(ids), vocab] of one prefill of `ids` on a fresh engine's cache."""
+    """Float32 logits [len(ids), vocab] of one prefill of `ids` on a fresh engine's cache (each KV group its
+    own blocks, after the pool's reserved page)."""
     from kvserve.engine.worker.runner import BatchItem
 
     runner = llm.engine.runner
     blocks = (len(ids) + runner.block_size - 1) // runner.block_size
-    return runner.forward([BatchItem(ids, 0, list(range(1, blocks + 1)))], all_logits=True).float()
+    tables = [list(range(1 + g * blocks, 1 + (g + 1) * blocks)) for g in range(runner.layout.num_groups)]
+    return runner.forward([BatchItem(ids, 0, tables[0], group_tables=tables)], all_logits=True).float()
 
 
 def perplexity(logits: torch.Tensor, ids: list[int]) -> float:

@@ -21,8 +21,29 @@ class TinySpec:
     head_dim: int = 16
     context: int = 512
     sliding_window: int = 8
-    quant: str = "Q8_0"  # type of the attention/MLP matrices: F32, F16, Q8_0, Q4_0, Q4_1, Q5_0
+    quant: str = "Q8_0"  # type of the attention/MLP matrices: F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q6_K (K % 256)
     seed: int = 0
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols % 256 == 0) -> Q6_K blocks, uint8 [rows, cols / 256 * 210], in ggml's layout
+    (gguf-py has no K-quant quantizer): per 16 values a scale d * sc (sc int8, d fp16 per 256), q in -32..31
+    stored as q + 32 (128 B of low nibbles, 64 B of top bit pairs, 16 B of sc, d)."""
+    rows, cols = w.shape
+    b = w.astype(np.float32).reshape(-1, 16, 16)  # [blocks, sub-blocks, values]
+    sub = np.abs(b).max(-1) / 31
+    d = (sub.max(-1) / 127).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    sc = np.where(df > 0, np.round(sub / np.where(df > 0, df, 1)), 0).clip(-128, 127).astype(np.int8)
+    step = (df * sc)[..., None]
+    q = np.where(step > 0, np.round(b / np.where(step > 0, step, 1)), 0).clip(-32, 31)
+    u = (q + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # [blocks, half, quarter, l]: value 128 h + 32 quarter + l
+    ql = np.concatenate([(u[:, :, 0] & 15) | ((u[:, :, 2] & 15) << 4), (u[:, :, 1] & 15) | ((u[:, :, 3] & 15) << 4)],
+                        axis=-1)
+    qh = (u[:, :, 0] >> 4) | ((u[:, :, 1] >> 4) << 2) | ((u[:, :, 2] >> 4) << 4) | ((u[:, :, 3] >> 4) << 6)
+    blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)],
+                            axis=-1)
+    return blocks.reshape(rows, -1)
 
 
 def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -97,8 +118,9 @@ def write_tiny_gguf(path: str | Path, spec: TinySpec, tokenizer_gguf: str, keep_
 
     def add(name: str, w: np.ndarray, quantize: bool) -> None:
         if quantize and qtype not in (T.F32,):
-            writer.add_tensor(name, quants.quantize(w, qtype), raw_shape=quants.quant_shape_to_byte_shape(
-                w.shape, qtype), raw_dtype=qtype)
+            blocks = quantize_q6_k(w) if qtype == T.Q6_K else quants.quantize(w, qtype)
+            writer.add_tensor(name, blocks, raw_shape=quants.quant_shape_to_byte_shape(w.shape, qtype),
+                              raw_dtype=qtype)
         else:
             writer.add_tensor(name, w)
 

@@ -258,11 +258,14 @@ class NativeKernels:
     def pack_quant(self, values: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, bits: int) -> torch.Tensor:
         """A quantized [N, K] weight, w = scale * q + minimum per (row, 32 columns), in the kernels' layout
         (gemm_quant_layout.h, QWeight), flat uint8. values: int8 [N, K] (bits 8) or uint8 [N, K / 2] of two
-        0..15 values a byte, element 2j in the low nibble (bits 4); scales and minimums float16 [N, K / 32]."""
+        0..15 values a byte, element 2j in the low nibble (bits 4); scales and minimums float16 [N, K / 32].
+        Bits 6 (where `int8_activations`): values int8 -32..31 [N, K], scales [N, K / 16], minimums unused."""
+        if bits == 6 and not self.int8_activations:
+            raise ValueError("6-bit weights need a build with AVX-512 BF16 and VNNI (8-bit activations)")
         n = scales.shape[0]
-        k = scales.shape[1] * 32
-        want = (torch.int8, (n, k)) if bits == 8 else (torch.uint8, (n, k // 2)) if bits == 4 else None
-        if want is None or values.dtype != want[0] or tuple(values.shape) != want[1] or n % 16 \
+        k = scales.shape[1] * (16 if bits == 6 else 32)
+        want = (torch.int8, (n, k)) if bits in (6, 8) else (torch.uint8, (n, k // 2)) if bits == 4 else None
+        if want is None or values.dtype != want[0] or tuple(values.shape) != want[1] or n % 16 or k % 32 \
                 or scales.dtype != torch.float16 or minimums.dtype != torch.float16 \
                 or tuple(minimums.shape) != tuple(scales.shape):
             raise ValueError(f"pack_quant takes int8 [N, K] (bits 8) or uint8 [N, K/2] (bits 4) values with float16 "
@@ -299,8 +302,10 @@ class NativeKernels:
         size = n * k * 2 if bits == 0 else self._quant_bytes(n, k, bits)
         if x.dtype != torch.bfloat16 or x.dim() != 2 or k % 32 or n % 16 or packed.numel() * packed.element_size() != size:
             raise ValueError(f"linear_quant takes bf16 [T, K] and a packed [{n}, K] weight of {bits} bits")
-        if int8_acts and not self.int8_activations:
+        if (int8_acts or bits == 6) and not self.int8_activations:
             raise ValueError("8-bit activations need a build with AVX-512 BF16 and VNNI")
+        if bits == 6 and not int8_acts:
+            raise ValueError("6-bit weights are multiplied by 8-bit activations only (int8_acts)")
         out = torch.empty((x.shape[0], n), dtype=out_dtype)
         self._linear_quant(x.data_ptr(), x.shape[0], k, packed.data_ptr(), bits, n, out.data_ptr(),
                            int(out_dtype == torch.float32), int(invariant), int(int8_acts))

@@ -74,7 +74,8 @@ extern "C" void kvserve_pack_weight_bf16(const void* weight, int64_t n, int64_t 
 
 // A weight [n, k] (n % 16 == 0, k % 32 == 0) as values q, fp16 scales and fp16 minimums per (row, 32
 // columns), w = s * q + m, -> this build's quantized layout (QWeight). Int8: q int8 [n, k]. Int4: q 0..15,
-// two a byte, [n, k / 2] (element 2j in the low nibble of byte j).
+// two a byte, [n, k / 2] (element 2j in the low nibble of byte j). 6 bits (pair layout builds): q int8
+// -32..31 [n, k], scales per (row, 16 columns), no minimums.
 extern "C" void kvserve_pack_quant(const void* values, const void* scales, const void* minimums, int64_t n, int64_t k,
                                    int64_t bits, void* packed) {
   const uint8_t* q = static_cast<const uint8_t*>(values);
@@ -84,6 +85,7 @@ extern "C" void kvserve_pack_quant(const void* values, const void* scales, const
   const int64_t chunks = k / 32, cb = quant_chunk_bytes(bits), vb = quant_values_bytes(bits);
   auto value = [&](int64_t row, int64_t col) -> uint8_t {
     if (bits == 8) return q[row * k + col];
+    if (bits == 6) return static_cast<uint8_t>(static_cast<int8_t>(q[row * k + col]) + 32);
     const uint8_t byte = q[row * (k / 2) + col / 2];
     return col % 2 ? byte >> 4 : byte & 0x0F;
   };
@@ -95,10 +97,19 @@ extern "C" void kvserve_pack_quant(const void* values, const void* scales, const
       for (int col = 0; col < 16; ++col)
         for (int kk = 0; kk < 32; ++kk) {
           const uint8_t v = value(nb * 16 + col, c * 32 + kk);
-          const QuantPlace place = quant_place(col, kk, bits);
-          t[place.byte] |= static_cast<uint8_t>(place.high ? v << 4 : v);
+          const QuantPlace place = quant_place(col, kk, bits == 6 ? 4 : bits);
+          t[place.byte] |= static_cast<uint8_t>(place.high ? (v & 0x0F) << 4 : v & (bits == 8 ? 0xFF : 0x0F));
+          if (bits == 6) {
+            const int64_t e = pair_element(col, kk);
+            t[six_bit_byte(e)] |= static_cast<uint8_t>((v >> 4) << six_bit_shift(e));
+          }
         }
       uint16_t* tail = reinterpret_cast<uint16_t*>(t + vb);
+      if (bits == 6) {  // two scales a column: k 0-15, then 16-31
+        for (int col = 0; col < 16; ++col)
+          for (int half = 0; half < 2; ++half) tail[half * 16 + col] = s[(nb * 16 + col) * 2 * chunks + 2 * c + half];
+        continue;
+      }
       for (int col = 0; col < 16; ++col) {
         tail[quant_tail_slot(col)] = s[(nb * 16 + col) * chunks + c];
         tail[16 + quant_tail_slot(col)] = mn[(nb * 16 + col) * chunks + c];
@@ -136,11 +147,17 @@ extern "C" void kvserve_quant_rows(const void* packed, int64_t bits, int64_t n, 
     for (int64_t c = 0; c < chunks; ++c) {
       const uint8_t* t = p + ((id / 16) * chunks + c) * cb;
       const uint16_t* tail = reinterpret_cast<const uint16_t*>(t + vb);
-      const float s = half_to_float(tail[slot]), m = half_to_float(tail[16 + slot]);
+      const bool six = bits == 6;
       for (int kk = 0; kk < 32; ++kk) {
-        const QuantPlace place = quant_place(col, kk, bits);
+        const QuantPlace place = quant_place(col, kk, six ? 4 : bits);
         const uint8_t byte = t[place.byte];
-        const int q = bits == 8 ? static_cast<int8_t>(byte) : place.high ? byte >> 4 : byte & 0x0F;
+        int q = bits == 8 ? static_cast<int8_t>(byte) : place.high ? byte >> 4 : byte & 0x0F;
+        if (six) {
+          const int64_t e = pair_element(col, kk);
+          q = (q | ((t[six_bit_byte(e)] >> six_bit_shift(e)) & 3) << 4) - 32;
+        }
+        const float s = half_to_float(tail[six && kk >= 16 ? 16 + slot : slot]);
+        const float m = six ? 0.0f : half_to_float(tail[16 + slot]);
         store(s * static_cast<float>(q) + m, o + i * k + c * 32 + kk);
       }
     }

@@ -12,6 +12,9 @@ namespace {
 template <typename Epilogue>
 void gemm_one(const bf16* a, int64_t m, int64_t k, const void* w, int64_t bits, int64_t nblocks, TileState& ts,
               Epilogue& epi) {
+#if defined(__AVX512BF16__)
+  if (bits == 6) return gemm_quant_int8<6>(a, m, k, static_cast<const uint8_t*>(w), nblocks, epi);
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (bits == 8) return gemm_quant_bits<8>(a, m, k, static_cast<const uint8_t*>(w), nblocks, ts, epi);
   if (bits == 4) return gemm_quant_bits<4>(a, m, k, static_cast<const uint8_t*>(w), nblocks, ts, epi);

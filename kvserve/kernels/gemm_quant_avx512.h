@@ -272,16 +272,17 @@ struct Int8Acts {
   const float* scale;  // [m][chunks] (NaN where the chunk holds a non-finite value)
   const float* sum;  // [m][chunks]: the chunk's sum of scale * q, which the minimums multiply
   const int32_t* offset;  // [m][chunks]: -128 * the sum of q (8-bit weights are multiplied as q + 128)
+  const int32_t* halves;  // [m][chunks][2]: -32 * the sums of q over k 0-15 and 16-31 (6-bit ones as q + 32)
 };
 
-inline void quantize_chunk8(const bf16* x, int8_t* q, float* scale, float* sum, int32_t* offset) {
+inline void quantize_chunk8(const bf16* x, int8_t* q, float* scale, float* sum, int32_t* offset, int32_t* halves) {
   const __m512 v0 = load16(x), v1 = load16(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
   const float s = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
   *sum = s;
   if (!std::isfinite(s) || !std::isfinite(amax) || amax == 0.0f) {  // a NaN or inf in the chunk makes its sum one
     *scale = std::isfinite(s) && std::isfinite(amax) ? 0.0f : std::numeric_limits<float>::quiet_NaN();
-    *offset = 0;
+    *offset = halves[0] = halves[1] = 0;
     std::memset(q, 0, 32);
     return;
   }
@@ -290,9 +291,12 @@ inline void quantize_chunk8(const bf16* x, int8_t* q, float* scale, float* sum, 
   const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(q0));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(q1));
-  const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  const int32_t first = _mm512_reduce_add_epi32(q0), second = _mm512_reduce_add_epi32(q1);
+  const int32_t total = first + second;
   *sum = *scale * static_cast<float>(total);  // the sum of what the products see: the minimums' error then
   *offset = -128 * total;                      // cancels the mean of the weights' values (as llama.cpp's q8_1)
+  halves[0] = -32 * first;
+  halves[1] = -32 * second;
 }
 
 // A [m, k] quantized once per GEMM into a buffer all threads read (inside the parallel region: the single
@@ -307,8 +311,9 @@ inline Int8Acts quantize_rows8(const bf16* a, int64_t m, int64_t k) {
   {
     values.resize(m * k);
     factors.resize(2 * m * chunks);
-    offsets.resize(m * chunks);
-    acts = Int8Acts{values.data(), factors.data(), factors.data() + m * chunks, offsets.data()};
+    offsets.resize(3 * m * chunks);
+    acts = Int8Acts{values.data(), factors.data(), factors.data() + m * chunks, offsets.data(),
+                    offsets.data() + m * chunks};
   }
 #pragma omp for schedule(static)
   for (int64_t i = 0; i < m; ++i)
@@ -316,7 +321,7 @@ inline Int8Acts quantize_rows8(const bf16* a, int64_t m, int64_t k) {
       const int64_t f = i * chunks + c;
       quantize_chunk8(a + i * k + c * 32, const_cast<int8_t*>(acts.q) + i * k + c * 32,
                       const_cast<float*>(acts.scale) + f, const_cast<float*>(acts.sum) + f,
-                      const_cast<int32_t*>(acts.offset) + f);
+                      const_cast<int32_t*>(acts.offset) + f, const_cast<int32_t*>(acts.halves) + 2 * f);
     }
   return acts;
 }
@@ -324,7 +329,8 @@ inline Int8Acts quantize_rows8(const bf16* a, int64_t m, int64_t k) {
 // c = R rows of A (quantized, from row `row`) times NB column blocks (block_bytes apart), each block's sums
 // [R, 16] at c + j * ldc. A quad of k (4p..4p+3) is tile rows 2p and 2p + 1, 64 bytes in a row: one VPERMW
 // puts each column's two pairs side by side in its 32-bit lane (4-bit values: rows 2p + 8 and 2p + 9, k
-// 16 + 4p.., sit in the same bytes' high nibbles).
+// 16 + 4p.., sit in the same bytes' high nibbles; 6-bit ones take their top two bits from the 64 bytes of
+// the high plane at 64 (p % 2), bits 2 (p / 2) for the low nibbles and 4 + 2 (p / 2) for the high ones).
 template <int R, int NB, int Bits>
 void int8_block(const Int8Acts& acts, int64_t row, int64_t k, int64_t chunks, const uint8_t* b, int64_t block_bytes,
                 float* c, int64_t ldc) {
@@ -349,9 +355,14 @@ void int8_block(const Int8Acts& acts, int64_t row, int64_t k, int64_t chunks, co
       return _mm512_set1_epi32(v);
     };
     __m512i s[NB][R];  // exact integer sums (the order of their adds does not matter)
+    __m512i h[NB][R];  // the high nibbles' sums: a second chain (6 bits: k 16-31, the second scale's)
     for (int j = 0; j < NB; ++j)
-      for (int i = 0; i < R; ++i)
-        s[j][i] = Bits == 8 ? _mm512_set1_epi32(acts.offset[(row + i) * chunks + ch]) : _mm512_setzero_si512();
+      for (int i = 0; i < R; ++i) {
+        const int64_t f = (row + i) * chunks + ch;
+        s[j][i] = Bits == 8 ? _mm512_set1_epi32(acts.offset[f])
+                  : Bits == 6 ? _mm512_set1_epi32(acts.halves[2 * f]) : _mm512_setzero_si512();
+        h[j][i] = Bits == 6 ? _mm512_set1_epi32(acts.halves[2 * f + 1]) : _mm512_setzero_si512();
+      }
     if constexpr (Bits == 8) {
       for (int p = 0; p < 8; ++p)
         for (int j = 0; j < NB; ++j) {
@@ -359,29 +370,41 @@ void int8_block(const Int8Acts& acts, int64_t row, int64_t k, int64_t chunks, co
           for (int i = 0; i < R; ++i) s[j][i] = _mm512_dpbusd_epi32(s[j][i], w, quad(i, p));
         }
     } else {
-      __m512i h[NB][R];  // the high nibbles' sums: a second chain
-      for (int j = 0; j < NB; ++j)
-        for (int i = 0; i < R; ++i) h[j][i] = _mm512_setzero_si512();
+      const __m512i top = _mm512_set1_epi8(0x30);
       for (int p = 0; p < 4; ++p)
         for (int j = 0; j < NB; ++j) {
           const __m512i v = _mm512_permutexvar_epi16(quads, _mm512_loadu_si512(t[j] + 64 * p));
-          const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+          __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+          if constexpr (Bits == 6) {  // bits 2 (p / 2) and 4 + 2 (p / 2) of the high plane, to bits 4-5
+            const __m512i b = _mm512_permutexvar_epi16(quads, _mm512_loadu_si512(t[j] + 256 + 64 * (p % 2)));
+            const int shift = 2 * (p / 2);
+            lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(b, 4 - shift), top));
+            hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(b, shift), top));
+          }
           for (int i = 0; i < R; ++i) {
             s[j][i] = _mm512_dpbusd_epi32(s[j][i], lo, quad(i, p));
             h[j][i] = _mm512_dpbusd_epi32(h[j][i], hi, quad(i, 4 + p));
           }
         }
-      for (int j = 0; j < NB; ++j)
-        for (int i = 0; i < R; ++i) s[j][i] = _mm512_add_epi32(s[j][i], h[j][i]);
+      if constexpr (Bits == 4) {
+        for (int j = 0; j < NB; ++j)
+          for (int i = 0; i < R; ++i) s[j][i] = _mm512_add_epi32(s[j][i], h[j][i]);
+      }
     }
     for (int j = 0; j < NB; ++j) {
       const uint8_t* tail = t[j] + quant_values_bytes(Bits);
       const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail)));
-      const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 32)));
+      const __m512 second = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 32)));
       for (int i = 0; i < R; ++i) {
         const int64_t f = (row + i) * chunks + ch;
-        acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[j][i]), _mm512_mul_ps(scale, _mm512_set1_ps(acts.scale[f])),
-                                    _mm512_fmadd_ps(minimum, _mm512_set1_ps(acts.sum[f]), acc[j][i]));
+        const __m512 sx = _mm512_set1_ps(acts.scale[f]);
+        if constexpr (Bits == 6) {  // `second`: the scales of k 16-31
+          acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h[j][i]), _mm512_mul_ps(second, sx),
+                                      _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[j][i]), _mm512_mul_ps(scale, sx), acc[j][i]));
+        } else {  // `second`: the minimums
+          acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[j][i]), _mm512_mul_ps(scale, sx),
+                                      _mm512_fmadd_ps(second, _mm512_set1_ps(acts.sum[f]), acc[j][i]));
+        }
       }
     }
   }

@@ -18,15 +18,22 @@ namespace {
 // - AVX2 builds: quads of k for integer pair products ([2 halves of 8 columns][quads][8 columns][4 k];
 //   int4: 4 quad rows a half, k = 4p + t in the low nibble and 16 + 4p + t in the high one), each half's
 //   scales and minimums in kSumOrder. Every step multiplies integers (see QuantActs).
+// 6 bits (AVX-512 BF16 and AMX builds; only 8-bit activations multiply them, gemm_quant_int8): Q6_K's
+// 16-value sub-blocks, w = s * q with q in -32..31 stored as q + 32: the int4 layout's 256 bytes of low
+// nibbles, then 128 bytes of the top two bits (element e's in bits 2 (e / 128) of byte e % 128), then the
+// 16 columns' fp16 scales of k 0-15 and those of k 16-31 (no minimums).
 struct QWeight {
   const void* data;
-  int64_t bits;  // 0: bf16 in pack_weight's layout; 4 or 8: the layout above
+  int64_t bits;  // 0: bf16 in pack_weight's layout; 4, 6 or 8: the layout above
   const void* tail;  // null, or the column blocks from `tail_from` on, in another kind (QKV: V in 8 bits)
   int64_t tail_bits;
   int64_t tail_from;
 };
-constexpr int64_t kQuantTail = 64;  // 16 fp16 scales, then 16 fp16 minimums
-inline int64_t quant_values_bytes(int64_t bits) { return bits == 8 ? 512 : 256; }
+constexpr int64_t kQuantTail = 64;  // 16 fp16 scales, then 16 fp16 minimums (6 bits: 16 more scales)
+inline int64_t quant_values_bytes(int64_t bits) { return bits == 8 ? 512 : bits == 6 ? 384 : 256; }
+// Where element e's top two bits sit in a 6-bit chunk: byte, and the shift.
+inline int64_t six_bit_byte(int64_t e) { return 256 + e % 128; }
+inline int six_bit_shift(int64_t e) { return static_cast<int>(2 * (e / 128)); }
 inline int64_t quant_chunk_bytes(int64_t bits) { return quant_values_bytes(bits) + kQuantTail; }
 // Where a chunk's value for (column, k) sits: byte, and the high nibble (int4); and where column c's scale
 // and minimum sit among the tail's 16.
@@ -36,9 +43,11 @@ struct QuantPlace {
 };
 // The AVX2 integer sums of a half come out in this column order (VPHADDD of two 4-column pair sums).
 constexpr int kSumOrder[8] = {0, 1, 4, 5, 2, 3, 6, 7};
+// Element index of (column, k) in the pair layout's order.
+inline int64_t pair_element(int col, int kk) { return (kk / 2 * 16 + col) * 2 + kk % 2; }
 inline QuantPlace quant_place(int col, int kk, int64_t bits) {
   if (kPairLayout) {
-    const int64_t e = (kk / 2 * 16 + col) * 2 + kk % 2;
+    const int64_t e = pair_element(col, kk);
     return bits == 8 ? QuantPlace{e, false} : QuantPlace{e % 256, e >= 256};
   }
   const int half = col / 8, c = col % 8, t = kk % 4;

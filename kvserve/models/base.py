@@ -111,14 +111,16 @@ class CausalLM(nn.Module):
     def quantized_modules(self) -> list[QuantizableWeight]:
         return [m for m in self.modules() if isinstance(m, QuantizableWeight) and m.quant is not None]
 
-    def pack_quantized(self, native) -> None:
+    def pack_quantized(self, native, int6: bool = False) -> None:
         """Every quantized matrix into the packed GEMM's layout, one at a time (each unpacked copy is freed
         as its packed one is made, so loading holds one copy of the weights); a tied LM head shares the
-        embedding's."""
+        embedding's. `int6`: 8-bit activations will multiply them, so 6-bit matrices stay at 6 bits (else
+        they go to 8)."""
         for module in self.quantized_modules():
-            module.pack_(native)
+            module.pack_(native, int6)
         if self.lm_head_quant is not None:
             q = self.lm_head_quant
+            q = q.promote(8) if q.bits == 6 and not int6 else q
             self.lm_head_packed = PackedPart(native.pack_quant(q.values, q.scales, q.minimums, q.bits), q.bits,
                                              q.shape[0])
             self.lm_head_quant = None

@@ -177,11 +177,12 @@ class QuantizableWeight(nn.Module):
             self.weight.data = torch.cat([q.dequantize() for q in self.quant]).to(device=device, dtype=dtype)
             self.quant = None
 
-    def pack_(self, native: "cpu_kernels.NativeKernels") -> None:
-        """Into the packed GEMM's layout (gate/up interleaved); the unpacked copy is freed."""
+    def pack_(self, native: "cpu_kernels.NativeKernels", int6: bool = False) -> None:
+        """Into the packed GEMM's layout (gate/up interleaved); the unpacked copy is freed. 6-bit parts stay
+        so only where 8-bit activations multiply them (`int6`), else they go to 8 bits."""
         if self.quant is None:
             return
-        parts = self.quant
+        parts = [q.promote(8) if q.bits == 6 and not int6 else q for q in self.quant]
         if self.gate_up:
             parts = [parts[0].map_rows(interleave_gate_up)]
             self.interleaved = True

@@ -98,9 +98,10 @@ def _type_name(qtype: int) -> str:
         return f"type {qtype}"
 
 
-def load_gguf(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Every matrix at the bits `weights` gives its type (models/quant.weight_bits), the others dense:
-    2-D ones in `dtype`, norms in float32."""
+def load_gguf(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype = torch.float32,
+              int6: bool = False) -> Checkpoint:
+    """Every matrix at the bits `weights` gives its type (models/quant.weight_bits; `int6`: Q6_K may stay at 6
+    bits), the others dense: 2-D ones in `dtype`, norms in float32."""
     path = Path(path)
     file = GGUFFile(path)
     meta = file.metadata
@@ -110,7 +111,7 @@ def load_gguf(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype
 
     def convert(t: GGUFTensor) -> tuple[str, "torch.Tensor | QuantizedMatrix"]:
         name = hf_name_for_gguf(t.name, arch)
-        bits = quant.weight_bits(t.type, weights) if len(t.shape) == 2 else 0
+        bits = quant.weight_bits(t.type, weights, int6) if len(t.shape) == 2 else 0
         if bits and t.type not in quant.FLOAT_TYPES:
             value = quant.from_gguf(file.data(t), t.type, bits)
         else:
@@ -199,13 +200,15 @@ def checkpoint_header(path: str | os.PathLike) -> tuple[ModelConfig, set[str]]:
     return config, names
 
 
-def load_checkpoint(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype = torch.float32) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype = torch.float32,
+                    int6: bool = False) -> Checkpoint:
     """The checkpoint at `path` with its matrices in the forms `weights` gives them (models/quant.py), dense
-    2-D tensors in `dtype`."""
+    2-D tensors in `dtype`; `int6`: Q6_K matrices may stay at 6 bits (where 8-bit activations multiply them:
+    Plan.activations)."""
     path = Path(path)
     if model_format(path) == "hf":
         return load_hf_dir(path, weights, None if dtype == torch.float32 else dtype)
-    return load_gguf(path, weights, dtype)
+    return load_gguf(path, weights, dtype, int6)
 
 
 def weights_label(checkpoint: Checkpoint, quantized: bool, dtype: torch.dtype) -> str:

@@ -1,12 +1,15 @@
-"""Weights kept quantized: 8-bit and 4-bit values with an fp16 scale and minimum per 32 inputs of a row.
+"""Weights kept quantized: 8-bit and 4-bit values with an fp16 scale and minimum per 32 inputs of a row, and
+6-bit values with an fp16 scale per 16 (Q6_K's own sub-blocks, where 8-bit activations multiply them).
 
 A decode step on a CPU is bound by reading the weights, so the fused decoder's GEMMs read these instead of
 bfloat16 (kernels/gemm_quant_layout.h, QWeight): w = scale * q + minimum, q int8 or 0..15. The group is 32
 inputs, as GGUF's blocks and the K-quants' sub-blocks, so most of a file's matrices map onto it with the
 weights the file holds (`from_gguf`): Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 exactly, Q4_K and Q5_K up to the fp16
 rounding of each sub-block's scale and minimum (products of the super-block's fp16 factor and a 6-bit
-integer). Any other matrix (Q6_K, Q2_K, Q3_K, the IQ types, float files) is quantized here (`quantize`),
-which loses accuracy: the setting `weights` (`WEIGHT_MODES`) says which matrices are kept in which form.
+integer), and Q6_K at 6 bits up to the fp16 rounding of each 16-value sub-block's scale (where the 6-bit
+form is allowed: `int6`, only the 8-bit-activation kernels multiply it; else at 8 bits, quantized again).
+Any other matrix (Q2_K, Q3_K, the IQ types, float files) is quantized here (`quantize`), which loses
+accuracy: the setting `weights` (`WEIGHT_MODES`) says which matrices are kept in which form.
 """
 from __future__ import annotations
 
@@ -18,18 +21,26 @@ import torch
 from kvserve.config import WEIGHT_MODES
 
 GROUP = 32
-BITS = (4, 8)
+BITS = (4, 6, 8)
 # GGMLQuantizationType values.
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 30
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
 FLOAT_TYPES = (F32, F16, BF16)
 # What each GGUF type keeps exactly (4 or 8 bits); the others are quantized again at the bits of `auto`.
 EXACT_BITS = {Q4_0: 4, Q4_1: 4, Q4_K: 4, Q8_0: 8, Q5_0: 8, Q5_1: 8, Q5_K: 8}
+# Types kept exactly at 6 bits (16 values a scale, no minimum) where that form is allowed, and only there.
+SIX_BIT_TYPES = (Q6_K,)
+
+
+def group(bits: int) -> int:
+    """Inputs per scale: 16 for the 6-bit form (Q6_K's sub-blocks), else 32."""
+    return 16 if bits == 6 else GROUP
 
 
 @dataclass(frozen=True)
 class QuantizedMatrix:
-    """A [N, K] weight as values, fp16 scales and fp16 minimums [N, K / 32]. values: int8 [N, K] (bits 8)
-    or uint8 [N, K / 2] of two 0..15 values a byte, element 2j in the low nibble (bits 4)."""
+    """A [N, K] weight as values, fp16 scales and fp16 minimums [N, K / group(bits)]. values: int8 [N, K]
+    (bits 8; bits 6: -32..31, minimums zero) or uint8 [N, K / 2] of two 0..15 values a byte, element 2j in
+    the low nibble (bits 4)."""
 
     bits: int
     values: torch.Tensor
@@ -38,16 +49,17 @@ class QuantizedMatrix:
 
     def __post_init__(self):
         n, groups = self.scales.shape
-        per_row = groups * GROUP if self.bits == 8 else groups * GROUP // 2
-        if self.bits not in BITS or tuple(self.values.shape) != (n, per_row) \
+        k = groups * group(self.bits)
+        per_row = k // 2 if self.bits == 4 else k
+        if self.bits not in BITS or tuple(self.values.shape) != (n, per_row) or k % GROUP \
                 or self.scales.dtype != torch.float16 or self.minimums.shape != self.scales.shape \
-                or self.values.dtype != (torch.int8 if self.bits == 8 else torch.uint8):
+                or self.values.dtype != (torch.uint8 if self.bits == 4 else torch.int8):
             raise ValueError(f"inconsistent {self.bits}-bit matrix: values {self.values.dtype} "
                              f"{tuple(self.values.shape)}, scales {tuple(self.scales.shape)}")
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.scales.shape[0], self.scales.shape[1] * GROUP
+        return self.scales.shape[0], self.scales.shape[1] * group(self.bits)
 
     @property
     def nbytes(self) -> int:
@@ -55,7 +67,7 @@ class QuantizedMatrix:
 
     def q(self) -> torch.Tensor:
         """The values as int32 [N, K]."""
-        if self.bits == 8:
+        if self.bits != 4:
             return self.values.to(torch.int32)
         v = self.values.to(torch.int32)
         return torch.stack([v & 0x0F, v >> 4], dim=-1).reshape(self.shape)
@@ -63,7 +75,8 @@ class QuantizedMatrix:
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: scale * q + minimum, the weights the kernels compute with."""
         n, k = self.shape
-        q = self.q().view(n, k // GROUP, GROUP).float()
+        size = group(self.bits)
+        q = self.q().view(n, k // size, size).float()
         w = self.scales.float()[..., None] * q + self.minimums.float()[..., None]
         return w.reshape(n, k)
 
@@ -72,12 +85,15 @@ class QuantizedMatrix:
         return QuantizedMatrix(self.bits, fn(self.values), fn(self.scales), fn(self.minimums))
 
     def promote(self, bits: int) -> "QuantizedMatrix":
-        """At `bits` >= its own: int4 values are int8 values of the same scale and minimum (exact)."""
+        """At `bits` >= its own: int4 values are int8 values of the same scale and minimum (exact); the 6-bit
+        form, whose groups differ, meets another form only quantized again."""
         if bits == self.bits:
             return self
-        if bits != 8:
+        if bits < self.bits:
             raise ValueError(f"a {self.bits}-bit matrix cannot be promoted to {bits} bits")
-        return QuantizedMatrix(8, self.q().to(torch.int8), self.scales, self.minimums)
+        if self.bits == 4 and bits == 8:
+            return QuantizedMatrix(8, self.q().to(torch.int8), self.scales, self.minimums)
+        return quantize(self.dequantize(), bits)
 
     @staticmethod
     def cat(parts: list["QuantizedMatrix"]) -> "QuantizedMatrix":
@@ -105,18 +121,20 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(w: torch.Tensor, bits: int) -> QuantizedMatrix:
-    """Round a float [N, K] matrix to `bits`: 8 symmetric (scale max|w| / 127, no minimum); 4 asymmetric
-    (scale (max - min) / 15, minimum min), per 32 inputs, the fp16 scale used for the rounding."""
+    """Round a float [N, K] matrix to `bits`: 8 symmetric (scale max|w| / 127, no minimum), 6 symmetric per 16
+    (max|w| / 31); 4 asymmetric (scale (max - min) / 15, minimum min), per 32 inputs, the fp16 scale used
+    for the rounding."""
     n, k = w.shape
     if k % GROUP:
         raise ValueError(f"quantize needs K % {GROUP} == 0, got {k}")
-    g = w.float().reshape(n, k // GROUP, GROUP)
-    if bits == 8:
-        scale = (g.abs().amax(-1) / 127).to(torch.float16)
+    g = w.float().reshape(n, k // group(bits), group(bits))
+    if bits in (6, 8):
+        top = 127 if bits == 8 else 31
+        scale = (g.abs().amax(-1) / top).to(torch.float16)
         minimum = torch.zeros_like(scale)
         s = scale.float()[..., None]
-        q = torch.where(s > 0, torch.round(g / torch.where(s > 0, s, 1)), 0).clamp(-127, 127)
-        return QuantizedMatrix(8, q.reshape(n, k).to(torch.int8), scale, minimum)
+        q = torch.where(s > 0, torch.round(g / torch.where(s > 0, s, 1)), 0).clamp(-top, top)
+        return QuantizedMatrix(bits, q.reshape(n, k).to(torch.int8), scale, minimum)
     if bits == 4:
         lo, hi = g.amin(-1), g.amax(-1)
         scale = ((hi - lo) / 15).to(torch.float16)
@@ -124,13 +142,14 @@ def quantize(w: torch.Tensor, bits: int) -> QuantizedMatrix:
         s = scale.float()[..., None]
         q = torch.where(s > 0, torch.round((g - minimum.float()[..., None]) / torch.where(s > 0, s, 1)), 0)
         return QuantizedMatrix(4, pack_nibbles(q.clamp(0, 15).reshape(n, k)), scale, minimum)
-    raise ValueError(f"bits must be 4 or 8, got {bits}")
+    raise ValueError(f"bits must be 4, 6 or 8, got {bits}")
 
 
-def weight_bits(qtype: int, mode: str) -> int:
+def weight_bits(qtype: int, mode: str, int6: bool = False) -> int:
     """The bits a matrix stored as GGUF type `qtype` is kept at under the setting `mode` (0: dense).
-    auto keeps the file's class: float types dense, 4-bit types at 4 bits, every other type at 8 (5- and
-    6-bit types among them: 8 bits hold Q5's values exactly and Q6_K's closer than 4 could)."""
+    auto keeps the file's class: float types dense, 4-bit types at 4 bits, Q6_K at 6 where the 6-bit form
+    is allowed (`int6`: the kernels multiply 8-bit activations), every other type at 8 (5- and 6-bit types
+    among them: 8 bits hold Q5's values exactly and Q6_K's closer than 4 could)."""
     if mode not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {mode!r}")
     if mode == "bf16":
@@ -141,11 +160,15 @@ def weight_bits(qtype: int, mode: str) -> int:
         return 4
     if qtype in FLOAT_TYPES:
         return 0
+    if int6 and qtype in SIX_BIT_TYPES:
+        return 6
     return EXACT_BITS.get(qtype, 8)
 
 
 def is_exact(qtype: int, bits: int) -> bool:
     """Whether `from_gguf` keeps this type at these bits with the file's own weights (else: quantized again)."""
+    if bits == 6 or qtype in SIX_BIT_TYPES:
+        return bits == 6 and qtype in SIX_BIT_TYPES
     exact = EXACT_BITS.get(qtype)
     return exact is not None and exact <= bits
 
@@ -161,10 +184,10 @@ def from_gguf(raw: np.ndarray, qtype: int, bits: int | None = None) -> Quantized
         n = raw.shape[0]
         w = quants.dequantize(raw, GGMLQuantizationType(qtype)).reshape(n, -1)
         return quantize(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)), bits)
-    q, scale, minimum = _blocks(raw, qtype)
+    q, scale, minimum = _six_bit_blocks(raw) if bits == 6 else _blocks(raw, qtype)
     n = raw.shape[0]
     q = q.reshape(n, -1)
-    values = torch.from_numpy(q.astype(np.int8)) if bits == 8 else pack_nibbles(torch.from_numpy(q))
+    values = pack_nibbles(torch.from_numpy(q)) if bits == 4 else torch.from_numpy(q.astype(np.int8))
     return QuantizedMatrix(bits, values, torch.from_numpy(scale.reshape(n, -1)),
                            torch.from_numpy(minimum.reshape(n, -1)))
 
@@ -189,6 +212,23 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sc = np.concatenate([scales[..., 0:4] & 63, (scales[..., 8:12] & 0x0F) | ((scales[..., 0:4] >> 6) << 4)], -1)
     m = np.concatenate([scales[..., 4:8] & 63, (scales[..., 8:12] >> 4) | ((scales[..., 4:8] >> 6) << 4)], -1)
     return sc, m
+
+
+def _six_bit_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q6_K (210 B per 256 values: 128 B of low nibbles, 64 B of high 2-bit pairs, 16 int8 sub-block scales,
+    d) -> (values -32..31 [N, groups, 16], fp16 scales d * sc and zero minimums [N, groups]), in ggml's
+    order (dequantize_row_q6_K: per 128 values, l in 0..31 gives values l, l + 32, l + 64, l + 96)."""
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, 210)
+    ql = b[..., :128].reshape(n, -1, 2, 64)
+    qh = b[..., 128:192].reshape(n, -1, 2, 32)
+    sc = b[..., 192:208].view(np.int8).astype(np.float32)
+    d = _f16(b, 208).astype(np.float32)
+    lo = np.stack([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=3)
+    hi = np.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=3)
+    q = (lo | (hi << 4)).astype(np.int8) - 32  # [n, blocks, 2 halves, 4 quarters, 32]
+    scale = (d[..., None] * sc).astype(np.float16)
+    return q.reshape(n, -1, 16), scale.reshape(n, -1), np.zeros_like(scale.reshape(n, -1))
 
 
 def _blocks(raw: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

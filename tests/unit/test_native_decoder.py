@@ -118,6 +118,27 @@ def test_int8_activations_on_the_fused_decoder_match_the_per_op_path(arch, tiny_
     assert rel_err(a, r) <= 2 * rel_err(c, r) + 1e-3
 
 
+@needs_int8
+def test_q6_k_matrices_stay_at_6_bits_under_8_bit_activations(tmp_path, smollm2_gguf_path):
+    """A Q6_K file's matrices are held at 6 bits where 8-bit activations multiply them (and at 8 bits, quantized
+    again, where bf16 ones do); both decode within twice the other's error against float32."""
+    from tests.gguf_factory import TinySpec, write_tiny_gguf
+
+    path = tmp_path / "tiny-q6k.gguf"
+    write_tiny_gguf(path, TinySpec(hidden=256, intermediate=512, head_dim=64, quant="Q6_K"), str(smollm2_gguf_path))
+    six = load_checkpoint(path, "auto", int6=True)
+    assert {form for _, form, _ in six.forms} == {"int6"} and all(exact for _, _, exact in six.forms)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 20000) for _ in range(n)] for n in (23, 9, 40)]
+    h6 = PagedHarness(six, dtype=torch.bfloat16, activations="int8")
+    assert {p.bits for p in h6.model.layers[0].mlp.down_proj.packed} == {6} and h6.model.lm_head_packed.bits == 6
+    h8 = PagedHarness(load_checkpoint(path, "auto"), dtype=torch.bfloat16, activations="bf16")
+    assert h8.model.lm_head_packed.bits == 8
+    a, b = (torch.cat(h.mixed_batch(prompts)).float() for h in (h6, h8))
+    r = torch.cat(PagedHarness(load_checkpoint(path, "bf16"), dtype=torch.float32).mixed_batch(prompts))
+    assert rel_err(a, r) <= 2 * rel_err(b, r) + 1e-3 and rel_err(b, r) <= 2 * rel_err(a, r) + 1e-3
+
+
 @needs_fused
 def test_which_steps_take_the_fused_path(checkpoint):
     h = PagedHarness(checkpoint, dtype=torch.bfloat16)

@@ -101,7 +101,7 @@ def _as_int8_rows(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * (safe / 127.0).float().double()).view_as(x)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 @pytest.mark.parametrize("m,n,k", [(1, 64, 96), (3, 48, 576), (8, 112, 1536), (9, 64, 576), (70, 16, 256),
                                    (300, 32, 2048)])
 def test_int8_activations_multiply_the_rows_rounded_to_8_bits(native, bits, m, n, k):
@@ -122,7 +122,7 @@ def test_int8_activations_multiply_the_rows_rounded_to_8_bits(native, bits, m, n
     _assert_close(out, _reference(x, qm.dequantize()), k, step @ qm.dequantize().double().abs().T)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 def test_int8_activation_rows_are_the_same_bits_in_any_step(native, bits):
     """8-bit activations are batch-invariant by construction, at every step size; a non-finite input
     spoils its own row only."""
@@ -161,6 +161,13 @@ def test_pack_quant_refuses_inconsistent_shapes(native):
     qm = quant.quantize(torch.randn(16, 64), 4)
     with pytest.raises(ValueError):
         native.pack_quant(qm.values, qm.scales, qm.minimums, 8)
+    six = quant.quantize(torch.randn(16, 64), 6)
+    with pytest.raises(ValueError):  # 16-value groups: twice the scales of the 8-bit form
+        native.pack_quant(six.values, six.scales[:, :2], six.minimums[:, :2], 6)
+    if native.int8_activations:
+        packed = native.pack_quant(six.values, six.scales, six.minimums, 6)
+        with pytest.raises(ValueError):  # only 8-bit activations multiply the 6-bit form
+            native.linear_quant(torch.randn(1, 64).bfloat16(), packed, 6, 16)
     with pytest.raises(ValueError):
         native.pack_quant(qm.values[:8], qm.scales[:8], qm.minimums[:8], 4)
 
@@ -221,6 +228,14 @@ def test_k_quants_map_to_their_sub_blocks():
     assert qm.bits == 8 and not quant.is_exact(int(T.Q6_K), 8)
     step = qm.scales.float().repeat_interleave(32, dim=1)
     assert ((qm.dequantize() - expected).abs() <= step / 2 + 1e-7).all()
+    # Where 8-bit activations multiply them: at 6 bits, its own values and 16-value sub-blocks.
+    six = quant.from_gguf(raw, int(T.Q6_K), 6)
+    assert six.bits == 6 and quant.is_exact(int(T.Q6_K), 6) and six.scales.shape == (16, 32)
+    assert (six.dequantize() - expected).abs().max() <= 2.0 ** -11 * expected.abs().max()
+    assert int(six.q().min()) >= -32 and int(six.q().max()) <= 31
+    wide = six.promote(8)  # meeting an 8-bit part: quantized again
+    assert wide.bits == 8 and ((wide.dequantize() - six.dequantize()).abs()
+                               <= wide.scales.float().repeat_interleave(32, dim=1) / 2 + 1e-7).all()
 
 
 def test_auto_keeps_each_type_at_its_class():
@@ -229,6 +244,8 @@ def test_auto_keeps_each_type_at_its_class():
     assert [quant.weight_bits(t, "auto") for t in (quant.Q8_0, quant.Q5_0, quant.Q5_K, 14)] == [8, 8, 8, 8]  # 14: Q6_K
     assert quant.weight_bits(quant.Q4_K, "int8") == 8 and quant.weight_bits(quant.Q8_0, "int4") == 4
     assert quant.weight_bits(quant.Q4_K, "bf16") == 0
+    assert quant.weight_bits(quant.Q6_K, "auto", int6=True) == 6 and quant.weight_bits(quant.Q6_K, "int8", int6=True) == 8
+    assert quant.weight_bits(quant.Q8_0, "auto", int6=True) == 8 and quant.weight_bits(quant.Q4_K, "auto", int6=True) == 4
 
 
 def test_promoting_4_bits_to_8_is_exact():
@@ -239,10 +256,12 @@ def test_promoting_4_bits_to_8_is_exact():
     assert both.bits == 8 and both.shape == (32, 64) and torch.equal(both.dequantize()[:16], qm.dequantize())
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 6, 4])
 def test_rows_read_from_the_packed_layout(native, bits):
     """An embedding lookup from a packed, quantized table gives the dense table's rows (w = s q + m, rounded
     to bf16), so a tied LM head and the embedding share one copy."""
+    if bits == 6 and not native.int8_activations:
+        pytest.skip("the 6-bit form needs AVX-512 BF16 and VNNI")
     qm = quant.quantize(torch.randn(48, 96), bits)
     packed = native.pack_quant(qm.values, qm.scales, qm.minimums, bits)
     ids = torch.tensor([[0, 47, 5], [17, 17, 32]])
