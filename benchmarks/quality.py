@@ -422,7 +422,7 @@ def tradeoff_markdown(data: dict, command: str) -> str:
              "compared with the row above it (the same weights, bf16 KV), a figure that bf16's own rounding "
              "moves as much (the accumulation-order line).",
              "- activations: what the quantized matrices multiply (`activations`): bf16, or int8 (each step's rows "
-             "quantized to 8 bits per 32 inputs with an fp32 scale, integer dot products; kernels/"
+             "quantized to 8 bits per 16 inputs with an fp32 scale, integer dot products; kernels/"
              "gemm_quant_avx512.h, gemm_quant_int8).", "",
              f"| model | weights | KV | activations | computed from | perplexity | KLD vs float32 | top-1 vs float32 "
              f"| task = float32 (of {n}) | task correct (of {n}) | KLD vs bf16 | top-1 vs bf16 | TPOT c=1 (ms) "

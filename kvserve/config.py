@@ -339,7 +339,7 @@ class EngineConfig:
     # or decode, chunking, cache hits, preemption, migration); "fast": kernels may pick by shape. Where the
     # path cannot give it (float32, CUDA) the engine runs "fast" and says so (models/backend.plan).
     numerics: str = "batch_invariant"
-    # What quantized matrices multiply: "int8" (each step's activations quantized to 8 bits per 32 inputs,
+    # What quantized matrices multiply: "int8" (each step's activations quantized to 8 bits per 16 inputs,
     # integer dot products, batch-invariant at every step size), "bf16", or "auto": int8 where the CPU kind
     # measured faster with it (AVX-512 VNNI without AMX), else bf16 (models/backend.resolve_activations).
     activations: str = "auto"

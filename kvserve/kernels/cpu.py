@@ -293,7 +293,7 @@ class NativeKernels:
         """x [T, K] bf16 times a weight [n, K] packed by pack_quant (bits 4, 8) or pack_weight (bits 0) ->
         [T, n] in bf16, or in float32 holding the same bf16-rounded values (the LM head's logits). `invariant`:
         each row's values are the same bits whatever T (the batch-invariant numerics, gemm.h's gemm).
-        `int8_acts`: a quantized weight multiplies x quantized to 8 bits per 32 inputs (where
+        `int8_acts`: a quantized weight multiplies x quantized to 8 bits per 16 inputs (where
         `int8_activations`; every T then batch-invariant)."""
         if not self.fused:
             raise RuntimeError("the packed GEMM needs AMX or AVX2")

@@ -261,42 +261,35 @@ void widen_dot_rows(int rows, int blocks, const bf16* a, int64_t lda, int64_t ch
 }
 
 
-// ---- 8-bit activations (W4A8, W8A8) ----
-// A's rows quantized once per GEMM to int8 per 32-deep chunk, as llama.cpp's q8_0 blocks: x ~ scale * q,
-// scale = max |x| / 127, q rounded to nearest even. VPDPBUSD then multiplies 4 k of a column's weights (the
-// unsigned operand: 0..15, or int8 + 128) by the row's 4 values (signed) in one 32-bit lane, exactly; fp32
-// takes each chunk's integer sum times the two scales, in chunk order. Nothing in a row's arithmetic
-// depends on the rows beside it, so every step size is batch-invariant by construction.
+// ---- 8-bit activations (W4A8, W6A8, W8A8) ----
+// A's rows quantized once per GEMM to int8 per 16 inputs (half a chunk): x ~ scale * q, scale = max |x| / 127,
+// q rounded to nearest even (llama.cpp's q8_0 takes 32; 16 halves the logits' error for one more scaling a
+// chunk). VPDPBUSD then multiplies 4 k of a column's weights (the unsigned operand: 0..15, int8 + 128, or
+// 6-bit + 32) by the row's 4 values (signed) in one 32-bit lane, exactly; fp32 takes each half chunk's
+// integer sum times the two scales, in k order. Nothing in a row's arithmetic depends on the rows beside
+// it, so every step size is batch-invariant by construction.
 struct Int8Acts {
   const int8_t* q;  // [m][k]
-  const float* scale;  // [m][chunks] (NaN where the chunk holds a non-finite value)
+  const float* scale;  // [m][chunks][2] (NaN where the half holds a non-finite value)
   const float* sum;  // [m][chunks]: the chunk's sum of scale * q, which the minimums multiply
-  const int32_t* offset;  // [m][chunks]: -128 * the sum of q (8-bit weights are multiplied as q + 128)
-  const int32_t* halves;  // [m][chunks][2]: -32 * the sums of q over k 0-15 and 16-31 (6-bit ones as q + 32)
+  const int32_t* qsum;  // [m][chunks][2]: the halves' sums of q (an offset weight's correction)
 };
 
-inline void quantize_chunk8(const bf16* x, int8_t* q, float* scale, float* sum, int32_t* offset, int32_t* halves) {
-  const __m512 v0 = load16(x), v1 = load16(x + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-  const float s = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
-  *sum = s;
-  if (!std::isfinite(s) || !std::isfinite(amax) || amax == 0.0f) {  // a NaN or inf in the chunk makes its sum one
-    *scale = std::isfinite(s) && std::isfinite(amax) ? 0.0f : std::numeric_limits<float>::quiet_NaN();
-    *offset = halves[0] = halves[1] = 0;
-    std::memset(q, 0, 32);
-    return;
+// 16 values -> q, their scale and their sum of q; returns scale * sum(q) (what the products see: the
+// minimums' error then cancels the mean of the weights' values, as llama.cpp's q8_1).
+inline float quantize_half8(__m512 v, int8_t* q, float* scale, int32_t* qsum) {
+  const float amax = _mm512_reduce_max_ps(_mm512_abs_ps(v));
+  if (!std::isfinite(amax) || amax == 0.0f) {  // a NaN or inf spoils its half (and so its row's outputs)
+    *scale = amax == 0.0f ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+    *qsum = 0;
+    std::memset(q, 0, 16);
+    return *scale;
   }
   *scale = amax / 127.0f;
-  const __m512 inv = _mm512_set1_ps(127.0f / amax);
-  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(q0));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(q1));
-  const int32_t first = _mm512_reduce_add_epi32(q0), second = _mm512_reduce_add_epi32(q1);
-  const int32_t total = first + second;
-  *sum = *scale * static_cast<float>(total);  // the sum of what the products see: the minimums' error then
-  *offset = -128 * total;                      // cancels the mean of the weights' values (as llama.cpp's q8_1)
-  halves[0] = -32 * first;
-  halves[1] = -32 * second;
+  const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(127.0f / amax)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qi));
+  *qsum = _mm512_reduce_add_epi32(qi);
+  return *scale * static_cast<float>(*qsum);
 }
 
 // A [m, k] quantized once per GEMM into a buffer all threads read (inside the parallel region: the single
@@ -304,24 +297,26 @@ inline void quantize_chunk8(const bf16* x, int8_t* q, float* scale, float* sum, 
 inline Int8Acts quantize_rows8(const bf16* a, int64_t m, int64_t k) {
   static thread_local std::vector<int8_t> values;
   static thread_local std::vector<float> factors;
-  static thread_local std::vector<int32_t> offsets;
+  static thread_local std::vector<int32_t> sums;
   const int64_t chunks = k / 32;
   Int8Acts acts{};
 #pragma omp single copyprivate(acts)
   {
     values.resize(m * k);
-    factors.resize(2 * m * chunks);
-    offsets.resize(3 * m * chunks);
-    acts = Int8Acts{values.data(), factors.data(), factors.data() + m * chunks, offsets.data(),
-                    offsets.data() + m * chunks};
+    factors.resize(3 * m * chunks);
+    sums.resize(2 * m * chunks);
+    acts = Int8Acts{values.data(), factors.data(), factors.data() + 2 * m * chunks, sums.data()};
   }
 #pragma omp for schedule(static)
   for (int64_t i = 0; i < m; ++i)
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t f = i * chunks + c;
-      quantize_chunk8(a + i * k + c * 32, const_cast<int8_t*>(acts.q) + i * k + c * 32,
-                      const_cast<float*>(acts.scale) + f, const_cast<float*>(acts.sum) + f,
-                      const_cast<int32_t*>(acts.offset) + f, const_cast<int32_t*>(acts.halves) + 2 * f);
+      int8_t* q = const_cast<int8_t*>(acts.q) + i * k + c * 32;
+      float* scale = const_cast<float*>(acts.scale) + 2 * f;
+      int32_t* qsum = const_cast<int32_t*>(acts.qsum) + 2 * f;
+      const float first = quantize_half8(load16(a + i * k + c * 32), q, scale, qsum);
+      const float second = quantize_half8(load16(a + i * k + c * 32 + 16), q + 16, scale + 1, qsum + 1);
+      const_cast<float*>(acts.sum)[f] = first + second;
     }
   return acts;
 }
@@ -355,19 +350,24 @@ void int8_block(const Int8Acts& acts, int64_t row, int64_t k, int64_t chunks, co
       return _mm512_set1_epi32(v);
     };
     __m512i s[NB][R];  // exact integer sums (the order of their adds does not matter)
-    __m512i h[NB][R];  // the high nibbles' sums: a second chain (6 bits: k 16-31, the second scale's)
+    __m512i h[NB][R];  // k 16-31's sums (the high nibbles', for 4 and 6 bits)
+    constexpr int kOffset = Bits == 8 ? -128 : Bits == 6 ? -32 : 0;  // the weights' unsigned offset, taken off
     for (int j = 0; j < NB; ++j)
       for (int i = 0; i < R; ++i) {
-        const int64_t f = (row + i) * chunks + ch;
-        s[j][i] = Bits == 8 ? _mm512_set1_epi32(acts.offset[f])
-                  : Bits == 6 ? _mm512_set1_epi32(acts.halves[2 * f]) : _mm512_setzero_si512();
-        h[j][i] = Bits == 6 ? _mm512_set1_epi32(acts.halves[2 * f + 1]) : _mm512_setzero_si512();
+        const int32_t* qsum = acts.qsum + 2 * ((row + i) * chunks + ch);
+        s[j][i] = _mm512_set1_epi32(kOffset * qsum[0]);
+        h[j][i] = _mm512_set1_epi32(kOffset * qsum[1]);
       }
-    if constexpr (Bits == 8) {
-      for (int p = 0; p < 8; ++p)
+    if constexpr (Bits == 8) {  // quads p (k 0-15) to s, 4 + p to h
+      for (int p = 0; p < 4; ++p)
         for (int j = 0; j < NB; ++j) {
-          const __m512i w = _mm512_xor_si512(_mm512_permutexvar_epi16(quads, _mm512_loadu_si512(t[j] + 64 * p)), sign);
-          for (int i = 0; i < R; ++i) s[j][i] = _mm512_dpbusd_epi32(s[j][i], w, quad(i, p));
+          const __m512i lo = _mm512_xor_si512(_mm512_permutexvar_epi16(quads, _mm512_loadu_si512(t[j] + 64 * p)), sign);
+          const __m512i hi =
+              _mm512_xor_si512(_mm512_permutexvar_epi16(quads, _mm512_loadu_si512(t[j] + 64 * (4 + p))), sign);
+          for (int i = 0; i < R; ++i) {
+            s[j][i] = _mm512_dpbusd_epi32(s[j][i], lo, quad(i, p));
+            h[j][i] = _mm512_dpbusd_epi32(h[j][i], hi, quad(i, 4 + p));
+          }
         }
     } else {
       const __m512i top = _mm512_set1_epi8(0x30);
@@ -386,24 +386,20 @@ void int8_block(const Int8Acts& acts, int64_t row, int64_t k, int64_t chunks, co
             h[j][i] = _mm512_dpbusd_epi32(h[j][i], hi, quad(i, 4 + p));
           }
         }
-      if constexpr (Bits == 4) {
-        for (int j = 0; j < NB; ++j)
-          for (int i = 0; i < R; ++i) s[j][i] = _mm512_add_epi32(s[j][i], h[j][i]);
-      }
     }
     for (int j = 0; j < NB; ++j) {
       const uint8_t* tail = t[j] + quant_values_bytes(Bits);
       const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail)));
       const __m512 second = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 32)));
-      for (int i = 0; i < R; ++i) {
+      for (int i = 0; i < R; ++i) {  // k 0-15 (s), then 16-31 (h), each times its two scales
         const int64_t f = (row + i) * chunks + ch;
-        const __m512 sx = _mm512_set1_ps(acts.scale[f]);
-        if constexpr (Bits == 6) {  // `second`: the scales of k 16-31
-          acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h[j][i]), _mm512_mul_ps(second, sx),
-                                      _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[j][i]), _mm512_mul_ps(scale, sx), acc[j][i]));
-        } else {  // `second`: the minimums
-          acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[j][i]), _mm512_mul_ps(scale, sx),
-                                      _mm512_fmadd_ps(second, _mm512_set1_ps(acts.sum[f]), acc[j][i]));
+        const __m512 sx0 = _mm512_set1_ps(acts.scale[2 * f]), sx1 = _mm512_set1_ps(acts.scale[2 * f + 1]);
+        const __m512 lo = _mm512_cvtepi32_ps(s[j][i]), hi = _mm512_cvtepi32_ps(h[j][i]);
+        if constexpr (Bits == 6) {  // `second`: the weights' scales of k 16-31
+          acc[j][i] = _mm512_fmadd_ps(hi, _mm512_mul_ps(second, sx1), _mm512_fmadd_ps(lo, _mm512_mul_ps(scale, sx0), acc[j][i]));
+        } else {  // one weight scale for both halves; `second`: the minimums
+          const __m512 x = _mm512_fmadd_ps(hi, sx1, _mm512_mul_ps(lo, sx0));
+          acc[j][i] = _mm512_fmadd_ps(scale, x, _mm512_fmadd_ps(second, _mm512_set1_ps(acts.sum[f]), acc[j][i]));
         }
       }
     }
@@ -424,7 +420,7 @@ void int8_rows(int rows, int blocks, const Int8Acts& acts, int64_t row, int64_t 
   int8_block<R, NB, Bits>(acts, row, k, chunks, b, block_bytes, c, ldc);
 }
 
-constexpr int kInt8Rows = 8;  // rows a long step's pass holds (one column block: 8 integer and 8 fp32 sums)
+constexpr int kInt8Rows = 4;  // rows a long step's pass holds over a column pair: 16 integer and 8 fp32 sums
 
 // Every step on 8-bit activations. Decode-sized steps (up to kQuantDirectRows rows) take up to four column
 // blocks a task, each read once; longer ones take a group of column pairs that stays in L2 while every
@@ -457,9 +453,8 @@ void gemm_quant_int8(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int6
       for (int64_t pair = task * group; pair < std::min(pairs, (task + 1) * group); ++pair) {
         const int64_t nb0 = 2 * pair;
         const bool two = nb0 + 1 < nblocks;
-        for (int half = 0; half < (two ? 2 : 1); ++half)
-          int8_rows<kInt8Rows, 1, Bits>(rows, 1, acts, r, k, chunks, w + (nb0 + half) * block_bytes, block_bytes,
-                                        c[half], kQuantDirectRows * 16);
+        int8_rows<kInt8Rows, 2, Bits>(rows, two ? 2 : 1, acts, r, k, chunks, w + nb0 * block_bytes, block_bytes,
+                                      c[0], kQuantDirectRows * 16);
         epi(r, nb0, two, 0, rows, c[0], c[1]);
       }
     }

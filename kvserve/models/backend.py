@@ -81,7 +81,7 @@ def numerics_in_force(requested: str, path: str) -> str:
 
 def resolve_activations(requested: str, native: cpu_kernels.NativeKernels | None, quantized_weights: bool) -> str:
     """What the quantized matrices multiply (engine setting `activations`), chosen per CPU kind by measurement
-    (BENCHMARKS.md, "8-bit activations"): "int8" (each step's rows quantized to 8 bits per 32 inputs, integer
+    (BENCHMARKS.md, "8-bit activations"): "int8" (each step's rows quantized to 8 bits per 16 inputs, integer
     dot products: gemm_quant_int8) on AVX-512 VNNI without AMX, where it is faster than the bf16 paths at
     every step size and batch-invariant by construction; "bf16" elsewhere (AMX multiplies long steps on bf16
     tiles; AVX2 has its own exact 16-bit integer path). Dense matrices always multiply bf16."""

@@ -90,9 +90,9 @@ def test_invariant_rows_are_the_same_bits_in_any_step(native, bits):
 
 
 def _as_int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [m, k] as the 8-bit activations see it (gemm_quant_int8): per 32 inputs, q = x * (127 / max |x|)
-    rounded to nearest even, times max |x| / 127, all in fp32 (an all-zero chunk stays zero)."""
-    chunks = x.float().view(x.shape[0], -1, 32)
+    """x [m, k] as the 8-bit activations see it (gemm_quant_int8): per 16 inputs, q = x * (127 / max |x|)
+    rounded to nearest even, times max |x| / 127, all in fp32 (an all-zero group stays zero)."""
+    chunks = x.float().view(x.shape[0], -1, 16)
     amax = chunks.abs().amax(-1, keepdim=True).double()
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
     # Quotients correctly rounded to fp32 as the kernel's are (from float64: a second rounding that is exact
@@ -105,7 +105,7 @@ def _as_int8_rows(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("m,n,k", [(1, 64, 96), (3, 48, 576), (8, 112, 1536), (9, 64, 576), (70, 16, 256),
                                    (300, 32, 2048)])
 def test_int8_activations_multiply_the_rows_rounded_to_8_bits(native, bits, m, n, k):
-    """8-bit activations: the weights' exact values times each row rounded to int8 per 32 inputs, within
+    """8-bit activations: the weights' exact values times each row rounded to int8 per 16 inputs, within
     the output's rounding; the same bits with or without the batch-invariant flag (they always are)."""
     if not native.int8_activations:
         pytest.skip("8-bit activations need AVX-512 BF16 and VNNI")
@@ -118,7 +118,7 @@ def test_int8_activations_multiply_the_rows_rounded_to_8_bits(native, bits, m, n
     _assert_close(out, _reference(_as_int8_rows(x), qm.dequantize()), k)
     assert torch.equal(native.linear_quant(x, packed, bits, n, torch.float32, True, True), out)
     # Against the exact rows, the rounding costs at most half a step (max |x| / 254) a value.
-    step = x.double().abs().view(m, -1, 32).amax(-1).repeat_interleave(32, dim=1) / 254
+    step = x.double().abs().view(m, -1, 16).amax(-1).repeat_interleave(16, dim=1) / 254
     _assert_close(out, _reference(x, qm.dequantize()), k, step @ qm.dequantize().double().abs().T)
 
 
