@@ -278,9 +278,10 @@ struct Int8Acts {
 // 16 values -> q, their scale and their sum of q; returns scale * sum(q) (what the products see: the
 // minimums' error then cancels the mean of the weights' values, as llama.cpp's q8_1).
 inline float quantize_half8(__m512 v, int8_t* q, float* scale, int32_t* qsum) {
-  const float amax = _mm512_reduce_max_ps(_mm512_abs_ps(v));
-  if (!std::isfinite(amax) || amax == 0.0f) {  // a NaN or inf spoils its half (and so its row's outputs)
-    *scale = amax == 0.0f ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+  const float amax = _mm512_reduce_max_ps(_mm512_abs_ps(v));  // MAXPS may drop a NaN: asked apart
+  const bool nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+  if (nan || !std::isfinite(amax) || amax == 0.0f) {  // a NaN or inf spoils its half (and so its row's outputs)
+    *scale = amax == 0.0f && !nan ? 0.0f : std::numeric_limits<float>::quiet_NaN();
     *qsum = 0;
     std::memset(q, 0, 16);
     return *scale;
