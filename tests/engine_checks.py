@@ -38,10 +38,10 @@ def shared_weights():
     real_load, real_build = llm_engine.load_checkpoint, llm_engine.build_model
     checkpoints, models = {}, {}
 
-    def load_checkpoint(path, *args):
-        key = (str(path), *map(str, args))
+    def load_checkpoint(path, *args, **kwargs):
+        key = (str(path), *map(str, args), *sorted((name, str(v)) for name, v in kwargs.items()))
         if key not in checkpoints:
-            checkpoints[key] = real_load(path, *args)
+            checkpoints[key] = real_load(path, *args, **kwargs)
         return checkpoints[key]
 
     def build_model(checkpoint, the_plan, **kwargs):

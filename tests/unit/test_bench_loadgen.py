@@ -227,7 +227,9 @@ def test_cli_writes_the_result_file(tmp_path, capsys, smollm2_gguf_path):
     printed = capsys.readouterr().out
     assert "Serving Benchmark Result" in printed and "Median TTFT (ms):" in printed
     res = json.loads(out.read_text())
-    assert res["completed"] == 6 and res["request_goodput"] == pytest.approx(6 / res["duration"])
+    # Goodput: the requests whose TTFT met the 1000 ms objective (all of them, unless the machine stalled one).
+    good = sum(1 for t in res["ttfts"] if t * 1000.0 <= 1000)
+    assert res["completed"] == 6 and good >= 5 and res["request_goodput"] == pytest.approx(good / res["duration"])
     assert res["metadata"] == {"engine": "fake"} and res["label"] == "t1"
     assert res["command"][:3] == ["kvserve", "bench", "serve"]
     assert res["config"]["tiers"][0]["max_concurrency"] == 3

@@ -26,9 +26,9 @@ def test_the_cpu_level_in_force_is_what_runs(native):
     from kvserve.kernels import isa
 
     level, flags = isa.current(), isa.cpu_flags()
-    expected = {"avx2": {"avx2"}, "avx512": {"avx2", "avx512f", "avx512_bf16"}}.get(level.name)
+    expected = {"avx2": {"avx2"}, "avx512": {"avx2", "avx512f", "avx512_bf16", "avx512_vnni"}}.get(level.name)
     if expected is None:  # native: what the CPU has
-        expected = {name for name in ("avx2", "avx512f", "avx512_bf16") if name in flags}
+        expected = {name for name in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni") if name in flags}
         expected |= {"amx"} if {"amx_tile", "amx_bf16"} <= flags else set()
         assert not native.amx or "amx" in expected
     else:
@@ -36,6 +36,7 @@ def test_the_cpu_level_in_force_is_what_runs(native):
         assert not native.amx
     assert native.compiled_isa == expected
     assert isa.native_bf16() == ("avx512_bf16" in expected or "amx" in expected)
+    assert native.int8_activations == ({"avx512_bf16", "avx512_vnni"} <= expected)
 
 
 def _paged_setup(dtype, num_seqs, num_heads, num_kv_heads, head_dim, block_size, lens, seed=0):
