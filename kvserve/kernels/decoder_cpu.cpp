@@ -148,6 +148,9 @@ extern "C" void kvserve_quant_rows(const void* packed, int64_t bits, int64_t n, 
       const uint8_t* t = p + ((id / 16) * chunks + c) * cb;
       const uint16_t* tail = reinterpret_cast<const uint16_t*>(t + vb);
       const bool six = bits == 6;
+      // 6 bits: the scales of k 0-15 and 16-31, no minimum; else one scale and a minimum.
+      const float s0 = half_to_float(tail[slot]), s1 = six ? half_to_float(tail[16 + slot]) : s0;
+      const float m = six ? 0.0f : half_to_float(tail[16 + slot]);
       for (int kk = 0; kk < 32; ++kk) {
         const QuantPlace place = quant_place(col, kk, six ? 4 : bits);
         const uint8_t byte = t[place.byte];
@@ -156,9 +159,7 @@ extern "C" void kvserve_quant_rows(const void* packed, int64_t bits, int64_t n, 
           const int64_t e = pair_element(col, kk);
           q = (q | ((t[six_bit_byte(e)] >> six_bit_shift(e)) & 3) << 4) - 32;
         }
-        const float s = half_to_float(tail[six && kk >= 16 ? 16 + slot : slot]);
-        const float m = six ? 0.0f : half_to_float(tail[16 + slot]);
-        store(s * static_cast<float>(q) + m, o + i * k + c * 32 + kk);
+        store((kk < 16 ? s0 : s1) * static_cast<float>(q) + m, o + i * k + c * 32 + kk);
       }
     }
   }

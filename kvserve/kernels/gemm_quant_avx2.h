@@ -62,13 +62,11 @@ inline QuantActs quantize_rows(const bf16* a, int64_t m, int64_t k) {
   static thread_local std::vector<int16_t> values;
   static thread_local std::vector<float> factors;
   const int64_t chunks = k / 32;
-  QuantActs acts{};
-#pragma omp single copyprivate(acts)
-  {
+  const QuantActs acts = made_by_one_thread<QuantActs>([&] {
     values.resize(m * k);
     factors.resize(2 * m * chunks);
-    acts = QuantActs{values.data(), factors.data(), factors.data() + m * chunks};
-  }
+    return QuantActs{values.data(), factors.data(), factors.data() + m * chunks};
+  });
 #pragma omp for schedule(static)
   for (int64_t i = 0; i < m; ++i)
     for (int64_t c = 0; c < chunks; ++c)

@@ -300,14 +300,12 @@ inline Int8Acts quantize_rows8(const bf16* a, int64_t m, int64_t k) {
   static thread_local std::vector<float> factors;
   static thread_local std::vector<int32_t> sums;
   const int64_t chunks = k / 32;
-  Int8Acts acts{};
-#pragma omp single copyprivate(acts)
-  {
+  const Int8Acts acts = made_by_one_thread<Int8Acts>([&] {
     values.resize(m * k);
     factors.resize(3 * m * chunks);
     sums.resize(2 * m * chunks);
-    acts = Int8Acts{values.data(), factors.data(), factors.data() + 2 * m * chunks, sums.data()};
-  }
+    return Int8Acts{values.data(), factors.data(), factors.data() + 2 * m * chunks, sums.data()};
+  });
 #pragma omp for schedule(static)
   for (int64_t i = 0; i < m; ++i)
     for (int64_t c = 0; c < chunks; ++c) {

@@ -62,6 +62,16 @@ inline int quant_tail_slot(int col) {
   return half * 8 + slot;
 }
 
+// Inside the parallel region: a value one thread makes and every thread gets (scratch the GEMM's threads
+// share, sized once per call: OpenMP's single, whose copyprivate hands it out at the closing barrier).
+template <typename T, typename Make>
+T made_by_one_thread(Make make) {
+  T out{};
+#pragma omp single copyprivate(out)
+  out = make();
+  return out;
+}
+
 // One column block's weights widened into a panel for the GEMM of this build (bf16 tiles, or AVX2's fp32).
 template <int Bits>
 void widen_block(const uint8_t* b, int64_t chunks, bf16* out);

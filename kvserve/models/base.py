@@ -119,8 +119,7 @@ class CausalLM(nn.Module):
         for module in self.quantized_modules():
             module.pack_(native, int6)
         if self.lm_head_quant is not None:
-            q = self.lm_head_quant
-            q = q.promote(8) if q.bits == 6 and not int6 else q
+            q = self.lm_head_quant.for_activations(int6)
             self.lm_head_packed = PackedPart(native.pack_quant(q.values, q.scales, q.minimums, q.bits), q.bits,
                                              q.shape[0])
             self.lm_head_quant = None

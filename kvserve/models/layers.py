@@ -182,7 +182,7 @@ class QuantizableWeight(nn.Module):
         so only where 8-bit activations multiply them (`int6`), else they go to 8 bits."""
         if self.quant is None:
             return
-        parts = [q.promote(8) if q.bits == 6 and not int6 else q for q in self.quant]
+        parts = [q.for_activations(int6) for q in self.quant]
         if self.gate_up:
             parts = [parts[0].map_rows(interleave_gate_up)]
             self.interleaved = True

@@ -95,6 +95,11 @@ class QuantizedMatrix:
             return QuantizedMatrix(8, self.q().to(torch.int8), self.scales, self.minimums)
         return quantize(self.dequantize(), bits)
 
+    def for_activations(self, int6: bool) -> "QuantizedMatrix":
+        """The form the kernels get: the 6-bit form only where 8-bit activations multiply it (`int6`), else
+        8 bits (quantized again)."""
+        return self.promote(8) if self.bits == 6 and not int6 else self
+
     @staticmethod
     def cat(parts: list["QuantizedMatrix"]) -> "QuantizedMatrix":
         """Rows of several matrices (fused projections) at the widest of their bits."""
