@@ -211,9 +211,11 @@ async def run_chaos(urls: list[str], names: list[str], token: str, bodies: list[
     stop = asyncio.Event()
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
     async with httpx.AsyncClient(limits=limits) as client:
+        faults_done = asyncio.Event()
+
         async def user(region: int, seed: int) -> None:
             k, memory = seed, RegionMemory()
-            while time.monotonic() - start < duration_s:
+            while time.monotonic() - start < duration_s or not faults_done.is_set():
                 i = k % len(bodies)
                 res = await stream_with_failover(client, urls, region, bodies[i], token, memory=memory)
                 res.home = names[region]
@@ -221,12 +223,17 @@ async def run_chaos(urls: list[str], names: list[str], token: str, bodies: list[
                 k += 1
 
         async def injector() -> list[tuple[float, Fault, float]]:
-            done = []  # (applied, the fault, its action done: a restarted region is ready)
+            """Each fault at its time, shifted by `late`: an action that ended past the next one's time (a
+            restart that took long to be ready) moves the rest of the schedule on, so every fault still lasts
+            as long as planned (a freeze thawed at once would give its peers nothing to detect)."""
+            done, late = [], 0.0  # (applied, the fault, its action done: a restarted region is ready)
             for f in sorted(faults, key=lambda f: f.at_s):
-                await asyncio.sleep(max(0.0, start + f.at_s - time.monotonic()))
+                await asyncio.sleep(max(0.0, start + f.at_s + late - time.monotonic()))
                 t = time.monotonic()
+                late = t - (start + f.at_s)
                 await act(f)
                 done.append((t, f, time.monotonic()))
+            faults_done.set()
             return done
 
         watcher = asyncio.create_task(watch_health(client, urls, names, stop))
@@ -234,6 +241,7 @@ async def run_chaos(urls: list[str], names: list[str], token: str, bodies: list[
                     if spender else None)
         users = [user(r, r * 1000 + c) for r in range(len(urls)) for c in range(clients_per_region)]
         applied, *_ = await asyncio.gather(injector(), *users)
+        duration_s = max(duration_s, time.monotonic() - start)  # longer where a late action moved the faults on
         stop.set()
         changes = await watcher
         spent = await spending if spending is not None else None
