@@ -336,12 +336,10 @@ void int8_block(const Int8Acts& acts, int64_t row, int64_t k, int64_t chunks, co
   for (int j = 0; j < NB; ++j)
     for (int i = 0; i < R; ++i) acc[j][i] = _mm512_setzero_ps();
   for (int64_t ch = 0; ch < chunks; ++ch) {
+    // No software prefetch here, unlike the bf16 paths: these products eat the weights faster than the
+    // widening ones do, and on Zen 4 asking ahead made every shape's decode slower (docs/bench/analysis.md).
     const uint8_t* t[NB];
-    for (int j = 0; j < NB; ++j) {
-      t[j] = b + j * block_bytes + ch * cb;
-      for (int64_t l = 0; l < cb; l += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(t[j] + kQuantPrefetchChunks * cb + l), _MM_HINT_T0);
-    }
+    for (int j = 0; j < NB; ++j) t[j] = b + j * block_bytes + ch * cb;
     const int8_t* x = acts.q + row * k + ch * 32;
     const auto quad = [&](int i, int p) {  // row i's values k = 4p..4p + 3 in every lane
       int32_t v;
