@@ -169,6 +169,10 @@ class AsyncLLM:
     def numerics(self) -> str | None:
         return self.engine.numerics if self.engine is not None else None
 
+    @property
+    def activations(self) -> str | None:
+        return self.engine.activations if self.engine is not None else None
+
     def health(self) -> EngineHealth:
         return EngineHealth(self.status, self.last_step_at, self.busy_seconds, self.started_at, self.error,
                             getattr(self.engine, "load_seconds", None))

@@ -67,6 +67,9 @@ class EngineClient(Protocol):
     @property
     def numerics(self) -> str | None: ...  # the numerics in force (LLMEngine.numerics); None until loaded
 
+    @property
+    def activations(self) -> str | None: ...  # what quantized matrices multiply (LLMEngine.activations)
+
     def start(self) -> "EngineClient": ...
 
     def drain(self) -> None: ...  # stop admitting; running requests go on

@@ -195,6 +195,7 @@ class FleetClient:
         self._max_model_len: int | None = None
         self._weights: str | None = None
         self._numerics: str | None = None
+        self._activations: str | None = None
         self.policy = RoutingPolicy(affinity_blocks=fleet.affinity_blocks, block_size=config.cache.block_size,
                                     load_bound=fleet.load_bound)
         self.streams: dict[str, FleetStream] = {}
@@ -241,6 +242,7 @@ class FleetClient:
         self._max_model_len = desc["max_model_len"]
         self._weights = desc.get("weights")
         self._numerics = desc.get("numerics")
+        self._activations = desc.get("activations")
         if self.status in (EngineStatus.WARMING, EngineStatus.FAILED):
             self.status, self.error = EngineStatus.READY, None
         log.info("model %s now served by pool %s (version %s)", self.model_id, self.pool, self.version)
@@ -279,6 +281,10 @@ class FleetClient:
     @property
     def numerics(self) -> str | None:
         return self._numerics
+
+    @property
+    def activations(self) -> str | None:
+        return self._activations
 
     @property
     def num_inflight(self) -> int:

@@ -117,7 +117,7 @@ class EngineReplica:
         """What a gateway needs of the model before it tokenizes for it."""
         return {"replica": self.replica_id, "version": self.spec.version, "source": self.spec.source,
                 "max_model_len": self.client.max_model_len, "weights": self.client.weights,
-                "numerics": self.client.numerics,
+                "numerics": self.client.numerics, "activations": self.client.activations,
                 "block_size": self.client.config.cache.block_size}
 
     def inject_fault(self, kind: str) -> str:

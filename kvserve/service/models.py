@@ -132,6 +132,12 @@ class ModelHandle:
         """The numerics in force (LLMEngine.numerics), or the setting until the model is loaded."""
         return self.client.numerics or self.engine_config.numerics
 
+    @property
+    def activations(self) -> str:
+        """What the quantized matrices multiply (LLMEngine.activations: bf16 or int8), or the setting until
+        the model is loaded."""
+        return self.client.activations or self.engine_config.activations
+
     def queue_bound(self, tier: str) -> int:
         return getattr(self.engine_config.scheduler, tier).max_waiting
 

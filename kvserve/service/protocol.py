@@ -665,6 +665,9 @@ class ModelCard(BaseModel):
     # "batch_invariant": a token's logits are the same bits whatever else its step held; "fast": not promised
     # (the setting until the model is loaded; "fast" where the path cannot give it: float32, CUDA).
     numerics: str | None = None
+    # What the quantized matrices multiply: "bf16" or "int8" (8-bit activations per 16 inputs, docs/cpu.md);
+    # the setting ("auto") until the model is loaded.
+    activations: str | None = None
 
 
 class ModelList(BaseModel):

@@ -20,6 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvserve.kernels import cpu
+from kvserve.models.backend import resolve_activations
+
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 MODEL = "smollm2-135m"
@@ -229,6 +232,8 @@ def test_models_endpoint(server):
         assert key in card
     assert card["kv_cache_dtype"] == "auto"
     assert card["numerics"] == "batch_invariant"  # the default, on the fused decoder every CPU kind runs
+    # what this CPU's build chooses for the weights' form (int8 on AVX-512 VNNI without AMX)
+    assert card["activations"] == resolve_activations("auto", cpu.load(), card["weights"].startswith("int"))
     ids = [m.id for m in server.openai().models.list().data]
     assert ids == [MODEL]
 

@@ -51,7 +51,8 @@ def _card(state, h) -> p.ModelCard:
     return p.ModelCard(id=h.id, created=h.created, status=h.status.value, role=h.role,
                        p50_ttft_ms=None if p50 is None else round(p50, 3), inflight=h.client.num_inflight,
                        queue_depth=sum(h.waiting_by_tier().values()), max_model_len=h.max_model_len,
-                       weights=h.weights, kv_cache_dtype=h.engine_config.cache.kv_cache_dtype, numerics=h.numerics)
+                       weights=h.weights, kv_cache_dtype=h.engine_config.cache.kv_cache_dtype, numerics=h.numerics,
+                       activations=h.activations)
 
 
 @router.get("/models/{model_id}", openapi_extra=openapi.json_response(p.ModelCard))
