@@ -21,7 +21,7 @@ class TinySpec:
     head_dim: int = 16
     context: int = 512
     sliding_window: int = 8
-    quant: str = "Q8_0"  # type of the attention/MLP matrices: F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q6_K (K % 256)
+    quant: str = "Q8_0"  # type of the attention/MLP matrices: F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K (K % 256)
     seed: int = 0
 
 
@@ -43,6 +43,29 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     qh = (u[:, :, 0] >> 4) | ((u[:, :, 1] >> 4) << 2) | ((u[:, :, 2] >> 4) << 4) | ((u[:, :, 3] >> 4) << 6)
     blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)],
                             axis=-1)
+    return blocks.reshape(rows, -1)
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] (cols % 256 == 0) -> Q4_K blocks, uint8 [rows, cols / 256 * 144], in ggml's layout:
+    per 32 values w = d sc q - dmin m (q 0..15; sc, m 6-bit; d, dmin fp16 per 256): d, dmin, 12 B of sc and m
+    (get_scale_min_k4's packing), 128 B of nibbles (per 64 values, the first 32 in the low nibbles)."""
+    rows, cols = w.shape
+    b = w.astype(np.float32).reshape(-1, 8, 32)  # [blocks, sub-blocks, values]
+    lo = np.minimum(b.min(-1), 0)  # m >= 0 offsets only: a sub-block above zero starts at zero
+    step = (b.max(-1) - lo) / 15
+    d = (step.max(-1) / 63).astype(np.float16)
+    dmin = ((-lo).max(-1) / 63).astype(np.float16)
+    df, dmf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.where(df > 0, np.round(step / np.where(df > 0, df, 1)), 0).clip(0, 63).astype(np.uint8)
+    m = np.where(dmf > 0, np.round(-lo / np.where(dmf > 0, dmf, 1)), 0).clip(0, 63).astype(np.uint8)
+    scale, offset = (df * sc)[..., None], (dmf * m)[..., None]
+    q = np.where(scale > 0, np.round((b + offset) / np.where(scale > 0, scale, 1)), 0).clip(0, 15).astype(np.uint8)
+    packed = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), m[:, :4] | ((m[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)], axis=-1)
+    pairs = q.reshape(-1, 4, 2, 32)  # [blocks, 64-value groups, first/second 32, values]
+    qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, qs], axis=-1)
     return blocks.reshape(rows, -1)
 
 
@@ -118,7 +141,8 @@ def write_tiny_gguf(path: str | Path, spec: TinySpec, tokenizer_gguf: str, keep_
 
     def add(name: str, w: np.ndarray, quantize: bool) -> None:
         if quantize and qtype not in (T.F32,):
-            blocks = quantize_q6_k(w) if qtype == T.Q6_K else quants.quantize(w, qtype)
+            blocks = quantize_q6_k(w) if qtype == T.Q6_K else quantize_q4_k(w) if qtype == T.Q4_K \
+                else quants.quantize(w, qtype)
             writer.add_tensor(name, blocks, raw_shape=quants.quant_shape_to_byte_shape(w.shape, qtype),
                               raw_dtype=qtype)
         else:

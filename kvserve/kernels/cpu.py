@@ -116,6 +116,9 @@ class NativeKernels:
         self._pack.argtypes, self._pack.restype = [_PTR, _I64, _I64, _PTR], None
         self._pack_quant = self._lib.kvserve_pack_quant
         self._pack_quant.argtypes, self._pack_quant.restype = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR], None
+        self._pack_quant_super = self._lib.kvserve_pack_quant_super
+        self._pack_quant_super.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR]
+        self._pack_quant_super.restype = None
         self._quant_bytes = self._lib.kvserve_quant_bytes
         self._quant_bytes.argtypes, self._quant_bytes.restype = [_I64, _I64, _I64], _I64
         self._lib.kvserve_quant_direct_rows.restype = _I64
@@ -276,13 +279,39 @@ class NativeKernels:
         self._pack_quant(values.data_ptr(), scales.data_ptr(), minimums.data_ptr(), n, k, bits, packed.data_ptr())
         return packed
 
+    def pack_quant_super(self, values: torch.Tensor, subs: torch.Tensor, mins: torch.Tensor, heads: torch.Tensor,
+                         bits: int) -> torch.Tensor:
+        """A [N, K] weight in a K-quant form (bits 20: Q4_K's, 22: Q6_K's; gemm_quant_layout.h), K % 256 == 0:
+        values as pack_quant's at 4 or 6 bits; subs the sub-block factors, uint8 [N, K / 32] (20) or int8
+        [N, K / 16] (22); mins uint8 [N, K / 32] (20; else ignored); heads float16 [N, K / 256, 2]: each
+        super-block's d and -dmin. w = d * sc * q + (-dmin) * m."""
+        if bits not in (20, 22) or not self.int8_activations:
+            raise ValueError(f"the K-quant forms (bits 20, 22) need a build with 8-bit activations, got bits {bits}")
+        n = heads.shape[0]
+        k = heads.shape[1] * 256
+        six = bits == 22
+        ok = (values.dtype, tuple(values.shape)) == ((torch.int8, (n, k)) if six else (torch.uint8, (n, k // 2))) \
+            and (subs.dtype, tuple(subs.shape)) == ((torch.int8, (n, k // 16)) if six else (torch.uint8, (n, k // 32))) \
+            and (six or (mins.dtype, tuple(mins.shape)) == (torch.uint8, (n, k // 32))) \
+            and heads.dtype == torch.float16 and tuple(heads.shape) == (n, k // 256, 2) and n % 16 == 0
+        if not ok:
+            raise ValueError(f"pack_quant_super: inconsistent {bits} form: values {values.dtype} {tuple(values.shape)}, "
+                             f"subs {subs.dtype} {tuple(subs.shape)}, mins {mins.dtype} {tuple(mins.shape)}, "
+                             f"heads {heads.dtype} {tuple(heads.shape)}")
+        values, subs, mins, heads = values.contiguous(), subs.contiguous(), mins.contiguous(), heads.contiguous()
+        packed = torch.empty(self._quant_bytes(n, k, bits), dtype=torch.uint8)
+        self._pack_quant_super(values.data_ptr(), subs.data_ptr(), mins.data_ptr(), heads.data_ptr(), n, k, bits,
+                               packed.data_ptr())
+        return packed
+
     def quant_rows(self, packed: torch.Tensor, bits: int, n: int, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (any shape, int) of an [n, K] weight packed by pack_quant -> ids.shape + [K] bf16, each
         w = scale * q + minimum rounded to bf16 (as the dense weight holds it)."""
         flat = ids.reshape(-1).to(torch.int64).contiguous()
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
             raise IndexError(f"row ids out of range [0, {n})")
-        k = packed.numel() * packed.element_size() // self._quant_bytes(n, 32, bits) * 32
+        unit = 256 if bits & 16 else 32  # inputs a form's bytes grow by: a super-block, or a chunk
+        k = packed.numel() * packed.element_size() // self._quant_bytes(n, unit, bits) * unit
         out = torch.empty((flat.numel(), k), dtype=torch.bfloat16)
         self._quant_rows(packed.data_ptr(), bits, n, k, flat.data_ptr(), flat.numel(), out.data_ptr())
         return out.view(*ids.shape, k)
@@ -302,10 +331,10 @@ class NativeKernels:
         size = n * k * 2 if bits == 0 else self._quant_bytes(n, k, bits)
         if x.dtype != torch.bfloat16 or x.dim() != 2 or k % 32 or n % 16 or packed.numel() * packed.element_size() != size:
             raise ValueError(f"linear_quant takes bf16 [T, K] and a packed [{n}, K] weight of {bits} bits")
-        if (int8_acts or bits == 6) and not self.int8_activations:
+        if (int8_acts or bits in (6, 20, 22)) and not self.int8_activations:
             raise ValueError("8-bit activations need a build with AVX-512 BF16 and VNNI")
-        if bits == 6 and not int8_acts:
-            raise ValueError("6-bit weights are multiplied by 8-bit activations only (int8_acts)")
+        if bits in (6, 20, 22) and not int8_acts:
+            raise ValueError("6-bit and K-quant forms are multiplied by 8-bit activations only (int8_acts)")
         out = torch.empty((x.shape[0], n), dtype=out_dtype)
         self._linear_quant(x.data_ptr(), x.shape[0], k, packed.data_ptr(), bits, n, out.data_ptr(),
                            int(out_dtype == torch.float32), int(invariant), int(int8_acts))

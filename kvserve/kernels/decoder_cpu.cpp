@@ -117,6 +117,48 @@ extern "C" void kvserve_pack_quant(const void* values, const void* scales, const
     }
 }
 
+// A weight [n, k] (n % 16 == 0, k % 256 == 0) in a K-quant form (bits 20: Q4_K's, 22: Q6_K's; see QWeight) ->
+// this build's layout. values as kvserve_pack_quant's at 4 or 6 bits; subs: the sub-block factors, uint8 sc
+// [n, k / 32] (20) or int8 sc [n, k / 16] (22); mins: uint8 m [n, k / 32] (20; else unused); heads: fp16
+// [n, k / 256, 2], each super-block's d and -dmin (22: d and a value unused).
+extern "C" void kvserve_pack_quant_super(const void* values, const void* subs, const void* mins, const void* heads,
+                                         int64_t n, int64_t k, int64_t bits, void* packed) {
+  const int64_t vbits = value_bits(bits), chunks = k / 32, cb = quant_chunk_bytes(bits), vb = quant_values_bytes(bits);
+  const int64_t block_bytes = quant_block_bytes(bits, chunks), hb = super_head_bytes(bits);
+  const uint8_t* sub = static_cast<const uint8_t*>(subs);
+  const uint8_t* mn = static_cast<const uint8_t*>(mins);
+  const uint16_t* hd = static_cast<const uint16_t*>(heads);
+  uint8_t* out = static_cast<uint8_t*>(packed);
+  // the values as the plain form packs them, one chunk of one column block at a time
+  std::vector<uint8_t> plain(n / 16 * chunks * quant_chunk_bytes(vbits));
+  std::vector<uint16_t> no_scales(n * k / 16, 0);
+  kvserve_pack_quant(values, no_scales.data(), no_scales.data(), n, k, vbits, plain.data());
+  const int64_t pcb = quant_chunk_bytes(vbits);
+#pragma omp parallel for schedule(static)
+  for (int64_t nb = 0; nb < n / 16; ++nb)
+    for (int64_t c = 0; c < chunks; ++c) {
+      uint8_t* block = out + nb * block_bytes;
+      if (c % kSuperChunks == 0) {
+        uint16_t* head = reinterpret_cast<uint16_t*>(block + c / kSuperChunks * super_stride(bits));
+        for (int col = 0; col < 16; ++col)
+          for (int64_t h = 0; h < hb / 32; ++h) head[h * 16 + col] = hd[((nb * 16 + col) * (k / 256) + c / 8) * 2 + h];
+      }
+      uint8_t* t = block + quant_chunk_offset(bits, c);
+      std::memcpy(t, plain.data() + (nb * chunks + c) * pcb, vb);
+      uint8_t* tail = t + vb;
+      for (int col = 0; col < 16; ++col) {
+        const int64_t row = nb * 16 + col;
+        if (vbits == 6) {  // k 0-15's scale, then 16-31's
+          tail[col] = sub[row * 2 * chunks + 2 * c];
+          tail[16 + col] = sub[row * 2 * chunks + 2 * c + 1];
+        } else {
+          tail[col] = sub[row * chunks + c];
+          tail[16 + col] = mn[row * chunks + c];
+        }
+      }
+    }
+}
+
 // fp16 bits -> float, exactly (subnormals included), without F16C.
 inline float half_to_float(uint16_t h) {
   const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
@@ -138,23 +180,38 @@ extern "C" void kvserve_quant_rows(const void* packed, int64_t bits, int64_t n, 
                                    int64_t count, void* out) {
   const uint8_t* p = static_cast<const uint8_t*>(packed);
   bf16* o = static_cast<bf16*>(out);
-  const int64_t chunks = k / 32, cb = quant_chunk_bytes(bits), vb = quant_values_bytes(bits);
+  const int64_t chunks = k / 32, vb = quant_values_bytes(bits), block_bytes = quant_block_bytes(bits, chunks);
+  const int64_t vbits = value_bits(bits);
+  const bool six = vbits == 6;
 #pragma omp parallel for schedule(static) if (count * k > (1 << 16))
   for (int64_t i = 0; i < count; ++i) {
     const int64_t id = std::min(std::max<int64_t>(ids[i], 0), n - 1);  // the caller checks the range
     const int col = static_cast<int>(id % 16);
     const int slot = quant_tail_slot(col);
     for (int64_t c = 0; c < chunks; ++c) {
-      const uint8_t* t = p + ((id / 16) * chunks + c) * cb;
-      const uint16_t* tail = reinterpret_cast<const uint16_t*>(t + vb);
-      const bool six = bits == 6;
+      const uint8_t* block = p + (id / 16) * block_bytes;
+      const uint8_t* t = block + quant_chunk_offset(bits, c);
       // 6 bits: the scales of k 0-15 and 16-31, no minimum; else one scale and a minimum.
-      const float s0 = half_to_float(tail[slot]), s1 = six ? half_to_float(tail[16 + slot]) : s0;
-      const float m = six ? 0.0f : half_to_float(tail[16 + slot]);
+      float s0, s1, m;
+      if (is_super(bits)) {  // the head's factors times the tail's integers, in fp32 (exact)
+        const uint16_t* head = reinterpret_cast<const uint16_t*>(super_head(block, bits, c));
+        const float d = half_to_float(head[col]);
+        if (six) {
+          const int8_t* sc = reinterpret_cast<const int8_t*>(t + vb);
+          s0 = d * sc[col], s1 = d * sc[16 + col], m = 0.0f;
+        } else {
+          s0 = s1 = d * t[vb + col];
+          m = half_to_float(head[16 + col]) * t[vb + 16 + col];
+        }
+      } else {
+        const uint16_t* tail = reinterpret_cast<const uint16_t*>(t + vb);
+        s0 = half_to_float(tail[slot]), s1 = six ? half_to_float(tail[16 + slot]) : s0;
+        m = six ? 0.0f : half_to_float(tail[16 + slot]);
+      }
       for (int kk = 0; kk < 32; ++kk) {
-        const QuantPlace place = quant_place(col, kk, six ? 4 : bits);
+        const QuantPlace place = quant_place(col, kk, six ? 4 : vbits);
         const uint8_t byte = t[place.byte];
-        int q = bits == 8 ? static_cast<int8_t>(byte) : place.high ? byte >> 4 : byte & 0x0F;
+        int q = vbits == 8 ? static_cast<int8_t>(byte) : place.high ? byte >> 4 : byte & 0x0F;
         if (six) {
           const int64_t e = pair_element(col, kk);
           q = (q | ((t[six_bit_byte(e)] >> six_bit_shift(e)) & 3) << 4) - 32;
@@ -178,7 +235,7 @@ extern "C" int64_t kvserve_quant_direct_rows() {
 
 // Bytes of a quantized [n, k] weight in this build's layout.
 extern "C" int64_t kvserve_quant_bytes(int64_t n, int64_t k, int64_t bits) {
-  return n / 16 * (k / 32) * quant_chunk_bytes(bits);
+  return n / 16 * quant_block_bytes(bits, k / 32);
 }
 
 // out [m, n] = x [m, k] bf16 times W^T, W packed by kvserve_pack_quant (bits 4 or 8) or

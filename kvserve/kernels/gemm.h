@@ -1,4 +1,4 @@
-// The GEMM on a weight of any kind (QWeight: bf16, 8 or 4 bits, or one kind with a tail of another), and the
+// The GEMM on a weight of any kind (QWeight: bf16, 8, 6 or 4 bits, a K-quant form, or one kind with a tail of another), and the
 // epilogue that stores its sums: what the decoder step (decoder_step.h) and kvserve_linear_quant call.
 #pragma once
 #include "gemm_bf16.h"
@@ -14,6 +14,8 @@ void gemm_one(const bf16* a, int64_t m, int64_t k, const void* w, int64_t bits, 
               Epilogue& epi) {
 #if defined(__AVX512BF16__)
   if (bits == 6) return gemm_quant_int8<6>(a, m, k, static_cast<const uint8_t*>(w), nblocks, epi);
+  if (bits == (4 | kSuperBits)) return gemm_quant_int8<4 | kSuperBits>(a, m, k, static_cast<const uint8_t*>(w), nblocks, epi);
+  if (bits == (6 | kSuperBits)) return gemm_quant_int8<6 | kSuperBits>(a, m, k, static_cast<const uint8_t*>(w), nblocks, epi);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (bits == 8) return gemm_quant_bits<8>(a, m, k, static_cast<const uint8_t*>(w), nblocks, ts, epi);

@@ -325,13 +325,16 @@ inline Int8Acts quantize_rows8(const bf16* a, int64_t m, int64_t k) {
 // puts each column's two pairs side by side in its 32-bit lane (4-bit values: rows 2p + 8 and 2p + 9, k
 // 16 + 4p.., sit in the same bytes' high nibbles; 6-bit ones take their top two bits from the 64 bytes of
 // the high plane at 64 (p % 2), bits 2 (p / 2) for the low nibbles and 4 + 2 (p / 2) for the high ones).
+// Bits 20 and 22 (the K-quant forms): the same values, their factors d * sc (and -dmin * m) made in fp32.
 template <int R, int NB, int Bits>
 void int8_block(const Int8Acts& acts, int64_t row, int64_t k, int64_t chunks, const uint8_t* b, int64_t block_bytes,
                 float* c, int64_t ldc) {
+  constexpr int VB = static_cast<int>(value_bits(Bits));
+  constexpr bool Super = is_super(Bits);
   const __m512i quads = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i nibble = _mm512_set1_epi8(0x0F), sign = _mm512_set1_epi8(static_cast<char>(0x80));
-  const int64_t cb = quant_chunk_bytes(Bits);
+  const int64_t vb = quant_values_bytes(Bits);
   __m512 acc[NB][R];
   for (int j = 0; j < NB; ++j)
     for (int i = 0; i < R; ++i) acc[j][i] = _mm512_setzero_ps();
@@ -339,7 +342,8 @@ void int8_block(const Int8Acts& acts, int64_t row, int64_t k, int64_t chunks, co
     // No software prefetch here, unlike the bf16 paths: these products eat the weights faster than the
     // widening ones do, and on Zen 4 asking ahead made every shape's decode slower (docs/bench/analysis.md).
     const uint8_t* t[NB];
-    for (int j = 0; j < NB; ++j) t[j] = b + j * block_bytes + ch * cb;
+    const int64_t at = quant_chunk_offset(Bits, ch);
+    for (int j = 0; j < NB; ++j) t[j] = b + j * block_bytes + at;
     const int8_t* x = acts.q + row * k + ch * 32;
     const auto quad = [&](int i, int p) {  // row i's values k = 4p..4p + 3 in every lane
       int32_t v;
@@ -348,14 +352,14 @@ void int8_block(const Int8Acts& acts, int64_t row, int64_t k, int64_t chunks, co
     };
     __m512i s[NB][R];  // exact integer sums (the order of their adds does not matter)
     __m512i h[NB][R];  // k 16-31's sums (the high nibbles', for 4 and 6 bits)
-    constexpr int kOffset = Bits == 8 ? -128 : Bits == 6 ? -32 : 0;  // the weights' unsigned offset, taken off
+    constexpr int kOffset = VB == 8 ? -128 : VB == 6 ? -32 : 0;  // the weights' unsigned offset, taken off
     for (int j = 0; j < NB; ++j)
       for (int i = 0; i < R; ++i) {
         const int32_t* qsum = acts.qsum + 2 * ((row + i) * chunks + ch);
         s[j][i] = _mm512_set1_epi32(kOffset * qsum[0]);
         h[j][i] = _mm512_set1_epi32(kOffset * qsum[1]);
       }
-    if constexpr (Bits == 8) {  // quads p (k 0-15) to s, 4 + p to h
+    if constexpr (VB == 8) {  // quads p (k 0-15) to s, 4 + p to h
       for (int p = 0; p < 4; ++p)
         for (int j = 0; j < NB; ++j) {
           const __m512i lo = _mm512_xor_si512(_mm512_permutexvar_epi16(quads, _mm512_loadu_si512(t[j] + 64 * p)), sign);
@@ -372,7 +376,7 @@ void int8_block(const Int8Acts& acts, int64_t row, int64_t k, int64_t chunks, co
         for (int j = 0; j < NB; ++j) {
           const __m512i v = _mm512_permutexvar_epi16(quads, _mm512_loadu_si512(t[j] + 64 * p));
           __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-          if constexpr (Bits == 6) {  // bits 2 (p / 2) and 4 + 2 (p / 2) of the high plane, to bits 4-5
+          if constexpr (VB == 6) {  // bits 2 (p / 2) and 4 + 2 (p / 2) of the high plane, to bits 4-5
             const __m512i b = _mm512_permutexvar_epi16(quads, _mm512_loadu_si512(t[j] + 256 + 64 * (p % 2)));
             const int shift = 2 * (p / 2);
             lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(b, 4 - shift), top));
@@ -385,14 +389,30 @@ void int8_block(const Int8Acts& acts, int64_t row, int64_t k, int64_t chunks, co
         }
     }
     for (int j = 0; j < NB; ++j) {
-      const uint8_t* tail = t[j] + quant_values_bytes(Bits);
-      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail)));
-      const __m512 second = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 32)));
+      const uint8_t* tail = t[j] + vb;
+      __m512 scale, second;  // 6 bits: the scales of k 0-15 and 16-31; else the scales and the minimums
+      if constexpr (Super) {
+        const uint8_t* head = super_head(b + j * block_bytes, Bits, ch);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(head)));
+        const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tail));
+        const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tail + 16));
+        if constexpr (VB == 6) {  // int8 sub-block scales
+          scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
+          second = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)));
+        } else {  // uint8 scales and minimums, the minimums' factor -dmin
+          const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(head + 32)));
+          scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)));
+          second = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)));
+        }
+      } else {
+        scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail)));
+        second = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 32)));
+      }
       for (int i = 0; i < R; ++i) {  // k 0-15 (s), then 16-31 (h), each times its two scales
         const int64_t f = (row + i) * chunks + ch;
         const __m512 sx0 = _mm512_set1_ps(acts.scale[2 * f]), sx1 = _mm512_set1_ps(acts.scale[2 * f + 1]);
         const __m512 lo = _mm512_cvtepi32_ps(s[j][i]), hi = _mm512_cvtepi32_ps(h[j][i]);
-        if constexpr (Bits == 6) {  // `second`: the weights' scales of k 16-31
+        if constexpr (VB == 6) {  // `second`: the weights' scales of k 16-31
           acc[j][i] = _mm512_fmadd_ps(hi, _mm512_mul_ps(second, sx1), _mm512_fmadd_ps(lo, _mm512_mul_ps(scale, sx0), acc[j][i]));
         } else {  // one weight scale for both halves; `second`: the minimums
           const __m512 x = _mm512_fmadd_ps(hi, sx1, _mm512_mul_ps(lo, sx0));
@@ -424,7 +444,7 @@ constexpr int kInt8Rows = 4;  // rows a long step's pass holds over a column pai
 // block of kInt8Rows rows passes over it.
 template <int Bits, typename Epilogue>
 void gemm_quant_int8(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int64_t nblocks, Epilogue& epi) {
-  const int64_t chunks = k / 32, block_bytes = chunks * quant_chunk_bytes(Bits);
+  const int64_t chunks = k / 32, block_bytes = quant_block_bytes(Bits, chunks);
   const Int8Acts acts = quantize_rows8(a, m, k);
   alignas(64) float c[4][kQuantDirectRows * 16];
   if (m <= kQuantDirectRows) {

@@ -22,19 +22,48 @@ namespace {
 // 16-value sub-blocks, w = s * q with q in -32..31 stored as q + 32: the int4 layout's 256 bytes of low
 // nibbles, then 128 bytes of the top two bits (element e's in bits 2 (e / 128) of byte e % 128), then the
 // 16 columns' fp16 scales of k 0-15 and those of k 16-31 (no minimums).
+// The K-quant forms (bits | kSuperBits: 20 for Q4_K, 22 for Q6_K; pair layout builds, 8-bit activations only)
+// hold a file's factors as it does, so a decode reads the file's bytes: per super-block of 256 k (8 chunks) a
+// head of the 16 columns' fp16 factors (4 bits: d, then -dmin; 6 bits: d), then its 8 chunks, each the
+// values (as the 4- or 6-bit form above) and a 32-byte tail of integer sub-block factors, w = d * sc * q +
+// (-dmin) * m: 4 bits, 16 uint8 sc then 16 uint8 m (Q4_K's 6-bit ones); 6 bits, the 16 int8 sc of k 0-15,
+// then those of k 16-31 (Q6_K's). K must be a multiple of 256.
 struct QWeight {
   const void* data;
-  int64_t bits;  // 0: bf16 in pack_weight's layout; 4, 6 or 8: the layout above
+  int64_t bits;  // 0: bf16 in pack_weight's layout; 4, 6 or 8: the layout above; 20 or 22: a K-quant form
   const void* tail;  // null, or the column blocks from `tail_from` on, in another kind (QKV: V in 8 bits)
   int64_t tail_bits;
   int64_t tail_from;
 };
-constexpr int64_t kQuantTail = 64;  // 16 fp16 scales, then 16 fp16 minimums (6 bits: 16 more scales)
-inline int64_t quant_values_bytes(int64_t bits) { return bits == 8 ? 512 : bits == 6 ? 384 : 256; }
+constexpr int64_t kSuperBits = 16;  // the flag of the K-quant forms
+constexpr int64_t kSuperChunks = 8;  // chunks a super-block
+inline constexpr bool is_super(int64_t bits) { return (bits & kSuperBits) != 0; }
+inline constexpr int64_t value_bits(int64_t bits) { return bits & ~kSuperBits; }  // 4, 6 or 8
+// A chunk's tail: 16 fp16 scales, then 16 fp16 minimums (6 bits: 16 more scales); a K-quant form's: 32 bytes
+// of integer factors.
+inline int64_t quant_tail_bytes(int64_t bits) { return is_super(bits) ? 32 : 64; }
+inline int64_t quant_values_bytes(int64_t bits) {
+  return value_bits(bits) == 8 ? 512 : value_bits(bits) == 6 ? 384 : 256;
+}
 // Where element e's top two bits sit in a 6-bit chunk: byte, and the shift.
 inline int64_t six_bit_byte(int64_t e) { return 256 + e % 128; }
 inline int six_bit_shift(int64_t e) { return static_cast<int>(2 * (e / 128)); }
-inline int64_t quant_chunk_bytes(int64_t bits) { return quant_values_bytes(bits) + kQuantTail; }
+inline int64_t quant_chunk_bytes(int64_t bits) { return quant_values_bytes(bits) + quant_tail_bytes(bits); }
+// A K-quant form's head: the 16 columns' fp16 d, and with 4 bits their -dmin.
+inline int64_t super_head_bytes(int64_t bits) { return value_bits(bits) == 4 ? 64 : 32; }
+inline int64_t super_stride(int64_t bits) { return super_head_bytes(bits) + kSuperChunks * quant_chunk_bytes(bits); }
+// Where chunk `ch` of a column block starts, and a column block's bytes.
+inline int64_t quant_chunk_offset(int64_t bits, int64_t ch) {
+  if (!is_super(bits)) return ch * quant_chunk_bytes(bits);
+  return ch / kSuperChunks * super_stride(bits) + super_head_bytes(bits) + ch % kSuperChunks * quant_chunk_bytes(bits);
+}
+inline int64_t quant_block_bytes(int64_t bits, int64_t chunks) {
+  return is_super(bits) ? chunks / kSuperChunks * super_stride(bits) : chunks * quant_chunk_bytes(bits);
+}
+// The head of the super-block that holds chunk `ch` of the column block at `block`.
+inline const uint8_t* super_head(const uint8_t* block, int64_t bits, int64_t ch) {
+  return block + ch / kSuperChunks * super_stride(bits);
+}
 // Where a chunk's value for (column, k) sits: byte, and the high nibble (int4); and where column c's scale
 // and minimum sit among the tail's 16.
 struct QuantPlace {

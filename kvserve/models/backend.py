@@ -184,7 +184,7 @@ def prepare(model, the_plan: Plan) -> Backend:
     copies. Every layer of `model` then asks the returned backend."""
     backend = choose(the_plan.device, the_plan.dtype)
     if the_plan.quantized_weights:
-        model.pack_quantized(backend.native, int6=the_plan.activations == "int8")
+        model.pack_quantized(backend.native, int8_acts=the_plan.activations == "int8")
     else:
         model.dequantize_weights(the_plan.dtype, the_plan.device)
     invariant = the_plan.numerics == "batch_invariant"

@@ -111,17 +111,15 @@ class CausalLM(nn.Module):
     def quantized_modules(self) -> list[QuantizableWeight]:
         return [m for m in self.modules() if isinstance(m, QuantizableWeight) and m.quant is not None]
 
-    def pack_quantized(self, native, int6: bool = False) -> None:
+    def pack_quantized(self, native, int8_acts: bool = False) -> None:
         """Every quantized matrix into the packed GEMM's layout, one at a time (each unpacked copy is freed
         as its packed one is made, so loading holds one copy of the weights); a tied LM head shares the
-        embedding's. `int6`: 8-bit activations will multiply them, so 6-bit matrices stay at 6 bits (else
-        they go to 8)."""
+        embedding's. `int8_acts`: 8-bit activations will multiply them, so the 6-bit and K-quant forms stay
+        (else: QuantizedMatrix.for_activations)."""
         for module in self.quantized_modules():
-            module.pack_(native, int6)
+            module.pack_(native, int8_acts)
         if self.lm_head_quant is not None:
-            q = self.lm_head_quant.for_activations(int6)
-            self.lm_head_packed = PackedPart(native.pack_quant(q.values, q.scales, q.minimums, q.bits), q.bits,
-                                             q.shape[0])
+            self.lm_head_packed = self.lm_head_quant.for_activations(int8_acts).pack(native)
             self.lm_head_quant = None
         elif self.lm_head_weight is None and self.embed_tokens.packed is not None:
             (self.lm_head_packed,) = self.embed_tokens.packed

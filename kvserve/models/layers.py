@@ -158,7 +158,7 @@ class QuantizableWeight(nn.Module):
         """Hold these quantized row segments (adjacent ones of equal bits merged; gate/up as one)."""
         runs: list[list[QuantizedMatrix]] = []
         for part in parts:
-            if runs and runs[-1][0].bits == part.bits:
+            if runs and runs[-1][0].kernel_bits == part.kernel_bits:
                 runs[-1].append(part)
             else:
                 runs.append([part])
@@ -177,17 +177,16 @@ class QuantizableWeight(nn.Module):
             self.weight.data = torch.cat([q.dequantize() for q in self.quant]).to(device=device, dtype=dtype)
             self.quant = None
 
-    def pack_(self, native: "cpu_kernels.NativeKernels", int6: bool = False) -> None:
-        """Into the packed GEMM's layout (gate/up interleaved); the unpacked copy is freed. 6-bit parts stay
-        so only where 8-bit activations multiply them (`int6`), else they go to 8 bits."""
+    def pack_(self, native: "cpu_kernels.NativeKernels", int8_acts: bool = False) -> None:
+        """Into the packed GEMM's layout (gate/up interleaved); the unpacked copy is freed. The 6-bit and
+        K-quant forms stay so only where 8-bit activations multiply them (QuantizedMatrix.for_activations)."""
         if self.quant is None:
             return
-        parts = [q.for_activations(int6) for q in self.quant]
+        parts = [q.for_activations(int8_acts) for q in self.quant]
         if self.gate_up:
             parts = [parts[0].map_rows(interleave_gate_up)]
             self.interleaved = True
-        self.packed = [PackedPart(native.pack_quant(q.values, q.scales, q.minimums, q.bits), q.bits, q.shape[0])
-                       for q in parts]
+        self.packed = [q.pack(native) for q in parts]
         self.quant = None
 
     @property

@@ -99,9 +99,10 @@ def _type_name(qtype: int) -> str:
 
 
 def load_gguf(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype = torch.float32,
-              int6: bool = False) -> Checkpoint:
-    """Every matrix at the bits `weights` gives its type (models/quant.weight_bits; `int6`: Q6_K may stay at 6
-    bits), the others dense: 2-D ones in `dtype`, norms in float32."""
+              int8_acts: bool = False) -> Checkpoint:
+    """Every matrix at the bits `weights` gives its type (models/quant.weight_bits; `int8_acts`: 8-bit
+    activations will multiply them, so Q6_K may stay at 6 bits and Q4_K and Q6_K keep their K-quant forms),
+    the others dense: 2-D ones in `dtype`, norms in float32."""
     path = Path(path)
     file = GGUFFile(path)
     meta = file.metadata
@@ -111,9 +112,9 @@ def load_gguf(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype
 
     def convert(t: GGUFTensor) -> tuple[str, "torch.Tensor | QuantizedMatrix"]:
         name = hf_name_for_gguf(t.name, arch)
-        bits = quant.weight_bits(t.type, weights, int6) if len(t.shape) == 2 else 0
+        bits = quant.weight_bits(t.type, weights, int8_acts) if len(t.shape) == 2 else 0
         if bits and t.type not in quant.FLOAT_TYPES:
-            value = quant.from_gguf(file.data(t), t.type, bits)
+            value = quant.from_gguf(file.data(t), t.type, bits, supers=int8_acts)
         else:
             w = torch.from_numpy(np.asarray(_dequantize(file, t), dtype=np.float32))
             if arch == "gemma3" and name.endswith("norm.weight"):
@@ -201,14 +202,14 @@ def checkpoint_header(path: str | os.PathLike) -> tuple[ModelConfig, set[str]]:
 
 
 def load_checkpoint(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype = torch.float32,
-                    int6: bool = False) -> Checkpoint:
+                    int8_acts: bool = False) -> Checkpoint:
     """The checkpoint at `path` with its matrices in the forms `weights` gives them (models/quant.py), dense
-    2-D tensors in `dtype`; `int6`: Q6_K matrices may stay at 6 bits (where 8-bit activations multiply them:
-    Plan.activations)."""
+    2-D tensors in `dtype`; `int8_acts`: 8-bit activations will multiply them (Plan.activations), so the
+    forms only those kernels read are allowed (Q6_K at 6 bits, the K-quant forms)."""
     path = Path(path)
     if model_format(path) == "hf":
         return load_hf_dir(path, weights, None if dtype == torch.float32 else dtype)
-    return load_gguf(path, weights, dtype, int6)
+    return load_gguf(path, weights, dtype, int8_acts)
 
 
 def weights_label(checkpoint: Checkpoint, quantized: bool, dtype: torch.dtype) -> str:

@@ -1,15 +1,16 @@
-"""Weights kept quantized: 8-bit and 4-bit values with an fp16 scale and minimum per 32 inputs of a row, and
-6-bit values with an fp16 scale per 16 (Q6_K's own sub-blocks, where 8-bit activations multiply them).
+"""Weights kept quantized: 8-bit and 4-bit values with an fp16 scale and minimum per 32 inputs of a row, 6-bit
+values with an fp16 scale per 16, and the K-quant forms, which hold Q4_K's and Q6_K's factors as the file does.
 
 A decode step on a CPU is bound by reading the weights, so the fused decoder's GEMMs read these instead of
 bfloat16 (kernels/gemm_quant_layout.h, QWeight): w = scale * q + minimum, q int8 or 0..15. The group is 32
 inputs, as GGUF's blocks and the K-quants' sub-blocks, so most of a file's matrices map onto it with the
 weights the file holds (`from_gguf`): Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 exactly, Q4_K and Q5_K up to the fp16
 rounding of each sub-block's scale and minimum (products of the super-block's fp16 factor and a 6-bit
-integer), and Q6_K at 6 bits up to the fp16 rounding of each 16-value sub-block's scale (where the 6-bit
-form is allowed: `int6`, only the 8-bit-activation kernels multiply it; else at 8 bits, quantized again).
-Any other matrix (Q2_K, Q3_K, the IQ types, float files) is quantized here (`quantize`), which loses
-accuracy: the setting `weights` (`WEIGHT_MODES`) says which matrices are kept in which form.
+integer). Where 8-bit activations multiply them (`int8_acts`: only those kernels read these forms), Q4_K and
+Q6_K keep their own super-block factors instead (`supers`: the K-quant forms, exact, the file's bytes); Q6_K
+elsewhere goes to 8 bits, quantized again. Any other matrix (Q2_K, Q3_K, the IQ types, float files) is
+quantized here (`quantize`), which loses accuracy: the setting `weights` (`WEIGHT_MODES`) says which
+matrices are kept in which form.
 """
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ FLOAT_TYPES = (F32, F16, BF16)
 EXACT_BITS = {Q4_0: 4, Q4_1: 4, Q4_K: 4, Q8_0: 8, Q5_0: 8, Q5_1: 8, Q5_K: 8}
 # Types kept exactly at 6 bits (16 values a scale, no minimum) where that form is allowed, and only there.
 SIX_BIT_TYPES = (Q6_K,)
+# Types held in a K-quant form (their super-block factors as the file has them) where 8-bit activations
+# multiply them: the kernels' code for each is its bits | SUPER (gemm_quant_layout.h).
+SUPER_TYPES = (Q4_K, Q6_K)
+SUPER = 16
+SUPER_BLOCK = 256  # inputs a super-block
 
 
 def group(bits: int) -> int:
@@ -40,12 +46,15 @@ def group(bits: int) -> int:
 class QuantizedMatrix:
     """A [N, K] weight as values, fp16 scales and fp16 minimums [N, K / group(bits)]. values: int8 [N, K]
     (bits 8; bits 6: -32..31, minimums zero) or uint8 [N, K / 2] of two 0..15 values a byte, element 2j in
-    the low nibble (bits 4)."""
+    the low nibble (bits 4). With `supers` (a K-quant form: float16 [N, K / 256, 2], each super-block's d and
+    -dmin) the scales and minimums are the file's integer sub-block factors (sc, m; held exactly in fp16) and
+    w = d * sc * q + (-dmin) * m."""
 
     bits: int
     values: torch.Tensor
     scales: torch.Tensor
     minimums: torch.Tensor
+    supers: torch.Tensor | None = None
 
     def __post_init__(self):
         n, groups = self.scales.shape
@@ -56,14 +65,24 @@ class QuantizedMatrix:
                 or self.values.dtype != (torch.uint8 if self.bits == 4 else torch.int8):
             raise ValueError(f"inconsistent {self.bits}-bit matrix: values {self.values.dtype} "
                              f"{tuple(self.values.shape)}, scales {tuple(self.scales.shape)}")
+        if self.supers is not None and (self.bits == 8 or k % SUPER_BLOCK or self.supers.dtype != torch.float16
+                                        or tuple(self.supers.shape) != (n, k // SUPER_BLOCK, 2)):
+            raise ValueError(f"inconsistent K-quant form: {self.bits} bits, K {k}, supers "
+                             f"{self.supers.dtype} {tuple(self.supers.shape)}")
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.scales.shape[0], self.scales.shape[1] * group(self.bits)
 
     @property
+    def kernel_bits(self) -> int:
+        """The kernels' code for this form: 4, 6 or 8, or bits | SUPER for a K-quant form."""
+        return self.bits | SUPER if self.supers is not None else self.bits
+
+    @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.values, self.scales, self.minimums))
+        parts = (self.values, self.scales, self.minimums) + ((self.supers,) if self.supers is not None else ())
+        return sum(t.numel() * t.element_size() for t in parts)
 
     def q(self) -> torch.Tensor:
         """The values as int32 [N, K]."""
@@ -72,17 +91,36 @@ class QuantizedMatrix:
         v = self.values.to(torch.int32)
         return torch.stack([v & 0x0F, v >> 4], dim=-1).reshape(self.shape)
 
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 scales and minimums [N, groups] as the kernels apply them (a K-quant form's products with
+        its super-block factors, exact in fp32)."""
+        if self.supers is None:
+            return self.scales.float(), self.minimums.float()
+        per = SUPER_BLOCK // group(self.bits)
+        d, dmin = (self.supers[..., i].float().repeat_interleave(per, dim=1) for i in (0, 1))
+        return d * self.scales.float(), dmin * self.minimums.float()
+
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: scale * q + minimum, the weights the kernels compute with."""
         n, k = self.shape
         size = group(self.bits)
         q = self.q().view(n, k // size, size).float()
-        w = self.scales.float()[..., None] * q + self.minimums.float()[..., None]
+        scales, minimums = self.factors()
+        w = scales[..., None] * q + minimums[..., None]
         return w.reshape(n, k)
+
+    def plain(self) -> "QuantizedMatrix":
+        """The form without super-block factors: each group's scale and minimum rounded to fp16 (for the
+        kernels that do not read the K-quant forms)."""
+        if self.supers is None:
+            return self
+        scales, minimums = self.factors()
+        return QuantizedMatrix(self.bits, self.values, scales.to(torch.float16), minimums.to(torch.float16))
 
     def map_rows(self, fn) -> "QuantizedMatrix":
         """The same matrix with its rows rearranged by fn (a function of a tensor whose first dim is rows)."""
-        return QuantizedMatrix(self.bits, fn(self.values), fn(self.scales), fn(self.minimums))
+        return QuantizedMatrix(self.bits, fn(self.values), fn(self.scales), fn(self.minimums),
+                               None if self.supers is None else fn(self.supers))
 
     def promote(self, bits: int) -> "QuantizedMatrix":
         """At `bits` >= its own: int4 values are int8 values of the same scale and minimum (exact); the 6-bit
@@ -91,20 +129,39 @@ class QuantizedMatrix:
             return self
         if bits < self.bits:
             raise ValueError(f"a {self.bits}-bit matrix cannot be promoted to {bits} bits")
+        if self.supers is not None:
+            return self.plain().promote(bits)
         if self.bits == 4 and bits == 8:
             return QuantizedMatrix(8, self.q().to(torch.int8), self.scales, self.minimums)
         return quantize(self.dequantize(), bits)
 
-    def for_activations(self, int6: bool) -> "QuantizedMatrix":
-        """The form the kernels get: the 6-bit form only where 8-bit activations multiply it (`int6`), else
-        8 bits (quantized again)."""
-        return self.promote(8) if self.bits == 6 and not int6 else self
+    def for_activations(self, int8_acts: bool) -> "QuantizedMatrix":
+        """The form the kernels get: the 6-bit and K-quant forms only where 8-bit activations multiply them
+        (`int8_acts`); elsewhere the plain form, and 6 bits go to 8 (quantized again)."""
+        if int8_acts:
+            return self
+        plain = self.plain()
+        return plain.promote(8) if plain.bits == 6 else plain
+
+    def pack(self, native) -> "PackedPart":
+        """Into the packed GEMM's layout (kernels/cpu.py: pack_quant, or pack_quant_super for a K-quant form)."""
+        if self.supers is None:
+            data = native.pack_quant(self.values, self.scales, self.minimums, self.bits)
+        else:
+            subs = self.scales.to(torch.int8 if self.bits == 6 else torch.uint8)
+            data = native.pack_quant_super(self.values, subs, self.minimums.to(torch.uint8), self.supers,
+                                           self.kernel_bits)
+        return PackedPart(data, self.kernel_bits, self.shape[0])
 
     @staticmethod
     def cat(parts: list["QuantizedMatrix"]) -> "QuantizedMatrix":
-        """Rows of several matrices (fused projections) at the widest of their bits."""
+        """Rows of several matrices (fused projections): in one K-quant form where all share it, else at the
+        widest of their bits."""
+        if len({p.kernel_bits for p in parts}) == 1 and parts[0].supers is not None:
+            return QuantizedMatrix(parts[0].bits, *(torch.cat([getattr(p, f) for p in parts])
+                                                    for f in ("values", "scales", "minimums", "supers")))
         bits = max(p.bits for p in parts)
-        parts = [p.promote(bits) for p in parts]
+        parts = [p.plain().promote(bits) for p in parts]
         return QuantizedMatrix(bits, torch.cat([p.values for p in parts]), torch.cat([p.scales for p in parts]),
                                torch.cat([p.minimums for p in parts]))
 
@@ -150,11 +207,11 @@ def quantize(w: torch.Tensor, bits: int) -> QuantizedMatrix:
     raise ValueError(f"bits must be 4, 6 or 8, got {bits}")
 
 
-def weight_bits(qtype: int, mode: str, int6: bool = False) -> int:
+def weight_bits(qtype: int, mode: str, int8_acts: bool = False) -> int:
     """The bits a matrix stored as GGUF type `qtype` is kept at under the setting `mode` (0: dense).
     auto keeps the file's class: float types dense, 4-bit types at 4 bits, Q6_K at 6 where the 6-bit form
-    is allowed (`int6`: the kernels multiply 8-bit activations), every other type at 8 (5- and 6-bit types
-    among them: 8 bits hold Q5's values exactly and Q6_K's closer than 4 could)."""
+    is allowed (`int8_acts`: the kernels multiply 8-bit activations), every other type at 8 (5- and 6-bit
+    types among them: 8 bits hold Q5's values exactly and Q6_K's closer than 4 could)."""
     if mode not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {mode!r}")
     if mode == "bf16":
@@ -165,7 +222,7 @@ def weight_bits(qtype: int, mode: str, int6: bool = False) -> int:
         return 4
     if qtype in FLOAT_TYPES:
         return 0
-    if int6 and qtype in SIX_BIT_TYPES:
+    if int8_acts and qtype in SIX_BIT_TYPES:
         return 6
     return EXACT_BITS.get(qtype, 8)
 
@@ -178,11 +235,14 @@ def is_exact(qtype: int, bits: int) -> bool:
     return exact is not None and exact <= bits
 
 
-def from_gguf(raw: np.ndarray, qtype: int, bits: int | None = None) -> QuantizedMatrix:
+def from_gguf(raw: np.ndarray, qtype: int, bits: int | None = None, supers: bool = False) -> QuantizedMatrix:
     """A GGUF matrix (raw: uint8 [N, bytes per row] of its blocks) at `bits` (default: the bits its type
     keeps exactly). Where the type holds at those bits (`is_exact`) its values, scales and minimums are
-    taken as they are; otherwise the matrix is dequantized (gguf's own numpy code) and quantized again."""
+    taken as they are (with `supers`, Q4_K at 4 bits and Q6_K at 6 in their K-quant forms); otherwise the
+    matrix is dequantized (gguf's own numpy code) and quantized again."""
     bits = EXACT_BITS.get(qtype, 8) if bits is None else bits
+    if supers and qtype in SUPER_TYPES and bits == (6 if qtype in SIX_BIT_TYPES else 4):
+        return _super_blocks(raw, qtype)
     if not is_exact(qtype, bits):
         from gguf import GGMLQuantizationType, quants
 
@@ -217,6 +277,27 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sc = np.concatenate([scales[..., 0:4] & 63, (scales[..., 8:12] & 0x0F) | ((scales[..., 0:4] >> 6) << 4)], -1)
     m = np.concatenate([scales[..., 4:8] & 63, (scales[..., 8:12] >> 4) | ((scales[..., 4:8] >> 6) << 4)], -1)
     return sc, m
+
+
+def _super_blocks(raw: np.ndarray, qtype: int) -> QuantizedMatrix:
+    """Q4_K or Q6_K in its K-quant form: the values, the integer sub-block factors and each super-block's d
+    and -dmin, as the file holds them."""
+    n = raw.shape[0]
+    if qtype == Q6_K:
+        b = raw.reshape(n, -1, 210)
+        q, _, _ = _six_bit_blocks(raw)
+        sc = b[..., 192:208].view(np.int8).reshape(n, -1)
+        heads = np.stack([_f16(b, 208), np.zeros_like(_f16(b, 208))], axis=-1)
+        return QuantizedMatrix(6, torch.from_numpy(q.reshape(n, -1).astype(np.int8)),
+                               torch.from_numpy(sc.astype(np.float16)), torch.zeros(sc.shape, dtype=torch.float16),
+                               torch.from_numpy(heads))
+    b = raw.reshape(n, -1, 144)
+    sc, m = _k_scales(b[..., 4:16])
+    qs = b[..., 16:].reshape(n, -1, 4, 32)
+    q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, -1)
+    heads = np.stack([_f16(b, 0), -_f16(b, 2)], axis=-1)  # d, -dmin (a sign flip: exact)
+    return QuantizedMatrix(4, pack_nibbles(torch.from_numpy(q)), torch.from_numpy(sc.reshape(n, -1).astype(np.float16)),
+                           torch.from_numpy(m.reshape(n, -1).astype(np.float16)), torch.from_numpy(heads))
 
 
 def _six_bit_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -12,6 +12,7 @@ from kvserve.engine.worker.runner import BatchItem
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.engine.interjection import Interjection
 from kvserve.models.attention import AttentionMetadata, PrefillChunk
+from kvserve.models import quant
 from kvserve.models.loader import load_checkpoint
 from kvserve.models.native_decoder import NativeDecoder
 from tests.parity import PagedHarness, rel_err
@@ -119,22 +120,25 @@ def test_int8_activations_on_the_fused_decoder_match_the_per_op_path(arch, tiny_
 
 
 @needs_int8
-def test_q6_k_matrices_stay_at_6_bits_under_8_bit_activations(tmp_path, smollm2_gguf_path):
-    """A Q6_K file's matrices are held at 6 bits where 8-bit activations multiply them (and at 8 bits, quantized
-    again, where bf16 ones do); both decode within twice the other's error against float32."""
+@pytest.mark.parametrize("kind,bits", [("Q6_K", 6), ("Q4_K", 4)])
+def test_k_quant_matrices_keep_their_form_under_8_bit_activations(tmp_path, smollm2_gguf_path, kind, bits):
+    """A Q6_K or Q4_K file's matrices keep their K-quant form (the file's own factors) where 8-bit activations
+    multiply them, and the plain form where bf16 ones do (Q6_K at 8 bits, quantized again); both decode
+    within twice the other's error against float32."""
     from tests.gguf_factory import TinySpec, write_tiny_gguf
 
-    path = tmp_path / "tiny-q6k.gguf"
-    write_tiny_gguf(path, TinySpec(hidden=256, intermediate=512, head_dim=64, quant="Q6_K"), str(smollm2_gguf_path))
-    six = load_checkpoint(path, "auto", int6=True)
-    assert {form for _, form, _ in six.forms} == {"int6"} and all(exact for _, _, exact in six.forms)
+    path = tmp_path / f"tiny-{kind}.gguf"
+    write_tiny_gguf(path, TinySpec(hidden=256, intermediate=512, head_dim=64, quant=kind), str(smollm2_gguf_path))
+    kept = load_checkpoint(path, "auto", int8_acts=True)
+    assert {form for _, form, _ in kept.forms} == {f"int{bits}"} and all(exact for _, _, exact in kept.forms)
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 20000) for _ in range(n)] for n in (23, 9, 40)]
-    h6 = PagedHarness(six, dtype=torch.bfloat16, activations="int8")
-    assert {p.bits for p in h6.model.layers[0].mlp.down_proj.packed} == {6} and h6.model.lm_head_packed.bits == 6
-    h8 = PagedHarness(load_checkpoint(path, "auto"), dtype=torch.bfloat16, activations="bf16")
-    assert h8.model.lm_head_packed.bits == 8
-    a, b = (torch.cat(h.mixed_batch(prompts)).float() for h in (h6, h8))
+    hk = PagedHarness(kept, dtype=torch.bfloat16, activations="int8")
+    code = bits | quant.SUPER
+    assert {p.bits for p in hk.model.layers[0].mlp.down_proj.packed} == {code} and hk.model.lm_head_packed.bits == code
+    hp = PagedHarness(load_checkpoint(path, "auto"), dtype=torch.bfloat16, activations="bf16")
+    assert hp.model.lm_head_packed.bits == (8 if bits == 6 else 4)
+    a, b = (torch.cat(h.mixed_batch(prompts)).float() for h in (hk, hp))
     r = torch.cat(PagedHarness(load_checkpoint(path, "bf16"), dtype=torch.float32).mixed_batch(prompts))
     assert rel_err(a, r) <= 2 * rel_err(b, r) + 1e-3 and rel_err(b, r) <= 2 * rel_err(a, r) + 1e-3
 

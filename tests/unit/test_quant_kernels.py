@@ -239,14 +239,83 @@ def test_k_quants_map_to_their_sub_blocks():
                                <= wide.scales.float().repeat_interleave(32, dim=1) / 2 + 1e-7).all()
 
 
+def _k_form(qtype, rows: int, cols: int, seed: int = 0):
+    """A random Q4_K or Q6_K matrix in its K-quant form, and gguf's own dequantization of it."""
+    from gguf import quants
+
+    raw = _random_blocks(qtype, rows, cols, np.random.default_rng(seed))
+    qm = quant.from_gguf(raw, int(qtype), 6 if int(qtype) == quant.Q6_K else 4, supers=True)
+    return qm, torch.from_numpy(quants.dequantize(raw, qtype).reshape(rows, cols))
+
+
+def test_k_quant_forms_keep_the_files_weights():
+    """Where 8-bit activations multiply them, Q4_K and Q6_K keep their own factors (the K-quant forms): the
+    weights are gguf's own, bit for bit; the plain form (for the other kernels) rounds each sub-block's factor to fp16 once."""
+    from gguf import GGMLQuantizationType as T
+
+    for qtype, size in ((T.Q4_K, 144), (T.Q6_K, 210)):
+        qm, expected = _k_form(qtype, 16, 512)
+        assert qm.supers is not None and qm.kernel_bits == qm.bits | quant.SUPER
+        assert torch.equal(qm.dequantize(), expected), qtype.name
+        plain = qm.plain()
+        assert plain.supers is None and plain.bits == qm.bits
+        assert (plain.dequantize() - expected).abs().max() <= 2.0 ** -11 * expected.abs().max()
+        assert qm.for_activations(True) is qm and qm.for_activations(False).supers is None
+        assert qm.for_activations(False).bits == (8 if qtype == T.Q6_K else 4)
+        both = quant.QuantizedMatrix.cat([qm, qm.map_rows(lambda t: t.flip(0))])
+        assert both.supers is not None and torch.equal(both.dequantize()[16:], expected.flip(0))
+
+
+def _k_form_packed(native, qtype, n: int, k: int, seed: int = 0):
+    qm, expected = _k_form(qtype, n, k, seed)
+    packed = qm.pack(native)
+    # the file's bytes a row and super-block (Q4_K 144, Q6_K 210), Q4_K's 6-bit factors a byte each (+4)
+    assert packed.bits == qm.kernel_bits and packed.data.numel() == n * k // 256 * (148 if qm.bits == 4 else 210)
+    return packed, expected
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("m,n,k", [(1, 64, 256), (3, 48, 512), (8, 112, 2048), (9, 64, 256), (300, 32, 512)])
+def test_k_quant_forms_multiply_8_bit_activations(native, kind, m, n, k):
+    """The K-quant forms' GEMM: gguf's own weights times each row rounded to int8 per 16, within the
+    output's rounding, batch-invariant at every step size (a lone row, any slice)."""
+    if not native.int8_activations:
+        pytest.skip("the K-quant forms need AVX-512 BF16 and VNNI")
+    from gguf import GGMLQuantizationType as T
+
+    packed, w = _k_form_packed(native, T[kind], n, k, seed=m + n + k)
+    torch.manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k).bfloat16() * torch.logspace(-2, 2, m).unsqueeze(1).bfloat16()
+    x[0, :32] = 0
+    out = native.linear_quant(x, packed.data, packed.bits, n, torch.float32, True, True)
+    _assert_close(out, _reference(_as_int8_rows(x), w), k)
+    for i in {0, m // 2, m - 1}:
+        assert torch.equal(native.linear_quant(x[i:i + 1], packed.data, packed.bits, n, torch.float32, True, True),
+                           out[i:i + 1]), i
+    with pytest.raises(ValueError):  # only the 8-bit-activation kernels read them
+        native.linear_quant(x, packed.data, packed.bits, n, torch.float32, True, False)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_k_quant_rows_read_from_the_packed_layout(native, kind):
+    """A tied LM head in a K-quant form serves the embedding lookup too: the file's weights rounded to bf16."""
+    if not native.int8_activations:
+        pytest.skip("the K-quant forms need AVX-512 BF16 and VNNI")
+    from gguf import GGMLQuantizationType as T
+
+    packed, w = _k_form_packed(native, T[kind], 48, 512)
+    ids = torch.tensor([[0, 47, 5], [17, 17, 32]])
+    assert torch.equal(native.quant_rows(packed.data, packed.bits, 48, ids), w.bfloat16()[ids])
+
+
 def test_auto_keeps_each_type_at_its_class():
     assert [quant.weight_bits(t, "auto") for t in (quant.F32, quant.F16, quant.BF16)] == [0, 0, 0]
     assert [quant.weight_bits(t, "auto") for t in (quant.Q4_0, quant.Q4_1, quant.Q4_K)] == [4, 4, 4]
     assert [quant.weight_bits(t, "auto") for t in (quant.Q8_0, quant.Q5_0, quant.Q5_K, 14)] == [8, 8, 8, 8]  # 14: Q6_K
     assert quant.weight_bits(quant.Q4_K, "int8") == 8 and quant.weight_bits(quant.Q8_0, "int4") == 4
     assert quant.weight_bits(quant.Q4_K, "bf16") == 0
-    assert quant.weight_bits(quant.Q6_K, "auto", int6=True) == 6 and quant.weight_bits(quant.Q6_K, "int8", int6=True) == 8
-    assert quant.weight_bits(quant.Q8_0, "auto", int6=True) == 8 and quant.weight_bits(quant.Q4_K, "auto", int6=True) == 4
+    assert quant.weight_bits(quant.Q6_K, "auto", int8_acts=True) == 6 and quant.weight_bits(quant.Q6_K, "int8", int8_acts=True) == 8
+    assert quant.weight_bits(quant.Q8_0, "auto", int8_acts=True) == 8 and quant.weight_bits(quant.Q4_K, "auto", int8_acts=True) == 4
 
 
 def test_promoting_4_bits_to_8_is_exact():

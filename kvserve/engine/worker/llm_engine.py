@@ -83,7 +83,7 @@ class LLMEngine:
                                      kv_cache_dtype=cache_cfg.kv_cache_dtype, kv_cache_memory=cache_cfg.kv_cache_memory,
                                      native_decoder=config.native_decoder, onednn_weights=config.onednn_weights,
                                      numerics=config.numerics, activations=config.activations)
-            checkpoint = load_checkpoint(path, config.weights, self.plan.dtype, int6=self.plan.activations == "int8")
+            checkpoint = load_checkpoint(path, config.weights, self.plan.dtype, int8_acts=self.plan.activations == "int8")
             self.weights = weights_label(checkpoint, self.plan.quantized_weights, self.plan.dtype)
             info = checkpoint_info(checkpoint, name=model_id or resolved_id)
         else:
