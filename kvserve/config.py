@@ -80,7 +80,7 @@ def sliding_layer(layer: int, window: int | None, pattern: int | None) -> bool:
 class ModelConfig:
     """Architecture hyperparameters, read from GGUF metadata or a HF config.json."""
 
-    architecture: str  # "llama" | "gemma3"
+    architecture: str  # models/model_info.SUPPORTED_ARCHITECTURES: "llama" | "qwen2" | "qwen3" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -99,6 +99,10 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     rope_scaling: dict | None = None
     name: str = ""
+    # The Llama layout's variants: a bias on the Q, K and V projections (Qwen2), an RMSNorm over each head of
+    # q and k before RoPE (Qwen3; Gemma 3 has its own, offset from 1).
+    attention_bias: bool = False
+    qk_norm: bool = False
 
     # The opt-in sinks + window policy (StreamingLLM) on the layers without a native window: each query attends
     # to the first `attention_sinks` tokens and the last `policy_window` (EngineConfig.attention_policy).

@@ -390,7 +390,7 @@ class LayerParams(ctypes.Structure):
                    for field in ((name, _PTR), (f"{name}_bits", _I64), (f"{name}_tail", _PTR),
                                  (f"{name}_tail_bits", _I64), (f"{name}_tail_from", _I64))]
                 + [(name, _PTR) for name in ("key_cache", "value_cache", "cos", "sin")]
-                + [("window", _I64), ("scale", _F32), ("kv_group", _I64)])
+                + [("window", _I64), ("scale", _F32), ("kv_group", _I64), ("qkv_bias", _PTR)])
 
 
 class ModelParams(ctypes.Structure):

@@ -35,6 +35,25 @@ struct GatedTiles {
   }
 };
 
+// Epilogue of the QKV GEMM with a bias (Qwen2): out [m, n] = the sums + bias, rounded to bf16 once, as a bf16
+// linear with a bias rounds (the bias is added in fp32, row by row: a row's bits do not depend on the others).
+struct BiasedTiles {
+  bf16* out;
+  int64_t n;
+  const bf16* bias;  // [n]
+  void operator()(int64_t r, int64_t nb0, bool two, int i0, int i1, const float* c0, const float* c1) const {
+    float b[2][16], sum[16];
+    for (int half = 0; half < (two ? 2 : 1); ++half)
+      for (int j = 0; j < 16; ++j) b[half][j] = to_float(bias[(nb0 + half) * 16 + j]);
+    for (int i = i0; i < i1; ++i)
+      for (int half = 0; half < (two ? 2 : 1); ++half) {
+        const float* c = (half ? c1 : c0) + i * 16;
+        for (int j = 0; j < 16; ++j) sum[j] = c[j] + b[half][j];
+        store_rounded16(sum, out + (r + i) * n + (nb0 + half) * 16);
+      }
+  }
+};
+
 // One decoder layer's weights and cache, by role (null: the model has no such norm). Llama:
 // attn_in = input_layernorm, mlp_in = post_attention_layernorm. Gemma 3: attn_in = input_layernorm,
 // attn_out = post_attention_layernorm, mlp_in = pre_feedforward_layernorm, mlp_out = post_feedforward_layernorm.
@@ -56,6 +75,7 @@ struct LayerParams {
   int64_t window;  // 0: none
   float scale;
   int64_t kv_group;  // its KV group (engine/kv/groups.py): which [m] slots and [m, table_stride] tables it uses
+  const bf16* qkv_bias;  // [(Hq + 2 Hkv) D] (Qwen2), or null
 };
 
 struct ModelParams {
@@ -180,7 +200,10 @@ inline int64_t decoder_forward(const ModelParams* mp, const LayerParams* layers,
         add_branch_and_norm(x.data(), L.attn_in_norm);
       }
       mark(0);
-      gemm(x.data(), m, hidden, L.qkv, qkv_width / 16, ts, StoreTiles<bf16>{qkv.data(), qkv_width});
+      if (L.qkv_bias != nullptr)
+        gemm(x.data(), m, hidden, L.qkv, qkv_width / 16, ts, BiasedTiles{qkv.data(), qkv_width, L.qkv_bias});
+      else
+        gemm(x.data(), m, hidden, L.qkv, qkv_width / 16, ts, StoreTiles<bf16>{qkv.data(), qkv_width});
       mark(1);
       const QkvStep<bf16> step{p.q_heads, p.kv_heads, hd, L.cos, L.sin, L.q_norm, L.k_norm, p.eps, unit,
                                L.key_cache, L.value_cache, p.num_blocks * p.block_size, kv_int8};

@@ -130,10 +130,13 @@ def fused_shapes_fit(c: ModelConfig) -> bool:
 def fused_decoder_would_serve(config: ModelConfig, tensor_names) -> bool:
     """Whether a checkpoint (its config and tensor names: loader.checkpoint_header) built in bfloat16 on this
     CPU would run fused, told before it is loaded: the kernels run here, the shapes fit, and no projection
-    has a bias (models/native_decoder.py checks the built model again when it attaches)."""
+    has a bias but Q, K and V's (models/native_decoder.py checks the built model again when it attaches)."""
     native = cpu_kernels.load()
-    return (native is not None and native.fused and config.architecture in ("llama", "gemma3")
-            and fused_shapes_fit(config) and not any(name.endswith(".bias") for name in tensor_names))
+    return (native is not None and native.fused and fused_shapes_fit(config)
+            and not any(name.endswith(".bias") and not name.endswith(_QKV_BIASES) for name in tensor_names))
+
+
+_QKV_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 
 
 def onednn_prepack_available() -> bool:

@@ -158,7 +158,8 @@ class CausalLM(nn.Module):
         return total
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Load HF-named tensors (q/k/v and gate/up are fused here). Missing or unknown names raise."""
+        """Load HF-named tensors (q/k/v and gate/up are fused here, with their biases). Missing or unknown names
+        raise."""
         params = dict(self.named_parameters())
         pending = dict(tensors)
         loaded: set[str] = set()
@@ -172,7 +173,11 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             for fused, parts in _FUSED.items():
                 module = layer.get_submodule(fused)
-                module.load([take(f"model.layers.{i}.{p}.weight") for p in parts])
+                biases = None
+                if module.bias is not None:  # Qwen2's Q, K and V
+                    biases = [take(f"model.layers.{i}.{p}.bias") for p in parts]
+                    loaded.add(f"layers.{i}.{fused}.bias")
+                module.load([take(f"model.layers.{i}.{p}.weight") for p in parts], biases)
                 loaded.add(f"layers.{i}.{fused}.weight")
         if "lm_head.weight" in pending:
             w = pending.pop("lm_head.weight")

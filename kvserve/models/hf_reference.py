@@ -10,16 +10,24 @@ import torch
 from kvserve.models.loader import Checkpoint
 
 
+# Our Llama-layout architectures (models/model_info.LLAMA_LAYOUT): transformers' config and model classes.
+LLAMA_FAMILY = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+
+
 def hf_model_from_checkpoint(ck: Checkpoint, dtype: torch.dtype = torch.float32, attn: str | None = None):
     c = ck.config
     common = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                   num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
                   num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
                   max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings)
-    if c.architecture == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
+    if c.architecture in LLAMA_FAMILY:
+        import transformers
 
-        model = LlamaForCausalLM(LlamaConfig(rope_theta=c.rope_theta, **common))
+        config_class, model_class = (getattr(transformers, n) for n in LLAMA_FAMILY[c.architecture])
+        rope = {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}
+        extra = {"attention_bias": c.attention_bias} if c.architecture != "qwen2" else {}
+        model = model_class(config_class(rope_parameters=rope, **extra, **common))
     elif c.architecture == "gemma3":
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 

@@ -58,6 +58,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "factors":  # one per frequency (a GGUF's rope_freqs: Llama 3.1's scaling, computed by its converter)
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     if kind == "llama3":  # Llama 3.1: smooth interpolation between low and high frequencies
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]
@@ -288,13 +290,14 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 class SelfAttention(nn.Module):
-    """Fused QKV projection, optional per-head QK norm (Gemma 3), rotary, paged attention, output projection."""
+    """Fused QKV projection (with a bias: Qwen2), optional per-head QK norm (Gemma 3, Qwen3), rotary, paged
+    attention, output projection."""
 
     backend: Backend = TORCH
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  rotary: "Rotary", sliding_window: int | None = None, qk_norm_eps: float | None = None,
-                 bias: bool = False, sinks: int = 0):
+                 bias: bool = False, sinks: int = 0, qk_norm_unit_offset: bool = True):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qkv_proj = FusedLinear(hidden, [num_heads * head_dim, num_kv_heads * head_dim,
@@ -304,9 +307,9 @@ class SelfAttention(nn.Module):
         self.rotary = rotary
         self.sliding_window = sliding_window
         self.sinks = sinks  # leading tokens attended to beside the window (the sinks + window policy)
-        if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=True)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=True)
+        if qk_norm_eps is not None:  # Gemma 3's offset from 1, Qwen3's plain
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=qk_norm_unit_offset)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=qk_norm_unit_offset)
         else:
             self.q_norm = self.k_norm = None
 

@@ -1,4 +1,5 @@
-"""Llama-family decoder (SmolLM2, Llama 2/3, Mistral-style configs): pre-norm, SwiGLU, GQA, RoPE."""
+"""The Llama layout (SmolLM2, Llama 2/3, Mistral, Qwen2/2.5, Qwen3): pre-norm, SwiGLU, GQA, RoPE; Qwen2 adds a
+bias to the Q, K and V projections, Qwen3 an RMSNorm over each head of q and k before RoPE (ModelConfig)."""
 from __future__ import annotations
 
 import torch
@@ -15,7 +16,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = SelfAttention(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                                        scale=config.head_dim ** -0.5, rotary=rotary,
-                                       sliding_window=config.layer_window(index), sinks=config.layer_sinks(index))
+                                       sliding_window=config.layer_window(index), sinks=config.layer_sinks(index),
+                                       bias=config.attention_bias,
+                                       qk_norm_eps=config.rms_norm_eps if config.qk_norm else None,
+                                       qk_norm_unit_offset=False)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, "silu")
 

@@ -18,8 +18,8 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.models import backend
 from kvserve.models.gguf_file import GGUFFile, GGUFTensor
-from kvserve.models.model_info import (ModelInfo, ModelLoadError, config_from_gguf, model_format, read_hf_config,
-                                       tokenizer_for)
+from kvserve.models.model_info import (LLAMA_LAYOUT, ModelInfo, ModelLoadError, config_from_gguf, model_format,
+                                       read_hf_config, tokenizer_for)
 from kvserve.models import quant
 from kvserve.models.quant import QuantizedMatrix
 
@@ -53,6 +53,22 @@ _GGUF_LAYER_NAMES = {
     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GEMMA3_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm"}
+
+
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's RoPE scaling as llama.cpp's converter writes it: a factor per frequency
+
+
+def gguf_config(file: GGUFFile) -> ModelConfig:
+    """The file's config: its metadata's, with a `rope_freqs` tensor's factors as its RoPE scaling."""
+    config = config_from_gguf(file.metadata)
+    freqs = next((t for t in file.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None:
+        factors = tuple(float(f) for f in _dequantize(file, freqs).reshape(-1))
+        if len(factors) != config.head_dim // 2:
+            raise ModelLoadError(f"{ROPE_FREQS} has {len(factors)} factors; head_dim {config.head_dim} needs "
+                                 f"{config.head_dim // 2}")
+        config = replace(config, rope_scaling={"rope_type": "factors", "factors": factors})
+    return config
 
 
 def hf_name_for_gguf(name: str, arch: str) -> str:
@@ -106,7 +122,7 @@ def load_gguf(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype
     path = Path(path)
     file = GGUFFile(path)
     meta = file.metadata
-    config = config_from_gguf(meta)
+    config = gguf_config(file)
     arch = config.architecture
     forms: dict[tuple[str, str, bool], int] = {}
 
@@ -136,7 +152,7 @@ def load_gguf(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype
 
     try:
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-            tensors = dict(pool.map(convert, file.tensors))
+            tensors = dict(pool.map(convert, [t for t in file.tensors if t.name != ROPE_FREQS]))
     finally:
         file.close()
     if config.vocab_size == 0:
@@ -194,8 +210,8 @@ def checkpoint_header(path: str | os.PathLike) -> tuple[ModelConfig, set[str]]:
         return read_hf_config(path), names
     file = GGUFFile(path)
     try:
-        config = config_from_gguf(file.metadata)
-        names = {hf_name_for_gguf(t.name, config.architecture) for t in file.tensors}
+        config = gguf_config(file)
+        names = {hf_name_for_gguf(t.name, config.architecture) for t in file.tensors if t.name != ROPE_FREQS}
     finally:
         file.close()
     return config, names
@@ -238,7 +254,7 @@ def checkpoint_info(checkpoint: Checkpoint, name: str = "") -> ModelInfo:
 
 
 def model_class(config: ModelConfig):
-    if config.architecture == "llama":
+    if config.architecture in LLAMA_LAYOUT:
         from kvserve.models.llama import LlamaForCausalLM
 
         return LlamaForCausalLM

@@ -13,13 +13,30 @@ from kvserve.config import ModelConfig
 from kvserve.models.gguf_file import read_gguf_metadata
 from kvserve.models.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
-_HF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Gemma3ForCausalLM": "gemma3",
-            "Gemma3ForConditionalGeneration": "gemma3"}
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+# The Llama layout and its variants (models/llama.py): what each adds to Llama's layer.
+LLAMA_LAYOUT = {"llama": {}, "qwen2": {"attention_bias": True}, "qwen3": {"qk_norm": True}}
+_HF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+            "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3"}
+_HF_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+                  "gemma3": "gemma3"}
+# Default RoPE bases where a file leaves them out (transformers' defaults; real files carry theirs).
+_DEFAULT_THETA = {"llama": 10000.0, "qwen2": 10000.0, "qwen3": 10000.0, "gemma3": 1_000_000.0}
 
 
 class ModelLoadError(RuntimeError):
     pass
+
+
+def _gguf_rope_scaling(kind: str | None, factor) -> dict | None:
+    """A GGUF's `rope.scaling.*` keys as a rope_scaling dict (Llama 3.1's per-frequency factors come as the
+    `rope_freqs` tensor instead: loader.load_gguf). Kinds whose arithmetic is not here refuse to load."""
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    raise ModelLoadError(f"GGUF RoPE scaling {kind!r} is not supported (supported: linear, Llama 3.1's "
+                         f"rope_freqs factors)")
 
 
 def config_from_gguf(meta: dict) -> ModelConfig:
@@ -41,46 +58,58 @@ def config_from_gguf(meta: dict) -> ModelConfig:
         rms_norm_eps=float(f"{float(get('attention.layer_norm_rms_epsilon', 1e-6)):.6g}"),  # undo float32 storage
         max_position_embeddings=int(get("context_length", 4096)), vocab_size=vocab,
         name=str(meta.get("general.name", "")),
+        rope_theta=float(get("rope.freq_base", _DEFAULT_THETA[arch])),
+        rope_scaling=_gguf_rope_scaling(get("rope.scaling.type"), get("rope.scaling.factor")),
     )
-    scaling = None
-    if get("rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    if arch == "llama":
-        return ModelConfig(rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
-                           sliding_window=None, **common)
+    if arch in LLAMA_LAYOUT:
+        window = get("attention.sliding_window")  # Mistral v0.1's, where a converter wrote it
+        return ModelConfig(sliding_window=int(window) if window else None, **LLAMA_LAYOUT[arch], **common)
     # Gemma 3: the local RoPE base and the 5:1 layer pattern are not stored in the GGUF; these are
     # Gemma 3's fixed values (the same defaults transformers fills in).
-    return ModelConfig(rope_theta=float(get("rope.freq_base", 1_000_000.0)), rope_local_theta=10000.0,
-                       rope_scaling=scaling, sliding_window=int(get("attention.sliding_window", 512)),
+    return ModelConfig(rope_local_theta=10000.0, sliding_window=int(get("attention.sliding_window", 512)),
                        sliding_window_pattern=6, query_pre_attn_scalar=float(head_dim), **common)
+
+
+def _hf_rope_scaling(cfg: dict) -> dict | None:
+    """`rope_scaling` (older config.json files) or a non-default `rope_parameters` (transformers 5's)."""
+    scaling = cfg.get("rope_scaling")
+    params = cfg.get("rope_parameters") or {}
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    return scaling
 
 
 def config_from_hf(cfg: dict) -> ModelConfig:
     if "text_config" in cfg:  # multimodal wrapper (Gemma 3 4B+): use the text tower's config
         cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
     archs = cfg.get("architectures") or []
-    arch = next((_HF_ARCH[a] for a in archs if a in _HF_ARCH), None) or _HF_ARCH.get(cfg.get("model_type", ""))
-    if arch is None:
-        model_type = cfg.get("model_type")
-        arch = {"llama": "llama", "mistral": "llama", "gemma3_text": "gemma3", "gemma3": "gemma3"}.get(model_type)
+    arch = next((_HF_ARCH[a] for a in archs if a in _HF_ARCH), None) or _HF_MODEL_TYPE.get(cfg.get("model_type", ""))
     if arch is None:
         raise ModelLoadError(f"HF architecture {archs or cfg.get('model_type')} is not supported "
-                             f"(supported: Llama/Mistral, Gemma 3)")
+                             f"(supported: {', '.join(sorted(_HF_ARCH))})")
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     common = dict(
         architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads", heads), head_dim=head_dim,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        tie_word_embeddings=cfg.get("tie_word_embeddings", arch == "gemma3"),
-        rope_scaling=cfg.get("rope_scaling"), name=cfg.get("_name_or_path", ""),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", arch == "gemma3"), name=cfg.get("_name_or_path", ""),
     )
     rope_params = cfg.get("rope_parameters") or {}
-    if arch == "llama":
-        theta = cfg.get("rope_theta") or rope_params.get("rope_theta", 10000.0)
-        return ModelConfig(rope_theta=theta, sliding_window=cfg.get("sliding_window"), **common)
+    if arch in LLAMA_LAYOUT:
+        theta = cfg.get("rope_theta") or rope_params.get("rope_theta", _DEFAULT_THETA[arch])
+        variant = dict(LLAMA_LAYOUT[arch])
+        if arch == "qwen3":
+            variant["attention_bias"] = bool(cfg.get("attention_bias", False))
+        window = cfg.get("sliding_window")
+        if arch in ("qwen2", "qwen3"):  # Qwen's configs carry a window they do not use unless told to
+            if cfg.get("use_sliding_window"):
+                raise ModelLoadError("Qwen's use_sliding_window (a window on the upper layers only) is not supported")
+            window = None
+        return ModelConfig(rope_theta=theta, rope_scaling=_hf_rope_scaling(cfg), sliding_window=window,
+                           **variant, **common)
     global_theta = cfg.get("rope_theta") or rope_params.get("full_attention", {}).get("rope_theta", 1_000_000.0)
     local_theta = cfg.get("rope_local_base_freq") or rope_params.get("sliding_attention", {}).get(
         "rope_theta", 10000.0)
@@ -88,7 +117,7 @@ def config_from_hf(cfg: dict) -> ModelConfig:
     layer_types = cfg.get("layer_types")
     if layer_types:  # derive the period from the explicit list (first full layer index + 1)
         pattern = layer_types.index("full_attention") + 1 if "full_attention" in layer_types else pattern
-    return ModelConfig(rope_theta=global_theta, rope_local_theta=local_theta,
+    return ModelConfig(rope_theta=global_theta, rope_local_theta=local_theta, rope_scaling=cfg.get("rope_scaling"),
                        sliding_window=cfg.get("sliding_window", 512), sliding_window_pattern=pattern,
                        query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", head_dim), **common)
 

@@ -25,7 +25,8 @@ An 8-bit KV cache (kernels/kv_quant.py) is written as each row is quantized; row
 its int8 rows as they are, and a tiled chunk's blocks are dequantized once a layer into a copy its
 tiles are packed from (`shadow_blocks`).
 
-It serves bfloat16 Llama and Gemma 3 layers on CPUs with AMX (and a kernel that grants it) or AVX2;
+It serves bfloat16 Llama-layout (Llama, Mistral, Qwen2 with its QKV bias, Qwen3 with its QK norm) and Gemma 3
+layers on CPUs with AMX (and a kernel that grants it) or AVX2;
 `build` returns None for anything else, and the model keeps its per-op path, which stays the reference:
 tests compare the two.
 """
@@ -111,7 +112,8 @@ class NativeDecoder:
                 norm = getattr(attn, name)
                 fields[name] = norm.weight.data_ptr() if norm is not None else None
             fields.update(cos=attn.rotary.cos.data_ptr(), sin=attn.rotary.sin.data_ptr(),
-                          window=attn.sliding_window or 0, scale=attn.scale)
+                          window=attn.sliding_window or 0, scale=attn.scale,
+                          qkv_bias=attn.qkv_proj.bias.data_ptr() if attn.qkv_proj.bias is not None else None)
             self._static.append(fields)
         self.tile_attention = native.tile_attention and config.head_dim % 32 == 0
         if invariant:
@@ -157,11 +159,11 @@ class NativeDecoder:
                 return False
             attn, mlp = layer.self_attn, layer.mlp
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if attn.qkv_proj.bias is not None or attn.o_proj.bias is not None or mlp.activation not in _ACTIVATIONS \
+            if attn.o_proj.bias is not None or mlp.activation not in _ACTIVATIONS \
                     or any(p.packed is None and p.weight.numel() == 0 for p in projections) \
                     or any(p.packed is not None and (len(p.packed) > 2 or p.gate_up and not p.interleaved)
                            for p in projections):
-                return False  # biases are not fused; dense weights must still be here to pack
+                return False  # only QKV's bias is fused; dense weights must still be here to pack
             if attn.rotary.cos.dtype != torch.float32 or attn.sinks:
                 return False  # (the kernels attend to a window without sinks)
             found = [*layer.norm_roles().values(), *(n for n in (attn.q_norm, attn.k_norm) if n is not None)]

@@ -7,15 +7,13 @@ engine serves the directory.
 """
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.models.hf_reference import hf_model_from_checkpoint
 from kvserve.models.loader import load_checkpoint
-from kvserve.models.tokenizer import Tokenizer
+from tests.hf_factory import write_hf_dir
 from tests.parity import PagedHarness, rel_err
 
 
@@ -24,12 +22,7 @@ def hf_dir(request, tmp_path_factory, tiny_llama_gguf, tiny_gemma_gguf, smollm2_
     gguf_path = tiny_llama_gguf if request.param == "llama" else tiny_gemma_gguf
     ck = load_checkpoint(gguf_path)
     out = tmp_path_factory.mktemp(f"hf-{request.param}")
-    hf_model_from_checkpoint(ck).save_pretrained(out, safe_serialization=True)
-    tok = Tokenizer.from_gguf(smollm2_gguf_path)
-    tok.backend.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False,
-        "chat_template": tok.chat_template}))
+    write_hf_dir(hf_model_from_checkpoint(ck), out, smollm2_gguf_path)
     return ck, out
 
 

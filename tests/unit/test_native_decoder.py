@@ -428,7 +428,8 @@ def test_auto_dtype_is_bf16_where_the_fused_decoder_will_serve(checkpoint, monke
     fused = native is not None and native.fused
     assert fused_decoder_would_serve(config, names) == fused
     assert not fused_decoder_would_serve(replace(config, intermediate_size=config.intermediate_size + 8), names)
-    assert not fused_decoder_would_serve(config, names | {"model.layers.0.self_attn.q_proj.bias"})
+    assert not fused_decoder_would_serve(config, names | {"model.layers.0.self_attn.o_proj.bias"})
+    assert fused_decoder_would_serve(config, names | {"model.layers.0.self_attn.q_proj.bias"}) == fused  # Qwen2's
     # the plan makes that choice once, with the path it implies
     the_plan = plan(config, names, device="cpu")
     assert (the_plan.dtype, the_plan.path) == ((torch.bfloat16, "cpu-fused") if fused else (torch.float32, the_plan.path))

@@ -1,0 +1,99 @@
+"""Each Llama-layout family (Llama, Llama 3.1's RoPE scaling, Mistral, Qwen2 with its QKV bias, Qwen3 with its
+QK norm) from a tiny random model of transformers' own classes, written as a safetensors directory and as a
+GGUF file (tests/hf_factory.py): both load to the same config and logits, which are transformers' in float32
+(through the paged cache: whole prefills, token by token, mixed steps; 64 greedy tokens through the engine),
+and the fused bf16 decoder stays within bf16's distance of them."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.kernels import cpu as cpu_kernels
+from kvserve.models.loader import load_checkpoint
+from kvserve.models.model_info import read_model_info
+from tests.hf_factory import FAMILIES, tiny_model, write_gguf, write_hf_dir
+from tests.parity import PagedHarness, reference_logits, rel_err
+
+TOL = 1e-4  # the tiny parity tests' (test_model_parity_tiny.py)
+native = cpu_kernels.load()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory, smollm2_gguf_path):
+    """(name, transformers' model, its safetensors directory, its F32 GGUF, its Q8_0 GGUF)."""
+    name = request.param
+    model = tiny_model(name, seed=len(name))
+    out = tmp_path_factory.mktemp(f"family-{name}")
+    hf_dir = write_hf_dir(model, out / "hf", str(smollm2_gguf_path))
+    gguf32 = write_gguf(model, out / f"{name}.f32.gguf", str(smollm2_gguf_path))
+    gguf8 = write_gguf(model, out / f"{name}.q8_0.gguf", str(smollm2_gguf_path), quant="Q8_0")
+    return name, model, hf_dir, gguf32, gguf8
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 49152) for _ in range(n)]
+
+
+def test_both_files_read_as_the_family(family):
+    name, model, hf_dir, gguf32, _ = family
+    hf, gg = load_checkpoint(hf_dir).config, load_checkpoint(gguf32).config
+    assert hf.architecture == gg.architecture == FAMILIES[name][2]
+    assert hf.attention_bias == gg.attention_bias == (name == "qwen2")
+    assert hf.qk_norm == gg.qk_norm == (name == "qwen3")
+    for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                  "vocab_size", "tie_word_embeddings", "sliding_window", "rms_norm_eps"):
+        assert getattr(hf, field) == getattr(gg, field), field
+    assert hf.rope_theta == gg.rope_theta == model.config.rope_parameters["rope_theta"]
+    assert (hf.rope_scaling or {}).get("rope_type") == ("llama3" if name == "llama3.1" else None)
+    assert (gg.rope_scaling or {}).get("rope_type") == ("factors" if name == "llama3.1" else None)
+    assert read_model_info(gguf32).config.architecture == gg.architecture  # a gateway reads it without weights
+
+
+def test_gguf_and_safetensors_give_the_same_logits(family):
+    _, _, hf_dir, gguf32, _ = family
+    ids = _prompt(80, 1)  # past Llama 3.1's tiny original context (64), where its scaling bends the low frequencies
+    a, b = PagedHarness(load_checkpoint(hf_dir)), PagedHarness(load_checkpoint(gguf32))
+    assert rel_err(a.prefill(ids, a.new_table(len(ids))), b.prefill(ids, b.new_table(len(ids)))) <= 1e-6
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_float32_logits_are_transformers(family, source):
+    _, model, hf_dir, gguf32, _ = family
+    h = PagedHarness(load_checkpoint(hf_dir if source == "hf" else gguf32))
+    ids = _prompt(80, 2)
+    reference = reference_logits(model, ids)
+    assert rel_err(h.prefill(ids, h.new_table(len(ids))), reference) <= TOL
+    assert rel_err(h.decode_each(ids[:40], h.new_table(40)), reference[:40]) <= TOL
+    prompts = [_prompt(n, 10 + n) for n in (23, 9, 31)]
+    for ours, p in zip(h.mixed_batch(prompts), prompts):
+        assert rel_err(ours, reference_logits(model, p)) <= TOL
+
+
+def test_greedy_tokens_through_the_engine_are_transformers(family):
+    _, model, _, gguf32, _ = family
+    prompt = _prompt(24, 3)
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False)[0, len(prompt):]
+    llm = LLM(str(gguf32), dtype="float32", kv_cache_memory="64MiB", swap_space=0)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == expected.tolist()
+
+
+@pytest.mark.skipif(native is None or not native.fused, reason="the fused decoder needs AMX or AVX2")
+@pytest.mark.parametrize("weights", ["bf16", "auto"])
+def test_the_fused_bf16_decoder_stays_near_float32(family, weights):
+    """Dense bf16 weights, and the Q8_0 file's kept as 8 bits, on the fused decoder: within bf16's distance of
+    float32 (the tiny parity tests' bound), decoding token by token as a prefill does."""
+    _, model, _, gguf32, gguf8 = family
+    ck = load_checkpoint(gguf32 if weights == "bf16" else gguf8, weights)
+    h = PagedHarness(ck, dtype=torch.bfloat16)
+    assert h.model.native_decoder is not None, "every Llama-layout family runs fused"
+    reference = PagedHarness(ck)  # the same weights in float32, op by op
+    ids = _prompt(40, 4)
+    want = reference.prefill(ids, reference.new_table(len(ids)))
+    assert rel_err(h.prefill(ids, h.new_table(len(ids))), want) < 0.1
+    assert rel_err(h.decode_each(ids, h.new_table(len(ids))), want) < 0.1
