@@ -227,7 +227,7 @@ async def produce(call: Call, inflight: InflightResponse | None, place: Place,
             await outputs.aclose()
             raise
         headers = call.headers(_queue_wait_ms(first_item[1]))
-        events = stream_events(c, first_item, outputs)
+        events = stream_events(c, first_item, outputs, resume_ids=call.key is not None)
         if inflight is not None:
             inflight.start(200, {**headers, "content-type": "text/event-stream"}, stream=True)
             events = record_stream(events, call, inflight, headers)
@@ -262,11 +262,16 @@ def _queue_wait_ms(out: RequestOutput) -> float:
 
 
 async def stream_events(c: Completion, first_item: tuple[int, RequestOutput],
-                        outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
-    """SSE events of one call: the service's chunks (deltas, then usage when asked), then [DONE]."""
+                        outputs: AsyncIterator[tuple[int, RequestOutput]], resume_ids: bool = True) -> AsyncIterator[str]:
+    """SSE events of one call: the service's chunks (deltas, then usage when asked), then [DONE].
+
+    resume_ids: content events carry resume tokens as SSE ids (service/resume.py) where the stream can be
+    resumed. The server asks it where the client sent an Idempotency-Key (the retry contract: a client that
+    will reconnect sends one): clients that read each event as one `data:` line (vLLM's `bench serve`) choke
+    on an `id:` line, and only a reconnecting client needs it."""
     chunks = c.chunks()
     # Resume tokens (service/resume.py): after each output that did not finish its stream
-    digest = TokenDigest.of(c.resumed_token_ids) if c.resumable else None
+    digest = TokenDigest.of(c.resumed_token_ids) if c.resumable and resume_ids else None
 
     def events_of(i: int, out: RequestOutput) -> list[str]:
         event_id = None

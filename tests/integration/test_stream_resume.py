@@ -3,10 +3,12 @@ the same model and tenant (two regions); a stream cut at any event and resumed o
 rest, so the client's text is the uninterrupted stream's, no token twice or lost (greedy and seeded); also after
 the first server is killed mid-stream. On the server that still has the stream (Idempotency-Key), a reconnect
 gets only the events after its Last-Event-ID. A resume token that does not match the tokens generated again is
-a 409, a malformed one a 400; a request that cannot be generated again exactly carries no ids."""
+a 409, a malformed one a 400; a request that cannot be generated again exactly, or sent without an
+Idempotency-Key, carries no ids."""
 from __future__ import annotations
 
 import json
+import uuid
 
 import httpx
 import pytest
@@ -36,7 +38,10 @@ def body(**kw) -> dict:
 
 
 def events(server: LiveServer, data: dict, **headers) -> tuple[int, list[tuple[str | None, dict | str]]]:
-    """(status, [(event id, payload)]) of one streamed request."""
+    """(status, [(event id, payload)]) of one streamed request, with an Idempotency-Key of its own unless given
+    one (a reconnecting client sends one: the server sends resume ids only then)."""
+    headers.setdefault("Idempotency-Key", f"resume-{uuid.uuid4()}")
+    headers = {k: v for k, v in headers.items() if v is not None}
     out: list[tuple[str | None, dict | str]] = []
     with httpx.stream("POST", server.base + "/v1/completions", json=data, headers=server.headers(**headers),
                       timeout=60) as r:
@@ -84,7 +89,7 @@ def test_a_stream_resumes_on_another_server_after_the_first_died_mid_stream(serv
     doomed = LiveServer(tmp_path, tiny_model_toml(tiny_llama_gguf), tenant="acme").start()
     got, last = [], None
     with httpx.stream("POST", doomed.base + "/v1/completions", json=body(max_tokens=60),
-                      headers=doomed.headers(), timeout=60) as r:
+                      headers=doomed.headers(**{"Idempotency-Key": "resume-doomed"}), timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("id: "):
                 last = line[4:]
@@ -123,5 +128,7 @@ def test_bad_resume_tokens_are_refused_and_unresumable_streams_carry_no_ids(serv
     assert status == 400 and err[0][1]["error"]["code"] == "invalid_last_event_id"
     _, unseeded = events(a, body(temperature=1.0))
     assert all(e is None for e, _ in unseeded)
+    _, keyless = events(a, body(), **{"Idempotency-Key": None})  # no key: every event one data line (vLLM's client)
+    assert keyless[-1][1] == "[DONE]" and all(e is None for e, _ in keyless)
     status, err = events(b, body(temperature=1.0), **{"Last-Event-ID": event_id})
     assert status == 400 and err[0][1]["error"]["code"] == "not_resumable"
