@@ -697,6 +697,9 @@ class BatchConfig:
 # ---- the server ------------------------------------------------------------------------------
 
 
+REASONING_PARSERS = ("auto", "think", "none")
+
+
 @dataclass(frozen=True)
 class ServedModel:
     """One `[[models]]` entry of the server TOML: where the weights are and the engine arguments (checked
@@ -708,12 +711,17 @@ class ServedModel:
     description: str = ""  # free text for the file's readers (what the weights are)
     engine_args: dict = field(default_factory=dict)  # vLLM-style flat args; `interactive`/`batch` tables are TierLimits
     version: str = "1"  # a label for this model's weights/config; responses carry it (x-kvserve-model-version)
+    # Whether the model thinks in <think>...</think> blocks, which chat responses return apart as
+    # reasoning_content (docs/reasoning.md): "auto" (its chat template writes <think> and its tokenizer spells
+    # both tags), "think" (it does, whatever the template says) or "none" (its output is all answer).
+    reasoning_parser: str = "auto"
     fleet: ModelFleet = field(default_factory=ModelFleet)
     price: ModelPrice = field(default_factory=ModelPrice)
 
     def __post_init__(self):
         _validate(self, dict(id=(lambda v: isinstance(v, str) and v != "" and v != "auto",
                                  "a non-empty name other than 'auto'"),
+                             reasoning_parser=(lambda v: v in REASONING_PARSERS, ", ".join(REASONING_PARSERS)),
                              version=(lambda v: isinstance(v, str) and v != "", "a non-empty string"),
                              source=(lambda v: isinstance(v, str) and v != "", "a path, a catalog id or pkg:..."),
                              role=(lambda v: v in ("", "fast", "capable"), "fast, capable or empty")))
@@ -810,7 +818,7 @@ class ServerConfig:
         models_data = data.get("models")
         if not models_data and path is not None:
             models_data = tomllib.loads(Path(DEFAULT_CONFIG).read_text()).get("models", [])
-        known = {"id", "source", "role", "description", "install", "version", "fleet", "price"}
+        known = {"id", "source", "role", "description", "install", "version", "reasoning_parser", "fleet", "price"}
         models = []
         for i, m in enumerate(models_data or []):
             missing = [k for k in ("id", "source") if k not in m]
@@ -818,6 +826,7 @@ class ServerConfig:
                 raise ConfigError(f"[[models]] entry {i} in {path or DEFAULT_CONFIG} has no {' or '.join(missing)}")
             models.append(ServedModel(id=m["id"], source=m["source"], role=m.get("role", ""),
                                       description=m.get("description", ""), version=str(m.get("version", "1")),
+                                      reasoning_parser=m.get("reasoning_parser", "auto"),
                                       fleet=_table(ModelFleet, m.get("fleet", {}), f"[models.fleet] ({m['id']})"),
                                       price=_table(ModelPrice, m.get("price", {}), f"[models.price] ({m['id']})"),
                                       engine_args={k: v for k, v in m.items() if k not in known}))

@@ -186,6 +186,27 @@ def tiny_llama_gguf(tiny_gguf_dir, smollm2_gguf_path) -> Path:
     return path
 
 
+# A thinking model's chat template, as Qwen3's writes the generation prompt: the block opened for the output, or
+# (enable_thinking: false) an empty one closed before it.
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
+    "{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_think_gguf(tiny_gguf_dir, smollm2_gguf_path) -> Path:
+    """The tiny Llama with THINK_TEMPLATE as its chat template (SmolLM2's tokenizer spells the tags as text)."""
+    from tests.gguf_factory import TinySpec, write_tiny_gguf
+
+    path = tiny_gguf_dir / "tiny-think.gguf"
+    if not path.exists():
+        write_tiny_gguf(path, TinySpec(arch="llama", quant="Q8_0", chat_template=THINK_TEMPLATE),
+                        str(smollm2_gguf_path))
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_gemma_gguf(tiny_gguf_dir, smollm2_gguf_path) -> Path:
     """6 layers: 5 sliding-window (window 8) and 1 global, as Gemma 3's pattern."""

@@ -1,6 +1,8 @@
-"""Write tiny randomly initialised Llama / Gemma 3 models as GGUF files, the way llama.cpp's converter
-would (Q/K rows permuted for Llama, Gemma norms stored as 1 + w, quantized matrices), so unit tests
-run the real loading path in milliseconds. The tokenizer metadata is copied from SmolLM2's GGUF.
+"""Write tiny randomly initialised Llama / Qwen2 / Qwen3 / Gemma 3 models as GGUF files, the way llama.cpp's
+converter would (Q/K rows permuted for Llama only, Qwen2's Q, K and V biases, Qwen3's and Gemma's per-head
+QK norms, Gemma norms stored as 1 + w, quantized matrices), so unit tests run the real loading path in
+milliseconds. The tokenizer metadata is copied from SmolLM2's GGUF (padded with unused control tokens to a
+real model's vocabulary where `vocab` asks: the benchmarks' shapes).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import numpy as np
 
 @dataclass
 class TinySpec:
-    arch: str = "llama"  # "llama" | "gemma3"
+    arch: str = "llama"  # "llama" | "qwen2" | "qwen3" | "gemma3"
     hidden: int = 64
     intermediate: int = 128
     layers: int = 2
@@ -23,6 +25,8 @@ class TinySpec:
     sliding_window: int = 8
     quant: str = "Q8_0"  # type of the attention/MLP matrices: F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K (K % 256)
     seed: int = 0
+    vocab: int | None = None  # None: the tokenizer's own; more: padded with unused control tokens
+    chat_template: str | None = None  # None: the tokenizer file's own
 
 
 def quantize_q6_k(w: np.ndarray) -> np.ndarray:
@@ -74,17 +78,23 @@ def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _copy_tokenizer_fields(writer, source_gguf: str) -> int:
+def _copy_tokenizer_fields(writer, source_gguf: str, vocab: int | None = None,
+                           chat_template: str | None = None) -> int:
     import gguf
 
     reader = gguf.GGUFReader(source_gguf)
     f = reader.fields
     tokens = f["tokenizer.ggml.tokens"].contents()
+    types = f["tokenizer.ggml.token_type"].contents()
+    if vocab is not None and vocab > len(tokens):
+        pad = vocab - len(tokens)
+        tokens = [*tokens, *(f"<|unused_{i}|>" for i in range(pad))]
+        types = [*types, *[int(gguf.TokenType.CONTROL)] * pad]
     writer.add_tokenizer_model(f["tokenizer.ggml.model"].contents())
     if "tokenizer.ggml.pre" in f:
         writer.add_tokenizer_pre(f["tokenizer.ggml.pre"].contents())
     writer.add_token_list(tokens)
-    writer.add_token_types(f["tokenizer.ggml.token_type"].contents())
+    writer.add_token_types(types)
     if "tokenizer.ggml.merges" in f:
         writer.add_token_merges(f["tokenizer.ggml.merges"].contents())
     for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
@@ -93,7 +103,9 @@ def _copy_tokenizer_fields(writer, source_gguf: str) -> int:
             add(int(f[f"tokenizer.ggml.{key}"].contents()))
     if "tokenizer.ggml.add_bos_token" in f:
         writer.add_add_bos_token(bool(f["tokenizer.ggml.add_bos_token"].contents()))
-    if "tokenizer.chat_template" in f:
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    elif "tokenizer.chat_template" in f:
         writer.add_chat_template(f["tokenizer.chat_template"].contents())
     return len(tokens)
 
@@ -106,7 +118,7 @@ def write_tiny_gguf(path: str | Path, spec: TinySpec, tokenizer_gguf: str, keep_
 
     rng = np.random.default_rng(spec.seed)
     writer = gguf.GGUFWriter(str(path), spec.arch)
-    vocab = _copy_tokenizer_fields(writer, tokenizer_gguf)
+    vocab = _copy_tokenizer_fields(writer, tokenizer_gguf, spec.vocab, spec.chat_template)
     writer.add_name(f"tiny-{spec.arch}")
     writer.add_block_count(spec.layers)
     writer.add_context_length(spec.context)
@@ -122,7 +134,7 @@ def write_tiny_gguf(path: str | Path, spec: TinySpec, tokenizer_gguf: str, keep_
         writer.add_rope_freq_base(1_000_000.0)
         writer.add_sliding_window(spec.sliding_window)
     else:
-        writer.add_rope_freq_base(10000.0)
+        writer.add_rope_freq_base(10000.0 if spec.arch == "llama" else 1_000_000.0)
         writer.add_rope_dimension_count(spec.head_dim)
 
     def rand(*shape, scale=None):
@@ -177,7 +189,14 @@ def write_tiny_gguf(path: str | Path, spec: TinySpec, tokenizer_gguf: str, keep_
             elif spec.arch == "llama" and name == "self_attn.k_proj":
                 stored = permute_rope_rows(w, spec.kv_heads)
             add(g + gguf_names[name] + ".weight", stored, quantize=True)
+            if spec.arch == "qwen2" and name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                bias = rand(shape[0], scale=0.5)
+                hf[p + name + ".bias"] = bias
+                add(g + gguf_names[name] + ".bias", bias, quantize=False)
         norm(p + "input_layernorm.weight", g + "attn_norm.weight")
+        if spec.arch == "qwen3":
+            norm(p + "self_attn.q_norm.weight", g + "attn_q_norm.weight")
+            norm(p + "self_attn.k_norm.weight", g + "attn_k_norm.weight")
         if spec.arch == "gemma3":
             norm(p + "post_attention_layernorm.weight", g + "post_attention_norm.weight")
             norm(p + "pre_feedforward_layernorm.weight", g + "ffn_norm.weight")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvserve.config import Priority  # noqa: F401  (the tier type, defined with the tier limits)
 from kvserve.engine.errors import InvalidRequest
+from kvserve.engine.reasoning import ThinkingControl, ThinkingTracker
 from kvserve.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -32,7 +33,8 @@ class EngineRequest:
     the admission bounds. `resumed_token_ids`: output tokens already generated for it elsewhere (a stream
     moved from a failed replica; n = 1 only): computed like a recompute after preemption, counted against
     max_tokens and min_tokens, seen by penalties and the detokenizer, not output again; a seeded request's
-    generator skips their draws. `prompt`: the text, when it came as text (echoed in outputs only)."""
+    generator skips their draws. `prompt`: the text, when it came as text (echoed in outputs only).
+    `thinking`: the model's thinking block and this request's budget (engine/reasoning.py), None: not followed."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -49,6 +51,7 @@ class EngineRequest:
     # params.structured_outputs compiled for this engine's tokenizer (engine/structured/grammar.py), by whoever waited for
     # it off the engine thread (AsyncLLM.submit); None: the engine compiles it. Not sent over a process hop.
     grammar: "CompiledGrammar | None" = None
+    thinking: ThinkingControl | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
@@ -58,6 +61,8 @@ class EngineRequest:
             raise InvalidRequest(f"a request id must be a non-empty string, got {self.request_id!r}")
         if not isinstance(self.params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(self.params).__name__}")
+        if self.thinking is not None and not isinstance(self.thinking, ThinkingControl):
+            raise TypeError(f"thinking must be ThinkingControl, got {type(self.thinking).__name__}")
         if self.resumed_token_ids and self.params.n != 1:
             raise InvalidRequest("a request can be resumed only with n = 1", param="n")
 
@@ -127,6 +132,10 @@ class Sequence:
     grammar: Any = field(default=None, repr=False)
     # Where that output is JSON: which digits a number may still take (engine/structured/number_precision.py).
     numbers: Any = field(default=None, repr=False)
+    # Its thinking block (engine/reasoning.py), where the request has one; the constraint (grammar, numbers)
+    # waits here until the block is behind it.
+    thinking: ThinkingTracker | None = field(default=None, repr=False)
+    _deferred: tuple[Any, Any] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:
@@ -163,36 +172,59 @@ class Sequence:
 
     @classmethod
     def of(cls, request: EngineRequest, seq_id: int, max_tokens: int, fork_index: int = 0) -> "Sequence":
-        """Fork `fork_index` of `request` (0: the parent, which starts with the resumed tokens; a constrained
-        one's matcher has taken them)."""
+        """Fork `fork_index` of `request` (0: the parent, which starts with the resumed tokens; its thinking
+        tracker and constraint have taken them)."""
         seq = cls(seq_id=seq_id, request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                   sampling=request.params, priority=request.priority, tenant=request.tenant,
                   cache_salt=request.cache_salt, cache_retention_s=request.cache_retention_s,
                   max_tokens=max_tokens, fork_index=fork_index,
                   output_token_ids=[] if fork_index else list(request.resumed_token_ids))
+        if request.thinking is not None:
+            seq.thinking = ThinkingTracker(request.thinking)
         if request.grammar is not None:
-            seq.grammar = request.grammar.matcher()
-            seq.numbers = request.grammar.numbers()
-            if seq.output_token_ids and not seq.grammar.consume_tokens(seq.output_token_ids):
-                raise InvalidRequest("the resumed tokens do not match the request's structured-output constraint",
-                                     param="response_format")
-            if seq.numbers is not None:
-                for token in seq.output_token_ids:
-                    seq.numbers.advance(token)
+            constraint = (request.grammar.matcher(), request.grammar.numbers())
+            if seq.thinking is None or seq.thinking.answering:
+                seq.grammar, seq.numbers = constraint
+            else:
+                seq._deferred = constraint
+        if not all([seq._follow(token) for token in seq.output_token_ids]):
+            raise InvalidRequest("the resumed tokens do not match the request's structured-output constraint",
+                                 param="response_format")
         return seq
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
-        if self.grammar is not None:
-            self.grammar.consume_token(token_id)
-            if self.numbers is not None:
-                self.numbers.advance(token_id)
+        self._follow(token_id)
+
+    def _follow(self, token_id: int) -> bool:
+        """A token taken: through the thinking block while it lasts (the constraint starts once it is behind),
+        then through the constraint. False where the constraint refuses it."""
+        tracker = self.thinking
+        if tracker is not None and not tracker.answering:
+            tracker.advance(token_id)
+            if tracker.answering and self._deferred is not None:
+                (self.grammar, self.numbers), self._deferred = self._deferred, None
+            return True
+        if self.grammar is None:
+            return True
+        ok = self.grammar.consume_token(token_id)
+        if self.numbers is not None:
+            self.numbers.advance(token_id)
+        return ok
+
+    @property
+    def forced_token(self) -> int | None:
+        """The token this sequence must take next (its thinking budget is spent), or None."""
+        return None if self.thinking is None else self.thinking.forced_token
 
     def draftable(self, draft: tuple[int, ...]) -> int:
         """How many of `draft`'s leading tokens may be verified as its next tokens: all of them without a
         constraint; with one, those the grammar allows, up to where a JSON number's digits close (that row's
         mask is more than the grammar's: engine/structured/number_precision.py), so every draft row's mask is its
-        grammar's alone."""
+        grammar's alone. Inside or before a thinking block, the tracker says (no draft row is forced, opens or
+        closes the block)."""
+        if self.thinking is not None and not self.thinking.answering:
+            return self.thinking.draftable(draft)
         if self.grammar is None:
             return len(draft)
         n = self.grammar.validate_tokens(list(draft))

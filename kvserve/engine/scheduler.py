@@ -244,7 +244,8 @@ class Scheduler:
                 left = min(left, seq.max_tokens - seq.num_output_tokens)
             cap = left - 1
             c = self.speculator.propose(seq.seq_id, seq.tenant, seq.token_ids, cap)
-            if c is not None and seq.grammar is not None:  # a drafted token its constraint forbids ends the draft
+            # a drafted token its constraint forbids, or one that moves its thinking block, ends the draft
+            if c is not None and (seq.grammar is not None or seq.thinking is not None):
                 allowed = seq.draftable(c.proposal)
                 c = replace(c, proposal=c.proposal[:allowed]) if allowed else None
             if c is not None:

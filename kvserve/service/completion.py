@@ -14,6 +14,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import AsyncIterator
 
 from kvserve.config import ServerConfig
@@ -21,12 +22,14 @@ from kvserve.engine.client import RequestStream, check_available
 from kvserve.engine.errors import (CapacityExhausted, ContextLengthExceeded, InsufficientQuota, InvalidRequest,
                                    ModelWarming, QueueTimeout, RateLimitExceeded, ServerDraining)
 from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.reasoning import ThinkingControl
 from kvserve.engine.request import EngineRequest
 from kvserve.engine.sampling import SamplingParams
 from kvserve.service import protocol as p
 from kvserve.service.gate import MeteringGate
 from kvserve.service.metrics import ServerMetrics
 from kvserve.service.models import ClientFactory, ModelHandle, RequestInfo, calibrated_client, resolve_model
+from kvserve.service.reasoning import ThinkingFormat
 from kvserve.service.responses import StreamChunks, TokenText, full_response
 from kvserve.service.resume import ResumeMismatch, ResumePoint, TokenDigest, resumable
 from kvserve.service.usage import UsageLedger
@@ -59,6 +62,10 @@ class Completion:
     # had received, generated again here (the engine continues from them).
     resume: ResumePoint | None = None
     resumed_token_ids: list[int] = field(default_factory=list)
+    # A chat on a thinking model (service/reasoning.py): its tags, and per prompt the engine's control of the
+    # output's block (empty: the output is all answer)
+    reasoning: ThinkingFormat | None = None
+    thinking: list[ThinkingControl] = field(default_factory=list)
 
     @property
     def resumable(self) -> bool:
@@ -186,6 +193,7 @@ class CompletionService:
             prompts = await self._tokenize(c)
             c.text = TokenText(c.handle.client.tokenizer)
             params = c.req.sampling_params()
+            prompts = plan_thinking(c, prompts, params)
             if c.resume is not None:
                 c.resumed_token_ids = await self._generate_again(c, prompts, params)
             await self._submit(c, prompts, params)
@@ -209,17 +217,24 @@ class CompletionService:
         info = c.handle.client.info
         if info is None:
             raise ModelWarming(f"model {c.handle.id} is still loading; retry shortly")
-        if c.kind == "chat":
+        if c.kind == "chat":  # the template gets the request's chat_template_kwargs beside the messages
             messages, tools = c.req.prompt(info.tokenizer.renders_tools)
-            inputs, param = [dict(messages=messages, tools=tools)], "messages"
+            variables = c.req.chat_template_kwargs or {}
+            jobs = [partial(info.tokenizer.encode_chat, messages, tools=tools, **variables)]
+            param = "messages"
         else:
-            inputs, param = [dict(prompt=pr) for pr in c.req.prompts()], "prompt"
+            jobs, param = [partial(info.encode, prompt=pr) for pr in c.req.prompts()], "prompt"
 
         def encode_all() -> list[list[int]]:
             try:
-                return [info.encode(**kwargs) for kwargs in inputs]
+                return [job() for job in jobs]
             except ValueError as e:
                 raise InvalidRequest(str(e), param=param, code="invalid_prompt") from None
+            except TypeError as e:  # the template's own expressions on the request's variables (1 < "a")
+                if c.kind != "chat" or not c.req.chat_template_kwargs:
+                    raise
+                raise InvalidRequest(f"the chat template failed on chat_template_kwargs: {e}",
+                                     param="chat_template_kwargs", code="invalid_prompt") from None
 
         if c.req.prompt_chars() <= INLINE_ENCODE_CHARS:
             return encode_all()
@@ -236,7 +251,8 @@ class CompletionService:
             raise InvalidRequest("Last-Event-ID is past the request's max_tokens", param="Last-Event-ID",
                                  code="invalid_last_event_id")
         again = replace(params, max_tokens=point.count, min_tokens=min(params.min_tokens, point.count))
-        request = EngineRequest(f"{c.response_id}-again", prompts[0], again, c.tier, c.tenant, cache_salt=c.tenant)
+        request = EngineRequest(f"{c.response_id}-again", prompts[0], again, c.tier, c.tenant, cache_salt=c.tenant,
+                                thinking=c.thinking[0] if c.thinking else None)
         tokens: list[int] = []
         async for out in await c.handle.client.submit(request):
             tokens = list(out.outputs[0].token_ids) if out.finished else tokens
@@ -265,10 +281,11 @@ class CompletionService:
             max_tokens = max(1, min(default_max, max_len - len(ids)))
             return replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens))
 
+        thinking = c.thinking or [None] * len(prompts)
         requests = [EngineRequest(rid, ids, params_for(ids), c.tier, c.tenant, cache_salt=c.tenant,
                                   cache_retention_s=retention, cache_key=c.req.prompt_cache_key,
-                                  resumed_token_ids=tuple(c.resumed_token_ids))
-                    for rid, ids in zip(c.request_ids, prompts)]
+                                  resumed_token_ids=tuple(c.resumed_token_ids), thinking=control)
+                    for rid, ids, control in zip(c.request_ids, prompts, thinking)]
         try:
             rate = await self.metering.admit(c.tenant, handle.id, handle.spec.price, c.tier,
                                              [(r.request_id, len(r.prompt_token_ids), r.params.max_tokens * r.params.n)
@@ -293,3 +310,16 @@ class CompletionService:
             await self.metering.release(c.tenant, never_ran)
             raise errors[0]
         c.streams = list(results)
+
+
+def plan_thinking(c: Completion, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """For a chat on a thinking model: each prompt's control of its output's block (where it starts, the budget),
+    maybe with the open tag added to the prompt (service/reasoning.py). /v1/completions' text is not parsed."""
+    fmt = c.handle.thinking if c.kind == "chat" else None
+    if fmt is None:
+        return prompts
+    tokenizer = c.handle.client.tokenizer
+    planned = [fmt.plan(tokenizer, ids, c.req.thinking_budget, params.structured_outputs is not None)
+               for ids in prompts]
+    c.reasoning, c.thinking = fmt, [control for _, control in planned]
+    return [ids for ids, _ in planned]

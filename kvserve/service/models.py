@@ -16,6 +16,7 @@ from kvserve.engine.outputs import RequestOutput
 from kvserve.metering.prices import request_cost, request_price
 from kvserve.planning.calibrate import calibrated_prior
 from kvserve.service.metrics import LiveModelStats, ServerMetrics
+from kvserve.service.reasoning import ThinkingFormat, thinking_format
 from kvserve.service.router import AUTO_MODEL, AutoPolicy, LoadLevel, ModelView, choose_auto_model, load_level
 from kvserve.service.usage import UsageLedger
 from kvserve.store import UsageRecord
@@ -62,6 +63,7 @@ class ModelHandle:
         self.requests: dict[str, RequestInfo] = {}  # engine request id -> info (event loop adds, engine thread pops)
         self._lock = threading.Lock()
         self.client: EngineClient = client_factory(spec, self.engine_config, self._on_step, self._on_finish)
+        self._thinking: tuple[ThinkingFormat | None] | None = None  # decided once the tokenizer is known
 
     # ---- engine-thread hooks (thread-safe work only) -----------------------------------------
     def _on_step(self, client: EngineClient, step) -> None:
@@ -111,6 +113,17 @@ class ModelHandle:
     def inflight_ids(self) -> list[str]:
         with self._lock:
             return list(self.requests)
+
+    @property
+    def thinking(self) -> ThinkingFormat | None:
+        """Whether the model thinks, and its tags (service/reasoning.py): decided once, from its tokenizer and
+        chat template and the model's reasoning_parser setting; None until the tokenizer is read."""
+        if self._thinking is None:
+            tokenizer = self.client.tokenizer
+            if tokenizer is None:
+                return None
+            self._thinking = (thinking_format(tokenizer, self.spec.reasoning_parser),)
+        return self._thinking[0]
 
     # ---- live state --------------------------------------------------------------------------
     @property

@@ -28,11 +28,14 @@ from kvserve.config import TIER_NAMES
 from kvserve.engine.sampling import MAX_TOKEN_ID, REPETITION_PENALTY_RANGE, SamplingParams
 from kvserve.engine.structured.params import InvalidStructuredOutput, StructuredOutputsParams
 from kvserve.metering.budgets import PERIODS as BUDGET_PERIODS
+from kvserve.service.reasoning import REASONING_EFFORT_BUDGETS, budget_of
 
 Tier = Literal[TIER_NAMES]  # the labels of kvserve.config.Priority
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP = 16
+# The chat template's variables that the request itself sets (chat_template_kwargs may not)
+TEMPLATE_RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "chat_template"})
 
 # A token id: for a prompt, the document bounds it by the served vocabulary (out of it: 400 invalid_prompt).
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
@@ -376,6 +379,24 @@ class ChatCompletionRequest(_CommonRequest):
     tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
     parallel_tool_calls: bool = True
+    # Reasoning models (docs/reasoning.md): variables for the chat template (Qwen3's enable_thinking), and the
+    # thinking budget, as OpenAI's effort or vLLM's token count (which wins); other models ignore the budget.
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, json_schema_extra={
+        "propertyNames": {"not": {"enum": sorted(TEMPLATE_RESERVED)}}})  # _template_kwargs below
+    reasoning_effort: Literal[tuple(REASONING_EFFORT_BUDGETS)] | None = None
+    thinking_token_budget: int | None = Field(default=None, ge=0, le=MAX_TOKEN_ID)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):
+        reserved = sorted(set(v or ()) & TEMPLATE_RESERVED)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the request sets those")
+        return v
+
+    @property
+    def thinking_budget(self) -> int | None:
+        return budget_of(self.thinking_token_budget, self.reasoning_effort)
 
     @model_validator(mode="after")
     def _tools(self):
@@ -567,16 +588,24 @@ class PromptTokensDetails(BaseModel):
     host_cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    # Of completion_tokens, those of the thinking block (its close tag too; docs/reasoning.md)
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
 
-    def add(self, prompt: int, completion: int, cached: int, disk_cached: int = 0, host_cached: int = 0) -> None:
+    def add(self, prompt: int, completion: int, cached: int, disk_cached: int = 0, host_cached: int = 0,
+            reasoning: int = 0) -> None:
         self.prompt_tokens += prompt
         self.completion_tokens += completion
         self.total_tokens = self.prompt_tokens + self.completion_tokens
+        self.completion_tokens_details.reasoning_tokens += reasoning
         self.prompt_tokens_details.cached_tokens += cached
         self.prompt_tokens_details.disk_cached_tokens += min(disk_cached, cached)
         self.prompt_tokens_details.host_cached_tokens += min(host_cached, cached)
@@ -606,6 +635,9 @@ class CompletionLogprobs(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = ""
+    # A reasoning model's thinking (docs/reasoning.md), under vLLM's two names; null: none
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     refusal: str | None = None  # OpenAI's; kvserve never refuses in place of the content
     tool_calls: list[dict] | None = None  # [{id, type: "function", function: {name, arguments}}]; null: none
 

@@ -1,5 +1,7 @@
 """OpenAI's response objects built from a completion's RequestOutputs: the whole body (a JSON response,
-or a batch's output line) and the chunks of a stream (a transport frames them, as SSE over HTTP)."""
+or a batch's output line) and the chunks of a stream (a transport frames them, as SSE over HTTP). A chat on a
+thinking model has its text split first (service/reasoning.py): the reasoning goes to `reasoning_content` and
+`reasoning`, the content to `content` or, with tools, to the calls."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -7,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.engine.outputs import Logprob, RequestOutput
 from kvserve.service import protocol as p
+from kvserve.service.reasoning import ReasoningParser, reasoning_tokens, split_reasoning
 from kvserve.service.tools import ToolCallStream, parse_calls, finish_reason as tool_finish_reason
 
 if TYPE_CHECKING:
@@ -55,26 +58,44 @@ def completion_logprobs(entries: list[Logprob] | None, text: TokenText,
     return out, offset
 
 
-def usage_of(finals: list[RequestOutput]) -> p.Usage:
+def usage_of(c: "Completion", finals: dict[int, RequestOutput]) -> p.Usage:
+    """The usage of the finished prompts (prompt index -> its final output)."""
     u = p.Usage()
-    for out in finals:
+    for i, out in sorted(finals.items()):
+        control = c.thinking[i] if c.thinking else None
         u.add(out.num_prompt_tokens, out.num_completion_tokens, min(out.num_cached_tokens, out.num_prompt_tokens),
-              out.num_tier_cached_tokens - out.num_host_cached_tokens, out.num_host_cached_tokens)
+              out.num_tier_cached_tokens - out.num_host_cached_tokens, out.num_host_cached_tokens,
+              sum(reasoning_tokens(control, o.token_ids) for o in out.outputs))
     return u
+
+
+def parser_of(c: "Completion", i: int) -> ReasoningParser | None:
+    """A new parser of prompt i's outputs, where the call is a chat on a thinking model."""
+    return c.reasoning.parser(c.thinking[i]) if c.reasoning is not None and c.thinking else None
+
+
+def chat_message(c: "Completion", i: int, text: str) -> tuple[p.ChatMessageOut, bool]:
+    """One choice's message, and whether it holds tool calls."""
+    parser = parser_of(c, i)
+    reasoning, content = split_reasoning(parser, text) if parser is not None else (None, text)
+    calls = parse_calls(content) if c.req.tool_mode != "none" else None
+    if calls:
+        message = p.ChatMessageOut(content=None, tool_calls=[x.as_openai() for x in calls])
+    else:
+        message = p.ChatMessageOut(content=None if reasoning and not content else content)
+    message.reasoning_content = message.reasoning = reasoning
+    return message, bool(calls)
 
 
 def full_response(c: "Completion", finals: list[RequestOutput]) -> p.ChatCompletionResponse | p.CompletionResponse:
     """The non-streamed body: one choice per (prompt, fork), index = prompt * n + fork."""
-    n, text, usage = c.n, c.text, usage_of(finals)
+    n, text, usage = c.n, c.text, usage_of(c, dict(enumerate(finals)))
     if c.kind == "chat":
-        tools = c.req.tool_mode != "none"
         choices = []
         for i, out in enumerate(finals):
             for o in sorted(out.outputs, key=lambda o: o.index):
-                calls = parse_calls(o.text) if tools else None
-                message = p.ChatMessageOut(content=None, tool_calls=[x.as_openai() for x in calls]) if calls \
-                    else p.ChatMessageOut(content=o.text)
-                finish = tool_finish_reason(bool(calls), o.finish_reason)
+                message, called = chat_message(c, i, o.text)
+                finish = tool_finish_reason(called, o.finish_reason)
                 choices.append(p.ChatChoice(index=i * n + o.index, message=message,
                                             logprobs=chat_logprobs(o.logprobs, text),
                                             finish_reason=finish, stop_reason=o.stop_reason))
@@ -105,6 +126,13 @@ class StreamChunks:
         self._offsets: dict[int, int] = {}
         # Per choice with tools: its text deltas turned into content or tool_calls deltas
         self._tools: dict[int, ToolCallStream] | None = {} if self.chat and c.req.tool_mode != "none" else None
+        # Per choice of a chat on a thinking model: its text deltas split into reasoning and content
+        self._parsers: dict[int, ReasoningParser] = {}
+        if c.resumed_token_ids and self.chat and (parser := parser_of(c, 0)) is not None:
+            # a resumed stream: the text its client already has sets where the split stands
+            parser.feed(c.handle.client.tokenizer.decode(c.resumed_token_ids,
+                                                         skip_special_tokens=c.req.skip_special_tokens))
+            self._parsers[0] = parser
         self._finals: dict[int, RequestOutput] = {}
 
     def _chunk(self, choice: dict) -> dict:
@@ -126,18 +154,21 @@ class StreamChunks:
                 continue
             has_delta = bool(o.delta_text) or bool(o.delta_logprobs)
             if self.chat:
+                parser = self._parsers.get(idx)
+                if parser is None and c.reasoning is not None:
+                    parser = self._parsers[idx] = parser_of(c, i)
                 if has_delta:
                     lp = chat_logprobs(o.delta_logprobs, c.text) if o.delta_logprobs else None
                     lp = lp.model_dump(mode="json") if lp else None
-                    if self._tools is None:
-                        deltas = [{"content": o.delta_text}]
-                    else:
-                        deltas = self._tools.setdefault(idx, ToolCallStream()).feed(o.delta_text) or \
-                            ([{"content": ""}] if lp else [])
+                    split = parser.feed(o.delta_text) if parser is not None else ("", o.delta_text)
+                    deltas = self._deltas(idx, *split) or ([{"content": ""}] if lp else [])
                     for j, delta in enumerate(deltas):
                         evs.append(self._chunk({"index": idx, "delta": delta, "logprobs": lp if j == 0 else None,
                                                 "finish_reason": None}))
                 if o.finish_reason is not None:
+                    if parser is not None:  # what the parser held: a partial tag is text after all
+                        evs += [self._chunk({"index": idx, "delta": delta, "logprobs": None, "finish_reason": None})
+                                for delta in self._deltas(idx, *parser.finish())]
                     self._finished.add(idx)
                     calls = self._tools is not None and idx in self._tools and self._tools[idx].calls
                     finish = tool_finish_reason(bool(calls), o.finish_reason)
@@ -156,8 +187,17 @@ class StreamChunks:
             self._finals[i] = out
         return evs
 
+    def _deltas(self, idx: int, reasoning: str, content: str) -> list[dict]:
+        """A choice's chat deltas for text split into reasoning and content (content through its tool-call
+        stream where the request has tools)."""
+        deltas = [{"reasoning_content": reasoning, "reasoning": reasoning}] if reasoning else []
+        if not content:
+            return deltas
+        if self._tools is None:
+            return deltas + [{"content": content}]
+        return deltas + self._tools.setdefault(idx, ToolCallStream()).feed(content)
+
     def closing(self) -> list[dict]:
         if not self.c.req.include_usage:
             return []
-        usage = usage_of([self._finals[i] for i in sorted(self._finals)])
-        return [{**self.base, "choices": [], "usage": usage.model_dump(mode="json")}]
+        return [{**self.base, "choices": [], "usage": usage_of(self.c, self._finals).model_dump(mode="json")}]

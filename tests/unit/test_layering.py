@@ -48,10 +48,10 @@ TORCH_FREE = [
 ]
 
 # The engine's rooms and the modules the rooms build on, lowest first: each may load only those of lower rank (its
-# own modules aside). The request's types sit under the KV manager (which keeps a sequence's blocks), the step-time
+# own modules aside). The request's types (its thinking block's among them) sit under the KV manager (which keeps a sequence's blocks), the step-time
 # model under the speculation policy (which prices draft rows with one); the engine's other top-level modules (core, scheduler, admission, ...) rank ENGINE_TOP, between the KV manager and the torch half.
-ENGINE_RANKS: dict[str, int] = {"errors": 0, "structured": 1, "sampling": 2, "request": 3, "step_time": 3, "kv": 4,
-                                "speculation": 4, "worker": 6}
+ENGINE_RANKS: dict[str, int] = {"errors": 0, "structured": 1, "reasoning": 1, "sampling": 2, "request": 3,
+                                "step_time": 3, "kv": 4, "speculation": 4, "worker": 6}
 ENGINE_TOP = 5
 TORCH_HALF = "worker"
 

@@ -16,6 +16,9 @@ constrained rows are touched: another request's row is the same bits with or wit
 A JSON row whose number has all the digits a double carries (engine/structured/number_precision.py) is masked first, and
 its digit-led tokens are taken out of its mask too, unless nothing else would be left (a number the schema's
 bounds do not yet let end).
+
+A row whose sequence must take a given token (its thinking budget is spent: engine/reasoning.py) is masked to that
+token alone (`force_tokens`); its logprobs, taken from the raw logits, are the model's own.
 """
 from __future__ import annotations
 
@@ -98,3 +101,13 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[int], seqs: list, draft
     sub = logits.index_select(0, idx)
     sub.masked_fill_(~allowed, float("-inf"))
     logits.index_copy_(0, idx, sub)
+
+
+@torch.inference_mode()
+def force_tokens(logits: torch.Tensor, rows: list[int], tokens: list[int]) -> None:
+    """Each row in `rows` may take only its token in `tokens` (every other logit -inf), in place."""
+    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    ids = torch.tensor(tokens, dtype=torch.long, device=logits.device)
+    kept = logits[idx, ids]
+    logits[idx] = float("-inf")
+    logits[idx, ids] = kept

@@ -23,7 +23,7 @@ from kvserve.engine.speculation.verification import accepted_count
 from kvserve.engine.worker.sampler import Sampler, SamplingMetadata, make_generator
 from kvserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from kvserve.models.attention import AttentionMetadata, PrefillChunk, kv_cache_shape
-from kvserve.engine.worker.grammar_mask import apply_grammar_masks, checked_after_sampling
+from kvserve.engine.worker.grammar_mask import apply_grammar_masks, checked_after_sampling, force_tokens
 
 
 @dataclass
@@ -205,6 +205,9 @@ class ModelRunner:
         lazy, eager = checked_after_sampling(seqs, generators)
         if eager:
             apply_grammar_masks(logits, eager, [seqs[j] for j in eager], [drafted[j] for j in eager])
+        forced = [(j, s.forced_token) for j, s in enumerate(seqs) if s.forced_token is not None]
+        if forced:  # a spent thinking budget: the close tag (a forced row has no drafts nor an active grammar)
+            force_tokens(logits, [j for j, _ in forced], [t for _, t in forced])
         rewind = {first: g.get_state() for _, first, _ in spans if (g := generators[first]) is not None}
         md = SamplingMetadata.build([s.sampling for s in seqs], outputs, [s.prompt_token_ids for s in seqs],
                                     generators, self.eos_token_ids, device=logits.device)
