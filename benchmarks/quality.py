@@ -224,13 +224,24 @@ def cost_per_million(price, engine_seconds: float, output_tokens: int) -> float:
     return request_cost(price, engine_seconds) / output_tokens * 1e6
 
 
+def model_source(model: str) -> str:
+    """A catalog model's id as it is, or a benchmark shape's file (`llama-1b.Q4_K_M`: benchmarks.shapes), whose
+    float32 reference is its own file's weights dequantized (random weights: KLD and top-1 mean something,
+    the task's answers do not)."""
+    if "." not in model:
+        return model
+    from benchmarks.shapes import ShapeModel
+
+    return str(ShapeModel.parse(model).path)
+
+
 def _llm(model: str, dtype: str, shape, **engine_args):
     """An offline engine sized as benchmarks.offline's W1 engine (every running sequence's longest context,
     no preemption), with room for the quality text's prefill."""
     from kvserve import LLM
 
     per_seq = -(-(shape.prompt_len + shape.output_len) // 16)
-    return LLM(model, dtype=dtype, max_num_seqs=shape.batch, enable_prefix_caching=False,
+    return LLM(model_source(model), dtype=dtype, max_num_seqs=shape.batch, enable_prefix_caching=False,
                num_gpu_blocks_override=shape.batch * per_seq + 64, swap_space=0, **engine_args)
 
 
@@ -496,7 +507,7 @@ def planner_data(data: dict, page: str) -> str:
              f'date = "{data["date"]}"', f'machine = "{m.get("cpu_model", "?")} (CPU level {data["level"]})"',
              f'page = "{page}"', ""]
     for dtype in ("int8", "int4"):
-        for md in data["models"]:
+        for md in (md for md in data["models"] if model_source(md["model"]) == md["model"]):  # no random shapes
             r = next((r for r in md["rows"] if r["weights"] == dtype and r["kv"] == "bf16" and "kld" in r
                       and _bf16_activations(r)), None)
             if r is not None:

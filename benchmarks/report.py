@@ -514,7 +514,7 @@ class Report:
 
 
 class LargerModels(Report):
-    """The kind's "Larger models" page: random-weight GGUFs with Llama-3.2-1B's and Llama-3.1-8B's shapes, served
+    """The kind's "Larger models" page: random-weight GGUFs in real models' shapes (benchmarks.shapes), served
     as the same file by kvserve and llama.cpp; speed set against the floor that streaming the weights sets."""
 
     COLUMNS = ["W1 out tok/s", "W1 TTFT p50", "W2 TTFT p50", "W2 TPOT p50", "RSS GB", "GB read / token",
@@ -570,7 +570,7 @@ class LargerModels(Report):
                 parts.append(f"W2 {jobs['W2']['num_prompts']} requests, one at a time")
             if parts:
                 io_ = next(iter(jobs.values()))
-                said[model.partition(".")[0]] = (f"{'; '.join(parts)}; {io_['input']} prompt / {io_['output']} "
+                said[model.rpartition(".")[0]] = (f"{'; '.join(parts)}; {io_['input']} prompt / {io_['output']} "
                                                  "output tokens each (`ignore_eos`)")
         return ". ".join(f"{shape}: {text}" for shape, text in said.items())
 
@@ -583,13 +583,22 @@ class LargerModels(Report):
         m = self.s.meta
         mach = ((m.get("ceilings") or {}).get("machine")) or {}
         g = m.get("git") or {}
-        self.w("### Larger models: Llama-3.2-1B and Llama-3.1-8B shapes, random weights\n")
+        from benchmarks.shapes import SHAPES, ShapeModel
+
+        shapes = [SHAPES[ShapeModel.parse(model).shape] for model in self.s.models()]
+        real = " and ".join(dict.fromkeys(s.model for s in shapes))
+        self.w(f"### Larger models: {real} shapes, random weights\n")
         if m.get("quick"):
             self.w("**A `--quick` session: tiny sizes to smoke-test the pipeline. The numbers mean nothing.**\n")
+        merged = m.get("merged_from") or []  # sessions of other shapes, each run in one go (see their own lines)
+        sessions = "; ".join(f"`{x['session']}` (started {x['started']}, commit `{x['commit'][:12]}`: "
+                             f"{', '.join(x['models'])})" for x in merged)
+        vocab = "; ".join(f"{s.model}'s padded to {s.vocab}" for s in shapes if s.vocab) or "none padded"
         self.w(f"From the suite session `{self.s.root.name}` (started {m.get('started', '?')}, commit "
-               f"`{(g.get('commit') or '?')[:12]}`{' with uncommitted changes' if g.get('dirty') else ''}) on "
+               f"`{(g.get('commit') or '?')[:12]}`{' with uncommitted changes' if g.get('dirty') else ''})"
+               + (f", with the shapes of {sessions} added" if merged else "") + " on "
                f"{mach.get('cpu_model', '?')}, {mach.get('nproc', '?')} cores. GGUF files with the real models' "
-               "shapes, random weights and SmolLM2's vocabulary (`python -m benchmarks.shapes`: written at Q8_0, "
+               f"shapes, random weights and SmolLM2's vocabulary ({vocab}; `python -m benchmarks.shapes`: written at Q8_0, "
                "quantized to Q4_K_M by llama.cpp's `llama-quantize`); they serve at the real models' speed (the same "
                "bytes and FLOPs per token), their text is noise. kvserve (engine defaults, so `weights = auto`, "
                "unless its config below says otherwise) and llama.cpp's `llama-server` (`-np 32 -c 16384 "

@@ -1,6 +1,6 @@
 """Random-weight models with the shapes of the models people serve, as GGUF files both engines load.
 
-    python -m benchmarks.shapes llama-1b [llama-8b] [--quants Q4_K_M,Q8_0]
+    python -m benchmarks.shapes llama-1b [llama-8b] [qwen3-1.7b] [--quants Q4_K_M,Q8_0]
 
 A random-weight model with a real model's shape serves at that model's speed (the same bytes read per
 token, the same FLOPs); its text is noise, so quality comes from the shipped models (benchmarks.quality).
@@ -32,11 +32,14 @@ class Shape:
     heads: int
     kv_heads: int
     head_dim: int
+    arch: str = "llama"  # the GGUF architecture (tests/gguf_factory.TinySpec.arch)
+    vocab: int | None = None  # None: SmolLM2's tokenizer's 49152; more: padded to the real model's
 
 
 SHAPES = {
     "llama-1b": Shape("llama-1b", "Llama-3.2-1B", 2048, 8192, 16, 32, 8, 64),
     "llama-8b": Shape("llama-8b", "Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128),
+    "qwen3-1.7b": Shape("qwen3-1.7b", "Qwen3-1.7B", 2048, 6144, 28, 16, 8, 128, arch="qwen3", vocab=151936),
 }
 QUANTS = ("Q4_K_M", "Q8_0", "Q4_0")
 WRITTEN_HERE = ("Q8_0", "Q4_0")  # tests/gguf_factory.py writes these types itself (gguf-py quantizes them)
@@ -52,7 +55,7 @@ class ShapeModel:
 
     @classmethod
     def parse(cls, name: str) -> "ShapeModel":
-        shape, _, quant = name.partition(".")
+        shape, _, quant = name.rpartition(".")
         if shape not in SHAPES or quant not in QUANTS:
             raise ValueError(f"unknown model {name!r}; shapes: " + ", ".join(model_names()))
         return cls(shape, quant)
@@ -103,8 +106,8 @@ def make(shape: str, quant: str, log=print) -> Path:
         from tests.gguf_factory import TinySpec, write_tiny_gguf
 
         s = SHAPES[shape]
-        spec = TinySpec(arch="llama", hidden=s.hidden, intermediate=s.intermediate, layers=s.layers, heads=s.heads,
-                        kv_heads=s.kv_heads, head_dim=s.head_dim, context=8192, quant=base_quant)
+        spec = TinySpec(arch=s.arch, hidden=s.hidden, intermediate=s.intermediate, layers=s.layers, heads=s.heads,
+                        kv_heads=s.kv_heads, head_dim=s.head_dim, context=8192, quant=base_quant, vocab=s.vocab)
         t0 = time.time()
         tmp = base.with_suffix(".tmp")
         write_tiny_gguf(tmp, spec, resolve_model("smollm2-135m")[1], keep_float=False)

@@ -84,7 +84,8 @@ class Sizes:
     w2_prompts: int
 
 
-SIZES = {SMOLLM2: Sizes(64, 32, 8), "llama-1b": Sizes(32, 32, 4), "llama-8b": Sizes(16, 8, 2)}
+SIZES = {SMOLLM2: Sizes(64, 32, 8), "llama-1b": Sizes(32, 32, 4), "qwen3-1.7b": Sizes(32, 32, 4),
+         "llama-8b": Sizes(16, 8, 2)}
 QUICK_SIZES = Sizes(8, 4, 2)
 
 

@@ -1,7 +1,7 @@
 """Write tiny randomly initialised Llama / Qwen2 / Qwen3 / Gemma 3 models as GGUF files, the way llama.cpp's
 converter would (Q/K rows permuted for Llama only, Qwen2's Q, K and V biases, Qwen3's and Gemma's per-head
 QK norms, Gemma norms stored as 1 + w, quantized matrices), so unit tests run the real loading path in
-milliseconds. The tokenizer metadata is copied from SmolLM2's GGUF (padded with unused control tokens to a
+milliseconds. The tokenizer metadata is copied from SmolLM2's GGUF (padded with unused tokens to a
 real model's vocabulary where `vocab` asks: the benchmarks' shapes).
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ class TinySpec:
     sliding_window: int = 8
     quant: str = "Q8_0"  # type of the attention/MLP matrices: F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K (K % 256)
     seed: int = 0
-    vocab: int | None = None  # None: the tokenizer's own; more: padded with unused control tokens
+    vocab: int | None = None  # None: the tokenizer's own; more: padded with unused tokens
     chat_template: str | None = None  # None: the tokenizer file's own
 
 
@@ -88,8 +88,10 @@ def _copy_tokenizer_fields(writer, source_gguf: str, vocab: int | None = None,
     types = f["tokenizer.ggml.token_type"].contents()
     if vocab is not None and vocab > len(tokens):
         pad = vocab - len(tokens)
-        tokens = [*tokens, *(f"<|unused_{i}|>" for i in range(pad))]
-        types = [*types, *[int(gguf.TokenType.CONTROL)] * pad]
+        # Normal tokens (printable ASCII, as byte-level BPE spells them): a random model that samples them
+        # streams text, where a control token would stream nothing and blur TTFT and TPOT
+        tokens = [*tokens, *(f"<unused_{i}>" for i in range(pad))]
+        types = [*types, *[int(gguf.TokenType.NORMAL)] * pad]
     writer.add_tokenizer_model(f["tokenizer.ggml.model"].contents())
     if "tokenizer.ggml.pre" in f:
         writer.add_tokenizer_pre(f["tokenizer.ggml.pre"].contents())
