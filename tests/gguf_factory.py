@@ -112,6 +112,22 @@ def _copy_tokenizer_fields(writer, source_gguf: str, vocab: int | None = None,
     return len(tokens)
 
 
+def write_shape(writer, name: str, layers: int, context: int, hidden: int, intermediate: int, heads: int,
+                kv_heads: int, head_dim: int, eps: float, vocab: int) -> None:
+    """The metadata every decoder's GGUF has (llama.cpp's keys under the writer's architecture)."""
+    writer.add_name(name)
+    writer.add_block_count(layers)
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(intermediate)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(eps)
+    writer.add_vocab_size(vocab)
+
+
 def write_tiny_gguf(path: str | Path, spec: TinySpec, tokenizer_gguf: str, keep_float: bool = True) -> dict[str, np.ndarray]:
     """Write the file; returns the float32 HF-convention weights it was made from (before quantization),
     unless keep_float is False (a model of a real one's size: its float32 copy would not fit in memory)."""
@@ -121,17 +137,8 @@ def write_tiny_gguf(path: str | Path, spec: TinySpec, tokenizer_gguf: str, keep_
     rng = np.random.default_rng(spec.seed)
     writer = gguf.GGUFWriter(str(path), spec.arch)
     vocab = _copy_tokenizer_fields(writer, tokenizer_gguf, spec.vocab, spec.chat_template)
-    writer.add_name(f"tiny-{spec.arch}")
-    writer.add_block_count(spec.layers)
-    writer.add_context_length(spec.context)
-    writer.add_embedding_length(spec.hidden)
-    writer.add_feed_forward_length(spec.intermediate)
-    writer.add_head_count(spec.heads)
-    writer.add_head_count_kv(spec.kv_heads)
-    writer.add_key_length(spec.head_dim)
-    writer.add_value_length(spec.head_dim)
-    writer.add_layer_norm_rms_eps(1e-6 if spec.arch == "gemma3" else 1e-5)
-    writer.add_vocab_size(vocab)
+    write_shape(writer, f"tiny-{spec.arch}", spec.layers, spec.context, spec.hidden, spec.intermediate, spec.heads,
+                spec.kv_heads, spec.head_dim, 1e-6 if spec.arch == "gemma3" else 1e-5, vocab)
     if spec.arch == "gemma3":
         writer.add_rope_freq_base(1_000_000.0)
         writer.add_sliding_window(spec.sliding_window)

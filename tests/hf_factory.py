@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.gguf_factory import _copy_tokenizer_fields, permute_rope_rows
+from tests.gguf_factory import _copy_tokenizer_fields, permute_rope_rows, write_shape
 
 VOCAB = 49152  # SmolLM2's tokenizer, which every tiny model borrows
 # family -> (transformers config class, model class, GGUF architecture, its own config fields)
@@ -118,19 +118,10 @@ def write_gguf(model, path: Path, tokenizer_gguf: str, quant: str = "F32") -> Pa
     writer = gguf.GGUFWriter(str(path), arch)
     vocab = _copy_tokenizer_fields(writer, tokenizer_gguf)
     assert vocab == c.vocab_size
-    writer.add_name(f"tiny-{family}")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    write_shape(writer, f"tiny-{family}", c.num_hidden_layers, c.max_position_embeddings, c.hidden_size,
+                c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps, vocab)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
     writer.add_rope_dimension_count(c.head_dim)
-    writer.add_vocab_size(vocab)
     if c.rope_parameters.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(c.rope_parameters, c.head_dim))
     qtype = T[quant]
