@@ -698,6 +698,7 @@ class BatchConfig:
 
 
 REASONING_PARSERS = ("auto", "think", "none")
+TOOL_CALL_PARSERS = ("auto", "hermes", "mistral", "llama3_json")  # service/tool_formats.py has one of each
 
 
 @dataclass(frozen=True)
@@ -715,6 +716,10 @@ class ServedModel:
     # reasoning_content (docs/reasoning.md): "auto" (its chat template writes <think> and its tokenizer spells
     # both tags), "think" (it does, whatever the template says) or "none" (its output is all answer).
     reasoning_parser: str = "auto"
+    # The format the model writes tool calls in (docs/structured-outputs.md): "hermes" (<tool_call> blocks:
+    # Qwen, NousResearch), "mistral" ([TOOL_CALLS] and a JSON list), "llama3_json" (Llama 3.1/3.2's JSON with
+    # "parameters"), or "auto": the one its chat template writes, else hermes.
+    tool_call_parser: str = "auto"
     fleet: ModelFleet = field(default_factory=ModelFleet)
     price: ModelPrice = field(default_factory=ModelPrice)
 
@@ -722,6 +727,7 @@ class ServedModel:
         _validate(self, dict(id=(lambda v: isinstance(v, str) and v != "" and v != "auto",
                                  "a non-empty name other than 'auto'"),
                              reasoning_parser=(lambda v: v in REASONING_PARSERS, ", ".join(REASONING_PARSERS)),
+                             tool_call_parser=(lambda v: v in TOOL_CALL_PARSERS, ", ".join(TOOL_CALL_PARSERS)),
                              version=(lambda v: isinstance(v, str) and v != "", "a non-empty string"),
                              source=(lambda v: isinstance(v, str) and v != "", "a path, a catalog id or pkg:..."),
                              role=(lambda v: v in ("", "fast", "capable"), "fast, capable or empty")))
@@ -818,7 +824,8 @@ class ServerConfig:
         models_data = data.get("models")
         if not models_data and path is not None:
             models_data = tomllib.loads(Path(DEFAULT_CONFIG).read_text()).get("models", [])
-        known = {"id", "source", "role", "description", "install", "version", "reasoning_parser", "fleet", "price"}
+        known = {"id", "source", "role", "description", "install", "version", "reasoning_parser", "tool_call_parser",
+                 "fleet", "price"}
         models = []
         for i, m in enumerate(models_data or []):
             missing = [k for k in ("id", "source") if k not in m]
@@ -827,6 +834,7 @@ class ServerConfig:
             models.append(ServedModel(id=m["id"], source=m["source"], role=m.get("role", ""),
                                       description=m.get("description", ""), version=str(m.get("version", "1")),
                                       reasoning_parser=m.get("reasoning_parser", "auto"),
+                                      tool_call_parser=m.get("tool_call_parser", "auto"),
                                       fleet=_table(ModelFleet, m.get("fleet", {}), f"[models.fleet] ({m['id']})"),
                                       price=_table(ModelPrice, m.get("price", {}), f"[models.price] ({m['id']})"),
                                       engine_args={k: v for k, v in m.items() if k not in known}))

@@ -32,6 +32,7 @@ from kvserve.service.models import ClientFactory, ModelHandle, RequestInfo, cali
 from kvserve.service.reasoning import ThinkingFormat
 from kvserve.service.responses import StreamChunks, TokenText, full_response
 from kvserve.service.resume import ResumeMismatch, ResumePoint, TokenDigest, resumable
+from kvserve.service.tool_formats import ToolFormat
 from kvserve.service.usage import UsageLedger
 
 # Calls with up to this many prompt characters (about 2k tokens) are tokenized on the event loop (about a
@@ -66,6 +67,8 @@ class Completion:
     # output's block (empty: the output is all answer)
     reasoning: ThinkingFormat | None = None
     thinking: list[ThinkingControl] = field(default_factory=list)
+    # A chat: the format its model writes tool calls in (service/tool_formats.py), for its prompt and its calls
+    tool_format: ToolFormat | None = None
 
     @property
     def resumable(self) -> bool:
@@ -192,7 +195,7 @@ class CompletionService:
             check_available(c.handle.client)
             prompts = await self._tokenize(c)
             c.text = TokenText(c.handle.client.tokenizer)
-            params = c.req.sampling_params()
+            params = c.req.sampling_params(c.tool_format)
             prompts = plan_thinking(c, prompts, params)
             if c.resume is not None:
                 c.resumed_token_ids = await self._generate_again(c, prompts, params)
@@ -218,7 +221,8 @@ class CompletionService:
         if info is None:
             raise ModelWarming(f"model {c.handle.id} is still loading; retry shortly")
         if c.kind == "chat":  # the template gets the request's chat_template_kwargs beside the messages
-            messages, tools = c.req.prompt(info.tokenizer.renders_tools)
+            c.tool_format = c.handle.tool_format
+            messages, tools = c.req.prompt(info.tokenizer.renders_tools, c.tool_format)
             variables = c.req.chat_template_kwargs or {}
             jobs = [partial(info.tokenizer.encode_chat, messages, tools=tools, **variables)]
             param = "messages"

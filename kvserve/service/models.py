@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from kvserve.config import TIER_NAMES, EngineConfig, ServedModel, ServerConfig
 from kvserve.engine.client import EngineClient, EngineStatus
@@ -18,6 +18,7 @@ from kvserve.planning.calibrate import calibrated_prior
 from kvserve.service.metrics import LiveModelStats, ServerMetrics
 from kvserve.service.reasoning import ThinkingFormat, thinking_format
 from kvserve.service.router import AUTO_MODEL, AutoPolicy, LoadLevel, ModelView, choose_auto_model, load_level
+from kvserve.service.tool_formats import ToolFormat, tool_format
 from kvserve.service.usage import UsageLedger
 from kvserve.store import UsageRecord
 
@@ -63,7 +64,7 @@ class ModelHandle:
         self.requests: dict[str, RequestInfo] = {}  # engine request id -> info (event loop adds, engine thread pops)
         self._lock = threading.Lock()
         self.client: EngineClient = client_factory(spec, self.engine_config, self._on_step, self._on_finish)
-        self._thinking: tuple[ThinkingFormat | None] | None = None  # decided once the tokenizer is known
+        self._from_tokenizer: dict[str, Any] = {}  # what is decided once the tokenizer is known (_decided)
 
     # ---- engine-thread hooks (thread-safe work only) -----------------------------------------
     def _on_step(self, client: EngineClient, step) -> None:
@@ -114,16 +115,26 @@ class ModelHandle:
         with self._lock:
             return list(self.requests)
 
+    def _decided(self, key: str, decide: Callable[[Any], Any]) -> Any:
+        """`decide(tokenizer)`, once: the first time it is asked after the tokenizer is read (None before)."""
+        if key not in self._from_tokenizer:
+            tokenizer = self.client.tokenizer
+            if tokenizer is None:
+                return None
+            self._from_tokenizer[key] = decide(tokenizer)
+        return self._from_tokenizer[key]
+
     @property
     def thinking(self) -> ThinkingFormat | None:
         """Whether the model thinks, and its tags (service/reasoning.py): decided once, from its tokenizer and
         chat template and the model's reasoning_parser setting; None until the tokenizer is read."""
-        if self._thinking is None:
-            tokenizer = self.client.tokenizer
-            if tokenizer is None:
-                return None
-            self._thinking = (thinking_format(tokenizer, self.spec.reasoning_parser),)
-        return self._thinking[0]
+        return self._decided("thinking", lambda tokenizer: thinking_format(tokenizer, self.spec.reasoning_parser))
+
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        """The format its tool calls are written in (service/tool_formats.py): decided once, from its chat template
+        and tokenizer and the model's tool_call_parser setting; None until the tokenizer is read."""
+        return self._decided("tool_format", lambda tokenizer: tool_format(tokenizer, self.spec.tool_call_parser))
 
     # ---- live state --------------------------------------------------------------------------
     @property

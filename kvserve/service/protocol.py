@@ -20,7 +20,8 @@ import json
 import math
 import re
 import time
-from typing import Annotated, Any, Literal
+from dataclasses import replace
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
@@ -29,6 +30,9 @@ from kvserve.engine.sampling import MAX_TOKEN_ID, REPETITION_PENALTY_RANGE, Samp
 from kvserve.engine.structured.params import InvalidStructuredOutput, StructuredOutputsParams
 from kvserve.metering.budgets import PERIODS as BUDGET_PERIODS
 from kvserve.service.reasoning import REASONING_EFFORT_BUDGETS, budget_of
+
+if TYPE_CHECKING:
+    from kvserve.service.tool_formats import ToolFormat
 
 Tier = Literal[TIER_NAMES]  # the labels of kvserve.config.Priority
 MAX_N = 128
@@ -185,8 +189,9 @@ class _CommonRequest(_Lenient):
     guided_choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
 
-    def structured(self) -> StructuredOutputsParams | None:
-        """The request's one constraint, or None. InvalidStructuredOutput (400) for two, or a bad one."""
+    def structured(self, tool_format: "ToolFormat | None" = None) -> StructuredOutputsParams | None:
+        """The request's one constraint, or None. InvalidStructuredOutput (400) for two, or a bad one.
+        `tool_format`: the served model's tool-call format (a chat's tools constrain calls to it)."""
         found: list[tuple[str, StructuredOutputsParams]] = []
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
@@ -250,8 +255,9 @@ class _CommonRequest(_Lenient):
     def num_logprobs(self) -> int | None:
         return None
 
-    def sampling_params(self) -> SamplingParams:
-        """Raises InvalidSamplingParams (a 400) when a combination is out of range.
+    def sampling_params(self, tool_format: "ToolFormat | None" = None) -> SamplingParams:
+        """Raises InvalidSamplingParams (a 400) when a combination is out of range. `tool_format`: as for
+        `structured`.
 
         max_tokens stays None when the request sets none: the server fills it per prompt with
         min(default_max_tokens, remaining context).
@@ -276,7 +282,7 @@ class _CommonRequest(_Lenient):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             speculation=self.speculation,
-            structured_outputs=self.structured(),
+            structured_outputs=self.structured(tool_format),
         )
 
 
@@ -375,7 +381,7 @@ class ChatCompletionRequest(_CommonRequest):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    # Tool calling (service/tools.py): calls constrained to the Hermes format and each tool's schema
+    # Tool calling (service/tools.py): calls constrained to the model's format and each tool's schema
     tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
     parallel_tool_calls: bool = True
@@ -415,10 +421,17 @@ class ChatCompletionRequest(_CommonRequest):
         choice = self.tool_choice or "auto"
         return choice.function.name if isinstance(choice, NamedToolChoice) else choice
 
-    def structured(self) -> StructuredOutputsParams | None:
+    def sampling_params(self, tool_format: "ToolFormat | None" = None) -> SamplingParams:
+        params = super().sampling_params(tool_format)
+        if self.tool_mode != "none" and tool_format is not None and tool_format.keeps_special_tokens:
+            return replace(params, skip_special_tokens=False)  # the calls' marker is a special token
+        return params
+
+    def structured(self, tool_format: "ToolFormat | None" = None) -> StructuredOutputsParams | None:
         mode = self.tool_mode
         if mode == "none":
             return super().structured()
+        from kvserve.service.tool_formats import HERMES
         from kvserve.service.tools import tool_grammar, tools_of
 
         others = [n for n in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -429,18 +442,21 @@ class ChatCompletionRequest(_CommonRequest):
         rf = self.response_format
         answer = rf.json_schema.schema_ or {} if rf is not None and rf.type == "json_schema" else None
         return tool_grammar(tools_of(self.tools), mode, self.parallel_tool_calls, answer_schema=answer,
-                            json_answer=rf is not None and rf.type == "json_object")
+                            json_answer=rf is not None and rf.type == "json_object", fmt=tool_format or HERMES)
 
-    def prompt(self, template_renders_tools: bool) -> tuple[list[dict], list[dict] | None]:
-        """The messages and tools the chat template gets (service/tools.py: the fallback for templates that do
-        not render tools)."""
-        from kvserve.service.tools import fallback_messages, tool_json, tools_of
+    def prompt(self, template_renders_tools: bool,
+               tool_format: "ToolFormat | None" = None) -> tuple[list[dict], list[dict] | None]:
+        """The messages and tools the chat template gets, earlier calls and results in the model's tool-call
+        format (service/tools.py: as templates that render tools take them, or the fallback for the others)."""
+        from kvserve.service.tool_formats import HERMES
+        from kvserve.service.tools import fallback_messages, messages_for_template, tool_json, tools_of
 
+        fmt = tool_format or HERMES
         messages = self.template_messages()
         tools = tools_of(self.tools) if self.tool_mode != "none" else []
         if template_renders_tools:
-            return messages, [tool_json(t) for t in tools] or None
-        return fallback_messages(messages, tools), None
+            return messages_for_template(messages, fmt), [tool_json(t) for t in tools] or None
+        return fallback_messages(messages, tools, fmt), None
 
     @model_validator(mode="after")
     def _logprobs(self):

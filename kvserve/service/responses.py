@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from kvserve.engine.outputs import Logprob, RequestOutput
 from kvserve.service import protocol as p
 from kvserve.service.reasoning import ReasoningParser, reasoning_tokens, split_reasoning
+from kvserve.service.tool_formats import HERMES
 from kvserve.service.tools import ToolCallStream, parse_calls, finish_reason as tool_finish_reason
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ def chat_message(c: "Completion", i: int, text: str) -> tuple[p.ChatMessageOut, 
     """One choice's message, and whether it holds tool calls."""
     parser = parser_of(c, i)
     reasoning, content = split_reasoning(parser, text) if parser is not None else (None, text)
-    calls = parse_calls(content) if c.req.tool_mode != "none" else None
+    calls = parse_calls(content, c.tool_format or HERMES) if c.req.tool_mode != "none" else None
     if calls:
         message = p.ChatMessageOut(content=None, tool_calls=[x.as_openai() for x in calls])
     else:
@@ -166,9 +167,12 @@ class StreamChunks:
                         evs.append(self._chunk({"index": idx, "delta": delta, "logprobs": lp if j == 0 else None,
                                                 "finish_reason": None}))
                 if o.finish_reason is not None:
-                    if parser is not None:  # what the parser held: a partial tag is text after all
-                        evs += [self._chunk({"index": idx, "delta": delta, "logprobs": None, "finish_reason": None})
-                                for delta in self._deltas(idx, *parser.finish())]
+                    # what the parsers held: a partial tag, or the start of what was not a call, is text after all
+                    held = self._deltas(idx, *parser.finish()) if parser is not None else []
+                    if self._tools is not None and idx in self._tools:
+                        held += self._tools[idx].finish()
+                    evs += [self._chunk({"index": idx, "delta": delta, "logprobs": None, "finish_reason": None})
+                            for delta in held]
                     self._finished.add(idx)
                     calls = self._tools is not None and idx in self._tools and self._tools[idx].calls
                     finish = tool_finish_reason(bool(calls), o.finish_reason)
@@ -195,7 +199,9 @@ class StreamChunks:
             return deltas
         if self._tools is None:
             return deltas + [{"content": content}]
-        return deltas + self._tools.setdefault(idx, ToolCallStream()).feed(content)
+        if idx not in self._tools:
+            self._tools[idx] = ToolCallStream(self.c.tool_format or HERMES)
+        return deltas + self._tools[idx].feed(content)
 
     def closing(self) -> list[dict]:
         if not self.c.req.include_usage:

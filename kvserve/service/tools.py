@@ -1,43 +1,44 @@
 """Tool calling: OpenAI's `tools` and `tool_choice`, constrained by a grammar rather than parsed afterwards.
 
-The call format is Hermes's (Qwen, NousResearch, many fine-tunes): each call a JSON object
-`{"name": ..., "arguments": {...}}` between `<tool_call>\\n` and `\\n</tool_call>`, calls one per line. The
-grammar (llguidance's Lark with `%json` for each tool's parameter schema) makes every call well formed:
+Calls are written in the model's own format (service/tool_formats.py: Hermes's `<tool_call>` blocks, Mistral's
+`[TOOL_CALLS]` list, Llama 3.1's JSON), each call a JSON object of the tool's name and its arguments; everything
+here works from the format's description, the same code for every format. The grammar (llguidance's Lark with
+`%json` for each tool's parameter schema) makes every call well formed:
 - `required`: one call, or several where `parallel_tool_calls` (the default), to any of the tools;
 - a named function: exactly one call to it;
-- `auto`: either calls or an answer; the answer is free text that does not start with `<` (a `<` first
-  commits to a call), or, with `response_format`, JSON of that format;
+- `auto`: either calls or an answer; the answer is free text that does not start as the calls do (`<`, `[` or
+  `{`: its first character commits to a call; where calls start with a special token, any text), or, with
+  `response_format`, JSON of that format;
 - `none`: no grammar, and the tools are left out of the prompt (a model cannot call what it is not shown).
 
-The prompt: a chat template that renders `tools` itself (its source names them) gets them and the messages as
-they are. The shipped models' templates (SmolLM2's ChatML, Gemma 3's) do not: for them the tools are described
-in the system message (Hermes's wording), an assistant turn's calls are written back in the call format, and
-`tool` results become a user turn of `<tool_response>` blocks (consecutive results in one turn, as Gemma's
-alternating roles need).
+The prompt: a chat template that renders `tools` itself (its source names them) gets them, and the messages with
+their calls' arguments as objects (Hugging Face's convention: the templates `tojson` them) and call ids as the
+format's templates accept them (Mistral's: 9 letters and digits). The shipped models' templates (SmolLM2's
+ChatML, Gemma 3's) do not: for them the tools are described in the system message (Hermes's wording, the
+format's example), an assistant turn's calls are written back in the format, and `tool` results become a user
+turn of the format's result blocks (consecutive results in one turn, as Gemma's alternating roles need).
 
 Responses: the generated text's calls become `message.tool_calls` (content null, `finish_reason: "tool_calls"`);
 streamed, `ToolCallStream` turns text deltas into OpenAI's `delta.tool_calls` chunks: per call a first chunk with
-its index, id, type and name and empty arguments, then the arguments' text in fragments as generated.
+its index, id, type and name and empty arguments, then the arguments' text in fragments as generated. A whole
+text is parsed by the same stream, so both read calls alike.
 Pure Python: no torch, no I/O.
 """
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 
 from kvserve.engine.structured.grammar import JSON_OPTIONS
 from kvserve.engine.structured.params import InvalidStructuredOutput, StructuredOutputsParams, interoperable_integers
+from kvserve.service.tool_formats import HERMES, ToolFormat
 
-OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
-SEPARATOR = "\n"
-# What the fallback's system message says (Hermes's function-calling prompt).
+# What the fallback's system message says (Hermes's function-calling prompt), then the format's instruction.
 SYSTEM_TEMPLATE = (
     "You are a function calling AI model. You are provided with function signatures within <tools></tools> XML "
     "tags. You may call one or more functions to assist with the user query. Don't make assumptions about what "
-    "values to plug into functions. Here are the available tools: <tools>{tools}</tools> For each function call, "
-    "return a json object with function name and arguments within <tool_call></tool_call> XML tags as follows:\n"
-    '<tool_call>\n{{"name": <function-name>, "arguments": <args-dict>}}\n</tool_call>')
+    "values to plug into functions. Here are the available tools: <tools>{tools}</tools> {instruction}\n{example}")
+_NAME_HEAD = '{"name": "'  # how each call's JSON object starts (the grammar writes the name first)
 
 
 @dataclass(frozen=True)
@@ -47,37 +48,64 @@ class Tool:
     parameters: dict  # a JSON schema of the arguments object
 
 
-def call_schema(tools: list[Tool]) -> dict:
+def call_schema(tools: list[Tool], arguments_key: str = "arguments") -> dict:
     """The JSON schema of one call to any of `tools`: its name, and the arguments its schema allows."""
     branches = [{"type": "object", "properties": {"name": {"const": t.name},
-                                                  "arguments": interoperable_integers(t.parameters)},
-                 "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+                                                  arguments_key: interoperable_integers(t.parameters)},
+                 "required": ["name", arguments_key], "additionalProperties": False} for t in tools]
     return branches[0] if len(branches) == 1 else {"anyOf": branches}
 
 
 def tool_grammar(tools: list[Tool], choice: str, parallel: bool, answer_schema: dict | None = None,
-                 json_answer: bool = False) -> StructuredOutputsParams | None:
-    """The constraint for `tool_choice` = choice ("auto", "required", or a tool's name); None for "none".
-    `answer_schema` / `json_answer`: under "auto", the answer's response_format (a schema / any JSON object)."""
+                 json_answer: bool = False, fmt: ToolFormat = HERMES) -> StructuredOutputsParams | None:
+    """The constraint for `tool_choice` = choice ("auto", "required", or a tool's name) in format `fmt`; None for
+    "none". `answer_schema` / `json_answer`: under "auto", the answer's response_format (a schema / any JSON
+    object)."""
     if choice == "none" or not tools:
         return None
     if choice not in ("auto", "required"):
         tools = [t for t in tools if t.name == choice]
         parallel = False
-    call = json.dumps({**call_schema(tools), "x-guidance": JSON_OPTIONS})
-    calls = 'call (SEP call)*' if parallel else 'call'
-    lines = [f"calls: {calls}", 'call: "<tool_call>\\n" call_json "\\n</tool_call>"', f"call_json: %json {call}",
-             'SEP: "\\n"']
+    call = json.dumps({**call_schema(tools, fmt.arguments_key), "x-guidance": JSON_OPTIONS})
+    if fmt.marker_token is not None:  # the tokenizer's special token, by id
+        marker = f"<[{fmt.marker_token}]>" + ("?" if fmt.marker_optional else "")
+    else:  # written out as text where the calls need it (an optional one would read as an answer's start)
+        marker = "" if fmt.marker_optional else _literal(fmt.marker)
+    calls = _sequence(marker, _literal(fmt.begin), "call", "(SEP call)*" if parallel else "", _literal(fmt.end))
+    lines = [f"calls: {calls}", f"call: {_sequence(_literal(fmt.call_open), 'call_json', _literal(fmt.call_close))}",
+             f"call_json: %json {call}", f"SEP: {_literal(fmt.separator)}"]
     if choice == "auto":
         if answer_schema is not None or json_answer:
             answer = json.dumps({**(answer_schema if answer_schema is not None else {"type": "object"}),
                                  "x-guidance": JSON_OPTIONS})
             lines += ["start: calls | answer", f"answer: %json {answer}"]
         else:
-            lines += ["start: calls | answer", "answer: TEXT", r"TEXT: /[^<](.|\n)*/"]
+            first = _first_character(fmt)
+            text = r"/(.|\n)+/" if first is None else "/[^" + _class_escape(first) + r"](.|\n)*/"
+            lines += ["start: calls | answer", "answer: TEXT", f"TEXT: {text}"]
     else:
         lines.insert(0, "start: calls")
     return StructuredOutputsParams(grammar="\n".join(lines), source="tools")
+
+
+def _literal(text: str) -> str:
+    """A Lark string literal ("" for none)."""
+    return json.dumps(text) if text else ""
+
+
+def _sequence(*items: str) -> str:
+    return " ".join(i for i in items if i)
+
+
+def _first_character(fmt: ToolFormat) -> str | None:
+    """The character the calls' text starts with; None where they start with the marker's special token."""
+    if fmt.marker and not fmt.marker_optional:
+        return None if fmt.marker_token is not None else fmt.marker[0]
+    return (fmt.begin + fmt.call_open + _NAME_HEAD)[0]
+
+
+def _class_escape(ch: str) -> str:
+    return "\\" + ch if ch in "\\]^-[/" else ch
 
 
 def tools_of(request_tools: list) -> list[Tool]:
@@ -103,20 +131,44 @@ def tool_json(t: Tool) -> dict:
     return {"type": "function", "function": fn}
 
 
-def render_call(name: str, arguments: str) -> str:
+def arguments_value(arguments: str):
+    """A call's arguments (OpenAI's JSON text) as a value: none is {}, text that is not JSON stays text."""
+    if not arguments:
+        return {}
     try:
-        args = json.loads(arguments)
+        return json.loads(arguments)
     except ValueError:
-        args = arguments
-    return OPEN + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + CLOSE
+        return arguments
 
 
-def fallback_messages(messages: list[dict], tools: list[Tool]) -> list[dict]:
+def render_call(name: str, arguments: str, fmt: ToolFormat = HERMES) -> str:
+    """One call as the model writes it."""
+    return fmt.call_text(json.dumps(name, ensure_ascii=False), json.dumps(arguments_value(arguments),
+                                                                          ensure_ascii=False))
+
+
+def messages_for_template(messages: list[dict], fmt: ToolFormat = HERMES) -> list[dict]:
+    """Messages for a template that renders tools (see the module docstring)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [{**c, "id": fmt.template_id(c["id"]),
+                                      "function": {**c["function"],
+                                                   "arguments": arguments_value(c["function"]["arguments"])}}
+                                     for c in m["tool_calls"]]}
+        if m.get("tool_call_id") is not None:
+            m = {**m, "tool_call_id": fmt.template_id(m["tool_call_id"])}
+        out.append(m)
+    return out
+
+
+def fallback_messages(messages: list[dict], tools: list[Tool], fmt: ToolFormat = HERMES) -> list[dict]:
     """Messages for a template that does not render tools: the tools in the system message, calls and results
     in the call format (see the module docstring)."""
     out: list[dict] = []
     if tools:
-        system = SYSTEM_TEMPLATE.format(tools=" ".join(json.dumps(tool_json(t), ensure_ascii=False) for t in tools))
+        system = SYSTEM_TEMPLATE.format(tools=" ".join(json.dumps(tool_json(t), ensure_ascii=False) for t in tools),
+                                        instruction=fmt.instruction, example=fmt.example())
         if messages and messages[0]["role"] == "system":
             out.append({"role": "system", "content": messages[0]["content"] + "\n\n" + system})
             messages = messages[1:]
@@ -124,12 +176,12 @@ def fallback_messages(messages: list[dict], tools: list[Tool]) -> list[dict]:
             out.append({"role": "system", "content": system})
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
-            calls = SEPARATOR.join(render_call(c["function"]["name"], c["function"]["arguments"])
-                                   for c in m["tool_calls"])
+            calls = fmt.calls_text([render_call(c["function"]["name"], c["function"]["arguments"], fmt)
+                                    for c in m["tool_calls"]])
             content = (m.get("content") or "")
             out.append({"role": "assistant", "content": (content + "\n" if content else "") + calls})
         elif m["role"] == "tool":
-            block = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            block = fmt.result_open + (m.get("content") or "") + fmt.result_close
             if out and out[-1]["role"] == "user" and out[-1].get("_tool_results"):
                 out[-1]["content"] += "\n" + block
             else:
@@ -156,75 +208,119 @@ def finish_reason(called: bool, engine_reason: str | None) -> str | None:
     return "tool_calls" if called and engine_reason == "stop" else engine_reason
 
 
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
-
-
-def parse_calls(text: str) -> list[ToolCall] | None:
+def parse_calls(text: str, fmt: ToolFormat = HERMES) -> list[ToolCall] | None:
     """The calls in a generated text, or None when it is an answer. A call cut short by max_tokens is left out
     (the calls before it stand; the response's finish_reason says "length")."""
-    if not text.startswith(OPEN.rstrip("\n")):
-        return None
-    calls = []
-    blocks = text.split(CLOSE)
-    for block in blocks[:-1]:  # the last piece: "" after the last call, or a call cut short
-        block = block.strip()
-        if not block.startswith(OPEN.strip()):
-            return None
-        try:
-            obj = json.loads(block[len(OPEN.strip()):])
-            calls.append(ToolCall(new_call_id(), obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)))
-        except (ValueError, KeyError, TypeError):
-            return None
-    return calls or None
+    stream = ToolCallStream(fmt)
+    stream.feed(text)
+    return (stream.calls[:stream.complete] or None) if stream.mode == "calls" else None
+
+
+_MORE, _NO = -1, -2  # _match: the text ends before it tells; the text is something else
+
+
+def _match(text: str, pos: int, literal: str, loose: bool = True) -> int:
+    """Where `literal` ends in `text` at `pos`, or _MORE / _NO. Loose: whitespace before it, and at its own
+    ends, may differ (a format's markers and separators); else exactly (inside a call's JSON)."""
+    if loose:
+        literal = literal.strip()
+        if not literal:
+            return pos
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+    have = text[pos:pos + len(literal)]
+    if not literal.startswith(have):
+        return _NO
+    return pos + len(literal) if len(have) == len(literal) else _MORE
 
 
 class ToolCallStream:
     """One choice's text deltas -> OpenAI's chat deltas: {"content": ...} for an answer, {"tool_calls": [...]}
-    for calls. The grammar fixes each call's text to `<tool_call>\\n{"name": "N", "arguments": A}\\n</tool_call>`,
-    so the name is known once its closing quote is out, and A streams as it is generated; A ends where its JSON
-    closes (scanned: strings and escapes skipped), before the object's own `}`."""
+    for calls. The grammar fixes each call's text to `call_open {"name": "N", "KEY": A} call_close` (and the
+    format's marker, list and separators around them), so the name is known once its closing quote is out, and
+    A streams as it is generated; A ends where its JSON closes (scanned: strings and escapes skipped), before the
+    object's own `}`. Text that could still start a call is held until it does or cannot (`finish` gives back
+    what is held at the end)."""
 
-    NAME_PREFIX = OPEN + '{"name": "'
-    ARGS_PREFIX = '", "arguments": '
-
-    def __init__(self):
+    def __init__(self, fmt: ToolFormat = HERMES):
+        self.fmt = fmt
         self.buffer = ""
-        self.mode: str | None = None  # "answer" | "calls", from the first character
+        self.mode: str | None = None  # "answer" | "calls", once the text's start tells
         self.calls: list[ToolCall] = []
-        self._pos = 0  # in buffer: what has been turned into deltas
-        self._state = "open"  # open -> name -> args -> close (per call)
+        self.complete = 0  # of calls, those whose text is whole
+        self._pos = 0  # in buffer: what has been turned into deltas (an answer) or read (calls)
+        self._state = "head"  # head -> args -> close -> next -> head ... -> done
         self._depth = 0
         self._in_string = self._escaped = False
+        self._args_key = f'", "{fmt.arguments_key}": '
 
     def feed(self, text: str) -> list[dict]:
         self.buffer += text
-        if self.mode is None and self.buffer:
-            self.mode = "calls" if self.buffer.startswith("<") else "answer"
         if self.mode == "answer":
-            out, self._pos = self.buffer[self._pos:], len(self.buffer)
-            return [{"content": out}] if out else []
+            return self._answer()
         return self._calls()
 
+    def finish(self) -> list[dict]:
+        """At the end of the text: what was held as a possible call's start is an answer."""
+        if self.mode is None and self.buffer:
+            self.mode = "answer"
+            return self._answer()
+        return []
+
+    def _answer(self) -> list[dict]:
+        out, self._pos = self.buffer[self._pos:], len(self.buffer)
+        return [{"content": out}] if out else []
+
+    def _head(self, pos: int) -> int:
+        """Where a call's head (up to its arguments) ends, or _MORE / _NO: the format's opening for the first call,
+        its separator for the next."""
+        fmt, b = self.fmt, self.buffer
+        if self.calls:
+            steps = [fmt.separator]
+        else:
+            if fmt.marker:
+                after = _match(b, pos, fmt.marker)
+                if after == _MORE or (after == _NO and not fmt.marker_optional):
+                    return after
+                pos = pos if after == _NO else after
+            steps = [fmt.begin]
+        for literal in (*steps, fmt.call_open, _NAME_HEAD):
+            pos = _match(b, pos, literal)
+            if pos < 0:
+                return pos
+        return pos
+
     def _calls(self) -> list[dict]:
-        deltas = []
-        b = self.buffer
+        deltas, b = [], self.buffer
         while True:
-            if self._state == "open":
-                start = self._pos + (0 if not self.calls else len(SEPARATOR))
-                if len(b) < start + len(self.NAME_PREFIX):
+            if self._state == "head":
+                name_start = self._head(self._pos)
+                if name_start == _NO:
+                    if self.calls:  # no next call (the list's end, or the text's)
+                        self._state = "done"
+                        return deltas
+                    self.mode = "answer"
+                    return self._answer()
+                if name_start == _MORE:
                     return deltas
-                self._name_start = start + len(self.NAME_PREFIX)
-                self._state = "name"
-            if self._state == "name":
-                end = b.find('"', self._name_start)
-                if end < 0 or len(b) < end + len(self.ARGS_PREFIX):
+                end = b.find('"', name_start)
+                if end < 0:
                     return deltas
-                call = ToolCall(new_call_id(), json.loads('"' + b[self._name_start:end] + '"'), "")
+                after = _match(b, end, self._args_key, loose=False)
+                if after == _MORE:
+                    return deltas
+                if after == _NO:
+                    if not self.calls:
+                        self.mode = "answer"
+                        return self._answer()
+                    self._state = "done"
+                    return deltas
+                self.mode = "calls"
+                call = ToolCall(self.fmt.new_call_id(), json.loads(b[name_start - 1:end + 1]), "")
                 self.calls.append(call)
                 deltas.append({"tool_calls": [{"index": len(self.calls) - 1, "id": call.id, "type": "function",
                                                "function": {"name": call.name, "arguments": ""}}]})
-                self._pos = end + len(self.ARGS_PREFIX)
+                self._pos = after
                 self._state, self._depth, self._in_string, self._escaped = "args", 0, False, False
             if self._state == "args":
                 start, done = self._pos, None
@@ -258,8 +354,14 @@ class ToolCallStream:
                     return deltas
                 self._state = "close"
             if self._state == "close":
-                end = self._pos + len("}" + CLOSE)
-                if len(b) < end:
+                end = _match(b, self._pos, "}", loose=False)
+                if end >= 0:
+                    end = _match(b, end, self.fmt.call_close)
+                if end == _MORE:
                     return deltas
-                self._pos = end
-                self._state = "open"
+                if end == _NO:
+                    self._state = "done"
+                    return deltas
+                self._pos, self.complete, self._state = end, len(self.calls), "head"
+            if self._state == "done":
+                return deltas
