@@ -368,7 +368,10 @@ def cmd_specs(a) -> int:
 
     print("models:")
     for m in known_models().values():
-        print(f"  {m.name:16} {parameter_count(m).total / 1e9:7.2f}B  {m.num_layers} layers, {m.num_kv_heads} KV "
+        params = parameter_count(m)
+        moe = (f" ({params.active / 1e9:.2f}B active: {m.experts_per_token} of {m.num_experts} experts)"
+               if m.is_moe else "")
+        print(f"  {m.name:16} {params.total / 1e9:7.2f}B{moe}  {m.num_layers} layers, {m.num_kv_heads} KV "
               f"heads x {m.head_dim}, {m.max_position_embeddings:,}-token context  {m.source}")
     print("accelerators:")
     for x in known_accelerators().values():

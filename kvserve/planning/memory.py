@@ -8,6 +8,8 @@ Pure Python. Conventions (the same as vLLM's and our engine's):
   group of every layer, so a page is the classic block of every layer. A sequence is counted at its peak
   while decoding: all its tokens written, the last one being computed (a prefill chunk briefly holds a
   little more of a sliding group's blocks; only a few sequences prefill at once).
+- Weights are every parameter at its dtype: a mixture of experts holds all its experts, though a token uses
+  only k of them (ParameterCount.active; what a step reads of them is the roofline's business).
 - Tensor parallelism splits every weight matrix and the KV heads over `tp` devices; KV heads fewer than
   `tp` are replicated (each device holds at least one).
 - Per device, `gpu_memory_utilization` of the memory is the engine's; of that, the weights' shard and a
@@ -44,23 +46,38 @@ def dtype_bytes(dtype: str) -> float:
 
 @dataclass(frozen=True)
 class ParameterCount:
-    total: int  # every weight
-    active: int  # weights a token's forward pass multiplies by (MoE: only its experts), lm head included
+    """A model's weights. A mixture of experts' memory holds every expert (`total`), while a token is multiplied
+    by only its k routed experts and the shared ones (`active`); a dense model's two are equal."""
+
+    total: int  # every weight: what memory holds
+    active: int  # weights one token uses: total less the routed experts it is not sent to (the published
+    # "active" figure: embeddings, norms and head included)
     embedding: int  # the input embedding table (read by lookup, not multiplied)
+    head: int  # the LM head's matmul weights (vocab x hidden, tied or not): multiplied per sampled token
+    layer_matmul: int  # the layers' weights one token is multiplied by: attention, MLPs, router, its experts
+    expert: int  # one routed expert's weights over all MoE layers (0: dense): what a step reads per expert
+    # it touches (roofline.experts_touched)
 
 
 def parameter_count(m: ModelSpec) -> ParameterCount:
     h, q, kv = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if m.attention_bias else 0)
-    expert = 3 * m.intermediate_size * h  # gate, up, down (SwiGLU / GeGLU)
-    router = h * m.num_experts if m.num_experts > 1 else 0
     norms = 2 * h
-    layer_total = attention + expert * m.num_experts + router + norms
-    layer_active = attention + expert * m.experts_per_token + router
-    embedding = m.vocab_size * h
-    head = 0 if m.tie_word_embeddings else m.vocab_size * h
-    total = m.num_layers * layer_total + embedding + head + h
-    return ParameterCount(total=total, active=m.num_layers * layer_active + m.vocab_size * h, embedding=embedding)
+    moe_layers = m.num_moe_layers
+    dense_layers = m.num_layers - moe_layers
+    mlp = 3 * m.intermediate_size * h  # gate, up, down (SwiGLU / GeGLU)
+    expert = 3 * m.expert_intermediate_size * h
+    router = h * m.num_experts
+    moe_total = expert * (m.num_experts + m.num_shared_experts) + router
+    moe_active = expert * (m.experts_per_token + m.num_shared_experts) + router
+    embedding = head = m.vocab_size * h
+    total = (m.num_layers * (attention + norms) + dense_layers * mlp + moe_layers * moe_total + embedding
+             + (0 if m.tie_word_embeddings else head) + h)
+    return ParameterCount(
+        total=total, active=total - moe_layers * expert * (m.num_experts - m.experts_per_token),
+        embedding=embedding, head=head,
+        layer_matmul=m.num_layers * attention + dense_layers * mlp + moe_layers * moe_active,
+        expert=moe_layers * expert)
 
 
 def weight_bytes(m: ModelSpec, weight_dtype: str) -> float:
@@ -151,7 +168,10 @@ def memory_plan(m: ModelSpec, acc: AcceleratorSpec, tp: int = 1, weight_dtype: s
     layout = layout or kv_layout(m)
     usable = acc.memory_bytes * gpu_memory_utilization
     weights = weight_bytes(m, weight_dtype) / tp
-    widest = max(m.hidden_size, m.intermediate_size * m.experts_per_token / tp)
+    mlp_widths = [m.expert_intermediate_size * (m.experts_per_token + m.num_shared_experts)] if m.is_moe else []
+    if m.num_moe_layers < m.num_layers:
+        mlp_widths.append(m.intermediate_size)
+    widest = max(m.hidden_size, max(mlp_widths) / tp)
     activations = (ACTIVATION_FACTOR * max_num_batched_tokens * widest * 2  # bf16 activations of a full step
                    + LOGIT_ROWS * m.vocab_size / tp * 4)  # float32 logits, one row per sampled sequence
     reserve = runtime_reserve_bytes + activations

@@ -12,12 +12,13 @@ with FLOP/s = peak x flop_eff and bandwidth = datasheet x bw_eff (a measured mac
 for attention: on a CPU its kernels run far from the GEMMs' rate; and its GEMMs' rate falls for steps
 of few tokens: rate x tokens / (tokens + gemm_half_rate_tokens)).
 
-- FLOPs: 2 x (active matmul weights except the head) per computed token, 2 x vocab x hidden per
-  sampled token (the head), and attention's 4 x heads x head_dim per (query, key) pair, the keys a
-  sliding layer sees capped at its window.
+- FLOPs: 2 x (active matmul weights except the head: a mixture of experts' k routed experts and its
+  shared ones, not all of them) per computed token, 2 x vocab x hidden per sampled token (the head), and
+  attention's 4 x heads x head_dim per (query, key) pair, the keys a sliding layer sees capped at its window.
 - Bytes: every weight once per step (a step reads the whole model whatever its batch: why decode is
-  bandwidth-bound and batching pays), MoE experts as many as the step's tokens can touch, plus each
-  sequence's KV cache read once and its new tokens' KV written.
+  bandwidth-bound and batching pays), but of a mixture of experts' routed experts only those the step's
+  tokens are expected to touch (experts_touched), plus each sequence's KV cache read once and its new
+  tokens' KV written.
 - Tensor parallelism: two all-reduces per layer of tokens x hidden bf16 values, a ring's
   2 (tp - 1) / tp of that over the link, plus a fixed latency per all-reduce.
 
@@ -34,6 +35,20 @@ from dataclasses import dataclass
 
 from kvserve.planning.memory import WEIGHT_ONLY, dtype_bytes, kv_bytes_per_token, parameter_count
 from kvserve.planning.specs import AcceleratorSpec, ModelSpec
+
+
+def experts_touched(num_experts: int, experts_per_token: int, tokens: int) -> float:
+    """Expected distinct experts of one MoE layer that `tokens` tokens are routed to, each to
+    `experts_per_token` (k) of `num_experts` (E), uniformly and independently: E (1 - (1 - k/E)^tokens).
+
+    Why: a step reads an expert's weights once if any of its tokens goes there, so a decode step of few
+    sequences reads k experts a token (far less than the model) and a large batch or a prompt chunk reads
+    nearly all E. It is k at one token, rises with tokens and approaches E. Real routers are skewed, which
+    touches fewer distinct experts; uniform routing is the cautious (more bytes) end.
+    """
+    if tokens <= 0:
+        return 0.0
+    return num_experts * (1 - (1 - experts_per_token / num_experts) ** tokens)
 
 
 @dataclass(frozen=True)
@@ -139,12 +154,11 @@ class StepModel:
         self.deployment, self.eff = d, eff
         params = parameter_count(m)
         wb = dtype_bytes(d.weight_dtype)
-        self._head = m.vocab_size * m.hidden_size
-        self._body_per_token = params.active - self._head  # matmul weights of the layers
-        expert = 3 * m.intermediate_size * m.hidden_size
-        self._expert_bytes = expert * m.num_layers * wb / d.tp
+        self._head = params.head
+        self._body_per_token = params.layer_matmul  # matmul weights of the layers a token is multiplied by
+        self._expert_bytes = params.expert * wb / d.tp  # one routed expert over the MoE layers (0: dense)
         self._num_experts, self._k = m.num_experts, m.experts_per_token
-        dense = params.total - params.embedding - expert * m.num_layers * m.num_experts
+        dense = params.total - params.embedding - params.expert * m.num_experts
         self._dense_bytes = dense * wb / d.tp  # read once per step whatever the batch
         self._kv_token_bytes = kv_bytes_per_token(m, d.kv_dtype, d.tp)
         self._attn = 4 * m.num_heads * m.head_dim / d.tp  # FLOPs per (query, key) pair per layer
@@ -177,10 +191,10 @@ class StepModel:
             prefills += w.new > 1
             pairs += self._pairs(w.new, w.start)
             kv_read += w.start + w.new
-        experts_touched = min(self._num_experts, tokens * self._k) if self._num_experts > 1 else 1
+        experts = experts_touched(self._num_experts, self._k, tokens) if self._expert_bytes else 0.0
         return StepParts(
             linear_flops=(2 * self._body_per_token * tokens + 2 * self._head * sampled) / self._tp,
-            weight_bytes=(self._dense_bytes + self._expert_bytes * experts_touched) if seqs else 0.0,
+            weight_bytes=(self._dense_bytes + self._expert_bytes * experts) if seqs else 0.0,
             attention_flops=self._attn * pairs, kv_bytes=kv_read * self._kv_token_bytes,
             tokens=tokens, seqs=seqs, sampled=sampled, has_prefill=prefills > 0)
 

@@ -40,25 +40,59 @@ class ModelSpec:
     attention_bias: bool = False
     sliding_window: int | None = None  # tokens a sliding layer attends to
     sliding_window_pattern: int | None = None  # every Nth layer is global; None with a window: all sliding
-    num_experts: int = 1  # MLP experts per layer (1: dense)
-    experts_per_token: int = 1
+    # Mixture of experts. A dense model keeps the defaults (one expert of intermediate_size, every layer); 0
+    # experts (as the engine's ModelConfig writes a dense model) is dense too.
+    num_experts: int = 1  # routed experts per MoE layer (E; 0 or 1: dense)
+    experts_per_token: int = 1  # routed experts each token goes to (k, 1..E)
+    moe_intermediate_size: int | None = None  # one expert's FFN width (None: intermediate_size, as Mixtral's)
+    num_shared_experts: int = 0  # experts every token goes to besides its k, each moe_intermediate_size wide
+    num_dense_layers: int = 0  # layers with a dense MLP of intermediate_size instead of experts (DeepSeek's first k)
     params_b: float | None = None  # the published parameter count (a cross-check only)
+    active_params_b: float | None = None  # the published parameters per token (MoE; a cross-check only)
     source: str = ""
     aliases: tuple[str, ...] = ()
 
     def __post_init__(self):
         for f in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-                  "vocab_size", "num_experts", "experts_per_token"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"model {self.name!r}: {f} must be a positive integer, got {v!r}")
+                  "vocab_size"):
+            self._check_int(f, 1)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model {self.name!r}: num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
-        if self.experts_per_token > self.num_experts:
-            raise ValueError(f"model {self.name!r}: experts_per_token exceeds num_experts")
+        self._check_int("num_experts", 0)
+        if self.is_moe:
+            self._check_int("experts_per_token", 1, self.num_experts)
+            if self.moe_intermediate_size is not None:
+                self._check_int("moe_intermediate_size", 1)
+            self._check_int("num_shared_experts", 0)
+            self._check_int("num_dense_layers", 0, self.num_layers)
+        else:
+            self._check_int("experts_per_token", 0, 1)
+            if self.num_shared_experts or self.num_dense_layers or self.moe_intermediate_size is not None:
+                raise ValueError(f"model {self.name!r}: shared experts, dense layers and moe_intermediate_size "
+                                 f"describe a mixture of experts; num_experts {self.num_experts} is dense")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"model {self.name!r}: sliding_window must be positive")
+
+    def _check_int(self, f: str, lo: int, hi: int | None = None) -> None:
+        v = getattr(self, f)
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
+            span = f"from {lo} to {hi}" if hi is not None else ("positive" if lo == 1 else f"at least {lo}")
+            raise ValueError(f"model {self.name!r}: {f} must be an integer {span}, got {v!r}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 1
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """One expert's FFN width (a dense model's one "expert" is its MLP)."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers whose MLP is routed experts (0 for a dense model)."""
+        return self.num_layers - self.num_dense_layers if self.is_moe else 0
 
     @property
     def num_sliding_layers(self) -> int:
@@ -199,7 +233,7 @@ def model_spec(name_or_path: str) -> ModelSpec:
 
 
 def spec_from_hf_config(cfg: dict, name: str = "", source: str = "") -> ModelSpec:
-    """A ModelSpec from a Hugging Face config.json's fields (Llama, Mistral, Qwen2, Gemma 3, Mixtral-style MoE)."""
+    """A ModelSpec from a Hugging Face config.json's fields (Llama, Mistral, Qwen2, Gemma 3; Mixtral, Qwen-MoE)."""
     if "text_config" in cfg:  # a multimodal wrapper: the text tower decides the serving cost
         cfg = {**cfg["text_config"], "_name_or_path": cfg.get("_name_or_path")}
     try:
@@ -212,21 +246,37 @@ def spec_from_hf_config(cfg: dict, name: str = "", source: str = "") -> ModelSpe
         model_type = cfg.get("model_type", "llama")
         if window and pattern is None and model_type.startswith("gemma3"):
             pattern = 6
+        experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 1
+        moe = _hf_moe_fields(cfg, cfg["num_hidden_layers"]) if experts > 1 else {}
         return ModelSpec(
             name=name or cfg.get("_name_or_path") or model_type, architecture=model_type,
             num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"], num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+            intermediate_size=cfg["intermediate_size"],
             vocab_size=cfg["vocab_size"], tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=cfg.get("max_position_embeddings", 8192),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             sliding_window=window, sliding_window_pattern=pattern,
-            num_experts=cfg.get("num_local_experts") or cfg.get("num_experts") or 1,
-            experts_per_token=cfg.get("num_experts_per_tok") or 1, source=source)
+            num_experts=experts, experts_per_token=cfg.get("num_experts_per_tok") or 1, **moe, source=source)
     except KeyError as e:
         raise UnknownSpec(f"config {source or name!r} has no {e.args[0]!r}: not a decoder-only transformer "
                           f"config this planner reads. {MODEL_HINT}") from None
+
+
+def _hf_moe_fields(cfg: dict, layers: int) -> dict:
+    """A mixture of experts' widths and layers from its config.json: Mixtral (experts of intermediate_size),
+    Qwen2/3-MoE (moe_intermediate_size; mlp_only_layers and decoder_sparse_step make layers dense; Qwen2's one
+    shared expert counted in experts' widths), DeepSeek (n_shared_experts, the first first_k_dense_replace
+    layers dense, then every moe_layer_freq-th)."""
+    width = cfg.get("moe_intermediate_size")
+    shared = cfg.get("n_shared_experts") or 0
+    if not shared and width and cfg.get("shared_expert_intermediate_size"):
+        shared = max(1, round(cfg["shared_expert_intermediate_size"] / width))
+    dense_only, step = set(cfg.get("mlp_only_layers") or ()), cfg.get("decoder_sparse_step") or 1
+    first, freq = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
+    dense = sum(1 for i in range(layers) if i in dense_only or (i + 1) % step or i < first or i % freq)
+    return {"moe_intermediate_size": width, "num_shared_experts": shared, "num_dense_layers": dense}
 
 
 def spec_from_gguf(path: Path) -> ModelSpec:
@@ -245,6 +295,7 @@ def spec_from_gguf(path: Path) -> ModelSpec:
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     vocab = int(get("vocab_size", 0) or len(meta.get("tokenizer.ggml.tokens", ())) or 0)
     window = get("attention.sliding_window")
+    experts = int(get("expert_count", 1) or 1)
     return ModelSpec(
         name=str(meta.get("general.name") or path.stem), architecture=arch, num_layers=int(get("block_count")),
         hidden_size=hidden, num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
@@ -254,7 +305,10 @@ def spec_from_gguf(path: Path) -> ModelSpec:
         max_position_embeddings=int(get("context_length", 8192)),
         sliding_window=int(window) if window else None,
         sliding_window_pattern=6 if window and arch == "gemma3" else None,
-        num_experts=int(get("expert_count", 1) or 1), experts_per_token=int(get("expert_used_count", 1) or 1),
+        num_experts=experts, experts_per_token=int(get("expert_used_count", 1) or 1) if experts > 1 else 1,
+        moe_intermediate_size=(int(get("expert_feed_forward_length", 0) or 0) or None) if experts > 1 else None,
+        num_shared_experts=int(get("expert_shared_count", 0) or 0) if experts > 1 else 0,
+        num_dense_layers=int(get("leading_dense_block_count", 0) or 0) if experts > 1 else 0,
         source=str(path))
 
 
