@@ -103,11 +103,31 @@ class ModelConfig:
     # q and k before RoPE (Qwen3; Gemma 3 has its own, offset from 1).
     attention_bias: bool = False
     qk_norm: bool = False
+    # Mixture of experts (Qwen3-MoE, Mixtral): each token's MLP is the weighted sum of `experts_per_token` of
+    # `num_experts` gated MLPs `moe_intermediate_size` wide, chosen by a float32 softmax router (the weights of
+    # the chosen renormalised to sum to 1 where `norm_topk_prob`). 0 experts: a dense model. `dense_layers`:
+    # the layers that keep a dense MLP (`intermediate_size` wide) in a mixture model (Qwen3-MoE's
+    # mlp_only_layers and decoder_sparse_step).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()
 
     # The opt-in sinks + window policy (StreamingLLM) on the layers without a native window: each query attends
     # to the first `attention_sinks` tokens and the last `policy_window` (EngineConfig.attention_policy).
     policy_window: int | None = None
     attention_sinks: int = 0
+
+    def __post_init__(self):
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token must be in 1..{self.num_experts}, got {self.experts_per_token}")
+        if self.num_experts and self.moe_intermediate_size <= 0:
+            raise ValueError("a mixture of experts needs moe_intermediate_size > 0")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether this layer's MLP is a mixture of experts (else the dense MLP)."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def is_sliding(self, layer: int) -> bool:
         """A native sliding-window layer (see sliding_layer)."""

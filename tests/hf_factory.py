@@ -30,7 +30,15 @@ FAMILIES = {
                                                             "tie_word_embeddings": False}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3", {"rope_parameters": {"rope_type": "default",
                                                                                 "rope_theta": 1_000_000.0}}),
+    # Mixtures of experts: more experts than a token uses, so a step reads some and not others.
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "qwen3moe", {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0}, "num_experts": 8,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", "llama", {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0}, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "sliding_window": None}),
 }
+MOE_FAMILIES = ("qwen3moe", "mixtral")
 
 
 def tiny_config(family: str, **overrides):
@@ -61,6 +69,10 @@ def tiny_model(family: str, seed: int = 0, **overrides):
             p.copy_(0.5 * torch.randn_like(p))
         elif "embed_tokens" in name:
             p.copy_(0.5 * torch.randn_like(p))
+        elif name.endswith("mlp.gate.weight"):
+            # A router whose logits lie units apart, so bf16's rounding of the hidden state (about 1%) does not
+            # move a token's top k: the bf16 paths then choose the experts float32 chooses.
+            p.copy_(8.0 * torch.randn_like(p) / math.sqrt(p.shape[-1]))
         else:
             p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
     model.generation_config.eos_token_id = None
@@ -104,6 +116,27 @@ def _llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
+_EXPERT_STACKS = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+
+
+def _gguf_order(state: dict[str, torch.Tensor]):
+    """The state dict with transformers 5's stacked gate_up_proj [E, 2I, H] split into the gate and up stacks
+    llama.cpp's converter writes (`...mlp.experts.gate` / `.up`, [E, I, H] each)."""
+    for name, t in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = t.chunk(2, dim=1)
+            yield name.removesuffix("gate_up_proj") + "gate", gate
+            yield name.removesuffix("gate_up_proj") + "up", up
+        else:
+            yield name, t
+
+
+def _expert_name(name: str) -> str:
+    """`model.layers.{i}.mlp.experts.{gate,up,down_proj}` -> `blk.{i}.ffn_{gate,up,down}_exps.weight`."""
+    layer = name.split(".")[2]
+    return f"blk.{layer}.{_EXPERT_STACKS[name.rsplit('.', 1)[1]]}.weight"
+
+
 def write_gguf(model, path: Path, tokenizer_gguf: str, quant: str = "F32") -> Path:
     """The model as llama.cpp's converter writes its family; `quant`: F32, or a type every matrix is quantized
     to (gguf-py's quantizer: Q8_0, Q4_0, ...; norms and biases stay F32)."""
@@ -120,19 +153,29 @@ def write_gguf(model, path: Path, tokenizer_gguf: str, quant: str = "F32") -> Pa
     assert vocab == c.vocab_size
     write_shape(writer, f"tiny-{family}", c.num_hidden_layers, c.max_position_embeddings, c.hidden_size,
                 c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps, vocab)
+    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", 0)
+    if experts:  # llama.cpp's converter: the mixture's keys (Mixtral: a `llama` file with these)
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(c.moe_intermediate_size)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
     writer.add_rope_dimension_count(c.head_dim)
     if c.rope_parameters.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(c.rope_parameters, c.head_dim))
     qtype = T[quant]
-    for name, tensor in model.state_dict().items():
+    for name, tensor in _gguf_order(model.state_dict()):
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         w = tensor.float().numpy()
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             w = permute_rope_rows(w, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if w.ndim == 2 and qtype != T.F32:
+        if name.endswith("mlp.gate.weight"):  # the router: llama-quantize leaves it F32, and so do we
+            writer.add_tensor(name.replace("model.layers.", "blk.").replace(".mlp.gate.weight", ".ffn_gate_inp.weight"),
+                              np.ascontiguousarray(w))
+            continue
+        gguf_name = _expert_name(name) if ".mlp.experts." in name else names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if w.ndim >= 2 and qtype != T.F32:
             writer.add_tensor(gguf_name, quants.quantize(w, qtype),
                               raw_shape=quants.quant_shape_to_byte_shape(w.shape, qtype), raw_dtype=qtype)
         else:

@@ -381,16 +381,28 @@ class NativeKernels:
                              shadow_tables.data_ptr() if shadow_tables is not None else None)
 
 
+def _qweight_fields(name: str = "") -> list[tuple[str, type]]:
+    """gemm_quant_layout.h's QWeight, its fields prefixed by `name` where it is embedded flat."""
+    prefix = f"{name}_" if name else ""
+    return [(name or "data", _PTR), (f"{prefix}bits", _I64), (f"{prefix}tail", _PTR), (f"{prefix}tail_bits", _I64),
+            (f"{prefix}tail_from", _I64)]
+
+
+class QWeight(ctypes.Structure):
+    """gemm_quant_layout.h's QWeight (one packed weight; a mixture's experts are arrays of these)."""
+
+    _fields_ = _qweight_fields()
+
+
 class LayerParams(ctypes.Structure):
     """decoder_step.h's LayerParams: one layer's packed weights, norms, cache and rotary tables, by address."""
 
     _fields_ = ([(name, _PTR) for name in ("attn_in_norm", "attn_out_norm", "mlp_in_norm", "mlp_out_norm", "q_norm",
                                            "k_norm")]
-                + [field for name in ("qkv", "o", "gate_up", "down")
-                   for field in ((name, _PTR), (f"{name}_bits", _I64), (f"{name}_tail", _PTR),
-                                 (f"{name}_tail_bits", _I64), (f"{name}_tail_from", _I64))]
+                + [field for name in ("qkv", "o", "gate_up", "down") for field in _qweight_fields(name)]
                 + [(name, _PTR) for name in ("key_cache", "value_cache", "cos", "sin")]
-                + [("window", _I64), ("scale", _F32), ("kv_group", _I64), ("qkv_bias", _PTR)])
+                + [("window", _I64), ("scale", _F32), ("kv_group", _I64), ("qkv_bias", _PTR)]
+                + [(name, _PTR) for name in ("router", "expert_gate_up", "expert_down")] + [("num_experts", _I64)])
 
 
 class ModelParams(ctypes.Structure):
@@ -399,7 +411,8 @@ class ModelParams(ctypes.Structure):
     _fields_ = [(name, _I64) for name in ("num_layers", "hidden", "q_heads", "kv_heads", "head_dim", "intermediate",
                                           "num_blocks", "block_size", "act")] + [
         ("eps", _F32), ("norm_unit_offset", _I64), ("final_norm", _PTR), ("phase_seconds", _PTR), ("kv_int8", _I64),
-        ("invariant", _I64), ("int8_acts", _I64)]
+        ("invariant", _I64), ("int8_acts", _I64), ("experts_per_token", _I64), ("expert_inter", _I64),
+        ("norm_topk", _I64)]
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

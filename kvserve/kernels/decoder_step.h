@@ -76,7 +76,48 @@ struct LayerParams {
   float scale;
   int64_t kv_group;  // its KV group (engine/kv/groups.py): which [m] slots and [m, table_stride] tables it uses
   const bf16* qkv_bias;  // [(Hq + 2 Hkv) D] (Qwen2), or null
+  // A mixture of experts (num_experts > 0), in place of gate_up and down: the router [E, hidden] in fp32 and
+  // each expert's packed gate/up and down (arrays of E; models/moe.py).
+  const float* router;
+  const QWeight* expert_gate_up;
+  const QWeight* expert_down;
+  int64_t num_experts;
 };
+
+// A token's experts (models/moe.route): the fp32 router logits' softmax, its top k (ties to the lower
+// expert), renormalised over the k where `normalize`; written in ascending expert order, the order the
+// token's weighted outputs are summed in. `logits`: E floats of scratch, `xf`: hidden floats.
+inline void route_row(const bf16* x, int64_t hidden, const float* router, int64_t experts, int64_t k,
+                      bool normalize, int32_t* ids, float* weights, float* logits, float* xf) {
+  for (int64_t h = 0; h < hidden; ++h) xf[h] = to_float(x[h]);
+  float top = -INFINITY;
+  for (int64_t e = 0; e < experts; ++e) {
+    const float* w = router + e * hidden;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t h = 0; h < hidden; ++h) dot += xf[h] * w[h];
+    logits[e] = dot;
+    top = std::max(top, dot);
+  }
+  float sum = 0.0f;
+  for (int64_t e = 0; e < experts; ++e) sum += (logits[e] = std::exp(logits[e] - top));
+  float chosen = 0.0f;
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < experts; ++e)
+      if (logits[e] >= 0.0f && (best < 0 || logits[e] > logits[best])) best = e;
+    ids[j] = static_cast<int32_t>(best);
+    weights[j] = logits[best] / sum;
+    chosen += weights[j];
+    logits[best] = -1.0f;  // taken
+  }
+  for (int64_t j = 0; j < k && normalize; ++j) weights[j] /= chosen;
+  for (int64_t a = 1; a < k; ++a)  // ascending expert order (insertion sort of k <= a few)
+    for (int64_t b = a; b > 0 && ids[b] < ids[b - 1]; --b) {
+      std::swap(ids[b], ids[b - 1]);
+      std::swap(weights[b], weights[b - 1]);
+    }
+}
 
 struct ModelParams {
   int64_t num_layers, hidden, q_heads, kv_heads, head_dim, intermediate, num_blocks, block_size, act;
@@ -88,6 +129,7 @@ struct ModelParams {
   int64_t invariant;  // batch-invariant numerics (gemm, gemm_quant_bits); tile chunks are then passed only where
                     // their rows attend as a row alone does (AVX2's row groups: NativeDecoder)
   int64_t int8_acts;  // quantized matrices multiply activations quantized to 8 bits (gemm_quant_int8)
+  int64_t experts_per_token, expert_inter, norm_topk;  // a mixture of experts' (LayerParams::num_experts)
 };
 
 // The body of kvserve_forward_bf16 (decoder_cpu.cpp, which says what each argument holds).
@@ -105,6 +147,15 @@ inline int64_t decoder_forward(const ModelParams* mp, const LayerParams* layers,
   bf16* h = static_cast<bf16*>(hidden_ptr);
   std::vector<bf16> own_state(state == nullptr ? 2 * m * hidden : 0), x(m * hidden), qkv(m * qkv_width),
       attn(m * q_width), act(m * inter);
+  // A mixture's buffers: each token's experts and weights, the step's rows grouped by expert (`order`: the
+  // (token, choice) slot of each grouped row; `where`: the grouped row of each slot), and their activations.
+  int64_t max_experts = 0;
+  for (int64_t l = first_layer; l < p.num_layers; ++l) max_experts = std::max(max_experts, layers[l].num_experts);
+  const int64_t top_k = max_experts > 0 ? p.experts_per_token : 0, routed = m * top_k, einter = p.expert_inter;
+  std::vector<int32_t> route_ids(routed), order(routed), where(routed);
+  std::vector<float> route_weights(routed);
+  std::vector<int64_t> expert_start(max_experts + 1);
+  std::vector<bf16> routed_x(routed * hidden), routed_act(routed * einter), routed_out(routed * hidden);
   bf16* const residual = state == nullptr ? own_state.data() : static_cast<bf16*>(state);  // the stream
   bf16* const branch = residual + m * hidden;  // the last attention or MLP output
   if (state == nullptr) stop = nullptr;
@@ -161,6 +212,7 @@ inline int64_t decoder_forward(const ModelParams* mp, const LayerParams* layers,
     std::vector<float> scores;
     std::vector<bf16> probs;
     Scratch scratch;
+    std::vector<float> expert_logits(max_experts), row_f32(max_experts > 0 ? hidden : 0);
     // Profiling: the master adds each phase's wall time as it leaves the phase's closing barrier.
     const bool clock = p.phase_seconds != nullptr && omp_get_thread_num() == 0;
     double last = clock ? omp_get_wtime() : 0.0;
@@ -265,14 +317,68 @@ inline int64_t decoder_forward(const ModelParams* mp, const LayerParams* layers,
       mark(4);
       add_branch_and_norm(x.data(), L.mlp_in_norm);
       mark(5);
-      gemm(x.data(), m, hidden, L.gate_up, 2 * inter / 16, ts, GatedTiles{act.data(), inter, static_cast<int>(p.act)});
-      mark(6);
-      // The master reads the flag before the layer's last GEMM; that GEMM's closing barrier publishes
+      // The master reads the flag before the layer's last GEMMs; their closing barrier publishes
       // stopped_at to every thread before the next layer's top (no barrier of its own).
-      if (stop != nullptr && l + 1 < p.num_layers && omp_get_thread_num() == 0 &&
-          __atomic_load_n(stop, __ATOMIC_ACQUIRE) != 0)
-        stopped_at = l + 1;
-      gemm(act.data(), m, inter, L.down, hidden / 16, ts, StoreTiles<bf16>{branch, hidden});
+      auto read_stop = [&] {
+        if (stop != nullptr && l + 1 < p.num_layers && omp_get_thread_num() == 0 &&
+            __atomic_load_n(stop, __ATOMIC_ACQUIRE) != 0)
+          stopped_at = l + 1;
+      };
+      if (L.num_experts == 0) {
+        gemm(x.data(), m, hidden, L.gate_up, 2 * inter / 16, ts, GatedTiles{act.data(), inter, static_cast<int>(p.act)});
+        mark(6);
+        read_stop();
+        gemm(act.data(), m, inter, L.down, hidden / 16, ts, StoreTiles<bf16>{branch, hidden});
+      } else {
+        // Route each token, group the step's (token, choice) slots by expert (tokens in order within an
+        // expert), then run each chosen expert once over its rows: a step reads only the experts it chose.
+        const int64_t E = L.num_experts;
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t i = 0; i < m; ++i)
+          route_row(x.data() + i * hidden, hidden, L.router, E, top_k, p.norm_topk != 0, route_ids.data() + i * top_k,
+                    route_weights.data() + i * top_k, expert_logits.data(), row_f32.data());
+#pragma omp single
+        {
+          std::fill(expert_start.begin(), expert_start.begin() + E + 1, 0);
+          for (int64_t s = 0; s < routed; ++s) ++expert_start[route_ids[s] + 1];
+          for (int64_t e = 0; e < E; ++e) expert_start[e + 1] += expert_start[e];
+          std::vector<int64_t> fill(expert_start.begin(), expert_start.begin() + E);
+          for (int64_t s = 0; s < routed; ++s) {
+            const int64_t g = fill[route_ids[s]]++;
+            order[g] = static_cast<int32_t>(s);
+            where[s] = static_cast<int32_t>(g);
+          }
+        }
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < routed; ++g)
+          std::memcpy(routed_x.data() + g * hidden, x.data() + (order[g] / top_k) * hidden, hidden * sizeof(bf16));
+        for (int64_t e = 0; e < E; ++e) {
+          const int64_t g0 = expert_start[e], rows = expert_start[e + 1] - g0;
+          if (rows > 0)
+            gemm(routed_x.data() + g0 * hidden, rows, hidden, L.expert_gate_up[e], 2 * einter / 16, ts,
+                 GatedTiles{routed_act.data() + g0 * einter, einter, static_cast<int>(p.act)});
+        }
+        mark(6);
+        read_stop();
+        for (int64_t e = 0; e < E; ++e) {
+          const int64_t g0 = expert_start[e], rows = expert_start[e + 1] - g0;
+          if (rows > 0)
+            gemm(routed_act.data() + g0 * einter, rows, einter, L.expert_down[e], hidden / 16, ts,
+                 StoreTiles<bf16>{routed_out.data() + g0 * hidden, hidden});
+        }
+        // Each token's weighted expert outputs, summed in fp32 in ascending expert order, rounded once.
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t i = 0; i < m; ++i) {
+          float* acc = row_f32.data();
+          std::fill(acc, acc + hidden, 0.0f);
+          for (int64_t j = 0; j < top_k; ++j) {
+            const float w = route_weights[i * top_k + j];
+            const bf16* y = routed_out.data() + where[i * top_k + j] * hidden;
+            for (int64_t h = 0; h < hidden; ++h) acc[h] += to_float(y[h]) * w;
+          }
+          for (int64_t h = 0; h < hidden; h += 16) store_rounded16(acc + h, branch + i * hidden + h);
+        }
+      }
       norm_branch(L.mlp_out_norm);
       mark(7);
     }

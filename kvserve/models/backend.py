@@ -124,7 +124,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, fused: bool = 
 def fused_shapes_fit(c: ModelConfig) -> bool:
     """The fused decoder's packed layout wants every GEMM's K % 32 and N % 16."""
     q_width, qkv_width = c.num_heads * c.head_dim, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    return not (c.hidden_size % 32 or q_width % 32 or c.intermediate_size % 32 or qkv_width % 16)
+    return not (c.hidden_size % 32 or q_width % 32 or c.intermediate_size % 32 or qkv_width % 16
+                or c.moe_intermediate_size % 32)
 
 
 def fused_decoder_would_serve(config: ModelConfig, tensor_names) -> bool:

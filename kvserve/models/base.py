@@ -11,11 +11,9 @@ from kvserve.models.layers import (Embedding, FusedLinear, Linear, QuantizableWe
                                    packed_linear, prepack_onednn)
 from kvserve.models.quant import PackedPart, QuantizedMatrix
 
-# HF checkpoint names of the projections that we fuse into one matmul.
-_FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
+# HF checkpoint names of the projections that we fuse into one matmul (by the fused module's own name, wherever
+# it sits: an attention, a dense MLP, each expert of a mixture).
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 class CausalLM(nn.Module):
@@ -170,15 +168,17 @@ class CausalLM(nn.Module):
             except KeyError:
                 raise KeyError(f"checkpoint has no tensor {name!r}") from None
 
-        for i, layer in enumerate(self.layers):
-            for fused, parts in _FUSED.items():
-                module = layer.get_submodule(fused)
-                biases = None
-                if module.bias is not None:  # Qwen2's Q, K and V
-                    biases = [take(f"model.layers.{i}.{p}.bias") for p in parts]
-                    loaded.add(f"layers.{i}.{fused}.bias")
-                module.load([take(f"model.layers.{i}.{p}.weight") for p in parts], biases)
-                loaded.add(f"layers.{i}.{fused}.weight")
+        for name, module in self.named_modules():
+            owner, _, own = name.rpartition(".")
+            if not isinstance(module, FusedLinear) or own not in _FUSED:
+                continue
+            parts = [f"model.{owner}.{p}" for p in _FUSED[own]]
+            biases = None
+            if module.bias is not None:  # Qwen2's Q, K and V
+                biases = [take(f"{p}.bias") for p in parts]
+                loaded.add(f"{name}.bias")
+            module.load([take(f"{p}.weight") for p in parts], biases)
+            loaded.add(f"{name}.weight")
         if "lm_head.weight" in pending:
             w = pending.pop("lm_head.weight")
             if self.lm_head_weight is not None:

@@ -12,7 +12,32 @@ from kvserve.models.loader import Checkpoint
 
 # Our Llama-layout architectures (models/model_info.LLAMA_LAYOUT): transformers' config and model classes.
 LLAMA_FAMILY = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-                "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+                "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+MIXTRAL = ("MixtralConfig", "MixtralForCausalLM")  # a `llama` checkpoint with experts
+
+
+def _moe_fields(c) -> dict:
+    if not c.num_experts:
+        return {}
+    if c.architecture == "qwen3moe":
+        return dict(num_experts=c.num_experts, num_experts_per_tok=c.experts_per_token,
+                    moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
+                    mlp_only_layers=list(c.dense_layers))
+    return dict(num_local_experts=c.num_experts, num_experts_per_tok=c.experts_per_token,
+                intermediate_size=c.moe_intermediate_size)
+
+
+def stacked_experts(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """Our per-expert names -> transformers 5's stacked parameters (`mlp.experts.gate_up_proj` [E, 2I, H],
+    `mlp.experts.down_proj` [E, H, I]), which its mixtures hold."""
+    out = {n: t for n, t in tensors.items() if ".mlp.experts." not in n}
+    layers = {n.split(".mlp.experts.")[0] for n in tensors if ".mlp.experts." in n}
+    for layer in layers:
+        e = f"{layer}.mlp.experts"
+        out[f"{e}.gate_up_proj"] = torch.stack([torch.cat([tensors[f"{e}.{i}.gate_proj.weight"],
+                                                           tensors[f"{e}.{i}.up_proj.weight"]]) for i in range(num_experts)])
+        out[f"{e}.down_proj"] = torch.stack([tensors[f"{e}.{i}.down_proj.weight"] for i in range(num_experts)])
+    return out
 
 
 def hf_model_from_checkpoint(ck: Checkpoint, dtype: torch.dtype = torch.float32, attn: str | None = None):
@@ -24,10 +49,11 @@ def hf_model_from_checkpoint(ck: Checkpoint, dtype: torch.dtype = torch.float32,
     if c.architecture in LLAMA_FAMILY:
         import transformers
 
-        config_class, model_class = (getattr(transformers, n) for n in LLAMA_FAMILY[c.architecture])
+        names = MIXTRAL if c.architecture == "llama" and c.num_experts else LLAMA_FAMILY[c.architecture]
+        config_class, model_class = (getattr(transformers, n) for n in names)
         rope = {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}
-        extra = {"attention_bias": c.attention_bias} if c.architecture != "qwen2" else {}
-        model = model_class(config_class(rope_parameters=rope, **extra, **common))
+        extra = {"attention_bias": c.attention_bias} if c.architecture != "qwen2" and names != MIXTRAL else {}
+        model = model_class(config_class(rope_parameters=rope, **extra, **{**common, **_moe_fields(c)}))
     elif c.architecture == "gemma3":
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -41,7 +67,7 @@ def hf_model_from_checkpoint(ck: Checkpoint, dtype: torch.dtype = torch.float32,
         raise ValueError(f"no transformers class for architecture {c.architecture!r}")
     if attn is not None:
         model.config._attn_implementation = attn
-    result = model.load_state_dict(ck.dense_tensors(), strict=False)
+    result = model.load_state_dict(stacked_experts(ck.dense_tensors(), c.num_experts), strict=False)
     if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
         raise RuntimeError(f"weights do not match transformers' model: {result}")
     if c.tie_word_embeddings:

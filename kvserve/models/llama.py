@@ -1,5 +1,6 @@
-"""The Llama layout (SmolLM2, Llama 2/3, Mistral, Qwen2/2.5, Qwen3): pre-norm, SwiGLU, GQA, RoPE; Qwen2 adds a
-bias to the Q, K and V projections, Qwen3 an RMSNorm over each head of q and k before RoPE (ModelConfig)."""
+"""The Llama layout (SmolLM2, Llama 2/3, Mistral, Qwen2/2.5, Qwen3, and the mixtures Mixtral and Qwen3-MoE):
+pre-norm, SwiGLU, GQA, RoPE; Qwen2 adds a bias to the Q, K and V projections, Qwen3 an RMSNorm over each head
+of q and k before RoPE, the mixtures a routed MLP of experts in place of the dense one (ModelConfig)."""
 from __future__ import annotations
 
 import torch
@@ -8,6 +9,7 @@ from torch import nn
 from kvserve.config import ModelConfig
 from kvserve.models.base import CausalLM
 from kvserve.models.layers import GatedMLP, RMSNorm, Rotary, SelfAttention
+from kvserve.models.moe import SparseMoE
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -21,7 +23,9 @@ class LlamaDecoderLayer(nn.Module):
                                        qk_norm_eps=config.rms_norm_eps if config.qk_norm else None,
                                        qk_norm_unit_offset=False)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, "silu")
+        self.mlp = SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                             config.experts_per_token, config.norm_topk_prob) if config.is_moe_layer(index) \
+            else GatedMLP(config.hidden_size, config.intermediate_size, "silu")
 
     def norm_roles(self) -> dict[str, RMSNorm]:
         """The norms by their place in the layer (models/native_decoder.py runs the layer from these)."""

@@ -51,6 +51,10 @@ _GGUF_LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+    # A mixture of experts: the router, and each projection of every expert stacked [E, rows, cols] in one
+    # tensor (split here into the experts' own HF names: "{}" is the expert).
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{}.gate_proj", "ffn_up_exps": "mlp.experts.{}.up_proj",
+    "ffn_down_exps": "mlp.experts.{}.down_proj",
 }
 _GEMMA3_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm"}
 
@@ -85,6 +89,16 @@ def hf_name_for_gguf(name: str, arch: str) -> str:
     if parts[2] not in table:
         raise ModelLoadError(f"unexpected GGUF tensor name {name!r}")
     return f"model.layers.{parts[1]}.{table[parts[2]]}.{parts[3]}"
+
+
+def is_router(name: str) -> bool:
+    """A mixture's router matrix: held in float32 whatever the weights' setting (models/moe.py)."""
+    return name.endswith("mlp.gate.weight")
+
+
+def expert_names(name: str, count: int) -> list[str]:
+    """The HF names of a stacked expert tensor's experts (a name without "{}": itself)."""
+    return [name.format(e) for e in range(count)] if "{}" in name else [name]
 
 
 def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -126,16 +140,24 @@ def load_gguf(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype
     arch = config.architecture
     forms: dict[tuple[str, str, bool], int] = {}
 
-    def convert(t: GGUFTensor) -> tuple[str, "torch.Tensor | QuantizedMatrix"]:
+    def convert(t: GGUFTensor) -> list[tuple[str, "torch.Tensor | QuantizedMatrix"]]:
         name = hf_name_for_gguf(t.name, arch)
-        bits = quant.weight_bits(t.type, weights, int8_acts) if len(t.shape) == 2 else 0
+        if "{}" in name:  # each expert of a stacked [E, rows, cols] tensor, a matrix of its own
+            raw = file.data(t) if t.type not in quant.FLOAT_TYPES else _dequantize(file, t)
+            return [pair for e, expert in enumerate(expert_names(name, t.shape[2]))
+                    for pair in convert_matrix(t, expert, lambda: raw[e])]
+        return convert_matrix(t, name, lambda: file.data(t))
+
+    def convert_matrix(t: GGUFTensor, name: str, raw) -> list[tuple[str, "torch.Tensor | QuantizedMatrix"]]:
+        """One matrix (or vector): `raw()` gives its stored rows (uint8 blocks when quantized)."""
+        bits = quant.weight_bits(t.type, weights, int8_acts) if len(t.shape) >= 2 and not is_router(name) else 0
         if bits and t.type not in quant.FLOAT_TYPES:
-            value = quant.from_gguf(file.data(t), t.type, bits, supers=int8_acts)
+            value = quant.from_gguf(raw(), t.type, bits, supers=int8_acts)
         else:
-            w = torch.from_numpy(np.asarray(_dequantize(file, t), dtype=np.float32))
+            w = torch.from_numpy(np.asarray(_dequantize(file, t) if len(t.shape) < 3 else raw(), dtype=np.float32))
             if arch == "gemma3" and name.endswith("norm.weight"):
                 w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm scale; HF stores w
-            value = quant.quantize(w, bits) if bits else w.to(dtype) if w.dim() == 2 else w
+            value = quant.quantize(w, bits) if bits else w.to(dtype) if w.dim() == 2 and not is_router(name) else w
         heads = None
         if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
             heads = config.num_heads
@@ -144,15 +166,16 @@ def load_gguf(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype
         if heads is not None:
             value = value.map_rows(lambda x: unpermute_rope_rows(x, heads)) if isinstance(value, QuantizedMatrix) \
                 else unpermute_rope_rows(value, heads)
-        if len(t.shape) == 2:
+        if len(t.shape) >= 2:
             form = f"int{bits}" if bits else "dense"
             key = (_type_name(t.type), form, not bits or quant.is_exact(t.type, bits))
             forms[key] = forms.get(key, 0) + 1
-        return name, value
+        return [(name, value)]
 
     try:
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-            tensors = dict(pool.map(convert, [t for t in file.tensors if t.name != ROPE_FREQS]))
+            tensors = dict(pair for pairs in pool.map(convert, [t for t in file.tensors if t.name != ROPE_FREQS])
+                           for pair in pairs)
     finally:
         file.close()
     if config.vocab_size == 0:
@@ -183,17 +206,42 @@ def load_hf_dir(path: str | os.PathLike, weights: str = "auto", dtype: torch.dty
             if name.startswith(("vision_tower", "multi_modal_projector", "model.vision_tower",
                                 "model.multi_modal_projector")):
                 continue
-            tensors[name] = t
+            tensors.update(hf_expert_tensors(name, t))
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     bits = quant.weight_bits(quant.F32, weights)
     forms: dict[tuple[str, str, bool], int] = {}
     for name, t in tensors.items():
-        if t.dim() == 2:
+        if is_router(name):
+            tensors[name] = t.float()
+        elif t.dim() == 2:
             key = (str(t.dtype).removeprefix("torch."), f"int{bits}" if bits else "dense", not bits)
             forms[key] = forms.get(key, 0) + 1
             tensors[name] = quant.quantize(t, bits) if bits else t if dtype is None else t.to(dtype)
     return Checkpoint(config=config, tensors=tensors, path=path, format="hf", weights=weights, forms=forms)
+
+
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def hf_expert_tensors(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A safetensors tensor under the experts' canonical names (Qwen3-MoE's hub names: `mlp.gate`,
+    `mlp.experts.{e}.{gate,up,down}_proj`): Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2` renamed,
+    transformers 5's stacked `mlp.experts.gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] split."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    parts = name.split(".")
+    if len(parts) > 4 and parts[-4] == "experts" and parts[-2] in _MIXTRAL_EXPERT:
+        parts[-2] = _MIXTRAL_EXPERT[parts[-2]]
+        return {".".join(parts): t}
+    if name.endswith("mlp.experts.gate_up_proj"):
+        base = name.removesuffix("gate_up_proj")
+        gate, up = t.chunk(2, dim=1)
+        return {**{f"{base}{e}.gate_proj.weight": g.contiguous() for e, g in enumerate(gate)},
+                **{f"{base}{e}.up_proj.weight": u.contiguous() for e, u in enumerate(up)}}
+    if name.endswith("mlp.experts.down_proj"):
+        base = name.removesuffix("down_proj")
+        return {f"{base}{e}.down_proj.weight": d.contiguous() for e, d in enumerate(t)}
+    return {".".join(parts): t}
 
 
 def checkpoint_header(path: str | os.PathLike) -> tuple[ModelConfig, set[str]]:
@@ -206,12 +254,13 @@ def checkpoint_header(path: str | os.PathLike) -> tuple[ModelConfig, set[str]]:
         names: set[str] = set()
         for f in sorted(path.glob("*.safetensors")):
             with safe_open(str(f), framework="pt") as handle:
-                names.update(handle.keys())
+                names.update(handle.keys())  # (a mixture's experts under the names they are stored by)
         return read_hf_config(path), names
     file = GGUFFile(path)
     try:
         config = gguf_config(file)
-        names = {hf_name_for_gguf(t.name, config.architecture) for t in file.tensors if t.name != ROPE_FREQS}
+        names = {e for t in file.tensors if t.name != ROPE_FREQS
+                 for e in expert_names(hf_name_for_gguf(t.name, config.architecture), config.num_experts)}
     finally:
         file.close()
     return config, names

@@ -13,15 +13,18 @@ from kvserve.config import ModelConfig
 from kvserve.models.gguf_file import read_gguf_metadata
 from kvserve.models.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
 # The Llama layout and its variants (models/llama.py): what each adds to Llama's layer.
-LLAMA_LAYOUT = {"llama": {}, "qwen2": {"attention_bias": True}, "qwen3": {"qk_norm": True}}
+LLAMA_LAYOUT = {"llama": {}, "qwen2": {"attention_bias": True}, "qwen3": {"qk_norm": True},
+                "qwen3moe": {"qk_norm": True}}
 _HF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3"}
-_HF_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+            "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama",
+            "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3"}
+_HF_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                  "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3",
                   "gemma3": "gemma3"}
 # Default RoPE bases where a file leaves them out (transformers' defaults; real files carry theirs).
-_DEFAULT_THETA = {"llama": 10000.0, "qwen2": 10000.0, "qwen3": 10000.0, "gemma3": 1_000_000.0}
+_DEFAULT_THETA = {"llama": 10000.0, "qwen2": 10000.0, "qwen3": 10000.0, "qwen3moe": 10000.0, "gemma3": 1_000_000.0}
 
 
 class ModelLoadError(RuntimeError):
@@ -63,7 +66,11 @@ def config_from_gguf(meta: dict) -> ModelConfig:
     )
     if arch in LLAMA_LAYOUT:
         window = get("attention.sliding_window")  # Mistral v0.1's, where a converter wrote it
-        return ModelConfig(sliding_window=int(window) if window else None, **LLAMA_LAYOUT[arch], **common)
+        experts = int(get("expert_count", 0) or 0)  # Qwen3-MoE; Mixtral is a `llama` file with experts
+        moe = dict(num_experts=experts, experts_per_token=int(get("expert_used_count", 0) or 0),
+                   moe_intermediate_size=int(get("expert_feed_forward_length", 0) or get("feed_forward_length")),
+                   norm_topk_prob=bool(get("expert_weights_norm", True))) if experts else {}
+        return ModelConfig(sliding_window=int(window) if window else None, **LLAMA_LAYOUT[arch], **moe, **common)
     # Gemma 3: the local RoPE base and the 5:1 layer pattern are not stored in the GGUF; these are
     # Gemma 3's fixed values (the same defaults transformers fills in).
     return ModelConfig(rope_local_theta=10000.0, sliding_window=int(get("attention.sliding_window", 512)),
@@ -77,6 +84,26 @@ def _hf_rope_scaling(cfg: dict) -> dict | None:
     if scaling is None and params.get("rope_type", "default") != "default":
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     return scaling
+
+
+def _hf_moe(cfg: dict, arch: str) -> dict:
+    """A config.json's mixture of experts as ModelConfig fields (none for a dense model): Qwen3-MoE's
+    (`num_experts`, `norm_topk_prob`, dense layers from `mlp_only_layers` and `decoder_sparse_step`) or
+    Mixtral's (`num_local_experts`, always renormalised)."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    if not experts:
+        return {}
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ModelLoadError("shared experts (Qwen2-MoE) are not supported")
+    if arch == "qwen3moe":
+        step = cfg.get("decoder_sparse_step") or 1
+        only = set(cfg.get("mlp_only_layers") or [])
+        dense = tuple(i for i in range(cfg["num_hidden_layers"]) if i in only or (i + 1) % step)
+        return dict(num_experts=experts, experts_per_token=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["moe_intermediate_size"],
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense)
+    return dict(num_experts=experts, experts_per_token=cfg["num_experts_per_tok"],
+                moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
 
 
 def config_from_hf(cfg: dict) -> ModelConfig:
@@ -101,15 +128,15 @@ def config_from_hf(cfg: dict) -> ModelConfig:
     if arch in LLAMA_LAYOUT:
         theta = cfg.get("rope_theta") or rope_params.get("rope_theta", _DEFAULT_THETA[arch])
         variant = dict(LLAMA_LAYOUT[arch])
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             variant["attention_bias"] = bool(cfg.get("attention_bias", False))
         window = cfg.get("sliding_window")
-        if arch in ("qwen2", "qwen3"):  # Qwen's configs carry a window they do not use unless told to
+        if arch in ("qwen2", "qwen3", "qwen3moe"):  # Qwen's configs carry a window they do not use unless told to
             if cfg.get("use_sliding_window"):
                 raise ModelLoadError("Qwen's use_sliding_window (a window on the upper layers only) is not supported")
             window = None
         return ModelConfig(rope_theta=theta, rope_scaling=_hf_rope_scaling(cfg), sliding_window=window,
-                           **variant, **common)
+                           **variant, **_hf_moe(cfg, arch), **common)
     global_theta = cfg.get("rope_theta") or rope_params.get("full_attention", {}).get("rope_theta", 1_000_000.0)
     local_theta = cfg.get("rope_local_base_freq") or rope_params.get("sliding_attention", {}).get(
         "rope_theta", 10000.0)

@@ -41,6 +41,7 @@ from kvserve.kernels import kv_quant
 from kvserve.models import backend
 from kvserve.models.attention import AttentionMetadata
 from kvserve.models.layers import interleave_gate_up
+from kvserve.models.moe import SparseMoE
 from kvserve.models.quant import PackedPart
 
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
@@ -50,7 +51,7 @@ PHASES = ("attention-in RMSNorm (+ residual add)", "QKV GEMM", "QK-norm, rotary,
           "down GEMM (+ post-norm)", "final RMSNorm")
 
 
-def _weight_fields(name: str, module, native: cpu_kernels.NativeKernels, keep: list) -> dict:
+def _qweight(module, native: cpu_kernels.NativeKernels, keep: list) -> dict:
     """A projection's QWeight fields (kernels/gemm_quant_layout.h): its quantized segments as packed at load
     (gate/up interleaved already), or its dense bf16 weight packed here (gate/up interleaved here)."""
     parts = module.packed
@@ -60,12 +61,27 @@ def _weight_fields(name: str, module, native: cpu_kernels.NativeKernels, keep: l
                             dense.shape[0])]
         keep.append(parts)
     head, *tail = parts
-    fields = {name: head.data.data_ptr(), f"{name}_bits": head.bits}
+    fields = {"data": head.data.data_ptr(), "bits": head.bits}
     if tail:
         (rest,) = tail
-        fields.update({f"{name}_tail": rest.data.data_ptr(), f"{name}_tail_bits": rest.bits,
-                       f"{name}_tail_from": head.rows // 16})
+        fields.update({"tail": rest.data.data_ptr(), "tail_bits": rest.bits, "tail_from": head.rows // 16})
     return fields
+
+
+def _weight_fields(name: str, module, native: cpu_kernels.NativeKernels, keep: list) -> dict:
+    """The QWeight fields as LayerParams embeds them (prefixed by the projection's name)."""
+    return {name if k == "data" else f"{name}_{k}": v for k, v in _qweight(module, native, keep).items()}
+
+
+def _expert_fields(moe: SparseMoE, native: cpu_kernels.NativeKernels, keep: list) -> dict:
+    """A mixture's LayerParams fields: its float32 router and an array of E QWeights per projection."""
+    arrays = {}
+    for role in ("gate_up_proj", "down_proj"):
+        array = (cpu_kernels.QWeight * len(moe.experts))(
+            *[cpu_kernels.QWeight(**_qweight(getattr(e, role), native, keep)) for e in moe.experts])
+        keep.append(array)
+        arrays[f"expert_{role.removesuffix('_proj')}"] = ctypes.addressof(array)
+    return dict(router=moe.router.data_ptr(), num_experts=len(moe.experts), **arrays)
 
 
 class NativeDecoder:
@@ -95,16 +111,17 @@ class NativeDecoder:
             kv_heads=config.num_kv_heads, head_dim=config.head_dim, intermediate=config.intermediate_size,
             act=_ACTIVATIONS[first.mlp.activation], eps=norm.eps, norm_unit_offset=int(norm.unit_offset),
             final_norm=model.norm.weight.data_ptr(), invariant=int(invariant),
-            int8_acts=int(int8_activations))
+            int8_acts=int(int8_activations), experts_per_token=config.experts_per_token,
+            expert_inter=config.moe_intermediate_size, norm_topk=int(config.norm_topk_prob))
         self._packed = []  # keeps the dense weights' packed copies alive; the table holds their addresses
         self._layers = cpu_kernels.LayerParams * len(model.layers)
         self._static = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             roles = layer.norm_roles()
-            fields = {}
-            for name, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
-                                 ("down", mlp.down_proj)):
+            fields = _expert_fields(mlp, native, self._packed) if isinstance(mlp, SparseMoE) else {}
+            dense = (("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)) if not fields else ()
+            for name, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), *dense):
                 fields.update(_weight_fields(name, module, native, self._packed))
             for role in ("attn_in", "attn_out", "mlp_in", "mlp_out"):
                 fields[f"{role}_norm"] = roles[role].weight.data_ptr() if role in roles else None
@@ -148,7 +165,7 @@ class NativeDecoder:
     @classmethod
     def supports(cls, model) -> bool:
         c = model.config
-        params = list(model.parameters())
+        params = [p for n, p in model.named_parameters() if not n.endswith("mlp.gate.weight")]  # (routers: fp32)
         if not params or any(p.device.type != "cpu" or p.dtype != torch.bfloat16 for p in params):
             return False
         if not backend.fused_shapes_fit(c):
@@ -158,7 +175,8 @@ class NativeDecoder:
             if not hasattr(layer, "norm_roles"):
                 return False
             attn, mlp = layer.self_attn, layer.mlp
-            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            mlps = mlp.experts if isinstance(mlp, SparseMoE) else [mlp]
+            projections = (attn.qkv_proj, attn.o_proj, *(p for e in mlps for p in (e.gate_up_proj, e.down_proj)))
             if attn.o_proj.bias is not None or mlp.activation not in _ACTIVATIONS \
                     or any(p.packed is None and p.weight.numel() == 0 for p in projections) \
                     or any(p.packed is not None and (len(p.packed) > 2 or p.gate_up and not p.interleaved)

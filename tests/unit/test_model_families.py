@@ -14,7 +14,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.models.loader import load_checkpoint
 from kvserve.models.model_info import read_model_info
-from tests.hf_factory import FAMILIES, tiny_model, write_gguf, write_hf_dir
+from tests.hf_factory import FAMILIES, MOE_FAMILIES, tiny_model, write_gguf, write_hf_dir
 from tests.parity import PagedHarness, reference_logits, rel_err
 
 TOL = 1e-4  # the tiny parity tests' (test_model_parity_tiny.py)
@@ -43,9 +43,11 @@ def test_both_files_read_as_the_family(family):
     hf, gg = load_checkpoint(hf_dir).config, load_checkpoint(gguf32).config
     assert hf.architecture == gg.architecture == FAMILIES[name][2]
     assert hf.attention_bias == gg.attention_bias == (name == "qwen2")
-    assert hf.qk_norm == gg.qk_norm == (name == "qwen3")
-    for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-                  "vocab_size", "tie_word_embeddings", "sliding_window", "rms_norm_eps"):
+    assert hf.qk_norm == gg.qk_norm == name.startswith("qwen3")
+    assert hf.num_experts == gg.num_experts == (0 if name not in MOE_FAMILIES else 8 if name == "qwen3moe" else 4)
+    for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
+                  "tie_word_embeddings", "sliding_window", "rms_norm_eps", "experts_per_token",
+                  "moe_intermediate_size", "norm_topk_prob", "dense_layers"):
         assert getattr(hf, field) == getattr(gg, field), field
     assert hf.rope_theta == gg.rope_theta == model.config.rope_parameters["rope_theta"]
     assert (hf.rope_scaling or {}).get("rope_type") == ("llama3" if name == "llama3.1" else None)
@@ -97,3 +99,62 @@ def test_the_fused_bf16_decoder_stays_near_float32(family, weights):
     want = reference.prefill(ids, reference.new_table(len(ids)))
     assert rel_err(h.prefill(ids, h.new_table(len(ids))), want) < 0.1
     assert rel_err(h.decode_each(ids, h.new_table(len(ids))), want) < 0.1
+
+
+# ---- mixtures of experts ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def moe_family(request, family):
+    if family[0] not in MOE_FAMILIES:
+        pytest.skip("a dense family")
+    return family
+
+
+def test_moe_routing_chooses_transformers_experts(moe_family):
+    """Our float32 router (models/moe.route) on the hidden states transformers' router saw, layer by layer:
+    the same experts for every token and the same weights."""
+    from kvserve.models.moe import route
+
+    _, model, hf_dir, _, _ = moe_family
+    seen = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, args, out: seen.append((m, args[0], out)))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        model(torch.tensor([_prompt(48, 5)]))
+    for h in hooks:
+        h.remove()
+    ck = load_checkpoint(hf_dir)
+    assert len(seen) == ck.config.num_layers
+    for i, (gate, hidden, (_, weights, experts)) in enumerate(seen):
+        ours_w, ours_e = route(hidden.reshape(-1, hidden.shape[-1]), ck.tensors[f"model.layers.{i}.mlp.gate.weight"],
+                               ck.config.experts_per_token, ck.config.norm_topk_prob)
+        assert torch.equal(ours_e.sort(-1).values, experts.sort(-1).values)
+        assert torch.allclose(ours_w.gather(-1, ours_e.argsort(-1)), weights.gather(-1, experts.argsort(-1)),
+                              rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(native is None or not native.fused, reason="the fused decoder needs AMX or AVX2")
+def test_fused_moe_rows_are_batch_invariant(moe_family):
+    """On the fused decoder (batch-invariant numerics) a token's logits are the same bits whichever tokens share
+    its step, though those change how many rows each expert's GEMM runs: a prompt in uneven chunks against the
+    same tokens decoded one by one, with 8-bit and bf16 experts."""
+    _, _, _, gguf32, gguf8 = moe_family
+    prompt = _prompt(60, 6)
+    for path, weights in ((gguf8, "auto"), (gguf32, "bf16")):
+        ck = load_checkpoint(path, weights)
+        chunked, alone = PagedHarness(ck, dtype=torch.bfloat16), PagedHarness(ck, dtype=torch.bfloat16)
+        assert chunked.model.native_decoder is not None
+        a = chunked.chunked(prompt, chunked.new_table(60), [17, 30, 13])
+        b = alone.decode_each(prompt, alone.new_table(60))
+        assert torch.equal(a, b)
+
+
+def test_qwen3_moe_dense_layers_from_the_config(tmp_path, smollm2_gguf_path):
+    """Qwen3-MoE's mlp_only_layers keep a dense MLP: read from config.json, built so, and transformers' logits."""
+    model = tiny_model("qwen3moe", seed=11, num_hidden_layers=3, mlp_only_layers=[1])
+    ck = load_checkpoint(write_hf_dir(model, tmp_path / "hf", str(smollm2_gguf_path)))
+    assert ck.config.dense_layers == (1,)
+    assert [ck.config.is_moe_layer(i) for i in range(3)] == [True, False, True]
+    h = PagedHarness(ck)
+    ids = _prompt(40, 7)
+    assert rel_err(h.prefill(ids, h.new_table(len(ids))), reference_logits(model, ids)) <= TOL
