@@ -85,7 +85,7 @@ class Sizes:
 
 
 SIZES = {SMOLLM2: Sizes(64, 32, 8), "llama-1b": Sizes(32, 32, 4), "qwen3-1.7b": Sizes(32, 32, 4),
-         "llama-8b": Sizes(16, 8, 2)}
+         "llama-8b": Sizes(16, 8, 2), "qwen3-30b-a3b-l12": Sizes(16, 8, 2)}
 QUICK_SIZES = Sizes(8, 4, 2)
 
 

@@ -501,14 +501,23 @@ class LlamaCppTarget(Target):
 
 
 def gguf_bytes_per_token(path: Path) -> int:
-    """The bytes of a GGUF's tensors that a decode step reads: all of them, except token_embd where the file has
-    an output.weight (then only the prompt's rows of the embedding are read)."""
+    """The bytes of a GGUF's tensors that one token's decode reads: all of them, except token_embd where the file
+    has an output.weight (then only the prompt's rows of the embedding are read), and of a mixture's stacked
+    expert tensors (`*_exps`) only the experts a token uses (expert_used_count of expert_count)."""
     from gguf import GGUFReader
 
-    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    reader = GGUFReader(str(path))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+
+    def field(key: str) -> int:
+        f = reader.fields.get(f"{arch}.{key}")
+        return int(f.parts[-1][0]) if f is not None else 0
+
+    experts, used = field("expert_count"), field("expert_used_count")
+    tensors = {t.name: int(t.n_bytes) for t in reader.tensors}
     if "output.weight" in tensors:
         tensors.pop("token_embd.weight", None)
-    return sum(tensors.values())
+    return int(sum(n * used / experts if experts and "_exps." in name else n for name, n in tensors.items()))
 
 
 # ---- Hugging Face static batching (no server) -------------------------------------------------------------------

@@ -1,8 +1,9 @@
-"""Write tiny randomly initialised Llama / Qwen2 / Qwen3 / Gemma 3 models as GGUF files, the way llama.cpp's
-converter would (Q/K rows permuted for Llama only, Qwen2's Q, K and V biases, Qwen3's and Gemma's per-head
-QK norms, Gemma norms stored as 1 + w, quantized matrices), so unit tests run the real loading path in
-milliseconds. The tokenizer metadata is copied from SmolLM2's GGUF (padded with unused tokens to a
-real model's vocabulary where `vocab` asks: the benchmarks' shapes).
+"""Write tiny randomly initialised Llama / Qwen2 / Qwen3 / Qwen3-MoE / Gemma 3 models as GGUF files, the way
+llama.cpp's converter would (Q/K rows permuted for Llama only, Qwen2's Q, K and V biases, Qwen3's and Gemma's
+per-head QK norms, Gemma norms stored as 1 + w, quantized matrices; Qwen3-MoE's float32 router and experts
+stacked into one 3-D tensor per projection), so unit tests run the real loading path in milliseconds. The
+tokenizer metadata is copied from SmolLM2's GGUF (padded with unused tokens to a real model's vocabulary where
+`vocab` asks: the benchmarks' shapes).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 
 @dataclass
 class TinySpec:
-    arch: str = "llama"  # "llama" | "qwen2" | "qwen3" | "gemma3"
+    arch: str = "llama"  # "llama" | "qwen2" | "qwen3" | "qwen3moe" | "gemma3"
     hidden: int = 64
     intermediate: int = 128
     layers: int = 2
@@ -27,6 +28,19 @@ class TinySpec:
     seed: int = 0
     vocab: int | None = None  # None: the tokenizer's own; more: padded with unused tokens
     chat_template: str | None = None  # None: the tokenizer file's own
+    # Mixture of experts (arch "qwen3moe", which needs them; 0: a dense MLP): every layer's MLP is
+    # num_experts gated MLPs of moe_intermediate, experts_per_token of them chosen per token by the router
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate: int = 0
+
+    def __post_init__(self):
+        if (self.arch == "qwen3moe") != (self.num_experts > 0):
+            raise ValueError("arch 'qwen3moe' and only it has experts: set num_experts, experts_per_token and "
+                             "moe_intermediate with it")
+        if self.num_experts and not (0 < self.experts_per_token <= self.num_experts and self.moe_intermediate > 0):
+            raise ValueError(f"bad mixture of experts: {self.experts_per_token} of {self.num_experts} experts of "
+                             f"{self.moe_intermediate}")
 
 
 def quantize_q6_k(w: np.ndarray) -> np.ndarray:
@@ -145,6 +159,10 @@ def write_tiny_gguf(path: str | Path, spec: TinySpec, tokenizer_gguf: str, keep_
     else:
         writer.add_rope_freq_base(10000.0 if spec.arch == "llama" else 1_000_000.0)
         writer.add_rope_dimension_count(spec.head_dim)
+    if spec.num_experts:  # Qwen3MoeModel's keys (feed_forward_length stays: the dense size, unused)
+        writer.add_expert_count(spec.num_experts)
+        writer.add_expert_used_count(spec.experts_per_token)
+        writer.add_expert_feed_forward_length(spec.moe_intermediate)
 
     def rand(*shape, scale=None):
         scale = scale if scale is not None else 1.0 / np.sqrt(shape[-1])
@@ -160,14 +178,42 @@ def write_tiny_gguf(path: str | Path, spec: TinySpec, tokenizer_gguf: str, keep_
     embeddings = rand(vocab, spec.hidden, scale=0.5)
     hf["model.embed_tokens.weight"] = embeddings
 
+    def quantized(w: np.ndarray) -> np.ndarray:
+        if qtype in (T.Q6_K, T.Q4_K):  # ours quantize rows of a 2-D matrix
+            rows = w.reshape(-1, w.shape[-1])
+            return (quantize_q6_k(rows) if qtype == T.Q6_K else quantize_q4_k(rows)).reshape(*w.shape[:-1], -1)
+        return quants.quantize(w, qtype)
+
     def add(name: str, w: np.ndarray, quantize: bool) -> None:
         if quantize and qtype not in (T.F32,):
-            blocks = quantize_q6_k(w) if qtype == T.Q6_K else quantize_q4_k(w) if qtype == T.Q4_K \
-                else quants.quantize(w, qtype)
-            writer.add_tensor(name, blocks, raw_shape=quants.quant_shape_to_byte_shape(w.shape, qtype),
+            writer.add_tensor(name, quantized(w), raw_shape=quants.quant_shape_to_byte_shape(w.shape, qtype),
                               raw_dtype=qtype)
         else:
             writer.add_tensor(name, w)
+
+    def add_experts(name: str, rows: int, cols: int) -> np.ndarray | None:
+        """One projection of every expert, stacked [E, rows, cols] as the converter merges them; drawn and
+        quantized an expert at a time (the same numbers as one draw), so a real model's size fits in memory.
+        Returns the float32 stack where the weights are kept."""
+        store = qtype not in (T.F32,)
+        out, kept = None, []
+        for e in range(spec.num_experts):
+            w = rand(rows, cols)
+            if keep_float:
+                kept.append(w)
+            q = quantized(w) if store else w
+            if out is None:
+                out = np.empty((spec.num_experts, *q.shape), q.dtype)
+            out[e] = q
+        if store:
+            writer.add_tensor(name, out, raw_shape=quants.quant_shape_to_byte_shape(
+                (spec.num_experts, rows, cols), qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, out)
+        return np.stack(kept) if keep_float else None
+
+    def tensor_name(tensor: "gguf.MODEL_TENSOR", layer: int) -> str:
+        return gguf.TENSOR_NAMES[tensor].format(bid=layer) + ".weight"
 
     add("token_embd.weight", embeddings, quantize=spec.quant != "F32")
     del embeddings
@@ -183,9 +229,11 @@ def write_tiny_gguf(path: str | Path, spec: TinySpec, tokenizer_gguf: str, keep_
     for i in range(spec.layers):
         p, g = f"model.layers.{i}.", f"blk.{i}."
         mats = {"self_attn.q_proj": (q_rows, spec.hidden), "self_attn.k_proj": (kv_rows, spec.hidden),
-                "self_attn.v_proj": (kv_rows, spec.hidden), "self_attn.o_proj": (spec.hidden, q_rows),
-                "mlp.gate_proj": (spec.intermediate, spec.hidden), "mlp.up_proj": (spec.intermediate, spec.hidden),
-                "mlp.down_proj": (spec.hidden, spec.intermediate)}
+                "self_attn.v_proj": (kv_rows, spec.hidden), "self_attn.o_proj": (spec.hidden, q_rows)}
+        if not spec.num_experts:
+            mats.update({"mlp.gate_proj": (spec.intermediate, spec.hidden),
+                         "mlp.up_proj": (spec.intermediate, spec.hidden),
+                         "mlp.down_proj": (spec.hidden, spec.intermediate)})
         gguf_names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                       "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                       "mlp.down_proj": "ffn_down"}
@@ -202,8 +250,21 @@ def write_tiny_gguf(path: str | Path, spec: TinySpec, tokenizer_gguf: str, keep_
                 bias = rand(shape[0], scale=0.5)
                 hf[p + name + ".bias"] = bias
                 add(g + gguf_names[name] + ".bias", bias, quantize=False)
+        if spec.num_experts:
+            # transformers' Qwen3-MoE names: router mlp.gate [E, hidden]; experts.gate_up_proj [E, 2 inter,
+            # hidden] (gate rows first), experts.down_proj [E, hidden, inter]. The router stays float32.
+            router = rand(spec.num_experts, spec.hidden)
+            hf[p + "mlp.gate.weight"] = router
+            add(tensor_name(gguf.MODEL_TENSOR.FFN_GATE_INP, i), router, quantize=False)
+            inter = spec.moe_intermediate
+            gate = add_experts(tensor_name(gguf.MODEL_TENSOR.FFN_GATE_EXP, i), inter, spec.hidden)
+            up = add_experts(tensor_name(gguf.MODEL_TENSOR.FFN_UP_EXP, i), inter, spec.hidden)
+            down = add_experts(tensor_name(gguf.MODEL_TENSOR.FFN_DOWN_EXP, i), spec.hidden, inter)
+            if keep_float:
+                hf[p + "mlp.experts.gate_up_proj"] = np.concatenate([gate, up], axis=1)
+                hf[p + "mlp.experts.down_proj"] = down
         norm(p + "input_layernorm.weight", g + "attn_norm.weight")
-        if spec.arch == "qwen3":
+        if spec.arch in ("qwen3", "qwen3moe"):
             norm(p + "self_attn.q_norm.weight", g + "attn_q_norm.weight")
             norm(p + "self_attn.k_norm.weight", g + "attn_k_norm.weight")
         if spec.arch == "gemma3":
