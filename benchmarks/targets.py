@@ -323,12 +323,13 @@ class KvserveTarget(Target):
         return d
 
     def weights_read(self, server_log: Path) -> dict:
-        """From the load log's `<id> weights: int4+int8, 0.79 GB held (...)`: a decode step reads every
-        weight it holds."""
-        found = re.findall(r" weights: (\S+), ([\d.]+) GB held \((.*)\)", server_log.read_text(errors="replace"))
+        """From the load log's `<id> weights: int4+int8, 0.79 GB held, 0.79 GB read per token (...)`: the weights
+        one token's decode reads (all it holds, but a mixture's unused experts)."""
+        found = re.findall(r" weights: (\S+), ([\d.]+) GB held, ([\d.]+) GB read per token \((.*)\)",
+                           server_log.read_text(errors="replace"))
         if not found:
             return {}
-        form, gb, detail = found[-1]
+        form, _, gb, detail = found[-1]
         return {"weights_form": form, "bytes_per_token": float(gb) * 1e9, "weights_detail": detail}
 
 

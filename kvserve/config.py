@@ -80,7 +80,7 @@ def sliding_layer(layer: int, window: int | None, pattern: int | None) -> bool:
 class ModelConfig:
     """Architecture hyperparameters, read from GGUF metadata or a HF config.json."""
 
-    architecture: str  # models/model_info.SUPPORTED_ARCHITECTURES: "llama" | "qwen2" | "qwen3" | "gemma3"
+    architecture: str  # one of models/model_info.SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -103,6 +103,9 @@ class ModelConfig:
     # q and k before RoPE (Qwen3; Gemma 3 has its own, offset from 1).
     attention_bias: bool = False
     qk_norm: bool = False
+    # RoPE on the first `rotary_dim` dims of each head only, the rest passed through (Phi-4-mini's partial rotary);
+    # None: every dim.
+    rotary_dim: int | None = None
     # Mixture of experts (Qwen3-MoE, Mixtral): each token's MLP is the weighted sum of `experts_per_token` of
     # `num_experts` gated MLPs `moe_intermediate_size` wide, chosen by a float32 softmax router (the weights of
     # the chosen renormalised to sum to 1 where `norm_topk_prob`). 0 experts: a dense model. `dense_layers`:

@@ -38,6 +38,17 @@ FAMILIES = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0}, "num_local_experts": 4,
         "num_experts_per_tok": 2, "sliding_window": None}),
 }
+# Phi-3 (its projections stored fused) and Phi-4-mini's partial rotary with LongRoPE (an original context of 256
+# positions in a 512 one: the attention factor is not 1; prompts stay below 256, where the short factors hold).
+FAMILIES.update({
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", "phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                                                       "tie_word_embeddings": False, "sliding_window": None}),
+    "phi4mini": ("Phi3Config", "Phi3ForCausalLM", "phi3", {
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.0],
+                            "original_max_position_embeddings": 256},
+        "original_max_position_embeddings": 256, "sliding_window": None}),
+})
 MOE_FAMILIES = ("qwen3moe", "mixtral")
 
 
@@ -146,6 +157,8 @@ def write_gguf(model, path: Path, tokenizer_gguf: str, quant: str = "F32") -> Pa
     c = model.config
     family = next(f for f, spec in FAMILIES.items() if spec[1] == type(model).__name__)
     arch = FAMILIES[family][2]
+    rope = c.rope_parameters
+    rotated = int(c.head_dim * rope.get("partial_rotary_factor", 1.0))
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
                                      c.num_hidden_layers)
     writer = gguf.GGUFWriter(str(path), arch)
@@ -160,9 +173,16 @@ def write_gguf(model, path: Path, tokenizer_gguf: str, quant: str = "F32") -> Pa
         if arch == "qwen3moe":
             writer.add_expert_feed_forward_length(c.moe_intermediate_size)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    writer.add_rope_dimension_count(c.head_dim)
-    if c.rope_parameters.get("rope_type") == "llama3":
-        writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(c.rope_parameters, c.head_dim))
+    writer.add_rope_dimension_count(rotated)
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(rope, c.head_dim))
+    if rope.get("rope_type") == "longrope":  # llama.cpp's converter (Phi3MiniModel): the factors, their context, scale
+        original = rope["original_max_position_embeddings"]
+        scale = c.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     qtype = T[quant]
     for name, tensor in _gguf_order(model.state_dict()):
         if name == "lm_head.weight" and c.tie_word_embeddings:

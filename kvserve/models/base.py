@@ -8,12 +8,29 @@ from kvserve.config import ModelConfig
 from kvserve.models.attention import AttentionMetadata
 from kvserve.models.backend import TORCH
 from kvserve.models.layers import (Embedding, FusedLinear, Linear, QuantizableWeight, RMSNorm, frozen, onednn_linear,
+                                   partial_rotary_order,
                                    packed_linear, prepack_onednn)
+from kvserve.models.moe import SparseMoE
 from kvserve.models.quant import PackedPart, QuantizedMatrix
 
 # HF checkpoint names of the projections that we fuse into one matmul (by the fused module's own name, wherever
 # it sits: an attention, a dense MLP, each expert of a mixture).
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def held_bytes(root: nn.Module, seen: set[int]) -> int:
+    """Bytes `root` holds in its parameters and its modules' packed and oneDNN copies (`seen`: packed data
+    counted already, which tied weights share)."""
+    total = sum(p.numel() * p.element_size() for p in root.parameters())
+    for module in root.modules():
+        for part in getattr(module, "packed", None) or []:
+            if id(part.data) not in seen:
+                seen.add(id(part.data))
+                total += part.data.numel() * part.data.element_size()
+        onednn = getattr(module, "onednn", None)
+        if onednn is not None:
+            total += onednn.numel() * onednn.element_size()
+    return total
 
 
 class CausalLM(nn.Module):
@@ -105,6 +122,19 @@ class CausalLM(nn.Module):
         if self.lm_head_weight is not None:
             self.lm_head_weight.data = self.lm_head_weight.data.new_empty(0)
 
+    def arrange_rotary_dims(self) -> None:
+        """Partial rotary: each q and k head's dims in the order the rotary tables rotate them
+        (layers.partial_rotary_order), by permuting the QKV projection's rows once at load."""
+        c = self.config
+        if not c.rotary_dim or c.rotary_dim == c.head_dim:
+            return
+        head = partial_rotary_order(c.head_dim, c.rotary_dim)
+        rotated_heads = c.num_heads + c.num_kv_heads  # q's and k's; v's rows stay
+        order = torch.cat([h * c.head_dim + head for h in range(rotated_heads)]
+                          + [torch.arange(rotated_heads * c.head_dim, (rotated_heads + c.num_kv_heads) * c.head_dim)])
+        for layer in self.layers:
+            layer.self_attn.qkv_proj.permute_rows(order)
+
     # ---- weights -------------------------------------------------------------------------
     def quantized_modules(self) -> list[QuantizableWeight]:
         return [m for m in self.modules() if isinstance(m, QuantizableWeight) and m.quant is not None]
@@ -139,20 +169,22 @@ class CausalLM(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes of the weights as held (packed, dense, oneDNN's copies of them, the LM head's)."""
-        total = sum(p.numel() * p.element_size() for p in self.parameters())
         seen = set()
-        for module in self.modules():
-            for part in getattr(module, "packed", None) or []:
-                if id(part.data) not in seen:
-                    seen.add(id(part.data))
-                    total += part.data.numel() * part.data.element_size()
-            onednn = getattr(module, "onednn", None)
-            if onednn is not None:
-                total += onednn.numel() * onednn.element_size()
+        total = held_bytes(self, seen)
         for extra in (self.lm_head_onednn, self.lm_head_packed.data if self.lm_head_packed is not None else None):
             if extra is not None and id(extra) not in seen:
                 seen.add(id(extra))
                 total += extra.numel() * extra.element_size()
+        return total
+
+    def token_weight_bytes(self) -> int:
+        """Bytes of the weights one token's decode reads: all held, but of a mixture's experts only the k it
+        uses (a batch's tokens read more: up to every expert)."""
+        total = self.weight_bytes()
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                experts = sum(held_bytes(e, set()) for e in layer.mlp.experts)
+                total -= round(experts * (1 - layer.mlp.top_k / len(layer.mlp.experts)))
         return total
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -173,12 +205,15 @@ class CausalLM(nn.Module):
             if not isinstance(module, FusedLinear) or own not in _FUSED:
                 continue
             parts = [f"model.{owner}.{p}" for p in _FUSED[own]]
+            if f"model.{name}.weight" in pending:  # stored fused (Phi-3's qkv_proj and gate_up_proj, [gate; up])
+                parts = [f"model.{name}"]
             biases = None
             if module.bias is not None:  # Qwen2's Q, K and V
                 biases = [take(f"{p}.bias") for p in parts]
                 loaded.add(f"{name}.bias")
             module.load([take(f"{p}.weight") for p in parts], biases)
             loaded.add(f"{name}.weight")
+        self.arrange_rotary_dims()
         if "lm_head.weight" in pending:
             w = pending.pop("lm_head.weight")
             if self.lm_head_weight is not None:

@@ -12,7 +12,8 @@ from kvserve.models.loader import Checkpoint
 
 # Our Llama-layout architectures (models/model_info.LLAMA_LAYOUT): transformers' config and model classes.
 LLAMA_FAMILY = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-                "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+                "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+                "phi3": ("Phi3Config", "Phi3ForCausalLM")}
 MIXTRAL = ("MixtralConfig", "MixtralForCausalLM")  # a `llama` checkpoint with experts
 
 
@@ -51,8 +52,14 @@ def hf_model_from_checkpoint(ck: Checkpoint, dtype: torch.dtype = torch.float32,
 
         names = MIXTRAL if c.architecture == "llama" and c.num_experts else LLAMA_FAMILY[c.architecture]
         config_class, model_class = (getattr(transformers, n) for n in names)
-        rope = {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}
-        extra = {"attention_bias": c.attention_bias} if c.architecture != "qwen2" and names != MIXTRAL else {}
+        rope = {"rope_type": "default", **{k: list(v) if isinstance(v, tuple) else v
+                                           for k, v in (c.rope_scaling or {}).items()}, "rope_theta": c.rope_theta}
+        extra = {"attention_bias": c.attention_bias} if c.architecture not in ("qwen2", "phi3") \
+            and names != MIXTRAL else {}
+        if c.architecture == "phi3":
+            rope["partial_rotary_factor"] = (c.rotary_dim or c.head_dim) / c.head_dim
+            extra = {"sliding_window": c.sliding_window, "original_max_position_embeddings": rope.get(
+                "original_max_position_embeddings", c.max_position_embeddings)}
         model = model_class(config_class(rope_parameters=rope, **extra, **{**common, **_moe_fields(c)}))
     elif c.architecture == "gemma3":
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig

@@ -51,11 +51,16 @@ class RMSNorm(nn.Module):
         return self(residual), residual
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, long: bool = False) -> torch.Tensor:
+    """The rotated dims' frequencies (head_dim: those dims). LongRoPE's are its short factors', or with `long`
+    its long factors' (Rotary splices them by position)."""
+    powers = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    inv_freq = 1.0 / powers
     if not scaling:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "longrope":  # (the reference's order of operations, to its last bit)
+        return 1.0 / (torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32) * powers)
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind == "factors":  # one per frequency (a GGUF's rope_freqs: Llama 3.1's scaling, computed by its converter)
@@ -76,23 +81,50 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
 
 
 class Rotary(nn.Module):
-    """Rotate-half (NeoX layout) rotary embedding with a precomputed cos/sin table."""
+    """Rotate-half (NeoX layout) rotary embedding with a precomputed cos/sin table [positions, head_dim].
+
+    The table is free per position and column, which serves the variants without another kernel: partial
+    rotary (`rotary_dim` < head_dim: the model arranges q's and k's dims so the rotated pairs are (j, j + D/2)
+    for j < rotary_dim / 2, `partial_rotary_order`, and the other columns get cos 1, sin 0), and LongRoPE
+    (positions below its original context take the short factors' rows, the others the long factors', as the
+    reference does for a sequence that grows past it; cos and sin of the rotated dims scaled by its attention
+    factor)."""
 
     backend: Backend = TORCH
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None,
+                 rotary_dim: int | None = None):
         super().__init__()
-        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.rotated = rotary_dim or head_dim
+        self.scaling = scaling
+        self.theta = theta
+        self.inv_freq = self._padded(rope_inv_freq(self.rotated, theta, scaling), head_dim)
         self.max_positions = max_positions
         cos, sin = self._tables(torch.device("cpu"))
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.half = head_dim // 2
 
+    @staticmethod
+    def _padded(inv_freq: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """Frequency 0 (cos 1, sin 0: passed through) for the columns past the rotated dims."""
+        return torch.cat([inv_freq, inv_freq.new_zeros(head_dim // 2 - inv_freq.shape[0])])
+
     def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), self.inv_freq)
+        positions = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, self.inv_freq)
+        scaling = self.scaling or {}
+        if scaling.get("rope_type") == "longrope":
+            long = torch.outer(positions, self._padded(rope_inv_freq(self.rotated, self.theta, scaling, long=True),
+                                                       self.inv_freq.shape[0] * 2))
+            freqs = torch.where(positions[:, None] >= scaling["original_max_position_embeddings"], long, freqs)
         emb = torch.cat([freqs, freqs], dim=-1).to(device)
-        return emb.cos(), emb.sin()
+        cos, sin = emb.cos(), emb.sin()
+        factor = scaling.get("attention_factor", 1.0) if scaling.get("rope_type") == "longrope" else 1.0
+        if factor != 1.0:
+            rotated = torch.cat([self.inv_freq != 0] * 2).to(device)
+            cos, sin = torch.where(rotated, cos * factor, cos), sin * factor
+        return cos, sin
 
     def _apply(self, fn, recurse=True):
         """Moves follow the model; dtype casts do not: the tables stay float32 (the native kernel reads them
@@ -134,6 +166,16 @@ class Rotary(nn.Module):
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x1, x2 = x[..., : self.half], x[..., self.half:]
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """A head's dims in the order Rotary rotates them as a whole head: the rotated dims' pairs (i, i + r/2)
+    moved to (j, j + D/2), the passed-through dims filling the rest. q and k are arranged so (the same order
+    for both: their dot product is unchanged)."""
+    r, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    order = [*range(r), *range(rotary_dim, rotary_dim + rest), *range(r, rotary_dim),
+             *range(rotary_dim + rest, head_dim)]
+    return torch.tensor(order, dtype=torch.int64)
 
 
 def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
@@ -217,6 +259,23 @@ class FusedLinear(QuantizableWeight):
             self.weight.data = torch.cat(dense, dim=0).to(self.weight.dtype).contiguous()
         if biases is not None and self.bias is not None:
             self.bias.data = torch.cat(biases, dim=0).to(self.bias.dtype)
+
+    def permute_rows(self, order: torch.Tensor) -> None:
+        """Rearrange the output rows (and bias): row i becomes row order[i]'s. A quantized weight's segments are
+        rearranged each within itself (`order` must keep every row in its segment)."""
+        if self.quant is not None:
+            start, parts = 0, []
+            for part in self.quant:
+                rows = order[start:start + part.shape[0]] - start
+                if rows.numel() and (rows.min() < 0 or rows.max() >= part.shape[0]):
+                    raise ValueError("a row permutation across quantized segments")
+                parts.append(part.map_rows(lambda t, rows=rows: t[rows]))
+                start += part.shape[0]
+            self.quant = parts
+        else:
+            self.weight.data = self.weight.data[order].contiguous()
+        if self.bias is not None:
+            self.bias.data = self.bias.data[order]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return linear(self, x).split(self.splits, dim=-1)

@@ -1,6 +1,7 @@
-"""The Llama layout (SmolLM2, Llama 2/3, Mistral, Qwen2/2.5, Qwen3, and the mixtures Mixtral and Qwen3-MoE):
-pre-norm, SwiGLU, GQA, RoPE; Qwen2 adds a bias to the Q, K and V projections, Qwen3 an RMSNorm over each head
-of q and k before RoPE, the mixtures a routed MLP of experts in place of the dense one (ModelConfig)."""
+"""The Llama layout (SmolLM2, Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4-mini, and the mixtures Mixtral
+and Qwen3-MoE): pre-norm, SwiGLU, GQA, RoPE; Qwen2 adds a bias to the Q, K and V projections, Qwen3 an RMSNorm
+over each head of q and k before RoPE, Phi-4-mini RoPE on part of each head (and Phi-3 LongRoPE: layers.Rotary),
+the mixtures a routed MLP of experts in place of the dense one (ModelConfig)."""
 from __future__ import annotations
 
 import torch
@@ -43,7 +44,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(CausalLM):
     def make_rotary(self) -> Rotary:
         c = self.config
-        return Rotary(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
+        return Rotary(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, c.rotary_dim)
 
     def make_layer(self, index: int) -> nn.Module:
         return LlamaDecoderLayer(self.config, index, self.rotary)

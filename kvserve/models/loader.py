@@ -18,8 +18,9 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.models import backend
 from kvserve.models.gguf_file import GGUFFile, GGUFTensor
-from kvserve.models.model_info import (LLAMA_LAYOUT, ModelInfo, ModelLoadError, config_from_gguf, model_format,
-                                       read_hf_config, tokenizer_for)
+from kvserve.models.model_info import (LLAMA_LAYOUT, ModelInfo, ModelLoadError, config_from_gguf,
+                                       longrope_attention_factor, longrope_scaling, model_format, read_hf_config,
+                                       tokenizer_for)
 from kvserve.models import quant
 from kvserve.models.quant import QuantizedMatrix
 
@@ -57,21 +58,36 @@ _GGUF_LAYER_NAMES = {
     "ffn_down_exps": "mlp.experts.{}.down_proj",
 }
 _GEMMA3_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm"}
+# Phi-3 keeps its projections fused as the checkpoint has them: QKV, and gate with up ([gate; up]) as `ffn_up`.
+_PHI3_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_LAYER_NAMES = {"gemma3": _GEMMA3_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
 
 
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's RoPE scaling as llama.cpp's converter writes it: a factor per frequency
+ROPE_LONG, ROPE_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"  # Phi-3's LongRoPE factors
+CONFIG_TENSORS = (ROPE_FREQS, ROPE_LONG, ROPE_SHORT)  # read into the config, not weights
 
 
 def gguf_config(file: GGUFFile) -> ModelConfig:
-    """The file's config: its metadata's, with a `rope_freqs` tensor's factors as its RoPE scaling."""
+    """The file's config: its metadata's, with a `rope_freqs` tensor's factors (Llama 3.1) or the long and
+    short factors (Phi-3's LongRoPE) as its RoPE scaling."""
     config = config_from_gguf(file.metadata)
-    freqs = next((t for t in file.tensors if t.name == ROPE_FREQS), None)
-    if freqs is not None:
-        factors = tuple(float(f) for f in _dequantize(file, freqs).reshape(-1))
-        if len(factors) != config.head_dim // 2:
-            raise ModelLoadError(f"{ROPE_FREQS} has {len(factors)} factors; head_dim {config.head_dim} needs "
-                                 f"{config.head_dim // 2}")
-        config = replace(config, rope_scaling={"rope_type": "factors", "factors": factors})
+    found = {t.name: tuple(float(f) for f in _dequantize(file, t).reshape(-1)) for t in file.tensors
+             if t.name in CONFIG_TENSORS}
+    rotated = (config.rotary_dim or config.head_dim) // 2
+    for name, factors in found.items():
+        if len(factors) != rotated:
+            raise ModelLoadError(f"{name} has {len(factors)} factors; {rotated} rotated frequencies need as many")
+    if ROPE_FREQS in found:
+        config = replace(config, rope_scaling={"rope_type": "factors", "factors": found[ROPE_FREQS]})
+    elif ROPE_LONG in found and ROPE_SHORT in found:
+        meta, arch = file.metadata, config.architecture
+        original = int(meta.get(f"{arch}.rope.scaling.original_context_length") or config.max_position_embeddings)
+        factor = meta.get(f"{arch}.rope.scaling.attn_factor")
+        config = replace(config, rope_scaling=longrope_scaling(
+            found[ROPE_SHORT], found[ROPE_LONG], original,
+            float(factor) if factor is not None else longrope_attention_factor(
+                config.max_position_embeddings / original, original)))
     return config
 
 
@@ -85,7 +101,7 @@ def hf_name_for_gguf(name: str, arch: str) -> str:
     parts = name.split(".")
     if parts[0] != "blk" or len(parts) != 4:
         raise ModelLoadError(f"unexpected GGUF tensor name {name!r}")
-    table = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
+    table = _LAYER_NAMES.get(arch, _GGUF_LAYER_NAMES)
     if parts[2] not in table:
         raise ModelLoadError(f"unexpected GGUF tensor name {name!r}")
     return f"model.layers.{parts[1]}.{table[parts[2]]}.{parts[3]}"
@@ -174,7 +190,7 @@ def load_gguf(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype
 
     try:
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-            tensors = dict(pair for pairs in pool.map(convert, [t for t in file.tensors if t.name != ROPE_FREQS])
+            tensors = dict(pair for pairs in pool.map(convert, [t for t in file.tensors if t.name not in CONFIG_TENSORS])
                            for pair in pairs)
     finally:
         file.close()
@@ -259,7 +275,7 @@ def checkpoint_header(path: str | os.PathLike) -> tuple[ModelConfig, set[str]]:
     file = GGUFFile(path)
     try:
         config = gguf_config(file)
-        names = {e for t in file.tensors if t.name != ROPE_FREQS
+        names = {e for t in file.tensors if t.name not in CONFIG_TENSORS
                  for e in expert_names(hf_name_for_gguf(t.name, config.architecture), config.num_experts)}
     finally:
         file.close()

@@ -5,6 +5,7 @@ and the loader builds on them.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,18 +14,20 @@ from kvserve.config import ModelConfig
 from kvserve.models.gguf_file import read_gguf_metadata
 from kvserve.models.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma3")
 # The Llama layout and its variants (models/llama.py): what each adds to Llama's layer.
 LLAMA_LAYOUT = {"llama": {}, "qwen2": {"attention_bias": True}, "qwen3": {"qk_norm": True},
-                "qwen3moe": {"qk_norm": True}}
+                "qwen3moe": {"qk_norm": True}, "phi3": {}}
 _HF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
             "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama",
+            "Phi3ForCausalLM": "phi3",
             "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3"}
 _HF_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                  "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3",
+                  "qwen3_moe": "qwen3moe", "phi3": "phi3", "gemma3_text": "gemma3",
                   "gemma3": "gemma3"}
 # Default RoPE bases where a file leaves them out (transformers' defaults; real files carry theirs).
-_DEFAULT_THETA = {"llama": 10000.0, "qwen2": 10000.0, "qwen3": 10000.0, "qwen3moe": 10000.0, "gemma3": 1_000_000.0}
+_DEFAULT_THETA = {"llama": 10000.0, "qwen2": 10000.0, "qwen3": 10000.0, "qwen3moe": 10000.0, "phi3": 10000.0,
+                  "gemma3": 1_000_000.0}
 
 
 class ModelLoadError(RuntimeError):
@@ -52,7 +55,8 @@ def config_from_gguf(meta: dict) -> ModelConfig:
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", 0) or get("rope.dimension_count", 0) or hidden // heads)
+    rope_dims = int(get("rope.dimension_count", 0) or 0)  # Phi-3's: the rotated dims of a head (partial rotary)
+    head_dim = int(get("attention.key_length", 0) or (rope_dims if arch != "phi3" else 0) or hidden // heads)
     vocab = int(get("vocab_size", 0) or 0)
     common = dict(
         architecture=arch, hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
@@ -70,7 +74,9 @@ def config_from_gguf(meta: dict) -> ModelConfig:
         moe = dict(num_experts=experts, experts_per_token=int(get("expert_used_count", 0) or 0),
                    moe_intermediate_size=int(get("expert_feed_forward_length", 0) or get("feed_forward_length")),
                    norm_topk_prob=bool(get("expert_weights_norm", True))) if experts else {}
-        return ModelConfig(sliding_window=int(window) if window else None, **LLAMA_LAYOUT[arch], **moe, **common)
+        return ModelConfig(sliding_window=int(window) if window else None,
+                           rotary_dim=rope_dims if 0 < rope_dims < head_dim else None, **LLAMA_LAYOUT[arch], **moe,
+                           **common)
     # Gemma 3: the local RoPE base and the 5:1 layer pattern are not stored in the GGUF; these are
     # Gemma 3's fixed values (the same defaults transformers fills in).
     return ModelConfig(rope_local_theta=10000.0, sliding_window=int(get("attention.sliding_window", 512)),
@@ -78,12 +84,38 @@ def config_from_gguf(meta: dict) -> ModelConfig:
 
 
 def _hf_rope_scaling(cfg: dict) -> dict | None:
-    """`rope_scaling` (older config.json files) or a non-default `rope_parameters` (transformers 5's)."""
+    """`rope_scaling` (older config.json files) or a non-default `rope_parameters` (transformers 5's); LongRoPE
+    (Phi-3's "su"/"longrope") as `longrope_scaling` writes it."""
     scaling = cfg.get("rope_scaling")
     params = cfg.get("rope_parameters") or {}
     if scaling is None and params.get("rope_type", "default") != "default":
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    if scaling and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
+        original = scaling.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+        factor = scaling.get("factor") or cfg.get("max_position_embeddings", original) / original
+        return longrope_scaling(scaling["short_factor"], scaling["long_factor"], original,
+                                scaling.get("attention_factor") or longrope_attention_factor(factor, original))
     return scaling
+
+
+def longrope_attention_factor(factor: float, original: int) -> float:
+    """LongRoPE's scale on cos and sin, from the context's growth (max / original positions), as Phi-3's
+    reference and llama.cpp's converter compute it."""
+    return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+
+
+def longrope_scaling(short, long, original: int, attention_factor: float) -> dict:
+    """LongRoPE (Phi-3, Phi-4-mini): a factor per frequency, `short` below `original` positions and `long`
+    from there on (models/layers.Rotary), cos and sin scaled by `attention_factor`."""
+    return {"rope_type": "longrope", "short_factor": tuple(float(f) for f in short),
+            "long_factor": tuple(float(f) for f in long), "original_max_position_embeddings": int(original),
+            "attention_factor": float(attention_factor)}
+
+
+def _hf_rotary_dim(cfg: dict, head_dim: int) -> int | None:
+    """Partial rotary (Phi-4-mini's partial_rotary_factor, top level or in rope_parameters): the rotated dims."""
+    factor = cfg.get("partial_rotary_factor") or (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+    return int(head_dim * factor) if factor < 1.0 else None
 
 
 def _hf_moe(cfg: dict, arch: str) -> dict:
@@ -136,7 +168,7 @@ def config_from_hf(cfg: dict) -> ModelConfig:
                 raise ModelLoadError("Qwen's use_sliding_window (a window on the upper layers only) is not supported")
             window = None
         return ModelConfig(rope_theta=theta, rope_scaling=_hf_rope_scaling(cfg), sliding_window=window,
-                           **variant, **_hf_moe(cfg, arch), **common)
+                           rotary_dim=_hf_rotary_dim(cfg, head_dim), **variant, **_hf_moe(cfg, arch), **common)
     global_theta = cfg.get("rope_theta") or rope_params.get("full_attention", {}).get("rope_theta", 1_000_000.0)
     local_theta = cfg.get("rope_local_base_freq") or rope_params.get("sliding_attention", {}).get(
         "rope_theta", 10000.0)

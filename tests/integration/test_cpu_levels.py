@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LEVEL_TESTS = {
     "kernels": ["tests/unit/test_cpu_kernels.py", "tests/unit/test_quant_kernels.py", "tests/unit/test_quant_model.py",
                 "tests/unit/test_kv_int8.py", "tests/unit/test_native_decoder.py", "tests/unit/test_engine_tiny.py",
-                "tests/unit/test_model_parity_tiny.py", "tests/unit/test_sampler.py"],
+                "tests/unit/test_model_parity_tiny.py", "tests/unit/test_model_families.py", "tests/unit/test_sampler.py"],
     "engine": ["tests/integration/test_engine.py", "tests/integration/test_batch_invariance.py"],
 }
 

@@ -123,16 +123,19 @@ def test_bytes_a_decode_step_reads(tmp_path):
     import numpy as np
 
     log = tmp_path / "server.log"
-    log.write_text("2026 INFO kvserve.engine.worker.llm_engine: llama-1b-q4_k_m weights: int4+int8, 0.79 GB held "
-                   "(112 Q4_K as int4, 33 Q6_K requantized to int8)\n")
-    assert T.KvserveTarget().weights_read(log) == {
-        "weights_form": "int4+int8", "bytes_per_token": 0.79e9,
+    log.write_text("2026 INFO kvserve.engine.worker.llm_engine: llama-1b-q4_k_m weights: int4+int8, 4.88 GB held, "
+                   "0.60 GB read per token (112 Q4_K as int4, 33 Q6_K requantized to int8)\n")
+    assert T.KvserveTarget().weights_read(log) == {  # a mixture's: its unused experts are held, not read
+        "weights_form": "int4+int8", "bytes_per_token": 0.60e9,
         "weights_detail": "112 Q4_K as int4, 33 Q6_K requantized to int8"}
     log.write_text("no load line yet\n")
     assert T.KvserveTarget().weights_read(log) == {}
 
-    def write(path, names):
+    def write(path, names, experts=0):
         w = gguf.GGUFWriter(str(path), "llama")
+        if experts:
+            w.add_expert_count(experts)
+            w.add_expert_used_count(2)
         for name in names:
             w.add_tensor(name, np.zeros((4, 32), dtype=np.float32))
         w.write_header_to_file()
@@ -145,6 +148,8 @@ def test_bytes_a_decode_step_reads(tmp_path):
     untied = write(tmp_path / "untied.gguf", ["token_embd.weight", "blk.0.ffn_up.weight", "output.weight"])
     assert T.gguf_bytes_per_token(tied) == 2 * 4 * 32 * 4
     assert T.gguf_bytes_per_token(untied) == 2 * 4 * 32 * 4
+    moe = write(tmp_path / "moe.gguf", ["token_embd.weight", "blk.0.ffn_up_exps.weight"], experts=8)
+    assert T.gguf_bytes_per_token(moe) == 4 * 32 * 4 + 4 * 32 * 4 * 2 // 8  # of the stacked experts, 2 of 8
 
 
 def test_vllm_server_command(tmp_path, monkeypatch):

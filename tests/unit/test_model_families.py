@@ -47,11 +47,16 @@ def test_both_files_read_as_the_family(family):
     assert hf.num_experts == gg.num_experts == (0 if name not in MOE_FAMILIES else 8 if name == "qwen3moe" else 4)
     for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
                   "tie_word_embeddings", "sliding_window", "rms_norm_eps", "experts_per_token",
-                  "moe_intermediate_size", "norm_topk_prob", "dense_layers"):
+                  "moe_intermediate_size", "norm_topk_prob", "dense_layers", "rotary_dim"):
         assert getattr(hf, field) == getattr(gg, field), field
+    assert hf.rotary_dim == (12 if name == "phi4mini" else None)
     assert hf.rope_theta == gg.rope_theta == model.config.rope_parameters["rope_theta"]
-    assert (hf.rope_scaling or {}).get("rope_type") == ("llama3" if name == "llama3.1" else None)
-    assert (gg.rope_scaling or {}).get("rope_type") == ("factors" if name == "llama3.1" else None)
+    assert (hf.rope_scaling or {}).get("rope_type") == {"llama3.1": "llama3", "phi4mini": "longrope"}.get(name)
+    assert (gg.rope_scaling or {}).get("rope_type") == {"llama3.1": "factors", "phi4mini": "longrope"}.get(name)
+    if name == "phi4mini":  # the same LongRoPE from config.json and from the GGUF's tensors and keys
+        for key in ("short_factor", "long_factor", "original_max_position_embeddings", "attention_factor"):
+            assert hf.rope_scaling[key] == pytest.approx(gg.rope_scaling[key], rel=1e-6), key
+        assert hf.rope_scaling["attention_factor"] > 1.0
     assert read_model_info(gguf32).config.architecture == gg.architecture  # a gateway reads it without weights
 
 
@@ -158,3 +163,28 @@ def test_qwen3_moe_dense_layers_from_the_config(tmp_path, smollm2_gguf_path):
     h = PagedHarness(ck)
     ids = _prompt(40, 7)
     assert rel_err(h.prefill(ids, h.new_table(len(ids))), reference_logits(model, ids)) <= TOL
+
+
+# ---- Phi-3 / Phi-4-mini: partial rotary and LongRoPE ------------------------------------------------------
+
+def test_longrope_tables_are_transformers_on_both_sides_of_the_original_context():
+    """Our rotary table (positions below the original context: short factors; from it on: long factors; cos
+    and sin of the rotated dims scaled) against transformers' Phi-3 rotary embedding at those positions, its
+    rotated dims at their columns (layers.partial_rotary_order) and the passed-through columns cos 1, sin 0."""
+    import transformers
+
+    from kvserve.models.layers import Rotary
+    from kvserve.models.model_info import config_from_hf
+
+    hf_config = tiny_model("phi4mini").config
+    ours = config_from_hf({**hf_config.to_dict(), "architectures": ["Phi3ForCausalLM"]})
+    rotary = Rotary(ours.head_dim, ours.max_position_embeddings, ours.rope_theta, ours.rope_scaling, ours.rotary_dim)
+    reference = transformers.models.phi3.modeling_phi3.Phi3RotaryEmbedding(hf_config)
+    r, half = ours.rotary_dim // 2, ours.head_dim // 2
+    for positions in (torch.arange(0, 200), torch.arange(256, 500)):  # short, then long (as a longer sequence's)
+        cos, sin = reference(torch.zeros(1, dtype=torch.float32), positions[None])
+        for table, want in ((rotary.cos, cos[0]), (rotary.sin, sin[0])):
+            rows = table[positions]
+            torch.testing.assert_close(rows[:, :r], want[:, :r], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(rows[:, half:half + r], want[:, r:2 * r], rtol=1e-5, atol=1e-6)
+        assert torch.all(rotary.cos[positions][:, r:half] == 1) and torch.all(rotary.sin[positions][:, r:half] == 0)

@@ -136,8 +136,9 @@ class LLMEngine:
         forms = checkpoint.forms
         model = build_model(checkpoint, self.plan, max_positions=self.max_model_len, consume=True,
                             attention_window=config.sinks_window)
-        log.info("%s weights: %s, %.2f GB held (%s); quantized matrices multiply %s activations", self.model_id,
-                 self.weights, model.weight_bytes() / 1e9, describe_forms(forms), self.plan.activations)
+        log.info("%s weights: %s, %.2f GB held, %.2f GB read per token (%s); quantized matrices multiply %s "
+                 "activations", self.model_id, self.weights, model.weight_bytes() / 1e9,
+                 model.token_weight_bytes() / 1e9, describe_forms(forms), self.plan.activations)
         return ModelRunner(model, self.model_config, num_blocks, num_host_blocks, config.cache.block_size,
                            self.dtype, self.device, kv_int8=self.kv_int8,
                            eos_token_ids=self.tokenizer.eos_token_ids, layout=self.kv_layout)
