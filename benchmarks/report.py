@@ -970,6 +970,31 @@ def summary_rows(text: str, source: str) -> list[list[str]]:
     return out
 
 
+MODELS_HEADING = "### Larger models"
+
+
+def models_sections(text: str) -> list[str]:
+    """A Larger models page's sections, one per suite session that rendered into it."""
+    sections: list[list[str]] = []
+    for line in text.splitlines():
+        if line.startswith(MODELS_HEADING) or not sections:
+            sections.append([])
+        sections[-1].append(line)
+    return ["\n".join(s).strip() + "\n" for s in sections if "".join(s).strip()]
+
+
+def merge_models_page(old: str, new: str, models: list[str]) -> str:
+    """The page with `new` (a session's section for `models`) in place of the sections that measured any of those
+    models, the other sessions' sections kept: shapes are run in sessions of their own (a shape at a time fits
+    the machine), and each keeps its figures until its shapes are run again."""
+    def measured(section: str) -> set[str]:
+        return {part.split(":")[0].strip() for line in section.splitlines() if line.startswith("# ")
+                for part in line[2:].split("; ")} & set(models)  # its Commands' `# <model>: <file>; ...` lines
+
+    kept = [s for s in models_sections(old) if not measured(s)]
+    return "\n".join(kept + [new.strip() + "\n"])
+
+
 def session_of(text: str) -> str:
     start = text.find("suite session `")
     return text[start:].split("`")[1] if start >= 0 else "?"
@@ -990,8 +1015,10 @@ def summary(plots_dir: Path) -> str:
            "hold the detail."]
     for kind, label in CPU_KINDS.items():
         out += ["", f"**{label}**", ""]
-        pages = [(plots_dir / "cpu" / f"{kind}{suffix}.md") for suffix in ("", "-models")]
-        texts = [(p.read_text(), None) for p in pages if p.exists()] + extra.get(kind, [])
+        page, models = plots_dir / "cpu" / f"{kind}.md", plots_dir / "cpu" / f"{kind}-models.md"
+        texts = ([(page.read_text(), None)] if page.exists() else []) + \
+            ([(section, None) for section in models_sections(models.read_text())] if models.exists() else []) + \
+            extra.get(kind, [])
         if not texts:
             out.append("No measurement on this kind yet.")
             continue
@@ -1096,7 +1123,8 @@ def render(a: argparse.Namespace) -> int:
         (Path(a.plots) / "cpu" / f"{kind}.md").write_text(page)
     if session.models():
         page = LargerModels(session, kind_dir, Path(a.markdown)).render()
-        (Path(a.plots) / "cpu" / f"{kind}-models.md").write_text(page)
+        path = Path(a.plots) / "cpu" / f"{kind}-models.md"
+        path.write_text(merge_models_page(path.read_text() if path.exists() else "", page, session.models()))
     for extra in ("profile", "quality"):  # the session's own pages (Suite.kind_pages) replace the kind's
         if (root / f"{extra}.md").exists():
             (Path(a.plots) / "cpu" / f"{kind}-{extra}.md").write_text((root / f"{extra}.md").read_text())

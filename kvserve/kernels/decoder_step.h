@@ -84,21 +84,26 @@ struct LayerParams {
   int64_t num_experts;
 };
 
-// A token's experts (models/moe.route): the fp32 router logits' softmax, its top k (ties to the lower
-// expert), renormalised over the k where `normalize`; written in ascending expert order, the order the
-// token's weighted outputs are summed in. `logits`: E floats of scratch, `xf`: hidden floats.
-inline void route_row(const bf16* x, int64_t hidden, const float* router, int64_t experts, int64_t k,
-                      bool normalize, int32_t* ids, float* weights, float* logits, float* xf) {
+// A token's router logits for experts [e0, e1): fp32 dot products of its row with the router's rows. (The
+// step's (token, expert range) tasks share the router's reads across threads, whatever the token count.)
+inline void router_logits(const bf16* x, int64_t hidden, const float* router, int64_t e0, int64_t e1, float* logits,
+                          float* xf) {
   for (int64_t h = 0; h < hidden; ++h) xf[h] = to_float(x[h]);
-  float top = -INFINITY;
-  for (int64_t e = 0; e < experts; ++e) {
+  for (int64_t e = e0; e < e1; ++e) {
     const float* w = router + e * hidden;
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
     for (int64_t h = 0; h < hidden; ++h) dot += xf[h] * w[h];
     logits[e] = dot;
-    top = std::max(top, dot);
   }
+}
+
+// A token's experts (models/moe.route) from its logits (overwritten): their softmax, its top k (ties to the
+// lower expert), renormalised over the k where `normalize`; written in ascending expert order, the order the
+// token's weighted outputs are summed in.
+inline void route_row(float* logits, int64_t experts, int64_t k, bool normalize, int32_t* ids, float* weights) {
+  float top = -INFINITY;
+  for (int64_t e = 0; e < experts; ++e) top = std::max(top, logits[e]);
   float sum = 0.0f;
   for (int64_t e = 0; e < experts; ++e) sum += (logits[e] = std::exp(logits[e] - top));
   float chosen = 0.0f;
@@ -153,7 +158,7 @@ inline int64_t decoder_forward(const ModelParams* mp, const LayerParams* layers,
   for (int64_t l = first_layer; l < p.num_layers; ++l) max_experts = std::max(max_experts, layers[l].num_experts);
   const int64_t top_k = max_experts > 0 ? p.experts_per_token : 0, routed = m * top_k, einter = p.expert_inter;
   std::vector<int32_t> route_ids(routed), order(routed), where(routed);
-  std::vector<float> route_weights(routed);
+  std::vector<float> route_weights(routed), route_logits(m * max_experts);
   std::vector<int64_t> expert_start(max_experts + 1);
   std::vector<bf16> routed_x(routed * hidden), routed_act(routed * einter), routed_out(routed * hidden);
   bf16* const residual = state == nullptr ? own_state.data() : static_cast<bf16*>(state);  // the stream
@@ -212,7 +217,7 @@ inline int64_t decoder_forward(const ModelParams* mp, const LayerParams* layers,
     std::vector<float> scores;
     std::vector<bf16> probs;
     Scratch scratch;
-    std::vector<float> expert_logits(max_experts), row_f32(max_experts > 0 ? hidden : 0);
+    std::vector<float> row_f32(max_experts > 0 ? hidden : 0);
     // Profiling: the master adds each phase's wall time as it leaves the phase's closing barrier.
     const bool clock = p.phase_seconds != nullptr && omp_get_thread_num() == 0;
     double last = clock ? omp_get_wtime() : 0.0;
@@ -332,11 +337,17 @@ inline int64_t decoder_forward(const ModelParams* mp, const LayerParams* layers,
       } else {
         // Route each token, group the step's (token, choice) slots by expert (tokens in order within an
         // expert), then run each chosen expert once over its rows: a step reads only the experts it chose.
-        const int64_t E = L.num_experts;
+        const int64_t E = L.num_experts, per_task = 16, tasks = (E + per_task - 1) / per_task;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < m * tasks; ++t) {
+          const int64_t i = t / tasks, e0 = (t % tasks) * per_task;
+          router_logits(x.data() + i * hidden, hidden, L.router, e0, std::min(E, e0 + per_task),
+                        route_logits.data() + i * E, row_f32.data());
+        }
 #pragma omp for schedule(dynamic, 4)
         for (int64_t i = 0; i < m; ++i)
-          route_row(x.data() + i * hidden, hidden, L.router, E, top_k, p.norm_topk != 0, route_ids.data() + i * top_k,
-                    route_weights.data() + i * top_k, expert_logits.data(), row_f32.data());
+          route_row(route_logits.data() + i * E, E, top_k, p.norm_topk != 0, route_ids.data() + i * top_k,
+                    route_weights.data() + i * top_k);
 #pragma omp single
         {
           std::fill(expert_start.begin(), expert_start.begin() + E + 1, 0);
@@ -352,20 +363,15 @@ inline int64_t decoder_forward(const ModelParams* mp, const LayerParams* layers,
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < routed; ++g)
           std::memcpy(routed_x.data() + g * hidden, x.data() + (order[g] / top_k) * hidden, hidden * sizeof(bf16));
-        for (int64_t e = 0; e < E; ++e) {
-          const int64_t g0 = expert_start[e], rows = expert_start[e + 1] - g0;
-          if (rows > 0)
-            gemm(routed_x.data() + g0 * hidden, rows, hidden, L.expert_gate_up[e], 2 * einter / 16, ts,
-                 GatedTiles{routed_act.data() + g0 * einter, einter, static_cast<int>(p.act)});
-        }
+        const int64_t* const starts = expert_start.data();
+        gemm_grouped(routed_x.data(), hidden, E, starts, L.expert_gate_up, 2 * einter / 16, ts, [&](int64_t e) {
+          return GatedTiles{routed_act.data() + starts[e] * einter, einter, static_cast<int>(p.act)};
+        });
         mark(6);
         read_stop();
-        for (int64_t e = 0; e < E; ++e) {
-          const int64_t g0 = expert_start[e], rows = expert_start[e + 1] - g0;
-          if (rows > 0)
-            gemm(routed_act.data() + g0 * einter, rows, einter, L.expert_down[e], hidden / 16, ts,
-                 StoreTiles<bf16>{routed_out.data() + g0 * hidden, hidden});
-        }
+        gemm_grouped(routed_act.data(), einter, E, starts, L.expert_down, hidden / 16, ts, [&](int64_t e) {
+          return StoreTiles<bf16>{routed_out.data() + starts[e] * hidden, hidden};
+        });
         // Each token's weighted expert outputs, summed in fp32 in ascending expert order, rounded once.
 #pragma omp for schedule(dynamic, 4)
         for (int64_t i = 0; i < m; ++i) {

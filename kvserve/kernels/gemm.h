@@ -34,6 +34,31 @@ void gemm(const bf16* a, int64_t m, int64_t k, const QWeight& w, int64_t nblocks
   gemm_one(a, m, k, w.tail, w.tail_bits, nblocks - w.tail_from, ts, shifted);
 }
 
+// A mixture's experts: a GEMM per group g over rows [start[g], start[g + 1]) of `a` with weight w[g] and the
+// epilogue epi_for(g). Where every group is decode-sized and multiplies 8-bit activations with weights of one
+// kind, one pass runs them all (gemm_quant_int8_grouped); else one GEMM a group. Either way, the same bits.
+template <typename EpiFor>
+void gemm_grouped(const bf16* a, int64_t k, int64_t groups, const int64_t* start, const QWeight* w, int64_t nblocks,
+                  TileState& ts, EpiFor&& epi_for) {
+#if defined(__AVX512BF16__)
+  bool one_pass = ts.int8_acts;
+  for (int64_t g = 0; g < groups && one_pass; ++g)
+    one_pass = start[g + 1] - start[g] <= kQuantDirectRows && w[g].tail == nullptr && w[g].bits == w[0].bits;
+  if (one_pass) {
+    switch (w[0].bits) {
+      case 4: return gemm_quant_int8_grouped<4>(a, k, groups, start, w, nblocks, epi_for);
+      case 6: return gemm_quant_int8_grouped<6>(a, k, groups, start, w, nblocks, epi_for);
+      case 8: return gemm_quant_int8_grouped<8>(a, k, groups, start, w, nblocks, epi_for);
+      case 4 | kSuperBits: return gemm_quant_int8_grouped<4 | kSuperBits>(a, k, groups, start, w, nblocks, epi_for);
+      case 6 | kSuperBits: return gemm_quant_int8_grouped<6 | kSuperBits>(a, k, groups, start, w, nblocks, epi_for);
+      default: break;  // bf16 weights: a GEMM a group
+    }
+  }
+#endif
+  for (int64_t g = 0; g < groups; ++g)
+    if (start[g + 1] > start[g]) gemm(a + start[g] * k, start[g + 1] - start[g], k, w[g], nblocks, ts, epi_for(g));
+}
+
 // Epilogue: out [m, n] = the sums, rounded to bf16 (Out: bf16, or float widened back from bf16).
 template <typename Out>
 struct StoreTiles {

@@ -5,6 +5,7 @@
 #include "gemm_bf16.h"
 #include "gemm_quant_layout.h"
 
+#include <array>
 #include <limits>
 
 namespace {
@@ -475,6 +476,34 @@ void gemm_quant_int8(const bf16* a, int64_t m, int64_t k, const uint8_t* w, int6
         epi(r, nb0, two, 0, rows, c[0], c[1]);
       }
     }
+}
+
+// A mixture's experts on 8-bit activations, each a decode-sized GEMM (up to kQuantDirectRows rows) over its
+// rows [start[g], start[g + 1]) of `a` and its weight w[g] (all of kind Bits, no tail): every row quantized in
+// one pass, and one worksharing loop over every expert's tasks, so a step of many small GEMMs waits at one
+// barrier, not at three per expert. The same products as gemm_quant_int8's (the same bits).
+template <int Bits, typename EpiFor>
+void gemm_quant_int8_grouped(const bf16* a, int64_t k, int64_t groups, const int64_t* start, const QWeight* w,
+                             int64_t nblocks, EpiFor& epi_for) {
+  const int64_t chunks = k / 32, block_bytes = quant_block_bytes(Bits, chunks);
+  const Int8Acts acts = quantize_rows8(a, start[groups], k);
+  static thread_local std::vector<std::array<int64_t, 2>> tasks;  // (group, first block): each thread's the same
+  tasks.clear();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t rows = start[g + 1] - start[g], per_task = rows == 1 ? 4 : 2;
+    for (int64_t nb0 = 0; rows > 0 && nb0 < nblocks; nb0 += per_task) tasks.push_back({g, nb0});
+  }
+  alignas(64) float c[4][kQuantDirectRows * 16];
+#pragma omp for schedule(dynamic, 1)
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    const int64_t g = tasks[t][0], nb0 = tasks[t][1], rows = start[g + 1] - start[g];
+    const int blocks = static_cast<int>(std::min<int64_t>(rows == 1 ? 4 : 2, nblocks - nb0));
+    int8_rows<kQuantDirectRows, 4, Bits>(static_cast<int>(rows), blocks, acts, start[g], k, chunks,
+                                         static_cast<const uint8_t*>(w[g].data) + nb0 * block_bytes, block_bytes,
+                                         c[0], kQuantDirectRows * 16);
+    auto epi = epi_for(g);
+    for (int j = 0; j < blocks; j += 2) epi(0, nb0 + j, j + 1 < blocks, 0, static_cast<int>(rows), c[j], c[j + 1]);
+  }
 }
 
 // Steps of up to kQuantDirectRows rows multiply the values as read (quant_block); longer ones widen each

@@ -446,3 +446,19 @@ def test_a_kind_with_only_shapes_still_gets_its_heading(tmp_path):
     (tmp_path / "cpu" / "avx512-models.md").write_text("### Larger models: x\n")
     md = report.assemble(tmp_path)
     assert md.index(f"## {report.CPU_KINDS['avx512']}") < md.index("### Larger models: x")
+
+
+def test_larger_models_page_keeps_other_sessions_sections():
+    """A session's Larger models section replaces the sections that measured its shapes; the others stay, and
+    the summary reads each section with its own session."""
+    from benchmarks import report
+
+    def section(session: str, models: list[str]) -> str:
+        return (f"### Larger models: {session} shapes\n\nFrom the suite session `{session}` (started x).\n\n"
+                "#### Commands\n\n```bash\n# " + "; ".join(f"{m}: /tmp/{m}.gguf" for m in models) + "\n```\n")
+
+    page = report.merge_models_page("", section("a", ["llama-1b.Q4_K_M", "llama-8b.Q4_K_M"]), ["llama-1b.Q4_K_M"])
+    page = report.merge_models_page(page, section("b", ["qwen3-1.7b.Q4_K_M"]), ["qwen3-1.7b.Q4_K_M"])
+    assert [report.session_of(s) for s in report.models_sections(page)] == ["a", "b"]
+    page = report.merge_models_page(page, section("c", ["llama-8b.Q4_K_M"]), ["llama-8b.Q4_K_M"])  # a's shape again
+    assert [report.session_of(s) for s in report.models_sections(page)] == ["b", "c"]
