@@ -45,6 +45,7 @@ TORCH_FREE = [
     "kvserve.planning.roofline", "kvserve.planning.memory", "kvserve.planning.search", "kvserve.planning.simulator",
     "kvserve.planning.long_context",
     "kvserve.service.region_routing", "kvserve.metering.escrow",
+    "kvserve.service.tool_formats", "kvserve.service.reasoning",
 ]
 
 # The engine's rooms and the modules the rooms build on, lowest first: each may load only those of lower rank (its
