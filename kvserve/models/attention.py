@@ -11,12 +11,14 @@ attended in one batched gather + matmul over their block tables; each prefill ch
 over its gathered context (a handful per step, never a per-token loop).
 
 On the CPU, decode attention and the K/V writes go through the native kernels of
-`kvserve.kernels.cpu` when the model's backend has them (they read the cache through the block tables
-in place instead of gathering a dense copy per layer); the torch code below is the reference and the
-fallback.
+`kvserve.kernels.cpu` when the model's backend has them, and on CUDA decode attention goes through Triton's
+paged kernel (`kvserve.kernels.triton_attention`): both read the cache through the block tables in place
+instead of gathering a dense copy per layer; the torch code below is the reference and the fallback.
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -121,13 +123,33 @@ def _decode_mask(meta: AttentionMetadata, num_keys: int, key_offset: int, window
 
 def _decode_attention(native: "cpu_kernels.NativeKernels | None", query: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                      window: int | None, sinks: int = 0) -> torch.Tensor:
-    """The decodes' attention [D, Hq, hd], by the native kernel or by the torch reference (with sinks, which the
-    native kernel does not attend to)."""
+                      window: int | None, sinks: int = 0, kernels: str = "auto") -> torch.Tensor:
+    """The decodes' attention [D, Hq, hd]: the native CPU kernel (without sinks, which it does not attend to),
+    Triton's (`_triton_serves`), else the torch reference."""
     if native is not None and not sinks:
         return native.decode_attention(query[:meta.num_decode_tokens], key_cache, value_cache,
                                        meta.decode_block_tables, meta.decode_context_lens, scale, window)
+    if _triton_serves(query, key_cache, kernels):
+        from kvserve.kernels.triton_attention import paged_decode_attention
+
+        return paged_decode_attention(query[:meta.num_decode_tokens], key_cache, value_cache,
+                                      meta.decode_block_tables, meta.decode_context_lens, scale, window, sinks,
+                                      max_context=meta.decode_max_context)
     return _decode_attention_torch(query, key_cache, value_cache, meta, scale, window, sinks)
+
+
+def _triton_serves(query: torch.Tensor, key_cache: torch.Tensor, kernels: str) -> bool:
+    """Triton's paged kernels (kernels/triton_attention.py) serve: on CUDA, or anywhere asked for (Backend.attention:
+    "triton"), where Triton is installed (torch's CUDA builds ship it), the cache holds floats and its pages are a
+    power of two."""
+    page = key_cache.shape[2]
+    wanted = kernels == "triton" or (kernels == "auto" and query.device.type == "cuda")
+    return wanted and _triton_installed() and not kv_quant.is_quantized(key_cache) and page & (page - 1) == 0
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def _decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -190,12 +212,14 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, sliding_window: int | None = None, kv_written: bool = False,
-                    native: "cpu_kernels.NativeKernels | None" = None, sinks: int = 0) -> torch.Tensor:
+                    native: "cpu_kernels.NativeKernels | None" = None, sinks: int = 0,
+                    kernels: str = "auto") -> torch.Tensor:
     """query [T, Hq, D], key/value [T, Hkv, D] (this step's new tokens) -> output [T, Hq, D].
 
     Writes the new K/V into the cache first (unless the caller's fused kernel did: `kv_written`), then
     attends through the block tables: with `native` (the model's backend: contiguous CPU caches in the
-    model's dtype), the writes and the decodes' attention run in the native kernels, else in torch.
+    model's dtype), the writes and the decodes' attention run in the native kernels; `kernels`
+    (Backend.attention) says where Triton's serve; else torch's reference.
     """
     if not kv_written:
         if native is not None:
@@ -204,10 +228,16 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             write_kv(key_cache, value_cache, key, value, meta.slot_mapping)
     d = meta.num_decode_tokens
     if d and not meta.prefills:
-        return _decode_attention(native, query, key_cache, value_cache, meta, scale, sliding_window, sinks)
+        return _decode_attention(native, query, key_cache, value_cache, meta, scale, sliding_window, sinks, kernels)
     out = torch.empty_like(query)
     if d:
-        out[:d] = _decode_attention(native, query, key_cache, value_cache, meta, scale, sliding_window, sinks)
+        out[:d] = _decode_attention(native, query, key_cache, value_cache, meta, scale, sliding_window, sinks,
+                                    kernels)
+    if _triton_serves(query, key_cache, kernels):  # every chunk in one launch
+        from kvserve.kernels.triton_attention import paged_prefill_attention
+
+        return paged_prefill_attention(query, key_cache, value_cache, meta.prefills, scale, sliding_window, sinks,
+                                       out=out)
     for chunk in meta.prefills:
         o = _prefill_attention(query, key, value, key_cache, value_cache, chunk, scale, sliding_window, sinks)
         out[chunk.query_start:chunk.query_start + chunk.query_len] = o.transpose(0, 1)

@@ -35,6 +35,10 @@ class Backend:
     native: cpu_kernels.NativeKernels | None = None  # the per-op CPU kernels, where they serve
     invariant: bool = False  # batch-invariant numerics in force (Plan.numerics, on the fused decoder's path)
     int8_activations: bool = False  # quantized matrices multiply 8-bit activations (Plan.activations)
+    # Paged attention's kernels off the CPU kernels' path (models/attention.py): "auto" (Triton's on CUDA where
+    # they take the cache), "triton" (also on the CPU, in Triton's interpreter: tests, the device check's smoke
+    # run) or "torch" (the reference).
+    attention: str = "auto"
 
 
 TORCH = Backend("torch")  # a layer's path until a built model hands it its own (unit tests of single layers)

@@ -397,7 +397,7 @@ class SelfAttention(nn.Module):
             q, k = self.rotary(positions, q, k, meta.cache)
             written = False
         o = paged_attention(q, k, v, key_cache, value_cache, meta, self.scale, self.sliding_window,
-                            kv_written=written, native=native, sinks=self.sinks)
+                            kv_written=written, native=native, sinks=self.sinks, kernels=self.backend.attention)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
