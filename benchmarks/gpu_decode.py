@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.pages import table
+
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu_decode", description=__doc__.split("\n\n")[0])
@@ -299,12 +301,10 @@ def render(r: dict) -> str:
     lines = [f"{r['model']} on {r['device']} ({r['dtype']}, torch {r['torch']}): weights "
              f"{r['weights_bytes'] / 1e9:.2f} GB, copy {r['copy_bytes_per_s'] / 1e9:.0f} GB/s, HBM floor "
              f"{r['hbm_floor_ms']:.2f} ms a step; CUDA graphs: {r['cuda_graphs']}", "",
-             "| decode shape | reference ms | Triton ms | reference / Triton |", "|---|---|---|---|"]
-    for d in r["decode"]:
-        if "skipped" in d:
-            lines.append(f"| {d['shape']} | skipped: {d['skipped']} | | |")
-        else:
-            lines.append(f"| {d['shape']} | {d['torch_ms']:.2f} | {d['triton_ms']:.2f} | {d['speedup']:.2f}x |")
+             table(["decode shape", "reference ms", "Triton ms", "reference / Triton"],
+                   [[d["shape"], f"skipped: {d['skipped']}", "", ""] if "skipped" in d else
+                    [d["shape"], f"{d['torch_ms']:.2f}", f"{d['triton_ms']:.2f}", f"{d['speedup']:.2f}x"]
+                    for d in r["decode"]])]
     p = r["prefill"]
     lines += ["", f"Prefill of {p['tokens']} tokens: reference {p['torch_tok_per_s']:.0f} tok/s, Triton "
               f"{p['triton_tok_per_s']:.0f} tok/s. Kernel against the reference: relative error "

@@ -8,6 +8,13 @@ import sys
 from pathlib import Path
 
 
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
 def stamp(module: str, argv: list[str] | None) -> dict:
     """Where and how a result was made: the machine, the command line, the time."""
     from benchmarks.offline import machine_info

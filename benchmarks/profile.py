@@ -29,6 +29,7 @@ import kvserve  # noqa: F401  (first: it caps torch's CPU dispatch at KVSERVE_CP
 import torch
 
 from kvserve.kernels import isa
+from benchmarks.pages import table
 from kvserve.models.native_decoder import PHASES
 
 
@@ -142,11 +143,9 @@ def page(result: dict, command: str) -> str:
 def markdown(result: dict) -> str:
     lines = [f"{result['steps']} steps, {result['wall_s']:.2f} s, {result['output_tok_s']:.0f} output tok/s, "
              f"{result.get('dtype', 'bfloat16')}, weights {result.get('weights', 'bfloat16')}, {result['threads']} threads, "
-             f"fused decoder {'on' if result['fused_decoder'] else 'off'}", "",
-             "| part | ms / step | share |", "|---|---|---|"]
-    for row in result["rows"]:
-        lines.append(f"| {row['part']} | {row['ms_per_step']:.2f} | {row['share'] * 100:.1f}% |")
-    return "\n".join(lines)
+             f"fused decoder {'on' if result['fused_decoder'] else 'off'}", ""]
+    return "\n".join(lines) + "\n" + table(["part", "ms / step", "share"], [
+        [row["part"], f"{row['ms_per_step']:.2f}", f"{row['share'] * 100:.1f}%"] for row in result["rows"]])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks import pages
+from benchmarks.pages import table
 from benchmarks.shapes import model_names
 from benchmarks.targets import OVERLOAD_TTFT_S, REPO, VLLM_NO_GGUF
 
@@ -143,12 +144,6 @@ def other_errors(r: dict) -> int:
 
 
 # ---- markdown ------------------------------------------------------------------------------------------------------
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 class Report:
