@@ -83,10 +83,10 @@ class ModelRunner:
         host_shape = kv_cache_shape(num_host_blocks, block_size, config.num_kv_heads, config.head_dim, kv_int8)
         pin = device.type == "cuda"
         self.tier = None  # the lower tier evicted pages go to (engine/kv/disk.py), set by the engine
-        # Uninitialised: a host block is read only after a swap-out wrote it whole, and untouched pages take no
-        # memory (the swap space is a ceiling, held only as preemption uses it).
-        self.host_slots = [(torch.empty(host_shape, dtype=cache_dtype, pin_memory=pin),
-                            torch.empty(host_shape, dtype=cache_dtype, pin_memory=pin))
+        # Held from the start (zero-filled), as the device pool: the memory preemption will need is taken while
+        # the server starts, not found missing under load (and the RSS does not grow as swaps touch it).
+        self.host_slots = [(torch.zeros(host_shape, dtype=cache_dtype, pin_memory=pin),
+                            torch.zeros(host_shape, dtype=cache_dtype, pin_memory=pin))
                            for _ in range(slots)] if num_host_blocks else []
 
     # ---- block movement ------------------------------------------------------------------
