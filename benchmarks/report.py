@@ -616,8 +616,8 @@ class LargerModels(Report):
                "file has an output.weight, as only the prompt's rows of it are read; of a mixture's stacked expert "
                "tensors, the share of the experts a token uses). floor / TPOT: the share of W2's time per output token (one sequence: one step per "
                "token) that streaming the weights accounts for. RSS: the server process's VmRSS after load and "
-               "warm-up, its KV pool included (kvserve's `kv_cache_memory`, 2 GiB by default; llama.cpp's 16384 F16 "
-               "cells) and, for llama.cpp, the pages of the file it maps. Ratios: kvserve's figure over llama.cpp's "
+               "warm-up, its KV pool included (kvserve's `kv_cache_memory`, 2 GiB by default, and its host swap pool, "
+               "`swap_space`, 1 GiB; llama.cpp's 16384 F16 cells) and, for llama.cpp, the pages of the file it maps. Ratios: kvserve's figure over llama.cpp's "
                "(tok/s: higher is better; the rest: lower).")
         targets = [t for model in self.s.models() for t in self.s.model_targets(model)]
         not_run = [f"{self.label(t)}: {self.why_not(t)}" for t in targets if not self.s.jobs(t)]
