@@ -20,12 +20,17 @@ import pytest
 from kvserve.kernels import isa
 
 ROOT = Path(__file__).resolve().parents[2]
+# Every family's parity at the level: float32 against transformers, the fused bf16 decoder against float32, a
+# mixture's rows batch-invariant (the rest of that file does not depend on the CPU level).
+FAMILY_TESTS = ("test_float32_logits_are_transformers", "test_the_fused_bf16_decoder_stays_near_float32",
+                "test_fused_moe_rows_are_batch_invariant")
 # In two parts of similar length, which two test workers run side by side (tests/conftest.py).
 LEVEL_TESTS = {
     "kernels": ["tests/unit/test_cpu_kernels.py", "tests/unit/test_quant_kernels.py", "tests/unit/test_quant_model.py",
                 "tests/unit/test_kv_int8.py", "tests/unit/test_native_decoder.py", "tests/unit/test_engine_tiny.py",
-                "tests/unit/test_model_parity_tiny.py", "tests/unit/test_model_families.py", "tests/unit/test_sampler.py"],
-    "engine": ["tests/integration/test_engine.py", "tests/integration/test_batch_invariance.py"],
+                "tests/unit/test_model_parity_tiny.py", "tests/unit/test_sampler.py"],
+    "engine": ["tests/integration/test_engine.py", "tests/integration/test_batch_invariance.py",
+               *(f"tests/unit/test_model_families.py::{t}" for t in FAMILY_TESTS)],
 }
 
 
