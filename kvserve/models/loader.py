@@ -123,16 +123,18 @@ def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _dequantize(file: GGUFFile, tensor: GGUFTensor) -> np.ndarray:
+def _dense(stored: np.ndarray, qtype: int) -> np.ndarray:
+    """Stored rows (GGUFFile.data: a tensor's, or one expert's of a stack) as float32 [..., rows, cols]."""
     from gguf import GGMLQuantizationType, quants
 
-    data = file.data(tensor)
-    qtype = GGMLQuantizationType(tensor.type)
+    qtype = GGMLQuantizationType(qtype)
     if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-        data = np.array(data, dtype=np.float32)  # own the memory: the file's map is closed after loading
-    else:
-        data = quants.dequantize(data, qtype)
-    return data.reshape(tuple(reversed(tensor.shape)))  # GGUF lists ne0 (innermost) first
+        return np.array(stored, dtype=np.float32)  # own the memory: the file's map is closed after loading
+    return quants.dequantize(stored, qtype)
+
+
+def _dequantize(file: GGUFFile, tensor: GGUFTensor) -> np.ndarray:
+    return _dense(file.data(tensor), tensor.type).reshape(tuple(reversed(tensor.shape)))  # GGUF lists ne0 first
 
 
 def _type_name(qtype: int) -> str:
@@ -158,19 +160,19 @@ def load_gguf(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype
 
     def convert(t: GGUFTensor) -> list[tuple[str, "torch.Tensor | QuantizedMatrix"]]:
         name = hf_name_for_gguf(t.name, arch)
+        stored = file.data(t)
         if "{}" in name:  # each expert of a stacked [E, rows, cols] tensor, a matrix of its own
-            raw = file.data(t) if t.type not in quant.FLOAT_TYPES else _dequantize(file, t)
             return [pair for e, expert in enumerate(expert_names(name, t.shape[2]))
-                    for pair in convert_matrix(t, expert, lambda: raw[e])]
-        return convert_matrix(t, name, lambda: file.data(t))
+                    for pair in convert_matrix(t, expert, stored[e])]
+        return convert_matrix(t, name, stored)
 
-    def convert_matrix(t: GGUFTensor, name: str, raw) -> list[tuple[str, "torch.Tensor | QuantizedMatrix"]]:
-        """One matrix (or vector): `raw()` gives its stored rows (uint8 blocks when quantized)."""
-        bits = quant.weight_bits(t.type, weights, int8_acts) if len(t.shape) >= 2 and not is_router(name) else 0
+    def convert_matrix(t: GGUFTensor, name: str, stored: np.ndarray) -> list[tuple[str, "torch.Tensor | QuantizedMatrix"]]:
+        """One matrix (or vector) from its stored rows (uint8 blocks when quantized)."""
+        bits = quant.weight_bits(t.type, weights, int8_acts) if stored.ndim >= 2 and not is_router(name) else 0
         if bits and t.type not in quant.FLOAT_TYPES:
-            value = quant.from_gguf(raw(), t.type, bits, supers=int8_acts)
+            value = quant.from_gguf(stored, t.type, bits, supers=int8_acts)
         else:
-            w = torch.from_numpy(np.asarray(_dequantize(file, t) if len(t.shape) < 3 else raw(), dtype=np.float32))
+            w = torch.from_numpy(_dense(stored, t.type))
             if arch == "gemma3" and name.endswith("norm.weight"):
                 w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm scale; HF stores w
             value = quant.quantize(w, bits) if bits else w.to(dtype) if w.dim() == 2 and not is_router(name) else w

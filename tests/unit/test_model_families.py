@@ -138,6 +138,17 @@ def test_moe_routing_chooses_transformers_experts(moe_family):
                               rtol=1e-5, atol=1e-6)
 
 
+def test_a_quantized_mixture_loads_dense_as_it_loads_quantized(moe_family):
+    """`weights = "bf16"` on a Q8_0 file: every expert of the stacked tensors dequantized, the same matrices the
+    kept 8-bit form holds (and the router float32 in both)."""
+    _, _, _, _, gguf8 = moe_family
+    dense, kept = load_checkpoint(gguf8, "bf16").tensors, load_checkpoint(gguf8, "auto").dense_tensors()
+    assert dense.keys() == kept.keys()
+    for name, t in kept.items():
+        assert torch.equal(dense[name].float(), t), name
+    assert all(t.dtype == torch.float32 for n, t in dense.items() if n.endswith("mlp.gate.weight"))
+
+
 @pytest.mark.skipif(native is None or not native.fused, reason="the fused decoder needs AMX or AVX2")
 def test_fused_moe_rows_are_batch_invariant(moe_family):
     """On the fused decoder (batch-invariant numerics) a token's logits are the same bits whichever tokens share
