@@ -11,6 +11,7 @@ import json
 import math
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 
@@ -127,7 +128,8 @@ def _llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-_EXPERT_STACKS = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+_EXPERT_STACKS = {"gate": gguf.MODEL_TENSOR.FFN_GATE_EXP, "up": gguf.MODEL_TENSOR.FFN_UP_EXP,
+                  "down_proj": gguf.MODEL_TENSOR.FFN_DOWN_EXP}  # _gguf_order's stacks
 
 
 def _gguf_order(state: dict[str, torch.Tensor]):
@@ -142,16 +144,14 @@ def _gguf_order(state: dict[str, torch.Tensor]):
             yield name, t
 
 
-def _expert_name(name: str) -> str:
-    """`model.layers.{i}.mlp.experts.{gate,up,down_proj}` -> `blk.{i}.ffn_{gate,up,down}_exps.weight`."""
-    layer = name.split(".")[2]
-    return f"blk.{layer}.{_EXPERT_STACKS[name.rsplit('.', 1)[1]]}.weight"
+def _moe_name(name: str, tensor) -> str:
+    """A layer's router or expert stack (`model.layers.{i}.mlp...`) under gguf-py's name for `tensor`."""
+    return gguf.TENSOR_NAMES[tensor].format(bid=int(name.split(".")[2])) + ".weight"
 
 
 def write_gguf(model, path: Path, tokenizer_gguf: str, quant: str = "F32") -> Path:
     """The model as llama.cpp's converter writes its family; `quant`: F32, or a type every matrix is quantized
     to (gguf-py's quantizer: Q8_0, Q4_0, ...; norms and biases stay F32)."""
-    import gguf
     from gguf import GGMLQuantizationType as T, quants
 
     c = model.config
@@ -191,10 +191,10 @@ def write_gguf(model, path: Path, tokenizer_gguf: str, quant: str = "F32") -> Pa
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             w = permute_rope_rows(w, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
         if name.endswith("mlp.gate.weight"):  # the router: llama-quantize leaves it F32, and so do we
-            writer.add_tensor(name.replace("model.layers.", "blk.").replace(".mlp.gate.weight", ".ffn_gate_inp.weight"),
-                              np.ascontiguousarray(w))
+            writer.add_tensor(_moe_name(name, gguf.MODEL_TENSOR.FFN_GATE_INP), np.ascontiguousarray(w))
             continue
-        gguf_name = _expert_name(name) if ".mlp.experts." in name else names.get_name(name, try_suffixes=(".weight", ".bias"))
+        gguf_name = _moe_name(name, _EXPERT_STACKS[name.rsplit(".", 1)[1]]) if ".mlp.experts." in name \
+            else names.get_name(name, try_suffixes=(".weight", ".bias"))
         if w.ndim >= 2 and qtype != T.F32:
             writer.add_tensor(gguf_name, quants.quantize(w, qtype),
                               raw_shape=quants.quant_shape_to_byte_shape(w.shape, qtype), raw_dtype=qtype)

@@ -146,7 +146,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_ptr, ctx_ptr, scale, window, sinks,
                     stride_qt, stride_qh, stride_kh, stride_kb, stride_kt, stride_tab,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    PAGE: tl.constexpr, WINDOWED: tl.constexpr, IEEE: tl.constexpr):
+                    PAGE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr):
     chunk, block_m, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     qlen = tl.load(qlens_ptr + chunk)
     if block_m * BLOCK_M >= qlen:
@@ -177,10 +177,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_
         base = kv_head * stride_kh + block * stride_kb + offsets[:, None] * stride_kt + dims[None, :]
         k = tl.load(k_ptr + base, mask=dim_ok[None, :], other=0.0)  # [PAGE, D]
         v = tl.load(v_ptr + base, mask=dim_ok[None, :], other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            scores = tl.dot(q, tl.trans(k)) * scale  # [M, PAGE], fp32 sums
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, PAGE], fp32 sums
         kpos = page * PAGE + offsets
         keep = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < context)
         if WINDOWED:
@@ -191,10 +188,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_
         p = tl.exp(scores - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         l = l * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
     tl.store(out_ptr + (start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
@@ -228,5 +222,6 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
         query, key_cache, value_cache, out, tables, fields[0], fields[1], fields[2], scale, window or 0,
         sinks, query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         tables.stride(0), GROUP=hq // hkv, HEAD_DIM=hd, BLOCK_D=max(16, triton.next_power_of_2(hd)),
-        BLOCK_M=block_m, PAGE=page, WINDOWED=window is not None, IEEE=query.dtype == torch.float32)
+        BLOCK_M=block_m, PAGE=page, WINDOWED=window is not None,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32")  # (float32 caches: no TF32 rounding)
     return out

@@ -98,25 +98,23 @@ class Rotary(nn.Module):
         self.rotated = rotary_dim or head_dim
         self.scaling = scaling
         self.theta = theta
-        self.inv_freq = self._padded(rope_inv_freq(self.rotated, theta, scaling), head_dim)
+        self.half = head_dim // 2
+        self.inv_freq = self._padded(rope_inv_freq(self.rotated, theta, scaling))
         self.max_positions = max_positions
         cos, sin = self._tables(torch.device("cpu"))
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
-        self.half = head_dim // 2
 
-    @staticmethod
-    def _padded(inv_freq: torch.Tensor, head_dim: int) -> torch.Tensor:
+    def _padded(self, inv_freq: torch.Tensor) -> torch.Tensor:
         """Frequency 0 (cos 1, sin 0: passed through) for the columns past the rotated dims."""
-        return torch.cat([inv_freq, inv_freq.new_zeros(head_dim // 2 - inv_freq.shape[0])])
+        return torch.cat([inv_freq, inv_freq.new_zeros(self.half - inv_freq.shape[0])])
 
     def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(self.max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, self.inv_freq)
         scaling = self.scaling or {}
         if scaling.get("rope_type") == "longrope":
-            long = torch.outer(positions, self._padded(rope_inv_freq(self.rotated, self.theta, scaling, long=True),
-                                                       self.inv_freq.shape[0] * 2))
+            long = torch.outer(positions, self._padded(rope_inv_freq(self.rotated, self.theta, scaling, long=True)))
             freqs = torch.where(positions[:, None] >= scaling["original_max_position_embeddings"], long, freqs)
         emb = torch.cat([freqs, freqs], dim=-1).to(device)
         cos, sin = emb.cos(), emb.sin()

@@ -165,7 +165,8 @@ class NativeDecoder:
     @classmethod
     def supports(cls, model) -> bool:
         c = model.config
-        params = [p for n, p in model.named_parameters() if not n.endswith("mlp.gate.weight")]  # (routers: fp32)
+        routers = {id(layer.mlp.router) for layer in model.layers if isinstance(layer.mlp, SparseMoE)}  # float32
+        params = [p for p in model.parameters() if id(p) not in routers]
         if not params or any(p.device.type != "cpu" or p.dtype != torch.bfloat16 for p in params):
             return False
         if not backend.fused_shapes_fit(c):
