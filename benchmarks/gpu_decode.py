@@ -10,8 +10,9 @@ reference (a gather of every sequence's pages padded to the longest context, the
 paged kernels (kernels/triton_attention.py), medians of `--iters` steps by CUDA events after a warm-up. Then a
 2048-token prefill on each path, the kernels against the reference on one decode shape (relative error of the
 attention output), a profiler split of one decode step (GEMM, attention, copies and other kernels, host time),
-and the HBM floor: the weights' bytes over the copy bandwidth measured here. CUDA graphs are not built yet:
-the JSON says so. One JSON file and a Markdown table.
+and the HBM floor: the weights' bytes over the copy bandwidth measured here. Then the same decode shapes through the
+engine's CUDA graphs (engine/worker/cuda_graphs.py; `graph_decode`): replay against the eager forward over the
+same buffers, bit for bit, step times and the host's time per replay. One JSON file and Markdown tables.
 """
 from __future__ import annotations
 
@@ -106,19 +107,26 @@ class Steps:
 
         self.model.use_backend(replace(self.model.backend, attention=kernels))
 
+    def decode_tables(self, contexts: list[int]):
+        """Each sequence's pages scattered over the pool (block 0 left out: the graphs' scratch block), as one
+        table padded with block 0."""
+        import torch
+
+        pages = [-(-c // self.PAGE) for c in contexts]
+        perm = torch.randperm(self.blocks - 1, device="cpu")[:sum(pages)] + 1
+        tables = torch.zeros(len(contexts), max(pages), dtype=torch.int64)
+        at = 0
+        for i, n in enumerate(pages):
+            tables[i, :n] = perm[at:at + n]
+            at += n
+        return tables
+
     def decode_meta(self, contexts: list[int]):
         import torch
 
         from kvserve.models.attention import AttentionMetadata
 
-        pages = [-(-c // self.PAGE) for c in contexts]
-        width = max(pages)
-        perm = torch.randperm(self.blocks - 1, device="cpu")[:sum(pages)] + 1
-        tables = torch.zeros(len(contexts), width, dtype=torch.int64)
-        at = 0
-        for i, n in enumerate(pages):
-            tables[i, :n] = perm[at:at + n]
-            at += n
+        tables = self.decode_tables(contexts)
         lens = torch.tensor(contexts, dtype=torch.int64)
         pos = lens - 1
         slots = tables[torch.arange(len(contexts)), pos // self.PAGE] * self.PAGE + pos % self.PAGE
@@ -239,6 +247,60 @@ def profile_split(steps: Steps, contexts: list[int]) -> dict:
     return {"device_ms": kinds, "host_ms_to_enqueue": host_ms}
 
 
+def graph_decode(steps: Steps, shapes: list[tuple[str, list[int]]], iters: int) -> list[dict]:
+    """Decode steps through the engine's DecodeGraphs (engine/worker/cuda_graphs.py) on Triton's kernels, each
+    shape's batch padded to its bucket: captured graphs replayed (CUDA; on the CPU the eager stand-in) against the
+    same forward run eagerly over the same buffers. Per shape: whether the two give the same bits, the wall time
+    of a step as the engine runs one (stage, copy, forward, the rows' logits, one sync), and the host's time to
+    stage and launch a replay."""
+    import torch
+
+    from kvserve.engine.worker.cuda_graphs import DecodeGraphs, capture_cuda_graph, replay_eagerly
+
+    steps.use("triton")
+    device = steps.device
+    longest = max(max(c) for _, c in shapes)
+    graph_capture = (capture_cuda_graph(torch.cuda.graph_pool_handle()) if device.type == "cuda"
+                     else replay_eagerly)
+    runs = {name: DecodeGraphs(steps.model, steps.kv, (), 1, Steps.PAGE, max_blocks=-(-longest // Steps.PAGE),
+                               max_batch=max(len(c) for _, c in shapes), scratch_block=0, device=device,
+                               capture=capture)
+            for name, capture in (("graph", graph_capture), ("eager", replay_eagerly))}
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    rows = []
+    for label, contexts in shapes:
+        if _paged_tokens(contexts) > steps.blocks * Steps.PAGE - Steps.PAGE:
+            continue
+        tables = [[t] for t in steps.decode_tables(contexts).tolist()]
+        ids = torch.randint(0, steps.config.vocab_size, (len(contexts),)).tolist()
+        starts = [c - 1 for c in contexts]
+        row = {"shape": label, "bucket": None}
+        with torch.inference_mode():
+            out = {name: r.run(ids, starts, tables).clone() for name, r in runs.items()}
+            row["bucket"] = next(b for b in runs["graph"].sizes if b >= len(contexts))
+            row["graph_equals_eager"] = bool(torch.equal(out["graph"], out["eager"]))
+            for name, r in runs.items():
+                wall, host = [], []
+                for _ in range(iters + 2):
+                    sync()
+                    t = time.perf_counter()
+                    hidden = r.run(ids, starts, tables)
+                    launched = time.perf_counter()
+                    steps.model.compute_logits(hidden).argmax(-1).tolist()  # the engine's one sync a step
+                    wall.append((time.perf_counter() - t) * 1e3)
+                    host.append((launched - t) * 1e3)
+                row[f"{name}_ms"] = statistics.median(wall[2:])
+                row[f"{name}_host_ms"] = statistics.median(host[2:])
+        row["speedup"] = row["eager_ms"] / row["graph_ms"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.device == "cpu":
@@ -252,7 +314,7 @@ def main(argv=None) -> int:
     kv_token_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.finfo(dtype).bits // 8
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "model": config.name, "dtype": str(dtype).removeprefix("torch."),
-              "cuda_graphs": "not built yet (issue 53): every step runs eagerly"}
+              "cuda_graphs": "captured per bucket" if device.type == "cuda" else "eager stand-in (no CUDA)"}
     model = build_model(config, device, dtype)
     weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 2 ** 34
@@ -277,6 +339,7 @@ def main(argv=None) -> int:
         decode.append(row)
         print(json.dumps(row), flush=True)
     result["decode"] = decode
+    result["graphs"] = graph_decode(steps, shapes, a.iters)
     tokens = 64 if a.tiny else 2048
     positions, meta = steps.prefill_meta(tokens)
     prefill = {"tokens": tokens}
@@ -305,6 +368,11 @@ def render(r: dict) -> str:
                    [[d["shape"], f"skipped: {d['skipped']}", "", ""] if "skipped" in d else
                     [d["shape"], f"{d['torch_ms']:.2f}", f"{d['triton_ms']:.2f}", f"{d['speedup']:.2f}x"]
                     for d in r["decode"]])]
+    lines += ["", table(["decode shape (graphs)", "bucket", "eager ms", "graph ms", "eager / graph",
+                         "host ms a replay", "same bits"],
+                        [[g["shape"], str(g["bucket"]), f"{g['eager_ms']:.2f}", f"{g['graph_ms']:.2f}",
+                          f"{g['speedup']:.2f}x", f"{g['graph_host_ms']:.3f}", "yes" if g["graph_equals_eager"]
+                          else "NO"] for g in r["graphs"]])]
     p = r["prefill"]
     lines += ["", f"Prefill of {p['tokens']} tokens: reference {p['torch_tok_per_s']:.0f} tok/s, Triton "
               f"{p['triton_tok_per_s']:.0f} tok/s. Kernel against the reference: relative error "

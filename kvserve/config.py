@@ -173,7 +173,8 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None  # KV blocks in the pool, whatever kv_cache_memory says
     swap_space: int = 1 << 30  # bytes of host memory for swapped-out blocks
     enable_prefix_caching: bool = True  # reuse the KV blocks of a prompt prefix computed before (hashed per tenant)
-    # "auto": the model's dtype; "int8": int8 rows with a scale each (kernels/kv_quant.py), about half the bytes
+    # "auto": the model's dtype; "int8": int8 rows with a scale each (kernels/kv_quant.py), about half the bytes;
+    # "fp8": e4m3 values at scale 1 (models/fp8.py), half of bf16's bytes; not on the fused CPU decoder
     kv_cache_dtype: str = "auto"
     # KV groups per attention kind (engine/kv/groups.py): sliding-window layers hold only their window's
     # blocks. False: every layer holds every token's block (the classic paged cache; for comparison).
@@ -245,8 +246,9 @@ NUMERICS = ("batch_invariant", "fast")  # EngineConfig.numerics
 ACTIVATIONS = ("auto", "bf16", "int8")  # EngineConfig.activations
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half")
 ATTENTION_POLICIES = ("full", "sinks_window")
-WEIGHT_MODES = ("auto", "bf16", "int8", "int4")  # EngineConfig.weights (models/quant.weight_bits)
-KV_CACHE_DTYPES = ("auto", "int8") + DTYPES  # CacheConfig.kv_cache_dtype: a float one must be the model's dtype
+WEIGHT_MODES = ("auto", "bf16", "int8", "int4", "fp8")  # EngineConfig.weights (models/quant.weight_bits)
+# CacheConfig.kv_cache_dtype: a float one (of DTYPES) must be the model's dtype
+KV_CACHE_DTYPES = ("auto", "int8", "fp8") + DTYPES
 
 
 # The interactive tier's promise: an admitted request's first token within this at p99, under any load
@@ -357,8 +359,10 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"  # "auto" (CUDA when present, else the CPU) | "cpu" | "cuda" | "cuda:N"
     seed: int = 0  # the engine's torch seed (a request's own `seed` makes its sampling reproducible)
-    # "auto" | "bf16" | "int8" | "int4": the form the matrices are computed from (models/quant.py; auto keeps a
-    # GGUF's class: 4-bit types at 4 bits, other quantized types at 8, float files dense)
+    # "auto" | "bf16" | "int8" | "int4" | "fp8": the form the matrices are computed from (models/quant.py; auto keeps
+    # a GGUF's class: 4-bit types at 4 bits, other quantized types at 8, float files dense; fp8: the projections
+    # as e4m3 with a scale per output row through torch._scaled_mm, on GPUs with compute capability 8.9 or later,
+    # or on the CPU to check the path (models/fp8.py))
     weights: str = "auto"
     onednn_weights: bool = True  # CPU + bfloat16: projections use weights pre-reordered into oneDNN's blocked layout
     native_decoder: bool = True  # CPU + bfloat16 + AMX or AVX2: steps run as one native call (models/native_decoder.py)
@@ -375,6 +379,9 @@ class EngineConfig:
     # hold only those blocks, for long contexts in less memory at a measured cost in quality (BENCHMARKS.md);
     # served op by op (the fused decoder has no sinks), responses say so (x-kvserve-kv-policy).
     attention_policy: str = "full"
+    # CUDA: decode-only steps replay graphs captured per batch-size bucket (engine/worker/cuda_graphs.py). Off
+    # until a device check on a real card has shown replays equal to eager forwards; no effect off CUDA.
+    cuda_graphs: bool = False
     attention_sinks: int = 4  # sinks_window: leading tokens every such layer keeps attending to
     attention_window: int = 2048  # sinks_window: the latest tokens every such layer attends to
     # Structured outputs (engine/structured/params.py, engine/structured/grammar.py): a constraint still compiling after this many seconds is refused
@@ -412,7 +419,7 @@ class EngineConfig:
             activations=(lambda v: v in ACTIVATIONS, f"one of {', '.join(ACTIVATIONS)}"),
             device=(lambda v: v in ("auto", "cpu") or (isinstance(v, str) and v.startswith("cuda")),
                     "auto, cpu, cuda or cuda:N"),
-            seed=NONNEG_INT, onednn_weights=BOOL, native_decoder=BOOL,
+            seed=NONNEG_INT, onednn_weights=BOOL, native_decoder=BOOL, cuda_graphs=BOOL,
             attention_policy=(lambda v: v in ATTENTION_POLICIES, f"one of {', '.join(ATTENTION_POLICIES)}"),
             attention_sinks=NONNEG_INT, attention_window=POSITIVE_INT,
             structured_compile_timeout_s=(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)

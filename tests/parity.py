@@ -29,11 +29,13 @@ class PagedHarness:
     """Our model behind a ModelRunner, with a trivial block allocator (fresh blocks per sequence)."""
 
     def __init__(self, ck: Checkpoint, num_blocks: int = 256, dtype=torch.float32, kv_int8: bool = False,
-                 numerics: str = "batch_invariant", activations: str = "bf16"):
-        self.model = build_model(ck, plan_for(ck, dtype, numerics=numerics, activations=activations),
+                 numerics: str = "batch_invariant", activations: str = "bf16", weights: str = "auto",
+                 kv_fp8: bool = False):
+        self.model = build_model(ck, plan_for(ck, dtype, numerics=numerics, activations=activations, weights=weights,
+                                              kv_cache_dtype="fp8" if kv_fp8 else "auto"),
                                  max_positions=4096)
         self.runner = ModelRunner(self.model, ck.config, num_blocks, 0, BLOCK, dtype, torch.device("cpu"),
-                                  kv_int8=kv_int8)
+                                  kv_int8=kv_int8, kv_fp8=kv_fp8)
         self.next_block = 1  # block 0 stays unused so padding never aliases real data
 
     def new_table(self, num_tokens: int) -> list[int]:

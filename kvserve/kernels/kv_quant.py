@@ -43,11 +43,12 @@ def head_dim_of(width: int) -> int:
     raise ValueError(f"{width} bytes is no 8-bit KV row's width")
 
 
-def bytes_per_element(head_dim: int, model_dtype: torch.dtype, quantized: bool) -> float:
-    """Cache bytes per K or V element, scales included (the KV pool's arithmetic)."""
+def bytes_per_element(head_dim: int, dtype: torch.dtype, quantized: bool) -> float:
+    """Cache bytes per K or V element, scales included (the KV pool's arithmetic); `dtype`: a float cache's
+    element type (the model's, or float8)."""
     if quantized:
         return row_width(head_dim, True) / head_dim
-    return torch.tensor([], dtype=model_dtype).element_size()
+    return torch.tensor([], dtype=dtype).element_size()
 
 
 def quantize(x: torch.Tensor) -> torch.Tensor:

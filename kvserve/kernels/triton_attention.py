@@ -17,6 +17,8 @@ cache (an 8-bit cache keeps the reference path). Triton runs these on the CPU to
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -24,7 +26,7 @@ import triton.language as tl
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, m_ptr, l_ptr,
-                         scale, window, sinks, pages_per_split,
+                         scale, window, sinks, splits,
                          stride_qt, stride_qh, stride_kh, stride_kb, stride_kt, stride_tab,
                          stride_ot, stride_os, stride_oh, stride_ms, stride_mt,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -39,13 +41,17 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, m_p
     q = tl.load(q_ptr + seq * stride_qt + q_heads[:, None] * stride_qh + dims[None, :],
                 mask=head_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
 
+    # The row's own pages (from its window's first, where sinks do not need the earlier ones) in `splits`
+    # equal runs: a short row in a batch with a long one still spreads over every split, and the grid depends
+    # on the batch's shape only, not on its contexts (a CUDA graph replays it for any contexts).
     num_pages = tl.cdiv(context, PAGE)
-    first = split * pages_per_split
-    last = tl.minimum(first + pages_per_split, num_pages)
+    lo = context - context  # (the type of context)
     if WINDOWED:  # pages wholly before the window (and past the sinks) hold no key this row attends to
-        start = tl.maximum(context - window, 0)
         if sinks == 0:
-            first = tl.maximum(first, start // PAGE)
+            lo = tl.maximum(context - window, 0) // PAGE
+    pages_per_split = tl.cdiv(num_pages - lo, splits)
+    first = lo + split * pages_per_split
+    last = tl.minimum(first + pages_per_split, num_pages)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
@@ -119,10 +125,9 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     if page & (page - 1) or hq % hkv:
         raise ValueError(f"paged decode attention needs a power-of-two page ({page}) and GQA groups ({hq}/{hkv})")
     group = hq // hkv
-    longest = max_context if max_context is not None else int(context_lens.max()) if d else 0
-    pages = max(1, triton.cdiv(longest, page))
-    splits = splits or splits_for(d, hkv, pages)
-    pages_per_split = triton.cdiv(pages, splits)
+    if splits is None:
+        longest = max_context if max_context is not None else int(context_lens.max())
+        splits = splits_for(d, hkv, max(1, triton.cdiv(longest, page)))
     query = query.contiguous()
     part = torch.empty((d, splits, hq, hd), dtype=torch.float32, device=query.device)
     m = torch.empty((splits, d, hq), dtype=torch.float32, device=query.device)
@@ -130,7 +135,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     block_d = triton.next_power_of_2(hd)
     _decode_split_kernel[(d, hkv, splits)](
         query, key_cache, value_cache, block_tables, context_lens, part, m, l,
-        scale, window or 0, sinks, pages_per_split,
+        scale, window or 0, sinks, splits,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0), part.stride(0), part.stride(1), part.stride(2), m.stride(0), m.stride(1),
         GROUP=group, BLOCK_G=max(2, triton.next_power_of_2(group)), HEAD_DIM=hd, BLOCK_D=block_d, PAGE=page,
@@ -175,8 +180,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_
     for page in range(first_page, tl.cdiv(last, PAGE)):
         block = tl.load(tables_ptr + chunk * stride_tab + page).to(tl.int64)
         base = kv_head * stride_kh + block * stride_kb + offsets[:, None] * stride_kt + dims[None, :]
-        k = tl.load(k_ptr + base, mask=dim_ok[None, :], other=0.0)  # [PAGE, D]
-        v = tl.load(v_ptr + base, mask=dim_ok[None, :], other=0.0)
+        # [PAGE, D] in the query's dtype (an e4m3 cache's values widened: the dots do not take them as stored)
+        k = tl.load(k_ptr + base, mask=dim_ok[None, :], other=0.0).to(q.dtype)
+        v = tl.load(v_ptr + base, mask=dim_ok[None, :], other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, PAGE], fp32 sums
         kpos = page * PAGE + offsets
         keep = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < context)
@@ -195,28 +201,44 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
+@dataclass(frozen=True)
+class PrefillBatch:
+    """A step's prefill chunks as the kernel reads them, on the device: built once a step (`prefill_batch`) and
+    shared by every layer, so no layer copies from the host (a copy from pageable memory waits for the stream)."""
+
+    tables: torch.Tensor  # [chunks, pages] int64, each chunk's table padded with block 0
+    fields: torch.Tensor  # [3, chunks] int64: starts in the batch, lengths, contexts after the chunk
+    longest: int  # the longest chunk's rows
+
+
+def prefill_batch(chunks: list, device: torch.device) -> PrefillBatch:
+    width = max(len(c.block_table) for c in chunks)
+    tables = torch.stack([torch.nn.functional.pad(c.block_table.to(device, torch.int64),
+                                                  (0, width - len(c.block_table))) for c in chunks])
+    fields = torch.tensor([[c.query_start for c in chunks], [c.query_len for c in chunks],
+                           [c.context_len for c in chunks]], dtype=torch.int64)
+    if device.type == "cuda":
+        fields = fields.pin_memory()
+    return PrefillBatch(tables, fields.to(device, non_blocking=True), max(c.query_len for c in chunks))
+
+
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             chunks: list, scale: float, window: int | None = None, sinks: int = 0,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, batch: PrefillBatch | None = None) -> torch.Tensor:
     """Every prefill chunk of a step in one launch: query [T, Hq, hd] (the step's flattened tokens), the chunks
     (models/attention.PrefillChunk: where each starts in the batch, its length, its context after it, its block
     table) whose K/V the cache holds already (written before attention, the chunk's own included). Each program
     takes BLOCK_M rows of one chunk and one query head, and reads the chunk's pages up to its last row in place:
-    causal, with the window and sinks per row. Writes the chunks' rows of `out` (default: a new [T, Hq, hd])."""
+    causal, with the window and sinks per row. Writes the chunks' rows of `out` (default: a new [T, Hq, hd]).
+    `batch`: the chunks as the kernel reads them, where the caller built them once for every layer."""
     hkv, _, page, _ = key_cache.shape
     _, hq, hd = query.shape
     out = torch.empty_like(query) if out is None else out
     if not chunks:
         return out
-    device = query.device
-    width = max(len(c.block_table) for c in chunks)
-    tables = torch.stack([torch.nn.functional.pad(c.block_table.to(device, torch.int64),
-                                                  (0, width - len(c.block_table))) for c in chunks])
-    fields = torch.tensor([[c.query_start for c in chunks], [c.query_len for c in chunks],
-                           [c.context_len for c in chunks]], dtype=torch.int64)  # rows: starts, lengths, contexts
-    fields = fields.to(device, non_blocking=True)
+    batch = batch or prefill_batch(chunks, query.device)
+    tables, fields, longest = batch.tables, batch.fields, batch.longest
     block_m = 16
-    longest = max(c.query_len for c in chunks)
     query = query.contiguous()
     _prefill_kernel[(len(chunks), triton.cdiv(longest, block_m), hq)](
         query, key_cache, value_cache, out, tables, fields[0], fields[1], fields[2], scale, window or 0,

@@ -14,6 +14,10 @@ On the CPU, decode attention and the K/V writes go through the native kernels of
 `kvserve.kernels.cpu` when the model's backend has them, and on CUDA decode attention goes through Triton's
 paged kernel (`kvserve.kernels.triton_attention`): both read the cache through the block tables in place
 instead of gathering a dense copy per layer; the torch code below is the reference and the fallback.
+
+A cache is in the model's dtype, 8-bit integer rows with scales (kernels/kv_quant.py), or e4m3 (models/fp8.py:
+`kv_cache_dtype = "fp8"`), which the torch code casts to the query's dtype as it reads it and Triton's decode
+kernel reads on GPUs with FP8 (compute capability 8.9 or later); the native CPU kernels do not read it.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.kernels import kv_quant
+from kvserve.models import fp8
 
 if TYPE_CHECKING:
     from kvserve.engine.interjection import Interjection
@@ -79,20 +84,38 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     return (num_kv_heads, num_blocks, block_size, kv_quant.row_width(head_dim, quantized))
 
 
+def kv_cache_dtype(model_dtype: torch.dtype, kv_int8: bool = False, kv_fp8: bool = False) -> torch.dtype:
+    """The element type of a layer's cache tensors (Plan.kv_int8, Plan.kv_fp8): uint8 for 8-bit rows with their
+    scales, float8 e4m3, else the model's dtype."""
+    return torch.uint8 if kv_int8 else fp8.DTYPE if kv_fp8 else model_dtype
+
+
+def cache_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An e4m3 cache seen as its bytes (uint8), for the copies torch's CPU kernels lack for float8 (index_copy_:
+    K/V writes, block copies, swaps, pages loaded); any other cache as it is."""
+    return cache.view(torch.uint8) if cache.dtype == fp8.DTYPE else cache
+
+
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter new tokens' K/V ([T, Hkv, D]) into their cache slots (a 2-D row scatter, as _gather),
-    quantized first into an 8-bit cache."""
+    quantized first into an 8-bit cache, saturated and rounded into an e4m3 one."""
     h, nb, bs, w = key_cache.shape
     rows = (torch.arange(h, device=key.device)[:, None] * (nb * bs) + slot_mapping[None, :]).reshape(-1)
     for src, cache in ((key, key_cache), (value, value_cache)):
         src = src.transpose(0, 1).reshape(-1, src.shape[-1])
-        src = kv_quant.quantize(src) if kv_quant.is_quantized(cache) else src.to(cache.dtype)
-        cache.view(h * nb * bs, w).index_copy_(0, rows, src)
+        if kv_quant.is_quantized(cache):
+            src = kv_quant.quantize(src)
+        elif cache.dtype == fp8.DTYPE:
+            src = fp8.to_e4m3(src)
+        else:
+            src = src.to(cache.dtype)
+        cache_bytes(cache).view(h * nb * bs, w).index_copy_(0, rows, cache_bytes(src))
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[H, N, bs, D] gathered at block_ids [k] -> [H, k * bs, D] in `dtype` (an 8-bit cache's rows dequantized).
+    """[H, N, bs, D] gathered at block_ids [k] -> [H, k * bs, D] in `dtype` (an 8-bit cache's rows dequantized,
+    an e4m3 cache's values cast).
 
     Done as a row gather on the [H * N, bs * D] view (one contiguous block of one head per row):
     torch's 2-D row index_select runs at copy speed, about twice the 4-D gather along dim 1.
@@ -100,7 +123,9 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) ->
     h, n, bs, w = cache.shape
     rows = (torch.arange(h, device=cache.device)[:, None] * n + block_ids[None, :]).reshape(-1)
     out = cache.view(h * n, bs * w).index_select(0, rows).view(h, -1, w)
-    return kv_quant.dequantize(out, dtype) if kv_quant.is_quantized(cache) else out
+    if kv_quant.is_quantized(cache):
+        return kv_quant.dequantize(out, dtype)
+    return out.to(dtype) if cache.dtype == fp8.DTYPE else out
 
 
 def _decode_mask(meta: AttentionMetadata, num_keys: int, key_offset: int, window: int | None,
@@ -141,15 +166,23 @@ def _decode_attention(native: "cpu_kernels.NativeKernels | None", query: torch.T
 def _triton_serves(query: torch.Tensor, key_cache: torch.Tensor, kernels: str) -> bool:
     """Triton's paged kernels (kernels/triton_attention.py) serve: on CUDA, or anywhere asked for (Backend.attention:
     "triton"), where Triton is installed (torch's CUDA builds ship it), the cache holds floats and its pages are a
-    power of two."""
+    power of two; an e4m3 cache on CUDA only where the GPU converts e4m3 (`_cuda_fp8`)."""
     page = key_cache.shape[2]
     wanted = kernels == "triton" or (kernels == "auto" and query.device.type == "cuda")
+    if key_cache.dtype == fp8.DTYPE and query.device.type == "cuda" and not _cuda_fp8(query.device):
+        return False
     return wanted and _triton_installed() and not kv_quant.is_quantized(key_cache) and page & (page - 1) == 0
 
 
 @functools.cache
 def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def _cuda_fp8(device: torch.device) -> bool:
+    """Triton converts e4m3 (its fp8e4nv) on GPUs of compute capability 8.9 or later only."""
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -186,9 +219,10 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     # SDPA inputs are 4-D ([1, heads, tokens, D]): with 3-D inputs torch's CPU dispatcher skips its flash
     # kernel for the math path, many times slower on prompts of hundreds to thousands of tokens.
     q = query[s:s + n].transpose(0, 1)[None]
-    if chunk.start_pos == 0 and (window is None or n <= window) and not kv_quant.is_quantized(key_cache):
-        # A fresh prompt sees only its own tokens: attend to this step's K/V, no gather needed. (An 8-bit
-        # cache's prompt attends to its rows as cached, as every later step and a recompute will.)
+    if chunk.start_pos == 0 and (window is None or n <= window) and not kv_quant.is_quantized(key_cache) \
+            and key_cache.dtype != fp8.DTYPE:
+        # A fresh prompt sees only its own tokens: attend to this step's K/V, no gather needed. (An 8-bit or
+        # e4m3 cache's prompt attends to its rows as cached, as every later step and a recompute will.)
         k = key[s:s + n].transpose(0, 1)[None]
         v = value[s:s + n].transpose(0, 1)[None]
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)[0]
@@ -234,10 +268,14 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         out[:d] = _decode_attention(native, query, key_cache, value_cache, meta, scale, sliding_window, sinks,
                                     kernels)
     if _triton_serves(query, key_cache, kernels):  # every chunk in one launch
-        from kvserve.kernels.triton_attention import paged_prefill_attention
+        from kvserve.kernels.triton_attention import paged_prefill_attention, prefill_batch
 
+        key = ("triton_prefill", id(meta.prefills))  # one per KV group's chunks, built by the step's first layer
+        batch = meta.cache.get(key)
+        if batch is None:
+            batch = meta.cache[key] = prefill_batch(meta.prefills, query.device)
         return paged_prefill_attention(query, key_cache, value_cache, meta.prefills, scale, sliding_window, sinks,
-                                       out=out)
+                                       out=out, batch=batch)
     for chunk in meta.prefills:
         o = _prefill_attention(query, key, value, key_cache, value_cache, chunk, scale, sliding_window, sinks)
         out[chunk.query_start:chunk.query_start + chunk.query_len] = o.transpose(0, 1)

@@ -9,6 +9,11 @@ the model code instead of each op checking tensors. The paths:
   norms, rotary, K/V writes, decode attention and gated activations;
 - "cpu-torch": CPU without the kernels (no compiler, KVSERVE_NATIVE_KERNELS=0, float16): torch ops.
 
+FP8 (models/fp8.py) is a form on the per-op paths, not a path: e4m3 projections (`weights = "fp8"`) where
+torch._scaled_mm multiplies them (CUDA with compute capability 8.9 or later; the CPU, for checking the path)
+and an e4m3 KV cache (`kv_cache_dtype = "fp8"`); neither runs on the fused CPU decoder, which packs its own
+weights and reads bf16 or 8-bit integer caches.
+
 The instruction-set level the kernels are built for is kernels/isa.py's decision.
 """
 from __future__ import annotations
@@ -57,6 +62,9 @@ class Plan:
     kv_memory: int  # bytes for the device KV pool
     numerics: str = "fast"  # "batch_invariant" only on the path that gives it (see numerics_in_force)
     activations: str = "bf16"  # what quantized matrices multiply: "bf16", or "int8" (see resolve_activations)
+    cuda_graphs: bool = False  # decode-only steps replay captured graphs (see graphs_in_force)
+    fp8_weights: bool = False  # the projections are e4m3 with row scales, multiplied by _scaled_mm (models/fp8.py)
+    kv_fp8: bool = False  # the KV cache holds e4m3 values (scale 1), else as kv_int8 says
 
     @property
     def fused(self) -> bool:
@@ -99,6 +107,26 @@ def resolve_activations(requested: str, native: cpu_kernels.NativeKernels | None
     if requested == "auto":
         return "int8" if can and "amx" not in native.compiled_isa else "bf16"
     return requested
+
+
+def graphs_in_force(requested: bool, device: torch.device, config: ModelConfig, kv_int8: bool,
+                    kv_fp8: bool = False, capability: tuple[int, int] | None = None) -> bool:
+    """CUDA graphs for decode-only steps (engine/worker/cuda_graphs.py) where asked and a graph can replay the
+    step: on CUDA, with Triton's paged kernels attending (a float cache, an e4m3 one from compute capability 8.9:
+    the torch reference would gather the tables' whole width) and no mixture (its routing counts tokens per
+    expert on the host). Off by default until a device check has shown replays equal to eager forwards on a real
+    card. `capability`: the GPU's (default: asked of the device where an e4m3 cache needs it)."""
+    if not requested:
+        return False
+    if kv_fp8 and device.type == "cuda" and capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    why = ("not on CUDA" if device.type != "cuda" else "an 8-bit KV cache has no Triton kernel" if kv_int8
+           else "an e4m3 KV cache has no Triton kernel before compute capability 8.9"
+           if kv_fp8 and capability < (8, 9)
+           else "a mixture's routing reads counts back to the host" if config.num_experts else "")
+    if why:
+        log.warning("cuda_graphs = true has no effect here (%s): every step runs eagerly", why)
+    return not why
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -144,24 +172,65 @@ def fused_decoder_would_serve(config: ModelConfig, tensor_names) -> bool:
 _QKV_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 
 
+FP8_MIN_CAPABILITY = (8, 9)  # CUDA compute capability with FP8 tensor cores (Ada, Hopper and later)
+FP8_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def check_fp8_weights(device: torch.device, dtype: torch.dtype, config: ModelConfig | None = None,
+                      capability: tuple[int, int] | None = None) -> None:
+    """Raise ConfigError where weights = fp8 cannot run: a GPU without FP8 tensor cores (`capability`: the
+    device's, asked of torch when not given), a dtype other than bfloat16 or float32, or (CUDA) a projection
+    whose sizes are not multiples of 16, which the CUDA FP8 GEMMs need. The CPU runs it through torch's
+    reference _scaled_mm: to check the path, not for speed."""
+    if dtype not in FP8_DTYPES:
+        raise ConfigError(f"weights = fp8 computes in bfloat16 or float32, not {str(dtype).removeprefix('torch.')}; "
+                          "set dtype = bfloat16 (or auto)")
+    if device.type != "cuda":
+        return
+    capability = tuple(capability or torch.cuda.get_device_capability(device))
+    if capability < FP8_MIN_CAPABILITY:
+        raise ConfigError(f"weights = fp8 needs a GPU with FP8 tensor cores (compute capability "
+                          f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} or later: Ada, Hopper, Blackwell); "
+                          f"{device} has {'.'.join(map(str, capability))}: use weights = bf16, int8 or int4")
+    if config is not None and not fp8_shapes_fit(config):
+        raise ConfigError("weights = fp8 on CUDA needs every projection's sizes to be multiples of 16 "
+                          "(torch._scaled_mm); this model's are not: use weights = bf16")
+
+
+def fp8_shapes_fit(c: ModelConfig) -> bool:
+    """Every projection's input and output widths are multiples of 16 (the CUDA FP8 GEMMs' requirement)."""
+    q_width, qkv_width = c.num_heads * c.head_dim, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    widths = (c.hidden_size, q_width, qkv_width, c.intermediate_size, c.moe_intermediate_size)
+    return all(w % 16 == 0 for w in widths)
+
+
 def onednn_prepack_available() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def plan(config: ModelConfig, tensor_names, *, device: str = "auto", dtype: str = "auto",
          kv_cache_dtype: str = "auto", kv_cache_memory: int | None = None, native_decoder: bool = True,
-         onednn_weights: bool = True, numerics: str = "batch_invariant", activations: str = "auto") -> Plan:
+         onednn_weights: bool = True, numerics: str = "batch_invariant", activations: str = "auto",
+         cuda_graphs: bool = False, weights: str = "auto") -> Plan:
     """The one hardware decision for a checkpoint (its header: config and tensor names) and the engine's
     settings: device, dtype (bf16 where the fused decoder serves, see resolve_dtype), path, whether its
-    quantized matrices are kept and what they multiply, the KV cache's form and its memory."""
+    quantized matrices are kept and what they multiply, whether its projections are fp8 (`weights`), the KV
+    cache's form and its memory. FP8 weights or KV keep the steps on the per-op path."""
     dev = resolve_device(device)
+    fp8_weights, kv_fp8 = weights == "fp8", kv_cache_dtype == "fp8"
     fused = native_decoder and dev.type == "cpu" and fused_decoder_would_serve(config, tensor_names)
+    if fused and (fp8_weights or kv_fp8):
+        log.info("the fused decoder takes no fp8 %s: steps run per op", "weights" if fp8_weights else "KV cache")
+        fused = False
     dt = resolve_dtype(dtype, dev, fused=fused)
-    if kv_cache_dtype not in kv_quant.MODES and resolve_dtype(kv_cache_dtype, dev) != dt:
+    if kv_cache_dtype not in kv_quant.MODES + ("fp8",) and resolve_dtype(kv_cache_dtype, dev) != dt:
         raise ConfigError(f"kv_cache_dtype = {kv_cache_dtype!r} is not supported: a float KV cache is held in the "
-                          f"model's dtype ({str(dt).removeprefix('torch.')}); use auto or int8")
+                          f"model's dtype ({str(dt).removeprefix('torch.')}); use auto, int8 or fp8")
+    if fp8_weights:
+        check_fp8_weights(dev, dt, config)
     per_op = choose(dev, dt)  # the path prepare() starts from; the fused decoder replaces it where it attaches
-    packed_gemm = dt == torch.bfloat16 and per_op.native is not None and per_op.native.fused
+    packed_gemm = (dt == torch.bfloat16 and per_op.native is not None and per_op.native.fused
+                   and not fp8_weights)
     path = "cpu-fused" if fused and packed_gemm else per_op.name
     if kv_cache_memory:
         kv_memory = kv_cache_memory
@@ -174,7 +243,10 @@ def plan(config: ModelConfig, tensor_names, *, device: str = "auto", dtype: str 
                 and onednn_prepack_available(),
                 kv_int8=kv_cache_dtype == "int8", kv_memory=kv_memory,
                 numerics=numerics_in_force(numerics, path),
-                activations=resolve_activations(activations, per_op.native, packed_gemm))
+                activations=resolve_activations(activations, per_op.native, packed_gemm),
+                cuda_graphs=graphs_in_force(cuda_graphs, dev, config, kv_cache_dtype == "int8",
+                                            kv_cache_dtype == "fp8"),
+                fp8_weights=fp8_weights, kv_fp8=kv_fp8)
 
 
 def choose(device: torch.device, dtype: torch.dtype) -> Backend:
@@ -187,14 +259,16 @@ def choose(device: torch.device, dtype: torch.dtype) -> Backend:
 
 def prepare(model, the_plan: Plan) -> Backend:
     """Put the weights in the plan's form, in the order that matters: quantized matrices into the packed
-    GEMM's layout where its kernels run (CPU, bfloat16, AMX or AVX2), else dense again; then the fused
-    decoder packs the dense projections (and the LM head); then oneDNN's reorder, which frees the dense
-    copies. Every layer of `model` then asks the returned backend."""
+    GEMM's layout where its kernels run (CPU, bfloat16, AMX or AVX2), else dense again; fp8 projections
+    from the dense ones; then the fused decoder packs the dense projections (and the LM head); then
+    oneDNN's reorder, which frees the dense copies. Every layer of `model` then asks the returned backend."""
     backend = choose(the_plan.device, the_plan.dtype)
     if the_plan.quantized_weights:
         model.pack_quantized(backend.native, int8_acts=the_plan.activations == "int8")
     else:
         model.dequantize_weights(the_plan.dtype, the_plan.device)
+    if the_plan.fp8_weights:  # before the oneDNN reorder, which then takes only the LM head
+        model.to_fp8()
     invariant = the_plan.numerics == "batch_invariant"
     int8_activations = the_plan.activations == "int8"
     backend = replace(backend, int8_activations=int8_activations)

@@ -110,11 +110,11 @@ class CausalLM(nn.Module):
                 module.backend = backend
 
     def prepack_onednn(self) -> None:
-        """Reorder every dense projection (and a dense LM head the fused decoder does not serve) into oneDNN's
-        layout; the dense copies are freed, except the LM head's when it is tied to the embedding table,
-        which lookups still read."""
+        """Reorder every dense projection (not the fp8 ones: _scaled_mm reads them as they are; and a dense LM
+        head the fused decoder does not serve) into oneDNN's layout; the dense copies are freed, except the LM
+        head's when it is tied to the embedding table, which lookups still read."""
         for module in self.modules():
-            if isinstance(module, (FusedLinear, Linear)) and module.packed is None:
+            if isinstance(module, (FusedLinear, Linear)) and module.packed is None and not module.is_fp8:
                 module.onednn = prepack_onednn(module.weight.data)
                 module.weight.data = module.weight.data.new_empty(0)
         if self.lm_head_packed is None:
@@ -158,6 +158,14 @@ class CausalLM(nn.Module):
         head = self.lm_head.data
         if self.lm_head_packed is None and head.numel() and head.shape[0] % 16 == 0:
             self.lm_head_packed = PackedPart(native.pack_weight(head), 0, head.shape[0])
+
+    def to_fp8(self) -> None:
+        """Every dense projection (attention, MLP, each expert's) as e4m3 with row scales, one at a time (each
+        dense copy freed as its e4m3 one is made). The embeddings, the LM head (kept in the model's dtype, as
+        vLLM keeps it) and a mixture's float32 router are not projections and stay as they are."""
+        for module in self.modules():
+            if isinstance(module, (FusedLinear, Linear)):
+                module.to_fp8_()
 
     def dequantize_weights(self, dtype: torch.dtype, device: torch.device) -> None:
         """Every quantized matrix dense again, in `dtype` (where the kernels that read them do not run)."""

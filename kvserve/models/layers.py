@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.kernels import cpu as cpu_kernels
-from kvserve.kernels import kv_quant
+from kvserve.models import fp8
 from kvserve.models.backend import TORCH, Backend
 from kvserve.models.quant import PackedPart, QuantizedMatrix
 
@@ -185,7 +185,8 @@ def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
 class QuantizableWeight(nn.Module):
     """A module whose `weight` [out, in] may be held quantized instead of dense: `quant` (row segments, from
     loading until the backend is chosen), then `packed` in the CPU kernels' layout, or dense again where
-    the kernels do not run (models/backend.prepare). A quantized module's dense weight is empty."""
+    the kernels do not run (models/backend.prepare). A quantized module's dense weight is empty. With
+    weights = fp8 a projection's `weight` is e4m3 itself, with its rows' float32 scales in `weight_scale`."""
 
     weight: nn.Parameter
     backend: Backend = TORCH  # until CausalLM.use_backend: its `invariant` picks the packed GEMM's numerics
@@ -195,6 +196,7 @@ class QuantizableWeight(nn.Module):
         self.quant: list[QuantizedMatrix] | None = None
         self.packed: list[PackedPart] | None = None
         self.interleaved = False  # packed rows are gate/up blocks alternating (gate_up)
+        self.weight_scale: nn.Parameter | None = None  # float32 [out]: an e4m3 weight's row scales (to_fp8_)
 
     def set_quant(self, parts: list[QuantizedMatrix]) -> None:
         """Hold these quantized row segments (adjacent ones of equal bits merged; gate/up as one)."""
@@ -230,6 +232,19 @@ class QuantizableWeight(nn.Module):
             self.interleaved = True
         self.packed = [q.pack(native) for q in parts]
         self.quant = None
+
+    def to_fp8_(self) -> None:
+        """The dense weight as e4m3 with a float32 scale per output row (models/fp8.py); the dense copy is
+        freed. On the fp8 path (Plan.fp8_weights) instead of packing: `linear` multiplies it in _scaled_mm."""
+        if self.weight.dtype == fp8.DTYPE or not self.weight.numel():
+            return
+        q, scale = fp8.quantize_weight(self.weight.data)
+        self.weight.data = q
+        self.weight_scale = frozen(scale)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight.dtype == fp8.DTYPE
 
     @property
     def out_features(self) -> int:
@@ -305,12 +320,15 @@ def packed_linear(parts: list[PackedPart], x: torch.Tensor, backend: Backend,
 
 
 def linear(module: "Linear | FusedLinear", x: torch.Tensor) -> torch.Tensor:
-    """The packed quantized GEMM, oneDNN's prepacked one, or torch's; the bias (never quantized) after."""
+    """The packed quantized GEMM, oneDNN's prepacked one, FP8's scaled GEMM (models/fp8.py) or torch's; the
+    bias (never quantized) after."""
     if module.packed is not None:
         out = packed_linear(module.packed, x, module.backend)
         return out if module.bias is None else out + module.bias
     if module.onednn is not None:
         return onednn_linear(x, module.onednn, module.bias)
+    if module.weight_scale is not None:
+        return fp8.fp8_linear(x, module.weight, module.weight_scale, module.bias)
     return F.linear(x, module.weight, module.bias)
 
 
@@ -378,8 +396,9 @@ class SelfAttention(nn.Module):
         qkv = linear(self.qkv_proj, x)
         key_cache, value_cache = kv_cache
         q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_proj.splits, dim=-1))
-        # The native per-op kernels read contiguous caches in the model's dtype (the fused decoder, 8-bit ones).
-        native = self.backend.native if key_cache.is_contiguous() and not kv_quant.is_quantized(key_cache) else None
+        # The native per-op kernels read contiguous caches in the model's dtype (the fused decoder, 8-bit ones;
+        # an fp8 cache goes the torch path).
+        native = self.backend.native if key_cache.is_contiguous() and key_cache.dtype == x.dtype else None
         if native is not None and qkv.dtype == key_cache.dtype:
             # QK norm, rotary and the K/V cache writes in one pass over the new tokens.
             self.rotary.check_positions(positions, meta.cache)

@@ -112,6 +112,14 @@ def is_router(name: str) -> bool:
     return name.endswith("mlp.gate.weight")
 
 
+def form_of(name: str, bits: int, weights: str) -> str:
+    """How a loaded matrix will be computed from, for the load log: "int8" / "int4", "fp8" (a projection under
+    weights = fp8, converted when the model is built; not the embeddings, the LM head or a router) or "dense"."""
+    if bits:
+        return f"int{bits}"
+    return "fp8" if weights == "fp8" and name.endswith("_proj.weight") else "dense"
+
+
 def expert_names(name: str, count: int) -> list[str]:
     """The HF names of a stacked expert tensor's experts (a name without "{}": itself)."""
     return [name.format(e) for e in range(count)] if "{}" in name else [name]
@@ -185,8 +193,8 @@ def load_gguf(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype
             value = value.map_rows(lambda x: unpermute_rope_rows(x, heads)) if isinstance(value, QuantizedMatrix) \
                 else unpermute_rope_rows(value, heads)
         if len(t.shape) >= 2:
-            form = f"int{bits}" if bits else "dense"
-            key = (_type_name(t.type), form, not bits or quant.is_exact(t.type, bits))
+            form = form_of(name, bits, weights)
+            key = (_type_name(t.type), form, form == "dense" or bool(bits) and quant.is_exact(t.type, bits))
             forms[key] = forms.get(key, 0) + 1
         return [(name, value)]
 
@@ -233,7 +241,8 @@ def load_hf_dir(path: str | os.PathLike, weights: str = "auto", dtype: torch.dty
         if is_router(name):
             tensors[name] = t.float()
         elif t.dim() == 2:
-            key = (str(t.dtype).removeprefix("torch."), f"int{bits}" if bits else "dense", not bits)
+            form = form_of(name, bits, weights)
+            key = (str(t.dtype).removeprefix("torch."), form, form == "dense")
             forms[key] = forms.get(key, 0) + 1
             tensors[name] = quant.quantize(t, bits) if bits else t if dtype is None else t.to(dtype)
     return Checkpoint(config=config, tensors=tensors, path=path, format="hf", weights=weights, forms=forms)
@@ -297,20 +306,25 @@ def load_checkpoint(path: str | os.PathLike, weights: str = "auto", dtype: torch
 
 def weights_label(checkpoint: Checkpoint, quantized: bool, dtype: torch.dtype) -> str:
     """What the model computes from, for /v1/models and the load log: the quantized forms in use
-    ("int4+int8"), or the dtype where every matrix is dense (also where the kernels that read quantized
-    weights do not run, which dequantize them)."""
-    forms = sorted({form for _, form, _ in checkpoint.forms if form != "dense"}, key=lambda f: int(f[3:]))
+    ("int4+int8"; "fp8+bfloat16": e4m3 projections, the embeddings and LM head in bf16), or the dtype where
+    every matrix is dense (also where the kernels that read quantized weights do not run, which dequantize
+    them)."""
+    forms = {form for _, form, _ in checkpoint.forms}
+    kept = sorted((f for f in forms if f.startswith("int")), key=lambda f: int(f[3:])) if quantized else []
+    kept += ["fp8"] if "fp8" in forms else []
     dense = str(dtype).removeprefix("torch.")
-    if not quantized or not forms:
+    if not kept:
         return dense
-    return "+".join(forms) + (f"+{dense}" if any(form == "dense" for _, form, _ in checkpoint.forms) else "")
+    return "+".join(kept) + (f"+{dense}" if "dense" in forms else "")
 
 
 def describe_forms(forms: dict[tuple[str, str, bool], int]) -> str:
-    """'112 Q4_K as int4, 33 Q6_K requantized to int8, ...' (the load log)."""
+    """'112 Q4_K as int4, 33 Q6_K requantized to int8, 196 BF16 quantized to fp8, ...' (the load log)."""
     parts = []
     for (kind, form, exact), count in sorted(forms.items(), key=lambda item: -item[1]):
-        how = "dense" if form == "dense" else f"as {form}" if exact else f"requantized to {form}"
+        floats = kind in ("F32", "F16", "BF16") or kind.startswith(("float", "bfloat"))
+        how = "dense" if form == "dense" else f"as {form}" if exact else \
+            f"{'quantized' if floats else 'requantized'} to {form}"
         parts.append(f"{count} {kind} {how}")
     return ", ".join(parts)
 

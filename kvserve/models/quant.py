@@ -211,10 +211,11 @@ def weight_bits(qtype: int, mode: str, int8_acts: bool = False) -> int:
     """The bits a matrix stored as GGUF type `qtype` is kept at under the setting `mode` (0: dense).
     auto keeps the file's class: float types dense, 4-bit types at 4 bits, Q6_K at 6 where the 6-bit form
     is allowed (`int8_acts`: the kernels multiply 8-bit activations), every other type at 8 (5- and 6-bit
-    types among them: 8 bits hold Q5's values exactly and Q6_K's closer than 4 could)."""
+    types among them: 8 bits hold Q5's values exactly and Q6_K's closer than 4 could). bf16 and fp8 load every
+    matrix dense (fp8's projections are converted once the model is built: models/backend.prepare)."""
     if mode not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {mode!r}")
-    if mode == "bf16":
+    if mode in ("bf16", "fp8"):
         return 0
     if mode == "int8":
         return 8

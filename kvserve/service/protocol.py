@@ -705,10 +705,10 @@ class ModelCard(BaseModel):
     inflight: int = 0
     queue_depth: int = 0
     max_model_len: int | None = None
-    # What the engine computes from: the quantized forms in use ("int4+int8"), or the dtype where every
-    # matrix is dense ("bfloat16"); the setting (auto, bf16, int8, int4) until the weights are loaded.
+    # What the engine computes from: the quantized forms in use ("int4+int8", "fp8+bfloat16"), or the dtype where
+    # every matrix is dense ("bfloat16"); the setting (auto, bf16, int8, int4, fp8) until the weights are loaded.
     weights: str | None = None
-    # The KV cache's dtype setting: "auto" (the model's dtype) or "int8" (kernels/kv_quant.py).
+    # The KV cache's dtype setting: "auto" (the model's dtype), "int8" (kernels/kv_quant.py) or "fp8" (models/fp8.py).
     kv_cache_dtype: str | None = None
     # "batch_invariant": a token's logits are the same bits whatever else its step held; "fast": not promised
     # (the setting until the model is loaded; "fast" where the path cannot give it: float32, CUDA).

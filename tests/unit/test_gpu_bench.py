@@ -23,5 +23,8 @@ def test_the_gpu_benchmark_runs_tiny_on_the_cpu(tmp_path):
     assert all(d["torch_ms"] > 0 and d["triton_ms"] > 0 and "skipped" not in d for d in r["decode"])
     assert r["prefill"]["tokens"] == 64 and r["prefill"]["triton_tok_per_s"] > 0
     assert r["kernel_rel_err"] < 1e-5  # float32 on the CPU
-    assert r["hbm_floor_ms"] > 0 and "not built" in r["cuda_graphs"]
+    assert r["hbm_floor_ms"] > 0 and "stand-in" in r["cuda_graphs"]
+    graphs = r["graphs"]  # the same shapes through DecodeGraphs, padded to their buckets
+    assert [(g["shape"], g["bucket"]) for g in graphs] == [("b1 c64", 1), ("b4 c40", 4), ("b4 mixed", 4)]
+    assert all(g["graph_equals_eager"] and g["graph_ms"] > 0 and g["graph_host_ms"] > 0 for g in graphs)
     assert out.with_suffix(".md").read_text().startswith("tiny on cpu")

@@ -1,7 +1,7 @@
 """The CUDA paged decode kernel (kvserve/kernels/triton_attention.py) under Triton's CPU interpreter, against the
 torch reference (models/attention._decode_attention_torch) that serves where it does not: ragged contexts
 over scattered pages, GQA groups of several sizes, split-K merges, sliding windows with and without sinks,
-block tables padded past a row's pages, a head dim that is not a power of two, bf16 and float32 caches."""
+block tables padded past a row's pages, a head dim that is not a power of two, bf16, float32 and e4m3 caches."""
 from __future__ import annotations
 
 import os
@@ -50,6 +50,14 @@ def test_ragged_gqa_batches_match_the_reference(hq, hkv, splits):
     torch.testing.assert_close(out, _reference(query, key, value, tables, lens, 0.2), rtol=1e-4, atol=1e-5)
 
 
+def test_an_fp8_cache_is_read_as_its_values():
+    """An e4m3 cache (kv_cache_dtype = "fp8"): the kernel casts what it loads, as the reference reads the values."""
+    query, key, value, tables, lens = _batch([5, 33, 70], 8, 2, 32, torch.float32, seed=7)
+    key, value = key.to(torch.float8_e4m3fn), value.to(torch.float8_e4m3fn)
+    out = paged_decode_attention(query, key, value, tables, lens, 0.2, splits=2)
+    torch.testing.assert_close(out, _reference(query, key, value, tables, lens, 0.2), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("window,sinks", [(24, 0), (24, 4), (5, 0), (1, 2)])
 def test_windows_and_sinks_match_the_reference(window, sinks):
     contexts = [3, 30, 64, 81]
@@ -79,11 +87,13 @@ def test_split_counts_fill_the_device_without_tiny_splits():
     assert empty.shape == (0, 4, 32)
 
 
-@pytest.mark.parametrize("window,sinks", [(None, 0), (20, 0), (20, 3)])
+@pytest.mark.parametrize("window,sinks,cache", [(None, 0, "float32"), (20, 0, "float32"), (20, 3, "float32"),
+                                                (None, 0, "e4m3"), (20, 3, "e4m3")])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
-def test_prefill_chunks_match_the_reference(window, sinks, hq, hkv):
+def test_prefill_chunks_match_the_reference(window, sinks, cache, hq, hkv):
     """One launch for a step's chunks: a fresh prompt, a chunk after a cached prefix, a one-token chunk and a
-    chunk longer than a program's 16 rows, each against the reference's own attention of that chunk."""
+    chunk longer than a program's 16 rows, each against the reference's own attention of that chunk; float32
+    caches, and e4m3 ones (kv_cache_dtype = "fp8": the kernel widens the values it loads)."""
     from kvserve.models.attention import PrefillChunk, _prefill_attention
 
     torch.manual_seed(hq + (window or 0) + sinks)
@@ -92,6 +102,8 @@ def test_prefill_chunks_match_the_reference(window, sinks, hq, hkv):
     blocks = sum(pages) + 2
     perm = torch.randperm(blocks)
     key_cache, value_cache = torch.randn(hkv, blocks, PAGE, hd), torch.randn(hkv, blocks, PAGE, hd)
+    if cache == "e4m3":
+        key_cache, value_cache = key_cache.to(torch.float8_e4m3fn), value_cache.to(torch.float8_e4m3fn)
     chunks, at, start = [], 0, 0
     for (prefix, n), count in zip(specs, pages):
         chunks.append(PrefillChunk(start, n, prefix + n, perm[at:at + count].clone()))
@@ -102,8 +114,8 @@ def test_prefill_chunks_match_the_reference(window, sinks, hq, hkv):
     for c in chunks:
         pos = torch.arange(c.start_pos, c.context_len)
         rows.append((c.block_table[pos // PAGE], pos % PAGE))
-    key = torch.cat([key_cache[:, b, o].transpose(0, 1) for b, o in rows])
-    value = torch.cat([value_cache[:, b, o].transpose(0, 1) for b, o in rows])
+    key = torch.cat([key_cache[:, b, o].transpose(0, 1) for b, o in rows]).float()
+    value = torch.cat([value_cache[:, b, o].transpose(0, 1) for b, o in rows]).float()
     out = paged_prefill_attention(query, key_cache, value_cache, chunks, 0.3, window, sinks)
     for c in chunks:
         want = _prefill_attention(query, key, value, key_cache, value_cache, c, 0.3, window, sinks).transpose(0, 1)

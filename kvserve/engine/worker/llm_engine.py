@@ -22,11 +22,13 @@ from kvserve.engine.kv.eviction import KVSharePolicy
 from kvserve.engine.kv.groups import KVLayout
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.request import EngineRequest, Priority
+from kvserve.engine.worker.cuda_graphs import GraphPlan, capture_cuda_graph
 from kvserve.engine.worker.runner import ModelRunner
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.step_time import StepTimeModel, StepTimePrior
 from kvserve.kernels import kv_quant
 from kvserve.models import backend
+from kvserve.models.attention import kv_cache_dtype
 from kvserve.models.catalog import resolve_model
 from kvserve.models.loader import (build_model, checkpoint_header, checkpoint_info, describe_forms, load_checkpoint,
                                    weights_label)
@@ -67,7 +69,7 @@ class LLMEngine:
                  "KV groups (%s, %d bytes a token), %d host blocks%s", self.model_id, self.dtype, self.device,
                  built.name if built else "injected executor", self.numerics, self.load_seconds, num_blocks,
                  cache_cfg.block_size, self.kv_layout.group_size, self.kv_layout.num_groups,
-                 "int8" if self.kv_int8 else str(self.dtype).removeprefix("torch."), self.kv_bytes_per_token,
+                 self.kv_label, self.kv_bytes_per_token,
                  num_host_blocks, "; step-time prior from this machine's calibration" if prior else "")
 
     def _load_and_plan(self, config: EngineConfig, model_id: str | None, executor: Executor | None,
@@ -82,7 +84,8 @@ class LLMEngine:
             self.plan = backend.plan(header_config, tensor_names, device=config.device, dtype=config.dtype,
                                      kv_cache_dtype=cache_cfg.kv_cache_dtype, kv_cache_memory=cache_cfg.kv_cache_memory,
                                      native_decoder=config.native_decoder, onednn_weights=config.onednn_weights,
-                                     numerics=config.numerics, activations=config.activations)
+                                     numerics=config.numerics, activations=config.activations,
+                                     cuda_graphs=config.cuda_graphs, weights=config.weights)
             checkpoint = load_checkpoint(path, config.weights, self.plan.dtype, int8_acts=self.plan.activations == "int8")
             self.weights = weights_label(checkpoint, self.plan.quantized_weights, self.plan.dtype)
             info = checkpoint_info(checkpoint, name=model_id or resolved_id)
@@ -94,9 +97,12 @@ class LLMEngine:
             self.plan = backend.Plan(device=cpu, dtype=backend.resolve_dtype(config.dtype, cpu), path="injected",
                                      quantized_weights=False, onednn_weights=False,
                                      kv_int8=cache_cfg.kv_cache_dtype == "int8", kv_memory=0,
-                                     numerics=config.numerics)
+                                     numerics=config.numerics, kv_fp8=cache_cfg.kv_cache_dtype == "fp8")
             self.weights = "injected executor"
         self.device, self.dtype, self.kv_int8 = self.plan.device, self.plan.dtype, self.plan.kv_int8
+        self.kv_fp8 = self.plan.kv_fp8
+        self.kv_dtype = kv_cache_dtype(self.dtype, self.kv_int8, self.kv_fp8)  # the cache tensors' element type
+        self.kv_label = "int8" if self.kv_int8 else str(self.kv_dtype).removeprefix("torch.")
         self.activations = self.plan.activations  # what its quantized matrices multiply (bf16 or int8)
         self.model_id = model_id or resolved_id
         self.info = info
@@ -110,7 +116,7 @@ class LLMEngine:
     def _size_kv(self) -> tuple[int, int]:
         """The KV layout and page size, and how many device and host blocks the plan's memory holds."""
         cache_cfg = self.config.cache
-        elem = kv_quant.bytes_per_element(self.model_config.head_dim, self.dtype, self.kv_int8)
+        elem = kv_quant.bytes_per_element(self.model_config.head_dim, self.kv_dtype, self.kv_int8)
         self.kv_bytes_per_token = round(self.model_config.kv_bytes_per_token_per_element * elem)
         self.kv_layout = KVLayout.for_model(self.model_config, split=cache_cfg.kv_groups)
         # A block ("page") holds one group's layers: all of them with one group.
@@ -140,8 +146,11 @@ class LLMEngine:
                  "activations", self.model_id, self.weights, model.weight_bytes() / 1e9,
                  model.token_weight_bytes() / 1e9, describe_forms(forms), self.plan.activations)
         return ModelRunner(model, self.model_config, num_blocks, num_host_blocks, config.cache.block_size,
-                           self.dtype, self.device, kv_int8=self.kv_int8,
-                           eos_token_ids=self.tokenizer.eos_token_ids, layout=self.kv_layout)
+                           self.dtype, self.device, kv_int8=self.kv_int8, kv_fp8=self.kv_fp8,
+                           eos_token_ids=self.tokenizer.eos_token_ids, layout=self.kv_layout,
+                           graphs=GraphPlan(capture_cuda_graph(torch.cuda.graph_pool_handle()),
+                                            config.scheduler.max_num_seqs, self.max_model_len)
+                           if self.plan.cuda_graphs else None)
 
     def _open_tiers(self, model_path) -> HostKVStore | DiskKVStore | None:
         """The KV pool's lower tiers (host memory over disk), where prefix caching and the settings ask for them;
@@ -180,8 +189,8 @@ class LLMEngine:
         """The disk tier for this model file, dtype, block size and KV layout (another of any never hits)."""
         t0 = time.perf_counter()
         layout = ";".join(f"{g.window}:{','.join(map(str, g.layers))}" for g in self.kv_layout.groups)
-        dtype = "int8" if self.kv_int8 else str(self.dtype).removeprefix("torch.")
-        namespace = kv_namespace(model_digest(model_path, cache_cfg.kv_disk_dir), dtype, cache_cfg.block_size, layout)
+        namespace = kv_namespace(model_digest(model_path, cache_cfg.kv_disk_dir), self.kv_label, cache_cfg.block_size,
+                                 layout)
         store = DiskKVStore(cache_cfg.kv_disk_dir, namespace, self.runner.page_bytes, cache_cfg.kv_disk_bytes)
         stats = store.stats()
         log.info("%s KV disk tier at %s: %d pages (%.1f MB) found, budget %.1f GB (opened in %.1fs)", self.model_id,

@@ -20,9 +20,10 @@ from kvserve.engine.interjection import Interjection
 from kvserve.engine.kv.groups import KVLayout
 from kvserve.engine.request import Sequence
 from kvserve.engine.speculation.verification import accepted_count
+from kvserve.engine.worker.cuda_graphs import DecodeGraphs, GraphPlan
 from kvserve.engine.worker.sampler import Sampler, SamplingMetadata, make_generator
 from kvserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
-from kvserve.models.attention import AttentionMetadata, PrefillChunk, kv_cache_shape
+from kvserve.models.attention import AttentionMetadata, PrefillChunk, cache_bytes, kv_cache_dtype, kv_cache_shape
 from kvserve.engine.worker.grammar_mask import apply_grammar_masks, checked_after_sampling, force_tokens
 
 
@@ -57,10 +58,12 @@ def _long_tensor(values, shape: tuple[int, ...], device: torch.device) -> torch.
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_device_blocks: int, num_host_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device, kv_int8: bool = False,
-                 eos_token_ids: Collection[int] = (), layout: KVLayout | None = None):
+                 kv_fp8: bool = False, eos_token_ids: Collection[int] = (), layout: KVLayout | None = None,
+                 graphs: GraphPlan | None = None):
         """`layout`: the KV groups (engine/kv/groups.py); default one group of every layer. Each of its
         `group_size` slots is one key and one value tensor of `num_device_blocks` pages, which the slot's
-        layer of every group shares (a page belongs to one group at a time)."""
+        layer of every group shares (a page belongs to one group at a time). `graphs`: decode-only steps replay
+        captured graphs (engine/worker/cuda_graphs.py), whose padding rows get one more page, past the pool."""
         self.model = model
         self.sampler = Sampler()
         self.eos_token_ids = set(eos_token_ids)  # banned while a row is under min_tokens
@@ -72,8 +75,10 @@ class ModelRunner:
         self.layout = layout or KVLayout.for_windows([None] * config.num_layers)
         if sum(len(g.layers) for g in self.layout.groups) != config.num_layers:
             raise ValueError("the KV layout does not cover the model's layers")
-        cache_dtype = torch.uint8 if kv_int8 else dtype  # int8 rows with their scales (kernels/kv_quant.py)
-        shape = kv_cache_shape(num_device_blocks, block_size, config.num_kv_heads, config.head_dim, kv_int8)
+        # int8 rows with their scales (kernels/kv_quant.py), e4m3 (models/fp8.py) or the model's dtype
+        cache_dtype = kv_cache_dtype(dtype, kv_int8, kv_fp8)
+        shape = kv_cache_shape(num_device_blocks + (graphs is not None), block_size, config.num_kv_heads,
+                               config.head_dim, kv_int8)
         slots = self.layout.group_size
         self.kv_slots = [(torch.zeros(shape, dtype=cache_dtype, device=device),
                           torch.zeros(shape, dtype=cache_dtype, device=device)) for _ in range(slots)]
@@ -88,6 +93,10 @@ class ModelRunner:
         self.host_slots = [(torch.zeros(host_shape, dtype=cache_dtype, pin_memory=pin),
                             torch.zeros(host_shape, dtype=cache_dtype, pin_memory=pin))
                            for _ in range(slots)] if num_host_blocks else []
+        self.graphs = None if graphs is None else DecodeGraphs(
+            model, self.kv_caches, self.layer_groups, self.layout.num_groups, block_size,
+            max_blocks=-(-graphs.max_model_len // block_size), max_batch=graphs.max_batch,
+            scratch_block=num_device_blocks, device=device, capture=graphs.capture)
 
     # ---- block movement ------------------------------------------------------------------
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
@@ -122,11 +131,12 @@ class ModelRunner:
         k0 = self.kv_slots[0][0]
         heads, _, bs, width = k0.shape
         flat = torch.frombuffer(bytearray(b"".join(page for _, page in pairs)), dtype=torch.uint8)
-        data = flat.view(k0.dtype).view(len(pairs), len(self.kv_slots), 2, heads, bs, width).to(k0.device)
+        data = flat.view(cache_bytes(k0).dtype).view(len(pairs), len(self.kv_slots), 2, heads, bs, width)
+        data = data.to(k0.device)
         dst = torch.tensor([b for b, _ in pairs], dtype=torch.long, device=k0.device)
         for j, (k, v) in enumerate(self.kv_slots):
-            k.index_copy_(1, dst, data[:, j, 0].transpose(0, 1))
-            v.index_copy_(1, dst, data[:, j, 1].transpose(0, 1))
+            cache_bytes(k).index_copy_(1, dst, data[:, j, 0].transpose(0, 1))
+            cache_bytes(v).index_copy_(1, dst, data[:, j, 1].transpose(0, 1))
 
     def read_pages(self, blocks: list[int]) -> list[bytes]:
         """The pages of these blocks as bytes: [slot, key/value, head, token, width] each (a lower tier's page)."""
@@ -147,8 +157,9 @@ class ModelRunner:
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src_dev)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst_dev)
         for (sk, sv), (dk, dv) in zip(src_caches, dst_caches):
-            dk.index_copy_(1, dst, sk.index_select(1, src).to(dst_dev, non_blocking=True))  # dim 1: blocks
-            dv.index_copy_(1, dst, sv.index_select(1, src).to(dst_dev, non_blocking=True))
+            for s, d in ((sk, dk), (sv, dv)):  # dim 1: blocks; an e4m3 cache as bytes (no CPU index_copy_ for float8)
+                moved = cache_bytes(s).index_select(1, src).to(dst_dev, non_blocking=True)
+                cache_bytes(d).index_copy_(1, dst, moved)
 
     # ---- forward ---------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput, interjection: Interjection | None = None) -> RunnerOutput:
@@ -267,8 +278,12 @@ class ModelRunner:
         all_logits=True returns logits for every token instead (items' tokens in their given order),
         for prompt logprobs and parity checks.
         """
-        order = sorted(range(len(items)), key=lambda i: len(items[i].token_ids) != 1 or items[i].start == 0)
         num_groups = self.layout.num_groups
+        if self.graphs is not None and not all_logits and self._replays(items):
+            hidden = self.graphs.run([it.token_ids[0] for it in items], [it.start for it in items],
+                                     [it.tables(num_groups) for it in items])
+            return self._logits(hidden, [i for i, it in enumerate(items) if it.sample])
+        order = sorted(range(len(items)), key=lambda i: len(items[i].token_ids) != 1 or items[i].start == 0)
         input_ids, positions, sample_rows = [], [], {}
         slots: list[list[int]] = [[] for _ in range(num_groups)]
         bs = self.block_size
@@ -334,8 +349,18 @@ class ModelRunner:
                 offset += len(items[i].token_ids)
             rows = torch.cat([torch.arange(starts[i], starts[i] + len(items[i].token_ids)) for i in range(len(items))])
             return self.model.compute_logits(hidden.index_select(0, rows.to(dev)))
-        wanted = [r for i in range(len(items)) if items[i].sample for r in sample_rows[i]]
-        if not wanted:
+        return self._logits(hidden, [r for i in range(len(items)) if items[i].sample for r in sample_rows[i]])
+
+    def _replays(self, items: list[BatchItem]) -> bool:
+        """A decode-only step (one token of a started sequence each, no drafts) that a captured graph holds. Its
+        interjection, if any, is not offered: a decode step is over before one would pay."""
+        return (bool(items) and all(len(it.token_ids) == 1 and it.start > 0 and it.num_logits == 1 for it in items)
+                and self.graphs.takes(len(items), max(it.start for it in items) + 1))
+
+    def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+        """Logits of the hidden states' `rows`, in their order; None for none."""
+        if not rows:
             return None
-        rows = torch.tensor(wanted, dtype=torch.long, device=dev)
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        if rows != list(range(hidden.shape[0])):
+            hidden = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=hidden.device))
+        return self.model.compute_logits(hidden)
