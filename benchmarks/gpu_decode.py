@@ -12,7 +12,8 @@ paged kernels (kernels/triton_attention.py), medians of `--iters` steps by CUDA 
 attention output), a profiler split of one decode step (GEMM, attention, copies and other kernels, host time),
 and the HBM floor: the weights' bytes over the copy bandwidth measured here. Then the same decode shapes through the
 engine's CUDA graphs (engine/worker/cuda_graphs.py; `graph_decode`): replay against the eager forward over the
-same buffers, bit for bit, step times and the host's time per replay. One JSON file and Markdown tables.
+same buffers, bit for bit, step times and the host's time per replay; last, the projections made FP8 (where the
+GPU has it) and the first decode shapes again. One JSON file and Markdown tables.
 """
 from __future__ import annotations
 
@@ -301,6 +302,30 @@ def graph_decode(steps: Steps, shapes: list[tuple[str, list[int]]], iters: int) 
     return rows
 
 
+def fp8_decode(steps: Steps, shapes: list[tuple[str, list[int]]], iters: int, bf16_bytes: int,
+               bandwidth: float) -> dict:
+    """The model's projections made e4m3 with row scales (weights = fp8: models/fp8.py, torch._scaled_mm), then
+    the first shapes' decode steps again on Triton's kernels, with their HBM floor; skipped where the GPU has no
+    FP8 (compute capability below 8.9). Run last: it converts the model in place."""
+    import torch
+
+    device = steps.device
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return {"skipped": "no FP8 on this GPU (compute capability below 8.9)"}
+    head = steps.model.lm_head
+    steps.model.to_fp8()
+    held = sum(p.numel() * p.element_size() for p in steps.model.parameters())
+    steps.use("triton")
+    rows = []
+    for label, contexts in shapes[:3]:
+        positions, meta = steps.decode_meta(contexts)
+        ms = steps.timed(positions, meta, torch.arange(len(contexts), device=device), iters)
+        rows.append({"shape": label, "triton_ms": ms})
+        print(json.dumps(rows[-1]), flush=True)
+    return {"weights_bytes": held, "hbm_floor_ms": held / bandwidth * 1e3, "bf16_weights_bytes": bf16_bytes,
+            "lm_head": str(head.dtype).removeprefix("torch."), "decode": rows}
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.device == "cpu":
@@ -352,6 +377,7 @@ def main(argv=None) -> int:
     result["kernel_rel_err"] = kernel_error(steps, check)
     steps.use("triton")
     result["profile_triton"] = profile_split(steps, check)
+    result["fp8"] = fp8_decode(steps, shapes, a.iters, weights_bytes, bandwidth)
     text = render(result)
     print(text)
     if a.json:
@@ -373,6 +399,13 @@ def render(r: dict) -> str:
                         [[g["shape"], str(g["bucket"]), f"{g['eager_ms']:.2f}", f"{g['graph_ms']:.2f}",
                           f"{g['speedup']:.2f}x", f"{g['graph_host_ms']:.3f}", "yes" if g["graph_equals_eager"]
                           else "NO"] for g in r["graphs"]])]
+    f = r["fp8"]
+    if "skipped" in f:
+        lines += ["", f"FP8 weights: skipped ({f['skipped']})."]
+    else:
+        lines += ["", f"FP8 weights (e4m3, row scales; LM head {f['lm_head']}): {f['weights_bytes'] / 1e9:.2f} GB, "
+                  f"HBM floor {f['hbm_floor_ms']:.2f} ms a step; decode on Triton's kernels: "
+                  + ", ".join(f"{d['shape']} {d['triton_ms']:.2f} ms" for d in f["decode"]) + "."]
     p = r["prefill"]
     lines += ["", f"Prefill of {p['tokens']} tokens: reference {p['torch_tok_per_s']:.0f} tok/s, Triton "
               f"{p['triton_tok_per_s']:.0f} tok/s. Kernel against the reference: relative error "

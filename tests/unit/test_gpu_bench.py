@@ -27,4 +27,7 @@ def test_the_gpu_benchmark_runs_tiny_on_the_cpu(tmp_path):
     graphs = r["graphs"]  # the same shapes through DecodeGraphs, padded to their buckets
     assert [(g["shape"], g["bucket"]) for g in graphs] == [("b1 c64", 1), ("b4 c40", 4), ("b4 mixed", 4)]
     assert all(g["graph_equals_eager"] and g["graph_ms"] > 0 and g["graph_host_ms"] > 0 for g in graphs)
+    fp8 = r["fp8"]  # the projections as e4m3: the weights' bytes shrink (the embeddings and LM head stay)
+    assert fp8["weights_bytes"] < r["weights_bytes"] and len(fp8["decode"]) == 3
+    assert all(d["triton_ms"] > 0 for d in fp8["decode"])
     assert out.with_suffix(".md").read_text().startswith("tiny on cpu")
