@@ -95,12 +95,15 @@ class Steps:
     def __init__(self, model, config, device, dtype, pool_tokens: int):
         import torch
 
+        from kvserve.models.attention import new_kv_cache
+
         self.model, self.config, self.device = model, config, device
         blocks = pool_tokens // self.PAGE + 1
         shape = (config.num_kv_heads, blocks, self.PAGE, config.head_dim)
         gen = torch.Generator(device=device).manual_seed(1)
-        self.kv = [(torch.randn(shape, dtype=dtype, device=device, generator=gen),
-                    torch.randn(shape, dtype=dtype, device=device, generator=gen)) for _ in range(config.num_layers)]
+        # Stored blocks first, as the engine holds them on CUDA (Plan.kv_pages_contiguous).
+        self.kv = [tuple(new_kv_cache(shape, dtype, device, pages_contiguous=True).normal_(generator=gen)
+                         for _ in "kv") for _ in range(config.num_layers)]
         self.blocks = blocks
 
     def use(self, kernels: str) -> None:

@@ -11,8 +11,9 @@ their log-sum-exp. Sliding windows skip the pages before a row's window; sinks (
 first keys as well. Prefill chunks (a fresh prompt, or a chunk after a cached prefix) go in one launch per step:
 a program per (chunk, 16 rows, query head), flash-attention's loop over the chunk's pages up to its last row.
 
-Cache layout as everywhere (models/attention.kv_cache_shape): [kv_heads, blocks, block_size, head_dim], a float
-cache (an 8-bit cache keeps the reference path). Triton runs these on the CPU too, in its interpreter
+Caches are indexed as everywhere (models/attention.kv_cache_shape): [kv_heads, blocks, block_size, head_dim], read
+through their strides, so either storage order serves (on CUDA blocks first: models/attention.new_kv_cache); a
+float or e4m3 cache (an 8-bit integer cache keeps the reference path). Triton runs these on the CPU too, in its interpreter
 (TRITON_INTERPRET=1, set before this module is imported): the tests hold them to the reference there.
 """
 from __future__ import annotations

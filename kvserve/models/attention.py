@@ -1,9 +1,11 @@
 """Paged attention over a block-structured KV cache.
 
-Cache layout per layer: key and value tensors of shape [num_kv_heads, num_blocks, block_size, head_dim]
-(head-major, so a gather over block tables lands as [heads, seqs, keys, dim] and the batched matmuls
-read it through strided views, with no transposing copies). A token's slot is
-block_id * block_size + offset; `slot_mapping` says where each new token's K/V go.
+Cache layout per layer: key and value tensors indexed [num_kv_heads, num_blocks, block_size, head_dim]. On the CPU
+they are stored so (heads first: a gather over block tables lands as [heads, seqs, keys, dim] and the batched
+matmuls read it through strided views, with no transposing copies; the native kernels read each head's pages as
+one run); on CUDA stored blocks first (`new_kv_cache`), so a page of every head is one run that swaps, copies and
+lower tiers move whole, and the shape above is a view. A token's slot is block_id * block_size + offset;
+`slot_mapping` says where each new token's K/V go.
 
 One forward pass carries a flattened batch: the first `num_decode_tokens` tokens are single-token
 decodes (one per sequence), the rest are prefill chunks, one contiguous run per sequence. Decodes are
@@ -84,6 +86,24 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     return (num_kv_heads, num_blocks, block_size, kv_quant.row_width(head_dim, quantized))
 
 
+def new_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu",
+                 pages_contiguous: bool = False, pin_memory: bool = False) -> torch.Tensor:
+    """A zero-filled layer cache of `shape` ([kv_heads, blocks, block_size, width], as every reader indexes it),
+    stored heads first (each head's pages one run: the CPU kernels' layout) or, with `pages_contiguous`, blocks
+    first (Plan.kv_pages_contiguous: each page of every head one run, which a swap, a copy or a lower tier moves
+    as one piece; a view the Triton kernels read through its strides)."""
+    if not pages_contiguous:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+    h, n, bs, w = shape
+    return torch.zeros((n, h, bs, w), dtype=dtype, device=device, pin_memory=pin_memory).transpose(0, 1)
+
+
+def pages(cache: torch.Tensor) -> torch.Tensor:
+    """The cache with its blocks first ([blocks, kv_heads, block_size, width], a view): a page is one index of
+    dim 0, in the byte order of a lower tier's page whichever way the cache is stored."""
+    return cache.transpose(0, 1)
+
+
 def kv_cache_dtype(model_dtype: torch.dtype, kv_int8: bool = False, kv_fp8: bool = False) -> torch.dtype:
     """The element type of a layer's cache tensors (Plan.kv_int8, Plan.kv_fp8): uint8 for 8-bit rows with their
     scales, float8 e4m3, else the model's dtype."""
@@ -101,7 +121,11 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
     """Scatter new tokens' K/V ([T, Hkv, D]) into their cache slots (a 2-D row scatter, as _gather),
     quantized first into an 8-bit cache, saturated and rounded into an e4m3 one."""
     h, nb, bs, w = key_cache.shape
-    rows = (torch.arange(h, device=key.device)[:, None] * (nb * bs) + slot_mapping[None, :]).reshape(-1)
+    if key_cache.is_contiguous():  # heads first: a head's row for a slot is h * (nb * bs) + slot
+        rows = (torch.arange(h, device=key.device)[:, None] * (nb * bs) + slot_mapping[None, :]).reshape(-1)
+    else:  # blocks first: (block * h + head) * bs + offset
+        heads = torch.arange(h, device=key.device)[:, None] * bs
+        rows = ((slot_mapping // bs * (h * bs) + slot_mapping % bs)[None, :] + heads).reshape(-1)
     for src, cache in ((key, key_cache), (value, value_cache)):
         src = src.transpose(0, 1).reshape(-1, src.shape[-1])
         if kv_quant.is_quantized(cache):
@@ -110,7 +134,8 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
             src = fp8.to_e4m3(src)
         else:
             src = src.to(cache.dtype)
-        cache_bytes(cache).view(h * nb * bs, w).index_copy_(0, rows, cache_bytes(src))
+        stored = cache if cache.is_contiguous() else pages(cache)  # the storage's own order, contiguous
+        cache_bytes(stored).view(h * nb * bs, w).index_copy_(0, rows, cache_bytes(src))
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -121,8 +146,11 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) ->
     torch's 2-D row index_select runs at copy speed, about twice the 4-D gather along dim 1.
     """
     h, n, bs, w = cache.shape
-    rows = (torch.arange(h, device=cache.device)[:, None] * n + block_ids[None, :]).reshape(-1)
-    out = cache.view(h * n, bs * w).index_select(0, rows).view(h, -1, w)
+    if cache.is_contiguous():
+        rows = (torch.arange(h, device=cache.device)[:, None] * n + block_ids[None, :]).reshape(-1)
+        out = cache.view(h * n, bs * w).index_select(0, rows).view(h, -1, w)
+    else:  # blocks first: whole pages gathered, then heads first (one more copy: the reference path only)
+        out = pages(cache).index_select(0, block_ids).transpose(0, 1).reshape(h, -1, w)
     if kv_quant.is_quantized(cache):
         return kv_quant.dequantize(out, dtype)
     return out.to(dtype) if cache.dtype == fp8.DTYPE else out

@@ -65,6 +65,10 @@ class Plan:
     cuda_graphs: bool = False  # decode-only steps replay captured graphs (see graphs_in_force)
     fp8_weights: bool = False  # the projections are e4m3 with row scales, multiplied by _scaled_mm (models/fp8.py)
     kv_fp8: bool = False  # the KV cache holds e4m3 values (scale 1), else as kv_int8 says
+    # The caches stored blocks first, a page of every head one contiguous run (swaps, copies and lower tiers move
+    # pages whole), on CUDA, where Triton's kernels read them through their strides; heads first on the CPU, whose
+    # native kernels read each head's pages as one run (models/attention.new_kv_cache).
+    kv_pages_contiguous: bool = False
 
     @property
     def fused(self) -> bool:
@@ -246,7 +250,7 @@ def plan(config: ModelConfig, tensor_names, *, device: str = "auto", dtype: str 
                 activations=resolve_activations(activations, per_op.native, packed_gemm),
                 cuda_graphs=graphs_in_force(cuda_graphs, dev, config, kv_cache_dtype == "int8",
                                             kv_cache_dtype == "fp8"),
-                fp8_weights=fp8_weights, kv_fp8=kv_fp8)
+                fp8_weights=fp8_weights, kv_fp8=kv_fp8, kv_pages_contiguous=dev.type == "cuda")
 
 
 def choose(device: torch.device, dtype: torch.dtype) -> Backend:

@@ -150,7 +150,7 @@ class LLMEngine:
                            eos_token_ids=self.tokenizer.eos_token_ids, layout=self.kv_layout,
                            graphs=GraphPlan(capture_cuda_graph(torch.cuda.graph_pool_handle()),
                                             config.scheduler.max_num_seqs, self.max_model_len)
-                           if self.plan.cuda_graphs else None)
+                           if self.plan.cuda_graphs else None, pages_contiguous=self.plan.kv_pages_contiguous)
 
     def _open_tiers(self, model_path) -> HostKVStore | DiskKVStore | None:
         """The KV pool's lower tiers (host memory over disk), where prefix caching and the settings ask for them;

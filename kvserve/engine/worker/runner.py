@@ -23,7 +23,8 @@ from kvserve.engine.speculation.verification import accepted_count
 from kvserve.engine.worker.cuda_graphs import DecodeGraphs, GraphPlan
 from kvserve.engine.worker.sampler import Sampler, SamplingMetadata, make_generator
 from kvserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
-from kvserve.models.attention import AttentionMetadata, PrefillChunk, cache_bytes, kv_cache_dtype, kv_cache_shape
+from kvserve.models.attention import (AttentionMetadata, PrefillChunk, cache_bytes, kv_cache_dtype, kv_cache_shape,
+                                      new_kv_cache, pages)
 from kvserve.engine.worker.grammar_mask import apply_grammar_masks, checked_after_sampling, force_tokens
 
 
@@ -59,11 +60,12 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_device_blocks: int, num_host_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device, kv_int8: bool = False,
                  kv_fp8: bool = False, eos_token_ids: Collection[int] = (), layout: KVLayout | None = None,
-                 graphs: GraphPlan | None = None):
+                 graphs: GraphPlan | None = None, pages_contiguous: bool = False):
         """`layout`: the KV groups (engine/kv/groups.py); default one group of every layer. Each of its
         `group_size` slots is one key and one value tensor of `num_device_blocks` pages, which the slot's
         layer of every group shares (a page belongs to one group at a time). `graphs`: decode-only steps replay
-        captured graphs (engine/worker/cuda_graphs.py), whose padding rows get one more page, past the pool."""
+        captured graphs (engine/worker/cuda_graphs.py), whose padding rows get one more page, past the pool.
+        `pages_contiguous`: the caches (device and host) stored blocks first (Plan.kv_pages_contiguous)."""
         self.model = model
         self.sampler = Sampler()
         self.eos_token_ids = set(eos_token_ids)  # banned while a row is under min_tokens
@@ -80,8 +82,8 @@ class ModelRunner:
         shape = kv_cache_shape(num_device_blocks + (graphs is not None), block_size, config.num_kv_heads,
                                config.head_dim, kv_int8)
         slots = self.layout.group_size
-        self.kv_slots = [(torch.zeros(shape, dtype=cache_dtype, device=device),
-                          torch.zeros(shape, dtype=cache_dtype, device=device)) for _ in range(slots)]
+        self.kv_slots = [tuple(new_kv_cache(shape, cache_dtype, device, pages_contiguous) for _ in "kv")
+                         for _ in range(slots)]
         placements = [self.layout.placement(layer) for layer in range(config.num_layers)]
         self.layer_groups = tuple(g for g, _ in placements)
         self.kv_caches = [self.kv_slots[slot] for _, slot in placements]  # per layer
@@ -90,8 +92,7 @@ class ModelRunner:
         self.tier = None  # the lower tier evicted pages go to (engine/kv/disk.py), set by the engine
         # Held from the start (zero-filled), as the device pool: the memory preemption will need is taken while
         # the server starts, not found missing under load (and the RSS does not grow as swaps touch it).
-        self.host_slots = [(torch.zeros(host_shape, dtype=cache_dtype, pin_memory=pin),
-                            torch.zeros(host_shape, dtype=cache_dtype, pin_memory=pin))
+        self.host_slots = [tuple(new_kv_cache(host_shape, cache_dtype, "cpu", pages_contiguous, pin) for _ in "kv")
                            for _ in range(slots)] if num_host_blocks else []
         self.graphs = None if graphs is None else DecodeGraphs(
             model, self.kv_caches, self.layer_groups, self.layout.num_groups, block_size,
@@ -120,8 +121,8 @@ class ModelRunner:
         queue drops a page, which is only a lost cache entry."""
         if not pairs or self.tier is None:
             return
-        pages = self.read_pages([b for b, _ in pairs])
-        for (_, key), page in zip(pairs, pages):
+        copies = self.read_pages([b for b, _ in pairs])
+        for (_, key), page in zip(pairs, copies):
             self.tier.put(key, page)
 
     def load(self, pairs: list[tuple[int, bytes]]) -> None:
@@ -135,17 +136,18 @@ class ModelRunner:
         data = data.to(k0.device)
         dst = torch.tensor([b for b, _ in pairs], dtype=torch.long, device=k0.device)
         for j, (k, v) in enumerate(self.kv_slots):
-            cache_bytes(k).index_copy_(1, dst, data[:, j, 0].transpose(0, 1))
-            cache_bytes(v).index_copy_(1, dst, data[:, j, 1].transpose(0, 1))
+            pages(cache_bytes(k)).index_copy_(0, dst, data[:, j, 0])
+            pages(cache_bytes(v)).index_copy_(0, dst, data[:, j, 1])
 
     def read_pages(self, blocks: list[int]) -> list[bytes]:
         """The pages of these blocks as bytes: [slot, key/value, head, token, width] each (a lower tier's page)."""
         if not blocks:
             return []
         idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        parts = torch.stack([torch.stack([k.index_select(1, idx), v.index_select(1, idx)]) for k, v in self.kv_slots])
-        # [slots, 2, heads, pages, bs, width] -> [pages, slots, 2, heads, bs, width]
-        flat = parts.permute(3, 0, 1, 2, 4, 5).contiguous().cpu().view(torch.uint8).view(len(blocks), -1)
+        parts = torch.stack([torch.stack([pages(k).index_select(0, idx), pages(v).index_select(0, idx)])
+                             for k, v in self.kv_slots])
+        # [slots, 2, pages, heads, bs, width] -> [pages, slots, 2, heads, bs, width]
+        flat = parts.permute(2, 0, 1, 3, 4, 5).contiguous().cpu().view(torch.uint8).view(len(blocks), -1)
         return [bytes(row.numpy()) for row in flat]
 
     @staticmethod
@@ -157,9 +159,9 @@ class ModelRunner:
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src_dev)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst_dev)
         for (sk, sv), (dk, dv) in zip(src_caches, dst_caches):
-            for s, d in ((sk, dk), (sv, dv)):  # dim 1: blocks; an e4m3 cache as bytes (no CPU index_copy_ for float8)
-                moved = cache_bytes(s).index_select(1, src).to(dst_dev, non_blocking=True)
-                cache_bytes(d).index_copy_(1, dst, moved)
+            for s, d in ((sk, dk), (sv, dv)):  # whole pages; an e4m3 cache as bytes (no CPU index_copy_ for float8)
+                moved = pages(cache_bytes(s)).index_select(0, src).to(dst_dev, non_blocking=True)
+                pages(cache_bytes(d)).index_copy_(0, dst, moved)
 
     # ---- forward ---------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput, interjection: Interjection | None = None) -> RunnerOutput:
