@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -190,6 +191,8 @@ class QuantizableWeight(nn.Module):
 
     weight: nn.Parameter
     backend: Backend = TORCH  # until CausalLM.use_backend: its `invariant` picks the packed GEMM's numerics
+    # A row-parallel projection's all-reduce over the tensor-parallel ranks (models/parallel.attach), else None.
+    reduce: "Callable[[torch.Tensor], torch.Tensor] | None" = None
     gate_up = False  # rows are [gate; up]: packed with the halves' 16-row blocks interleaved
 
     def init_quant(self) -> None:
@@ -321,15 +324,23 @@ def packed_linear(parts: list[PackedPart], x: torch.Tensor, backend: Backend,
 
 def linear(module: "Linear | FusedLinear", x: torch.Tensor) -> torch.Tensor:
     """The packed quantized GEMM, oneDNN's prepacked one, FP8's scaled GEMM (models/fp8.py) or torch's; the
-    bias (never quantized) after."""
+    bias (never quantized) after. A row-parallel projection (models/parallel.py: `reduce` set) adds up its
+    ranks' partial products first, then its bias once."""
+    if module.reduce is not None:
+        out = module.reduce(_product(module, x, None))
+        return out if module.bias is None else out + module.bias
+    return _product(module, x, module.bias)
+
+
+def _product(module: "Linear | FusedLinear", x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if module.packed is not None:
         out = packed_linear(module.packed, x, module.backend)
-        return out if module.bias is None else out + module.bias
+        return out if bias is None else out + bias
     if module.onednn is not None:
-        return onednn_linear(x, module.onednn, module.bias)
+        return onednn_linear(x, module.onednn, bias)
     if module.weight_scale is not None:
-        return fp8.fp8_linear(x, module.weight, module.weight_scale, module.bias)
-    return F.linear(x, module.weight, module.bias)
+        return fp8.fp8_linear(x, module.weight, module.weight_scale, bias)
+    return F.linear(x, module.weight, bias)
 
 
 def prepack_onednn(weight: torch.Tensor) -> torch.Tensor:

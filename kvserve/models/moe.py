@@ -9,6 +9,8 @@ only the experts its tokens chose. The fused decoder runs the same arithmetic (k
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,6 +34,8 @@ class SparseMoE(nn.Module):
     (its logits decide which weights a token reads: bf16 would move ties); `experts` the E gated MLPs."""
 
     backend: Backend = TORCH
+    # The all-reduce over tensor-parallel ranks, each holding a slice of every expert (models/parallel.attach).
+    reduce: "Callable[[torch.Tensor], torch.Tensor] | None" = None
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, normalize: bool,
                  activation: str = "silu"):
@@ -69,4 +73,6 @@ class SparseMoE(nn.Module):
             y = self.experts[expert](x.index_select(0, rows))
             out.index_add_(0, rows, y.float() * weights.reshape(-1)[slots, None])
             start += count
+        if self.reduce is not None:  # each rank's experts' slices: partial sums, added in float32
+            out = self.reduce(out)
         return out.to(x.dtype)

@@ -1,0 +1,132 @@
+"""Tensor parallelism inside a replica, Megatron-LM's layout (vLLM's ColumnParallelLinear / RowParallelLinear): each
+of `size` ranks holds a slice of every projection and attends with its share of the heads.
+
+- Q, K, V and gate/up are split by their output rows (whole heads; a fused Q/K/V or [gate; up] tensor part by part),
+  each rank's attention and activations are its own; the attention output and down projections are split by their
+  input columns, so their products are partial sums, added up by one all-reduce each (then the bias, once).
+- KV heads go to ranks in equal runs; where there are fewer KV heads than ranks each is replicated on size / kv
+  ranks (each rank still holds one, and its cache holds that head only).
+- A mixture's experts are split by their intermediate dim (each rank holds a slice of every expert; the router is
+  replicated, so every rank routes a token alike) and the weighted sum of the experts' partial outputs is reduced
+  once per layer, in float32.
+- The embedding table and the LM head are replicated (a vocab-parallel split is not built).
+
+The split is decided once here, from the config (`shard_config`) and the checkpoint's HF names (`shard_tensors`);
+`attach` gives the row-parallel modules their all-reduce. Dense weights only: a checkpoint's quantized matrices are
+dequantized before they are split.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from kvserve.config import ConfigError, ModelConfig
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place in a tensor-parallel group of `size` ranks."""
+
+    size: int
+    rank: int
+
+    def __post_init__(self):
+        if not (isinstance(self.size, int) and self.size >= 1 and 0 <= self.rank < self.size):
+            raise ConfigError(f"tensor parallel rank {self.rank} of {self.size}: want 0 <= rank < size, size >= 1")
+
+    # ---- the split ----------------------------------------------------------------------------
+    def check(self, c: ModelConfig) -> None:
+        """The model divides over the ranks: its heads, KV heads (or the ranks over them) and MLP widths."""
+        n = self.size
+        bad = [f"{what} {value}" for what, value in (
+            ("attention heads", c.num_heads), ("intermediate size", c.intermediate_size),
+            ("expert intermediate size", c.moe_intermediate_size)) if value % n]
+        if c.num_kv_heads % n and n % c.num_kv_heads:
+            bad.append(f"KV heads {c.num_kv_heads} (nor do the ranks divide over them)")
+        if bad:
+            raise ConfigError(f"tensor_parallel_size = {n} does not divide the model's " + ", ".join(bad))
+
+    def kv_heads(self, c: ModelConfig) -> tuple[int, int]:
+        """(KV heads this rank holds, the first one's index)."""
+        if c.num_kv_heads >= self.size:
+            per = c.num_kv_heads // self.size
+            return per, self.rank * per
+        return 1, self.rank // (self.size // c.num_kv_heads)
+
+    def shard_config(self, c: ModelConfig) -> ModelConfig:
+        """The config of this rank's slice: its heads, KV heads and MLP widths (the model code builds it as is)."""
+        self.check(c)
+        return replace(c, num_heads=c.num_heads // self.size, num_kv_heads=self.kv_heads(c)[0],
+                       intermediate_size=c.intermediate_size // self.size,
+                       moe_intermediate_size=c.moe_intermediate_size // self.size)
+
+    def shard_tensors(self, tensors: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.Tensor]:
+        """This rank's slices of a checkpoint's HF-named dense tensors (the others whole)."""
+        self.check(c)
+        return {name: self._slice(name, t, c) for name, t in tensors.items()}
+
+    def _slice(self, name: str, t: torch.Tensor, c: ModelConfig) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(f"tensor parallelism splits dense weights: {name} is held quantized; dequantize it "
+                              "first (Checkpoint.dense_tensors)")
+        d = c.head_dim
+        q_rows, kv_rows = c.num_heads * d, c.num_kv_heads * d
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            return self._rows(t)
+        if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias",
+                          "self_attn.v_proj.weight", "self_attn.v_proj.bias")):
+            return self._kv_rows(t, c)
+        if name.endswith(("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias")):  # Phi-3's fused [q; k; v]
+            q, k, v = t.split([q_rows, kv_rows, kv_rows])
+            return torch.cat([self._rows(q), self._kv_rows(k, c), self._kv_rows(v, c)])
+        if name.endswith("self_attn.o_proj.weight"):
+            return self._columns(t)
+        if name.endswith("gate_up_proj.weight"):  # Phi-3's fused [gate; up] (before "up_proj.weight" matches it)
+            gate, up = t.chunk(2)
+            return torch.cat([self._rows(gate), self._rows(up)])
+        if name.endswith((".gate_proj.weight", ".up_proj.weight")):  # dense MLPs and every expert's
+            return self._rows(t)
+        if name.endswith("down_proj.weight"):
+            return self._columns(t)
+        return t  # norms, the router, the embedding table, the LM head, a row-parallel projection's bias
+
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(self.size, dim=0)[self.rank].contiguous()
+
+    def _columns(self, t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(self.size, dim=1)[self.rank].contiguous()
+
+    def _kv_rows(self, t: torch.Tensor, c: ModelConfig) -> torch.Tensor:
+        count, first = self.kv_heads(c)
+        return t[first * c.head_dim:(first + count) * c.head_dim].contiguous()
+
+
+def attach(model: torch.nn.Module, reduce: Reduce) -> None:
+    """Give each layer's row-parallel modules their all-reduce: the attention output projection, and the dense MLP's
+    down projection or a mixture as a whole (models/layers.linear and models/moe.SparseMoE apply it)."""
+    from kvserve.models.moe import SparseMoE
+
+    if model.native_decoder is not None:
+        raise ConfigError("the fused CPU decoder does not add up tensor-parallel ranks: build the model per op")
+    for layer in model.layers:
+        layer.self_attn.o_proj.reduce = reduce
+        if isinstance(layer.mlp, SparseMoE):
+            layer.mlp.reduce = reduce
+        else:
+            layer.mlp.down_proj.reduce = reduce
+
+
+def all_reduce(group=None) -> Reduce:
+    """The sum over the group's ranks (torch.distributed: gloo on the CPU, NCCL on CUDA), in place."""
+    import torch.distributed as dist
+
+    def reduce(x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    return reduce

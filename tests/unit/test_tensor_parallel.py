@@ -1,0 +1,144 @@
+"""Tensor parallelism's split (models/parallel.py) on the CPU: two (and four) ranks over gloo, each holding its slice
+of a tiny model's weights and its KV heads' cache, against the same model whole: a prompt, a second sequence beside
+it, decode steps; logits within float32's summation-order tolerance. The split itself: configs, KV heads replicated
+where fewer than ranks, fused Phi-3 tensors part by part, a mixture's experts by their intermediate dim."""
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kvserve.config import ConfigError
+from kvserve.engine.kv.groups import KVLayout
+from kvserve.engine.worker.runner import BatchItem, ModelRunner
+from kvserve.models.loader import Checkpoint, build_model, load_checkpoint, plan_for
+from kvserve.models.parallel import TensorParallel, all_reduce, attach
+from tests.parity import rel_err
+
+BLOCK = 16
+
+
+def _steps(path: str, tp: TensorParallel | None) -> list[torch.Tensor]:
+    """The model (this rank's slice) over its own KV pool: a prompt in two chunks, a second prompt beside the
+    second chunk, then eight decode steps of both, teacher-forced (every rank and the whole model see the same
+    tokens): every step's logits."""
+    ck = load_checkpoint(path)
+    config, tensors = ck.config, ck.dense_tensors()
+    if tp is not None:
+        config, tensors = tp.shard_config(config), tp.shard_tensors(tensors, config)
+    shard = Checkpoint(config=config, tensors=tensors, path=ck.path, format=ck.format)
+    model = build_model(shard, plan_for(shard, torch.float32), max_positions=512)
+    if tp is not None:
+        attach(model, all_reduce())
+    layout = KVLayout.for_model(config)
+    runner = ModelRunner(model, config, 128, 0, BLOCK, torch.float32, torch.device("cpu"), layout=layout)
+    groups = layout.num_groups
+    a, b = list(range(30, 67)), list(range(100, 119))
+    ta = [[g * 16 + i for i in (3, 1, 5, 7)] for g in range(groups)]
+    tb = [[g * 16 + i for i in (2, 4, 6)] for g in range(groups)]
+    out = [runner.forward([BatchItem(a[:20], 0, ta[0], group_tables=ta)], all_logits=True),
+           runner.forward([BatchItem(a[20:], 20, ta[0], group_tables=ta), BatchItem(b, 0, tb[0], group_tables=tb)],
+                          all_logits=True)]
+    for step in range(8):
+        out.append(runner.forward([BatchItem([200 + step], len(a) + step, ta[0], group_tables=ta),
+                                   BatchItem([300 + step], len(b) + step, tb[0], group_tables=tb)]))
+    return out
+
+
+def _rank(rank: int, size: int, port: int, path: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    try:
+        logits = _steps(path, TensorParallel(size, rank))
+        torch.save(logits, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gguf(tmp_path_factory, smollm2_gguf_path, **spec) -> Path:
+    from tests.gguf_factory import TinySpec, write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("tp") / f"{spec['arch']}-{spec.get('kv_heads', 2)}.gguf"
+    write_tiny_gguf(path, TinySpec(quant="F32", **spec), str(smollm2_gguf_path))
+    return path
+
+
+@pytest.mark.parametrize("size,spec", [
+    (2, dict(arch="llama")),
+    (4, dict(arch="llama", heads=4, kv_heads=2)),  # two KV heads over four ranks: each held twice
+    (2, dict(arch="qwen3")),
+    (2, dict(arch="gemma3", layers=6)),  # sliding-window layers, KV groups
+])
+def test_ranks_together_give_the_whole_models_logits(tmp_path_factory, tmp_path, smollm2_gguf_path, size, spec):
+    path = _gguf(tmp_path_factory, smollm2_gguf_path, **spec)
+    whole = _steps(str(path), None)
+    out = tmp_path / "logits"
+    mp.spawn(_rank, args=(size, _free_port(), str(path), str(out)), nprocs=size, join=True)
+    ranks = [torch.load(f"{out}.{r}") for r in range(size)]
+    for step, want in enumerate(whole):
+        for r in ranks:
+            assert rel_err(r[step], want) <= 1e-5, step
+        for r in ranks[1:]:
+            assert torch.equal(r[step], ranks[0][step])  # every rank holds the same logits (after the reductions)
+
+
+def test_the_split_of_configs_and_tensors(tmp_path_factory, smollm2_gguf_path):
+    ck = load_checkpoint(_gguf(tmp_path_factory, smollm2_gguf_path, arch="llama", heads=4, kv_heads=2))
+    c, t = ck.config, ck.dense_tensors()
+    shards = [TensorParallel(4, r) for r in range(4)]
+    assert [s.kv_heads(c) for s in shards] == [(1, 0), (1, 0), (1, 1), (1, 1)]
+    sc = shards[0].shard_config(c)
+    assert (sc.num_heads, sc.num_kv_heads, sc.intermediate_size) == (1, 1, c.intermediate_size // 4)
+    name = "model.layers.0.self_attn.{}_proj.weight"
+    d = c.head_dim
+    parts = [s.shard_tensors(t, c) for s in shards]
+    assert torch.equal(torch.cat([p[name.format("q")] for p in parts]), t[name.format("q")])
+    assert torch.equal(parts[3][name.format("k")], t[name.format("k")][d:2 * d])
+    assert torch.equal(torch.cat([p[name.format("o")] for p in parts], dim=1), t[name.format("o")])
+    down = "model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(torch.cat([p[down] for p in parts], dim=1), t[down])
+    assert parts[1]["model.norm.weight"] is t["model.norm.weight"]  # replicated
+    # Phi-3's fused tensors, part by part.
+    fused = {"model.layers.0.self_attn.qkv_proj.weight": torch.cat([t[name.format(x)] for x in "qkv"]),
+             "model.layers.0.mlp.gate_up_proj.weight": torch.arange(2 * c.intermediate_size * 3.).view(-1, 3)}
+    got = shards[2].shard_tensors(fused, c)
+    qkv = got["model.layers.0.self_attn.qkv_proj.weight"]
+    assert torch.equal(qkv, torch.cat([parts[2][name.format(x)] for x in "qkv"]))
+    gate_up = got["model.layers.0.mlp.gate_up_proj.weight"].view(2, -1, 3)
+    quarter = c.intermediate_size // 4
+    assert gate_up[0, 0, 0] == 2 * quarter * 3 and gate_up[1, 0, 0] == (c.intermediate_size + 2 * quarter) * 3
+    with pytest.raises(ConfigError, match="does not divide"):
+        TensorParallel(3, 0).shard_config(c)
+    with pytest.raises(ConfigError):
+        TensorParallel(2, 2)
+
+
+def test_a_mixtures_experts_split_by_their_width_sum_to_the_whole(tmp_path_factory, smollm2_gguf_path):
+    """Each rank's slice of every expert, routed alike (the router is whole on every rank): the ranks' partial
+    outputs add up to the whole mixture's."""
+    from kvserve.models.moe import SparseMoE
+
+    ck = load_checkpoint(_gguf(tmp_path_factory, smollm2_gguf_path, arch="qwen3moe", num_experts=4,
+                               experts_per_token=2, moe_intermediate=32))
+    x = torch.randn(7, ck.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    outs = []
+    for tp in (None, TensorParallel(2, 0), TensorParallel(2, 1)):
+        config, tensors = ck.config, ck.dense_tensors()
+        if tp is not None:
+            config, tensors = tp.shard_config(config), tp.shard_tensors(tensors, config)
+        model = build_model(Checkpoint(config=config, tensors=tensors, path=ck.path, format=ck.format),
+                            plan_for(ck, torch.float32), max_positions=64)
+        moe = model.layers[0].mlp
+        assert isinstance(moe, SparseMoE) and moe.experts[0].down_proj.weight.shape[1] == config.moe_intermediate_size
+        outs.append(moe(x))
+    torch.testing.assert_close(outs[1] + outs[2], outs[0], rtol=1e-5, atol=1e-6)
