@@ -382,6 +382,10 @@ class EngineConfig:
     # CUDA: decode-only steps replay graphs captured per batch-size bucket (engine/worker/cuda_graphs.py). Off
     # until a device check on a real card has shown replays equal to eager forwards; no effect off CUDA.
     cuda_graphs: bool = False
+    # Ranks the model is split over (models/parallel.py, engine/worker/tensor_parallel.py): N processes, one GPU each
+    # on CUDA (gloo on the CPU, for checking the path), each holding a 1/N slice of the weights and KV heads.
+    # Above 1: dense weights, no host or disk KV tier, no fused CPU decoder.
+    tensor_parallel_size: int = 1
     attention_sinks: int = 4  # sinks_window: leading tokens every such layer keeps attending to
     attention_window: int = 2048  # sinks_window: the latest tokens every such layer attends to
     # Structured outputs (engine/structured/params.py, engine/structured/grammar.py): a constraint still compiling after this many seconds is refused
@@ -420,12 +424,16 @@ class EngineConfig:
             device=(lambda v: v in ("auto", "cpu") or (isinstance(v, str) and v.startswith("cuda")),
                     "auto, cpu, cuda or cuda:N"),
             seed=NONNEG_INT, onednn_weights=BOOL, native_decoder=BOOL, cuda_graphs=BOOL,
+            tensor_parallel_size=POSITIVE_INT,
             attention_policy=(lambda v: v in ATTENTION_POLICIES, f"one of {', '.join(ATTENTION_POLICIES)}"),
             attention_sinks=NONNEG_INT, attention_window=POSITIVE_INT,
             structured_compile_timeout_s=(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
                                           and v > 0, "a positive number of seconds"),
             structured_max_schema_bytes=POSITIVE_INT, structured_max_schema_depth=POSITIVE_INT,
             weights=(lambda v: v in WEIGHT_MODES, f"one of {', '.join(WEIGHT_MODES)}")))
+        if self.tensor_parallel_size > 1 and (self.cache.kv_disk_dir is not None or self.cache.kv_host_bytes):
+            raise ConfigError("tensor_parallel_size > 1 takes no host or disk KV tier (kv_host_bytes, kv_disk_dir): "
+                              "a rank's page holds its own KV heads only")
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)

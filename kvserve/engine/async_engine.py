@@ -389,3 +389,4 @@ class AsyncLLM:
                 if self._on_finish is not None:  # aborted requests are accounted for too (usage ledger)
                     self._on_finish(out)
                 sink(out)
+        self.num_inflight = self.num_waiting = 0  # none left: a server's drain does not wait on a failed engine

@@ -142,3 +142,32 @@ def test_a_mixtures_experts_split_by_their_width_sum_to_the_whole(tmp_path_facto
         assert isinstance(moe, SparseMoE) and moe.experts[0].down_proj.weight.shape[1] == config.moe_intermediate_size
         outs.append(moe(x))
     torch.testing.assert_close(outs[1] + outs[2], outs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_an_engine_over_two_ranks_generates_the_whole_models_tokens(tmp_path_factory, smollm2_gguf_path):
+    """`tensor_parallel_size = 2`: rank 1 in a process of its own, rank 0 the engine's; greedy tokens of two prompts
+    (decodes batched, a chunked prefill) equal the whole model's; a killed rank fails the next step promptly."""
+    import time
+
+    from kvserve import LLM, SamplingParams
+
+    path = str(_gguf(tmp_path_factory, smollm2_gguf_path, arch="qwen3"))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(40, 90)), list(range(7, 20))]
+    args = dict(dtype="float32", max_num_batched_tokens=32, max_model_len=256)
+    whole = LLM(path, **args)
+    want = [o.outputs[0].token_ids for o in whole.generate(prompts, params, use_tqdm=False)]
+    whole.close()
+    llm = LLM(path, tensor_parallel_size=2, **args)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+        (rank1,) = llm.engine.executor._processes
+        rank1.kill()
+        rank1.join()
+        t0 = time.monotonic()
+        with pytest.raises(Exception):
+            llm.generate(prompts[:1], params, use_tqdm=False)
+        assert time.monotonic() - t0 < 10
+    finally:
+        llm.close()

@@ -54,7 +54,13 @@ class LLMEngine:
         t0 = time.perf_counter()
         checkpoint, path = self._load_and_plan(config, model_id, executor, info)
         num_blocks, num_host_blocks = self._size_kv()
-        self.runner = self._build_runner(checkpoint, num_blocks, num_host_blocks) if executor is None else executor
+        if executor is not None:
+            self.runner = self.executor = executor
+        elif config.tensor_parallel_size > 1:
+            self.executor = self._start_tensor_parallel(checkpoint, path, num_blocks, num_host_blocks)
+            self.runner = self.executor.runner  # rank 0's: it samples
+        else:
+            self.runner = self.executor = self._build_runner(checkpoint, num_blocks, num_host_blocks)
         del checkpoint
         tier = self._open_tiers(path)
         prior = step_time_prior.model() if step_time_prior is not None and step_time_prior.fits(self.dtype) else None
@@ -83,7 +89,8 @@ class LLMEngine:
             header_config, tensor_names = checkpoint_header(path)
             self.plan = backend.plan(header_config, tensor_names, device=config.device, dtype=config.dtype,
                                      kv_cache_dtype=cache_cfg.kv_cache_dtype, kv_cache_memory=cache_cfg.kv_cache_memory,
-                                     native_decoder=config.native_decoder, onednn_weights=config.onednn_weights,
+                                     native_decoder=config.native_decoder and config.tensor_parallel_size == 1,
+                                     onednn_weights=config.onednn_weights,
                                      numerics=config.numerics, activations=config.activations,
                                      cuda_graphs=config.cuda_graphs, weights=config.weights)
             checkpoint = load_checkpoint(path, config.weights, self.plan.dtype, int8_acts=self.plan.activations == "int8")
@@ -152,6 +159,17 @@ class LLMEngine:
                                             config.scheduler.max_num_seqs, self.max_model_len)
                            if self.plan.cuda_graphs else None, pages_contiguous=self.plan.kv_pages_contiguous)
 
+    def _start_tensor_parallel(self, checkpoint, path, num_blocks: int, num_host_blocks: int):
+        """Ranks 1..N-1 in processes of their own and rank 0 here, each with its slice of the model and of every KV
+        block (engine/worker/tensor_parallel.py); the pool's block count is the whole model's (each rank's share
+        of it takes 1/N of the memory, or more where KV heads are replicated)."""
+        from kvserve.engine.worker import tensor_parallel
+
+        spec = tensor_parallel.RankSpec(config=self.config, plan=self.plan, path=str(path), num_blocks=num_blocks,
+                                        num_host_blocks=num_host_blocks, max_model_len=self.max_model_len,
+                                        port=tensor_parallel.free_port(), size=self.config.tensor_parallel_size)
+        return tensor_parallel.start(spec, checkpoint, self.tokenizer.eos_token_ids)
+
     def _open_tiers(self, model_path) -> HostKVStore | DiskKVStore | None:
         """The KV pool's lower tiers (host memory over disk), where prefix caching and the settings ask for them;
         returns the top one, which the runner reads and writes."""
@@ -179,7 +197,7 @@ class LLMEngine:
                             self.kv_layout, tier=tier,
                             shares=KVSharePolicy(cache_cfg.kv_tenant_weights, cache_cfg.kv_pinned_blocks),
                             write_through=cache_cfg.kv_disk_write_through and self.kv_disk is not None)
-        return EngineCore(self.config.scheduler, kv, self.runner, max_model_len=self.max_model_len,
+        return EngineCore(self.config.scheduler, kv, self.executor, max_model_len=self.max_model_len,
                           model_id=self.model_id, tokenizer=self.tokenizer,
                           eos_token_ids=frozenset(self.tokenizer.eos_token_ids), clock=clock, step_time=prior,
                           grammars=GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
@@ -200,7 +218,10 @@ class LLMEngine:
     def close(self, save: bool = True) -> None:
         """Between steps, on the thread that steps the engine: save the prefix pages the disk tier lacks, most
         recently used first for at most kv_disk_flush_seconds, so a restart finds them (`save`: unless a failed
-        step left the pool in doubt), then finish the disk tier's queued writes."""
+        step left the pool in doubt), then finish the disk tier's queued writes; a tensor-parallel group's other
+        ranks are stopped."""
+        if hasattr(self.executor, "close"):
+            self.executor.close()
         if self.kv_disk is None:
             return
         if save and self.config.cache.kv_disk_flush_seconds > 0:

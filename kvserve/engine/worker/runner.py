@@ -179,13 +179,17 @@ class ModelRunner:
         self.copy_blocks(out.blocks_to_copy)
         result = RunnerOutput()
         if out.scheduled:
-            items = [BatchItem(s.token_ids, s.start, s.block_tables[0], s.sample, s.block_tables,
-                               1 + len(s.draft_token_ids)) for s in out.scheduled]
-            logits = self.forward(items, interjection=interjection)
+            logits = self.forward(self.batch_items(out), interjection=interjection)
             if logits is not None:
                 self._sample(out, logits, result)
         result.seconds = time.perf_counter() - t0
         return result
+
+    @staticmethod
+    def batch_items(out: SchedulerOutput) -> list[BatchItem]:
+        """The forward's share of each scheduled sequence (what a tensor-parallel rank needs of the step)."""
+        return [BatchItem(s.token_ids, s.start, s.block_tables[0], s.sample, s.block_tables, 1 + len(s.draft_token_ids))
+                for s in out.scheduled]
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor, result: RunnerOutput) -> None:
         """One token per sampled row; a parent that forks gives its row to each of its forks too. A verified
