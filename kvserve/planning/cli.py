@@ -14,6 +14,7 @@ from kvserve.metering.prices import (CACHED_INPUT_SHARE, DEFAULT_MARGIN, DEFAULT
                                      list_price)
 from kvserve.planning.memory import DENSE, DISK_GBS, HOST_GBS, MemoryPlan
 from kvserve.planning.search import SLO, Load, Plan, PlanResult, Redundancy, Speculation, plan
+from kvserve.planning.serving import models_toml, serve_commands
 from kvserve.planning.specs import (UnknownSpec, WeightQuality, accelerator_spec, known_accelerators, known_models,
                                     known_weight_quality, model_spec)
 from kvserve.planning.traces import LengthDist, Workload, bursty, poisson, recorded, shape
@@ -263,6 +264,9 @@ def render(r: PlanResult, model: str, load: Load, slos: list[SLO]) -> str:
     assumptions = _assumptions(r)
     if assumptions:
         out += ["", "Assumed (quality):"] + [f"  {a}" for a in assumptions]
+    new_fleet, running = serve_commands()
+    out += ["", f"To serve it, a models TOML (plan.toml), then `{new_fleet}` (a running fleet: `{running}`):"]
+    out += ["  " + line if line else "" for line in models_toml(r.best, model).splitlines()]
     out += ["", f"searched {r.searched} configurations in {r.seconds:.1f} s"]
     return "\n".join(out)
 
@@ -289,7 +293,7 @@ def _plan_dict(p: Plan) -> dict:
 def plan_json(r: PlanResult, model: str, load: Load, slos: list[SLO]) -> dict:
     return {"model": model, "load": {"requests_per_min": load.requests_per_min, "input": load.prompt.mean,
                                      "output": load.output.mean, "batch_share": load.batch_share},
-            "slos": [asdict(s) for s in slos], "plan": _plan_dict(r.best),
+            "slos": [asdict(s) for s in slos], "plan": _plan_dict(r.best), "models_toml": models_toml(r.best, model),
             "per_accelerator": [_plan_dict(p) for p in r.per_accelerator], "assumptions": _assumptions(r),
             "searched": r.searched, "seconds": r.seconds}
 

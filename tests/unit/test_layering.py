@@ -43,7 +43,7 @@ TORCH_FREE = [
     "kvserve.metering.prices", "kvserve.metering.money", "kvserve.metering.budgets", "kvserve.metering.rate_limits",
     "kvserve.metering.reports",
     "kvserve.planning.roofline", "kvserve.planning.memory", "kvserve.planning.search", "kvserve.planning.simulator",
-    "kvserve.planning.long_context",
+    "kvserve.planning.long_context", "kvserve.planning.serving",
     "kvserve.service.region_routing", "kvserve.metering.escrow",
     "kvserve.service.tool_formats", "kvserve.service.reasoning",
 ]
