@@ -139,5 +139,17 @@ class GGUFFile:
             return raw.view(np.float16).reshape(outer + (t.shape[0],))
         return raw.reshape(outer + (row_bytes,))
 
+    def release(self, t: GGUFTensor) -> None:
+        """Drop the tensor's file pages from this process's memory once it is converted (the map stays valid: a
+        later read faults them in again), so a load's resident memory holds what it keeps, not the file."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(t.type)]
+        size = int(np.prod(t.shape)) // block * type_size
+        start = -(-t.offset // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the tensor only
+        end = (t.offset + size) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def close(self) -> None:
         self._mm.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -23,6 +24,9 @@ from kvserve.models.model_info import (LLAMA_LAYOUT, ModelInfo, ModelLoadError, 
                                        tokenizer_for)
 from kvserve.models import quant
 from kvserve.models.quant import QuantizedMatrix
+
+if TYPE_CHECKING:
+    from kvserve.models.parallel import TensorParallel
 
 
 @dataclass
@@ -155,10 +159,11 @@ def _type_name(qtype: int) -> str:
 
 
 def load_gguf(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype = torch.float32,
-              int8_acts: bool = False) -> Checkpoint:
+              int8_acts: bool = False, shard: "TensorParallel | None" = None) -> Checkpoint:
     """Every matrix at the bits `weights` gives its type (models/quant.weight_bits; `int8_acts`: 8-bit
     activations will multiply them, so Q6_K may stay at 6 bits and Q4_K and Q6_K keep their K-quant forms),
-    the others dense: 2-D ones in `dtype`, norms in float32."""
+    the others dense: 2-D ones in `dtype`, norms in float32. Each tensor is read from the memory-mapped file and
+    converted (with `shard`, cut to this rank's slice: models/parallel.py, dense weights) as it comes."""
     path = Path(path)
     file = GGUFFile(path)
     meta = file.metadata
@@ -170,9 +175,13 @@ def load_gguf(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype
         name = hf_name_for_gguf(t.name, arch)
         stored = file.data(t)
         if "{}" in name:  # each expert of a stacked [E, rows, cols] tensor, a matrix of its own
-            return [pair for e, expert in enumerate(expert_names(name, t.shape[2]))
-                    for pair in convert_matrix(t, expert, stored[e])]
-        return convert_matrix(t, name, stored)
+            pairs = [pair for e, expert in enumerate(expert_names(name, t.shape[2]))
+                     for pair in convert_matrix(t, expert, stored[e])]
+        else:
+            pairs = convert_matrix(t, name, stored)
+        del stored
+        file.release(t)  # converted (every form copies what it keeps): its pages need not stay resident
+        return pairs
 
     def convert_matrix(t: GGUFTensor, name: str, stored: np.ndarray) -> list[tuple[str, "torch.Tensor | QuantizedMatrix"]]:
         """One matrix (or vector) from its stored rows (uint8 blocks when quantized)."""
@@ -196,6 +205,8 @@ def load_gguf(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype
             form = form_of(name, bits, weights)
             key = (_type_name(t.type), form, form == "dense" or bool(bits) and quant.is_exact(t.type, bits))
             forms[key] = forms.get(key, 0) + 1
+        if shard is not None:
+            value = shard.slice(name, value, config)
         return [(name, value)]
 
     try:
@@ -214,37 +225,47 @@ def load_gguf(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype
 
 # ---- Hugging Face safetensors directory -------------------------------------------------------
 
-def load_hf_dir(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype | None = None) -> Checkpoint:
+def load_hf_dir(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype | None = None,
+                shard: "TensorParallel | None" = None) -> Checkpoint:
     """The checkpoint's tensors as stored (or in `dtype`); weights int8 / int4 quantize every matrix here
-    (auto and bf16 keep them dense: a safetensors checkpoint holds 16- or 32-bit floats)."""
-    from safetensors.torch import load_file
+    (auto and bf16 keep them dense: a safetensors checkpoint holds 16- or 32-bit floats). Read tensor by tensor
+    from the memory-mapped files, each converted (and, with `shard`, cut to this rank's slice) before the next is
+    read: the load holds what it keeps and one tensor more, never a whole file."""
+    from safetensors import safe_open
 
     path = Path(path)
     config = read_hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors files (only safetensors checkpoints are supported)")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        for name, t in load_file(str(f)).items():
-            # Multimodal Gemma 3 checkpoints nest the text model under language_model.
-            name = name.replace("language_model.model.", "model.").replace("model.language_model.", "model.")
-            if name.startswith(("vision_tower", "multi_modal_projector", "model.vision_tower",
-                                "model.multi_modal_projector")):
-                continue
-            tensors.update(hf_expert_tensors(name, t))
-    if config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
     bits = quant.weight_bits(quant.F32, weights)
     forms: dict[tuple[str, str, bool], int] = {}
-    for name, t in tensors.items():
+
+    def keep(name: str, t: torch.Tensor) -> "torch.Tensor | QuantizedMatrix":
+        if shard is not None:
+            t = shard.slice(name, t, config)
         if is_router(name):
-            tensors[name] = t.float()
-        elif t.dim() == 2:
-            form = form_of(name, bits, weights)
-            key = (str(t.dtype).removeprefix("torch."), form, form == "dense")
-            forms[key] = forms.get(key, 0) + 1
-            tensors[name] = quant.quantize(t, bits) if bits else t if dtype is None else t.to(dtype)
+            return t.float()
+        if t.dim() != 2:
+            return t
+        form = form_of(name, bits, weights)
+        key = (str(t.dtype).removeprefix("torch."), form, form == "dense")
+        forms[key] = forms.get(key, 0) + 1
+        return quant.quantize(t, bits) if bits else t if dtype is None else t.to(dtype)
+
+    tensors: dict[str, "torch.Tensor | QuantizedMatrix"] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for stored in handle.keys():
+                # Multimodal Gemma 3 checkpoints nest the text model under language_model.
+                name = stored.replace("language_model.model.", "model.").replace("model.language_model.", "model.")
+                if name.startswith(("vision_tower", "multi_modal_projector", "model.vision_tower",
+                                    "model.multi_modal_projector")):
+                    continue
+                if config.tie_word_embeddings and name == "lm_head.weight":
+                    continue
+                for expert_name, t in hf_expert_tensors(name, handle.get_tensor(stored)).items():
+                    tensors[expert_name] = keep(expert_name, t)
     return Checkpoint(config=config, tensors=tensors, path=path, format="hf", weights=weights, forms=forms)
 
 
@@ -294,14 +315,16 @@ def checkpoint_header(path: str | os.PathLike) -> tuple[ModelConfig, set[str]]:
 
 
 def load_checkpoint(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype = torch.float32,
-                    int8_acts: bool = False) -> Checkpoint:
+                    int8_acts: bool = False, shard: "TensorParallel | None" = None) -> Checkpoint:
     """The checkpoint at `path` with its matrices in the forms `weights` gives them (models/quant.py), dense
     2-D tensors in `dtype`; `int8_acts`: 8-bit activations will multiply them (Plan.activations), so the
-    forms only those kernels read are allowed (Q6_K at 6 bits, the K-quant forms)."""
+    forms only those kernels read are allowed (Q6_K at 6 bits, the K-quant forms). `shard`: only this
+    tensor-parallel rank's slices are kept (a dense `weights` setting: bf16 or fp8); the config stays the whole
+    model's."""
     path = Path(path)
     if model_format(path) == "hf":
-        return load_hf_dir(path, weights, None if dtype == torch.float32 else dtype)
-    return load_gguf(path, weights, dtype, int8_acts)
+        return load_hf_dir(path, weights, None if dtype == torch.float32 else dtype, shard)
+    return load_gguf(path, weights, dtype, int8_acts, shard)
 
 
 def weights_label(checkpoint: Checkpoint, quantized: bool, dtype: torch.dtype) -> str:

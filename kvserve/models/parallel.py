@@ -67,9 +67,11 @@ class TensorParallel:
     def shard_tensors(self, tensors: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.Tensor]:
         """This rank's slices of a checkpoint's HF-named dense tensors (the others whole)."""
         self.check(c)
-        return {name: self._slice(name, t, c) for name, t in tensors.items()}
+        return {name: self.slice(name, t, c) for name, t in tensors.items()}
 
-    def _slice(self, name: str, t: torch.Tensor, c: ModelConfig) -> torch.Tensor:
+    def slice(self, name: str, t: torch.Tensor, c: ModelConfig) -> torch.Tensor:
+        """This rank's part of the whole model's (config `c`) HF-named dense tensor `name` (the tensor itself where
+        every rank holds it whole)."""
         if not isinstance(t, torch.Tensor):
             raise ConfigError(f"tensor parallelism splits dense weights: {name} is held quantized; dequantize it "
                               "first (Checkpoint.dense_tensors)")

@@ -76,7 +76,6 @@ def _gguf(tmp_path_factory, smollm2_gguf_path, **spec) -> Path:
 @pytest.mark.parametrize("size,spec", [
     (2, dict(arch="llama")),
     (4, dict(arch="llama", heads=4, kv_heads=2)),  # two KV heads over four ranks: each held twice
-    (2, dict(arch="qwen3")),
     (2, dict(arch="gemma3", layers=6)),  # sliding-window layers, KV groups
 ])
 def test_ranks_together_give_the_whole_models_logits(tmp_path_factory, tmp_path, smollm2_gguf_path, size, spec):
@@ -171,3 +170,22 @@ def test_an_engine_over_two_ranks_generates_the_whole_models_tokens(tmp_path_fac
         assert time.monotonic() - t0 < 10
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("kind", ["gguf", "hf"])
+def test_a_rank_loads_only_its_slices(tmp_path_factory, smollm2_gguf_path, kind):
+    """load_checkpoint(shard=...) cuts each tensor as it is read: the slices equal the whole checkpoint's cut."""
+    if kind == "gguf":
+        path = _gguf(tmp_path_factory, smollm2_gguf_path, arch="qwen3")
+    else:
+        from tests.hf_factory import tiny_model, write_hf_dir
+
+        path = write_hf_dir(tiny_model("qwen3", seed=2), tmp_path_factory.mktemp("tp-hf") / "qwen3",
+                            str(smollm2_gguf_path))
+    whole = load_checkpoint(path, "bf16")
+    tp = TensorParallel(2, 1)
+    want = tp.shard_tensors(whole.dense_tensors(), whole.config)
+    got = load_checkpoint(path, "bf16", shard=tp)
+    assert got.config == whole.config and set(got.tensors) == set(want)
+    for name, t in want.items():
+        assert torch.equal(got.tensors[name], t), name

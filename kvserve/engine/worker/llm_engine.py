@@ -93,7 +93,15 @@ class LLMEngine:
                                      onednn_weights=config.onednn_weights,
                                      numerics=config.numerics, activations=config.activations,
                                      cuda_graphs=config.cuda_graphs, weights=config.weights)
-            checkpoint = load_checkpoint(path, config.weights, self.plan.dtype, int8_acts=self.plan.activations == "int8")
+            if config.tensor_parallel_size > 1:  # rank 0's slices only, dense (models/parallel.py)
+                from kvserve.engine.worker.tensor_parallel import rank_weights
+                from kvserve.models.parallel import TensorParallel
+
+                checkpoint = load_checkpoint(path, rank_weights(config.weights), self.plan.dtype,
+                                             shard=TensorParallel(config.tensor_parallel_size, 0))
+            else:
+                checkpoint = load_checkpoint(path, config.weights, self.plan.dtype,
+                                             int8_acts=self.plan.activations == "int8")
             self.weights = weights_label(checkpoint, self.plan.quantized_weights, self.plan.dtype)
             info = checkpoint_info(checkpoint, name=model_id or resolved_id)
         else:

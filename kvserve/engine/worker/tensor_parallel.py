@@ -125,13 +125,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_weights(setting: str) -> str:
+    """The weights setting a rank loads its slices with: dense (bf16) or fp8; a quantized setting (auto on a
+    quantized file, int8, int4) is read dense."""
+    return setting if setting in ("bf16", "fp8") else "bf16"
+
+
 def build_rank(spec: RankSpec, tp: TensorParallel, checkpoint: Checkpoint, eos_token_ids=()) -> ModelRunner:
-    """This rank's slice of the checkpoint (dense), built on its device, its row-parallel layers reducing over the
-    group, in a runner over its share of the KV pool."""
-    full = checkpoint.config
-    config, tensors = tp.shard_config(full), tp.shard_tensors(checkpoint.dense_tensors(), full)
+    """The model from this rank's slices (a checkpoint loaded with `shard`: the whole model's config, the rank's
+    dense tensors), built on its device, its row-parallel layers reducing over the group, in a runner over its
+    share of the KV pool."""
+    config = tp.shard_config(checkpoint.config)
+    shard = Checkpoint(config=config, tensors=checkpoint.tensors, path=checkpoint.path, format=checkpoint.format)
     checkpoint.tensors = {}
-    shard = Checkpoint(config=config, tensors=tensors, path=checkpoint.path, format=checkpoint.format)
     plan = spec.plan
     if plan.device.type == "cuda":
         plan = replace(plan, device=torch.device("cuda", tp.rank))
@@ -165,8 +171,10 @@ def _rank_main(rank: int, spec: RankSpec) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.size))
     control = _join(rank, spec)
     try:
-        checkpoint = load_checkpoint(spec.path, "bf16", spec.plan.dtype)
-        runner = build_rank(spec, TensorParallel(spec.size, rank), checkpoint)
+        tp = TensorParallel(spec.size, rank)
+        checkpoint = load_checkpoint(spec.path, rank_weights(spec.config.weights), spec.plan.dtype,
+                                     shard=tp)
+        runner = build_rank(spec, tp, checkpoint)
         dist.barrier(group=control)
         with torch.inference_mode():
             while True:
