@@ -62,27 +62,36 @@ def decode_shapes(tiny: bool) -> list[tuple[str, list[int]]]:
     return shapes + [("b256 mixed (mean 1K, max 8K)", mixed)]
 
 
-def build_model(config, device, dtype):
-    """The model with random weights, allocated on the device in `dtype` (nothing in host memory)."""
+def build_model(config, device, dtype, shard=None):
+    """The model with random weights, allocated on the device in `dtype` (nothing in host memory). Each weight is
+    drawn whole from a seed of its own name, so `shard` (a models/parallel.TensorParallel rank) holds its slices of
+    the very weights the whole model holds."""
+    import zlib
+
     import torch
 
     from kvserve.models.backend import Backend
     from kvserve.models.llama import LlamaForCausalLM
 
+    shapes = {}
+    if shard is not None:  # the whole model's shapes (its weights are left unallocated: torch.empty's pages)
+        shapes = {name: p.shape for name, p in LlamaForCausalLM(config).named_parameters()}
     torch.set_default_device(device)
     torch.set_default_dtype(dtype)
     try:
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(shard.shard_config(config) if shard is not None else config)
     finally:
         torch.set_default_dtype(torch.float32)
         torch.set_default_device("cpu")
-    gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+                continue
+            shape = shapes.get(name, p.shape)
+            gen = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
+            whole = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, shape[-1] ** -0.5, generator=gen)
+            p.copy_(whole if shard is None else shard.slice(name, whole, config))
     model.use_backend(Backend("cuda" if device.type == "cuda" else "cpu-torch"))
     return model.eval()
 

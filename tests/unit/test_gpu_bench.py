@@ -31,3 +31,13 @@ def test_the_gpu_benchmark_runs_tiny_on_the_cpu(tmp_path):
     assert fp8["weights_bytes"] < r["weights_bytes"] and len(fp8["decode"]) == 3
     assert all(d["triton_ms"] > 0 for d in fp8["decode"])
     assert out.with_suffix(".md").read_text().startswith("tiny on cpu")
+
+
+def test_the_tensor_parallel_benchmark_runs_tiny_over_two_cpu_ranks(tmp_path):
+    out = tmp_path / "gpu_tp.json"
+    subprocess.run([sys.executable, "-m", "benchmarks.gpu_tp", "--device", "cpu", "--tiny", "--iters", "1",
+                    "--json", str(out)], check=True, cwd=REPO, timeout=300, capture_output=True)
+    r = json.loads(out.read_text())
+    assert r["tokens_equal"] and len(r["whole"]["tokens"]) == 16  # two ranks' slices of the same weights
+    assert r["whole"]["step_ms"] > 0 and r["split"]["step_ms"] > 0
+    assert out.with_suffix(".md").read_text().startswith("Tensor parallelism, tiny on cpu")
