@@ -144,23 +144,26 @@ def test_a_mixtures_experts_split_by_their_width_sum_to_the_whole(tmp_path_facto
 
 
 def test_an_engine_over_two_ranks_generates_the_whole_models_tokens(tmp_path_factory, smollm2_gguf_path):
-    """`tensor_parallel_size = 2`: rank 1 in a process of its own, rank 0 the engine's; greedy tokens of two prompts
-    (decodes batched, a chunked prefill) equal the whole model's; a killed rank fails the next step promptly."""
+    """`tensor_parallel_size = 2`: rank 1 in a process of its own, rank 0 the engine's; greedy tokens of six prompts
+    in a pool too small for them (chunked prefills, swap preemption: every rank moves its own pages) equal the
+    whole model's under the same settings; a killed rank fails the next step promptly."""
     import time
 
     from kvserve import LLM, SamplingParams
 
     path = str(_gguf(tmp_path_factory, smollm2_gguf_path, arch="qwen3"))
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    prompts = [list(range(40, 90)), list(range(7, 20))]
-    args = dict(dtype="float32", max_num_batched_tokens=32, max_model_len=256)
+    prompts = [list(range(7 + i, 7 + i + n)) for i, n in enumerate((50, 13, 41, 60, 33, 27))]
+    args = dict(dtype="float32", max_num_batched_tokens=32, max_model_len=256, num_gpu_blocks_override=14,
+                preemption_mode="swap", enable_prefix_caching=False)
     whole = LLM(path, **args)
     want = [o.outputs[0].token_ids for o in whole.generate(prompts, params, use_tqdm=False)]
     whole.close()
     llm = LLM(path, tensor_parallel_size=2, **args)
     try:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert got == want
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert sum(o.metrics.num_preemptions for o in outs) > 0
         (rank1,) = llm.engine.executor._processes
         rank1.kill()
         rank1.join()
