@@ -23,9 +23,8 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-from benchmarks.pages import table
+from benchmarks.pages import print_and_save, table
 
 
 def parse_args(argv=None):
@@ -390,11 +389,7 @@ def main(argv=None) -> int:
     steps.use("triton")
     result["profile_triton"] = profile_split(steps, check)
     result["fp8"] = fp8_decode(steps, shapes, a.iters, weights_bytes, bandwidth)
-    text = render(result)
-    print(text)
-    if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=1))
-        Path(a.json).with_suffix(".md").write_text(text)
+    print_and_save(result, render(result), a.json)
     return 0
 
 

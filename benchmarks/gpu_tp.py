@@ -16,6 +16,8 @@ import socket
 import sys
 from pathlib import Path
 
+from benchmarks.pages import print_and_save
+
 PROMPT_TOKENS = 64
 DECODE_TOKENS = 16
 
@@ -126,11 +128,7 @@ def main(argv=None) -> int:
         out.unlink()
         result.update(whole=whole, split=split, tokens_equal=whole["tokens"] == split["tokens"],
                       step_ratio=split["step_ms"] / whole["step_ms"])
-    text = render(result)
-    print(text)
-    if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=1))
-        Path(a.json).with_suffix(".md").write_text(text)
+    print_and_save(result, render(result), a.json)
     return 0
 
 

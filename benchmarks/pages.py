@@ -30,3 +30,12 @@ def write_page(directory: str | Path, name: str, result: dict, markdown: str) ->
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{name}.md").write_text(markdown)
     print(markdown)
+
+
+def print_and_save(result: dict, markdown: str, json_path: str | None) -> None:
+    """Print the markdown; with `json_path`, the result there and the markdown beside it (<stem>.md): a device
+    check's figures, which come back from the lent machine as files."""
+    print(markdown)
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1))
+        Path(json_path).with_suffix(".md").write_text(markdown)
