@@ -770,9 +770,12 @@ class ServedModel:
                              source=(lambda v: isinstance(v, str) and v != "", "a path, a catalog id or pkg:..."),
                              role=(lambda v: v in ("", "fast", "capable"), "fast, capable or empty")))
         try:
-            self.engine_config()
+            tp = self.engine_config().tensor_parallel_size
         except ConfigError as e:
             raise ConfigError(f"models[{self.id}]: {e}") from None
+        if tp > 1 and self.fleet.gpus and self.fleet.gpus != tp:
+            raise ConfigError(f"models[{self.id}]: [models.fleet] gpus = {self.fleet.gpus} with tensor_parallel_size "
+                              f"= {tp}: a replica's ranks take one GPU each (gpus = {tp}, or 0 on CPUs)")
 
     def engine_config(self) -> EngineConfig:
         return engine_config_from_kwargs(self.id, **self.engine_args)

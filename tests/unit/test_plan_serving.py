@@ -44,3 +44,15 @@ def test_quantized_plans_map_onto_the_engines_weight_and_kv_settings(tmp_path):
     (served,) = ServerConfig.from_toml(str(path)).models
     engine = engine_config_from_kwargs(served.source, **served.engine_args)
     assert engine.weights == "fp8" and engine.cache.kv_cache_dtype == "fp8"
+
+
+def test_a_fleet_replica_of_n_ranks_reserves_n_gpus():
+    import pytest
+
+    from kvserve.config import ConfigError, ModelFleet, ServedModel
+
+    ServedModel(id="m", source="x.gguf", engine_args={"tensor_parallel_size": 2}, fleet=ModelFleet(gpus=2))
+    ServedModel(id="m", source="x.gguf", engine_args={"tensor_parallel_size": 2})  # CPUs: gloo
+    ServedModel(id="m", source="x.gguf", fleet=ModelFleet(gpus=0.5))  # one rank may share a GPU
+    with pytest.raises(ConfigError, match="one GPU each"):
+        ServedModel(id="m", source="x.gguf", engine_args={"tensor_parallel_size": 2}, fleet=ModelFleet(gpus=1))
