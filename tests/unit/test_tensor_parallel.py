@@ -74,7 +74,6 @@ def _gguf(tmp_path_factory, smollm2_gguf_path, **spec) -> Path:
 
 
 @pytest.mark.parametrize("size,spec", [
-    (2, dict(arch="llama")),
     (4, dict(arch="llama", heads=4, kv_heads=2)),  # two KV heads over four ranks: each held twice
     (2, dict(arch="gemma3", layers=6)),  # sliding-window layers, KV groups
 ])
