@@ -321,7 +321,9 @@ def fp8_decode(steps: Steps, shapes: list[tuple[str, list[int]]], iters: int, bf
     import torch
 
     device = steps.device
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+    from kvserve.models import fp8
+
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < fp8.MIN_CAPABILITY:
         return {"skipped": "no FP8 on this GPU (compute capability below 8.9)"}
     head = steps.model.lm_head
     steps.model.to_fp8()

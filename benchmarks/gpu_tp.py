@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -111,6 +110,8 @@ def main(argv=None) -> int:
     import torch
     import torch.multiprocessing as mp
 
+    from kvserve.engine.worker.tensor_parallel import free_port
+
     result = {"tp": a.tp, "model": "tiny" if a.tiny else "Llama-3.1-8B shape, random weights"}
     if a.device == "cuda" and torch.cuda.device_count() < a.tp:
         result["skipped"] = f"{torch.cuda.device_count()} GPU(s) here; tensor parallelism over {a.tp} needs {a.tp}"
@@ -120,10 +121,7 @@ def main(argv=None) -> int:
         if a.device == "cuda":
             torch.cuda.empty_cache()
         out = Path(a.json or "gpu_tp.json").with_suffix(".rank0.json")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(_rank, args=(a, port, str(out)), nprocs=a.tp, join=True)
+        mp.spawn(_rank, args=(a, free_port(), str(out)), nprocs=a.tp, join=True)
         split = json.loads(out.read_text())
         out.unlink()
         result.update(whole=whole, split=split, tokens_equal=whole["tokens"] == split["tokens"],

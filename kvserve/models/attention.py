@@ -76,6 +76,18 @@ class AttentionMetadata:
         """The metadata a layer attends with: its KV group's."""
         return self.groups[self.layer_groups[layer]] if self.groups else self
 
+    @staticmethod
+    def of_groups(metas: list["AttentionMetadata"], layer_groups: tuple[int, ...]) -> "AttentionMetadata":
+        """One forward's metadata from each KV group's (`layer_groups`: each layer's group): group 0's, carrying
+        the others where there are several, all with group 0's cache (masks and rotary tables: the same for
+        every group)."""
+        first = metas[0]
+        for m in metas[1:]:
+            m.cache = first.cache
+        if len(metas) > 1:
+            first.groups, first.layer_groups = metas, layer_groups
+        return first
+
 
 _MASKED_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -210,7 +222,7 @@ def _triton_installed() -> bool:
 @functools.cache
 def _cuda_fp8(device: torch.device) -> bool:
     """Triton converts e4m3 (its fp8e4nv) on GPUs of compute capability 8.9 or later only."""
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return torch.cuda.get_device_capability(device) >= fp8.MIN_CAPABILITY
 
 
 def _decode_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -27,6 +27,7 @@ from kvserve.config import ConfigError, ModelConfig
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.kernels import isa
 from kvserve.kernels import kv_quant
+from kvserve.models import fp8
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ def graphs_in_force(requested: bool, device: torch.device, config: ModelConfig, 
         capability = torch.cuda.get_device_capability(device)
     why = ("not on CUDA" if device.type != "cuda" else "an 8-bit KV cache has no Triton kernel" if kv_int8
            else "an e4m3 KV cache has no Triton kernel before compute capability 8.9"
-           if kv_fp8 and capability < (8, 9)
+           if kv_fp8 and capability < fp8.MIN_CAPABILITY
            else "a mixture's routing reads counts back to the host" if config.num_experts else "")
     if why:
         log.warning("cuda_graphs = true has no effect here (%s): every step runs eagerly", why)
@@ -176,7 +177,6 @@ def fused_decoder_would_serve(config: ModelConfig, tensor_names) -> bool:
 _QKV_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 
 
-FP8_MIN_CAPABILITY = (8, 9)  # CUDA compute capability with FP8 tensor cores (Ada, Hopper and later)
 FP8_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -192,9 +192,9 @@ def check_fp8_weights(device: torch.device, dtype: torch.dtype, config: ModelCon
     if device.type != "cuda":
         return
     capability = tuple(capability or torch.cuda.get_device_capability(device))
-    if capability < FP8_MIN_CAPABILITY:
+    if capability < fp8.MIN_CAPABILITY:
         raise ConfigError(f"weights = fp8 needs a GPU with FP8 tensor cores (compute capability "
-                          f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} or later: Ada, Hopper, Blackwell); "
+                          f"{'.'.join(map(str, fp8.MIN_CAPABILITY))} or later: Ada, Hopper, Blackwell); "
                           f"{device} has {'.'.join(map(str, capability))}: use weights = bf16, int8 or int4")
     if config is not None and not fp8_shapes_fit(config):
         raise ConfigError("weights = fp8 on CUDA needs every projection's sizes to be multiples of 16 "

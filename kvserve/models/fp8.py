@@ -16,6 +16,7 @@ import torch
 
 DTYPE = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(DTYPE).max
+MIN_CAPABILITY = (8, 9)  # CUDA compute capability with FP8 tensor cores and e4m3 conversions (Ada, Hopper, later)
 
 
 def to_e4m3(x: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,6 @@ it, decode steps; logits within float32's summation-order tolerance. The split i
 where fewer than ranks, fused Phi-3 tensors part by part, a mixture's experts by their intermediate dim."""
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import torch.multiprocessing as mp
 from kvserve.config import ConfigError
 from kvserve.engine.kv.groups import KVLayout
 from kvserve.engine.worker.runner import BatchItem, ModelRunner
+from kvserve.engine.worker.tensor_parallel import free_port
 from kvserve.models.loader import Checkpoint, build_model, load_checkpoint, plan_for
 from kvserve.models.parallel import TensorParallel, all_reduce, attach
 from tests.parity import rel_err
@@ -59,12 +59,6 @@ def _rank(rank: int, size: int, port: int, path: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gguf(tmp_path_factory, smollm2_gguf_path, **spec) -> Path:
     from tests.gguf_factory import TinySpec, write_tiny_gguf
 
@@ -81,7 +75,7 @@ def test_ranks_together_give_the_whole_models_logits(tmp_path_factory, tmp_path,
     path = _gguf(tmp_path_factory, smollm2_gguf_path, **spec)
     whole = _steps(str(path), None)
     out = tmp_path / "logits"
-    mp.spawn(_rank, args=(size, _free_port(), str(path), str(out)), nprocs=size, join=True)
+    mp.spawn(_rank, args=(size, free_port(), str(path), str(out)), nprocs=size, join=True)
     ranks = [torch.load(f"{out}.{r}") for r in range(size)]
     for step, want in enumerate(whole):
         for r in ranks:

@@ -166,16 +166,11 @@ class DecodeGraphs:
         """The bucket's attention metadata: views of the device buffers, its longest context the tables' (the
         kernel's grid then depends on the bucket alone)."""
         _, _, lens, slots, tables = self._views[1]
-        metas = [AttentionMetadata(slot_mapping=slots[g, :size], num_decode_tokens=size,
-                                   decode_block_tables=tables[g, :size], decode_context_lens=lens[:size],
-                                   decode_max_context=self.max_blocks * self.block_size, decode_min_context=0)
-                 for g in range(self.num_groups)]
-        for m in metas[1:]:
-            m.cache = metas[0].cache  # masks and rotary tables: the same for every group
-        meta = metas[0]
-        if self.num_groups > 1:
-            meta.groups, meta.layer_groups = metas, self.layer_groups
-        return meta
+        return AttentionMetadata.of_groups(
+            [AttentionMetadata(slot_mapping=slots[g, :size], num_decode_tokens=size,
+                               decode_block_tables=tables[g, :size], decode_context_lens=lens[:size],
+                               decode_max_context=self.max_blocks * self.block_size, decode_min_context=0)
+             for g in range(self.num_groups)], self.layer_groups)
 
     def _capture(self, size: int) -> tuple[Callable[[], None], torch.Tensor]:
         ids, positions = self._views[1][0][:size], self._views[1][1][:size]

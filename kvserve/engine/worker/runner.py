@@ -331,20 +331,16 @@ class ModelRunner:
             decode_t = _long_tensor(flat, (num_groups, num_decodes, max_blocks), dev)
             lens_t = torch.tensor(lens, dtype=torch.long).to(dev, non_blocking=True)
         chunk_t = [torch.tensor(t, dtype=torch.long).to(dev, non_blocking=True) for _, _, _, t in prefills]  # [G, B]
-        shared: dict = {}  # masks and rotary tables: the same for every group
         metas = []
         for g in range(num_groups):
-            meta = AttentionMetadata(slot_mapping=slot_t[g], num_decode_tokens=num_decodes, interjection=interjection,
-                                     cache=shared)
+            meta = AttentionMetadata(slot_mapping=slot_t[g], num_decode_tokens=num_decodes, interjection=interjection)
             if num_decodes:
                 meta.decode_block_tables, meta.decode_context_lens = decode_t[g], lens_t
                 meta.decode_max_context, meta.decode_min_context = max(lens), min(lens)
             meta.prefills = [PrefillChunk(begin, n, ctx, table[g])
                              for (begin, n, ctx, _), table in zip(prefills, chunk_t)]
             metas.append(meta)
-        meta = metas[0]
-        if num_groups > 1:
-            meta.groups, meta.layer_groups = metas, self.layer_groups
+        meta = AttentionMetadata.of_groups(metas, self.layer_groups)
         ids = torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
         pos_t = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
         hidden = self.model(ids, pos_t, self.kv_caches, meta)
