@@ -90,7 +90,8 @@ def build_model(config, device, dtype, shard=None):
             shape = shapes.get(name, p.shape)
             gen = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
             whole = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, shape[-1] ** -0.5, generator=gen)
-            p.copy_(whole if shard is None else shard.slice(name, whole, config))
+            hf_name = "lm_head.weight" if name == "lm_head_weight" else "model." + name  # what slice() reads
+            p.copy_(whole if shard is None else shard.slice(hf_name, whole, config))
     model.use_backend(Backend("cuda" if device.type == "cuda" else "cpu-torch"))
     return model.eval()
 

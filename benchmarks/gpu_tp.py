@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.pages import print_and_save
@@ -37,14 +38,15 @@ def measure(a, device, shard=None) -> dict:
     import torch
 
     from benchmarks.gpu_decode import Steps, build_model, model_config
-    from kvserve.models.parallel import all_reduce, attach
+    from kvserve.models.parallel import attach
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = model_config(a.tiny)
     model = build_model(config, device, dtype, shard)
     if shard is not None:
-        attach(model, all_reduce())
-    own = shard.shard_config(config) if shard is not None else config
+        attach(model, shard, config)
+    # This rank's heads and the whole vocabulary (its logits are gathered).
+    own = replace(shard.shard_config(config), vocab_size=config.vocab_size) if shard is not None else config
     batch, context = (4, 40) if a.tiny else (64, 1024)
     steps = Steps(model, own, device, dtype, pool_tokens=batch * context + 4096)
     steps.use("triton" if device.type == "cuda" else "torch")

@@ -53,6 +53,8 @@ class CausalLM(nn.Module):
         self.lm_head_quant: QuantizedMatrix | None = None  # an untied, quantized LM head until it is packed
         self.lm_head_packed: PackedPart | None = None  # the LM head in the packed GEMM's layout (fp32 logits out)
         self.native_decoder = None  # runs a whole step in one native call where it applies (attach_native_decoder)
+        # Vocab-parallel: the whole vocabulary's logits from this rank's rows' (models/parallel.attach), else None.
+        self.gather_logits = None
 
     def make_rotary(self) -> nn.Module:
         """Rotary tables shared by the layers (buffers, built once)."""
@@ -86,7 +88,12 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [T, vocab]: the packed LM head (quantized, or bf16 for the fused decoder) writes them
-        directly, each rounded to bf16 as `F.linear(hidden, lm_head).float()` rounds it."""
+        directly, each rounded to bf16 as `F.linear(hidden, lm_head).float()` rounds it. Vocab-parallel, this
+        rank's rows' logits are gathered into the whole vocabulary's."""
+        logits = self._logits(hidden)
+        return logits if self.gather_logits is None else self.gather_logits(logits)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_packed is not None and hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu":
             return packed_linear([self.lm_head_packed], hidden, self.backend, torch.float32)
         if self.lm_head_onednn is not None:

@@ -459,12 +459,21 @@ class Embedding(QuantizableWeight):
     """Token embedding table (left uninitialised until weights load: no wasted init of a large vocab).
     Quantized, its rows are read from the packed layout, which a tied LM head multiplies too (one copy)."""
 
+    # Vocab-parallel (models/parallel.attach): the first token id of this rank's rows; ids outside them look up
+    # zeros, and `reduce` adds the ranks' lookups up.
+    rows_from: int | None = None
+
     def __init__(self, vocab_size: int, hidden: int):
         super().__init__()
         self.weight = frozen(torch.empty(vocab_size, hidden))
         self.init_quant()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.rows_from is not None:
+            local = ids - self.rows_from
+            outside = (local < 0) | (local >= self.weight.shape[0])
+            h = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill_(outside.unsqueeze(-1), 0)
+            return self.reduce(h)
         if self.packed is not None:
             (part,) = self.packed
             return cpu_kernels.load().quant_rows(part.data, part.bits, part.rows, ids)

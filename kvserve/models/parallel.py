@@ -9,7 +9,10 @@ of `size` ranks holds a slice of every projection and attends with its share of 
 - A mixture's experts are split by their intermediate dim (each rank holds a slice of every expert; the router is
   replicated, so every rank routes a token alike) and the weighted sum of the experts' partial outputs is reduced
   once per layer, in float32.
-- The embedding table and the LM head are replicated (a vocab-parallel split is not built).
+- The embedding table and the LM head are split by vocabulary (vLLM's VocabParallelEmbedding and ParallelLMHead):
+  each rank holds an equal run of rows (the last run padded with zero rows); a lookup takes the rank's own ids
+  (zeros for the others') and one all-reduce adds them up (exactly: one term is not zero), and each rank's logits
+  of its rows are all-gathered into the whole vocabulary's.
 
 The split is decided once here, from the config (`shard_config`) and the checkpoint's HF names (`shard_tensors`);
 `attach` gives the row-parallel modules their all-reduce. Dense weights only: a checkpoint's quantized matrices are
@@ -25,6 +28,7 @@ import torch
 from kvserve.config import ConfigError, ModelConfig
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
+VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 @dataclass(frozen=True)
@@ -57,12 +61,19 @@ class TensorParallel:
             return per, self.rank * per
         return 1, self.rank // (self.size // c.num_kv_heads)
 
+    def vocab_rows(self, c: ModelConfig) -> tuple[int, int]:
+        """(this rank's first row of the embedding table and LM head, rows per rank): the vocabulary in equal runs,
+        the last one padded."""
+        per = -(-c.vocab_size // self.size)
+        return self.rank * per, per
+
     def shard_config(self, c: ModelConfig) -> ModelConfig:
-        """The config of this rank's slice: its heads, KV heads and MLP widths (the model code builds it as is)."""
+        """The config of this rank's slice: its heads, KV heads, MLP widths and vocabulary rows (the model code
+        builds it as is; the runner's config keeps the whole vocabulary, which the gathered logits have)."""
         self.check(c)
         return replace(c, num_heads=c.num_heads // self.size, num_kv_heads=self.kv_heads(c)[0],
                        intermediate_size=c.intermediate_size // self.size,
-                       moe_intermediate_size=c.moe_intermediate_size // self.size)
+                       moe_intermediate_size=c.moe_intermediate_size // self.size, vocab_size=self.vocab_rows(c)[1])
 
     def shard_tensors(self, tensors: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.Tensor]:
         """This rank's slices of a checkpoint's HF-named dense tensors (the others whole)."""
@@ -94,7 +105,12 @@ class TensorParallel:
             return self._rows(t)
         if name.endswith("down_proj.weight"):
             return self._columns(t)
-        return t  # norms, the router, the embedding table, the LM head, a row-parallel projection's bias
+        if name in VOCAB_TENSORS:
+            first, per = self.vocab_rows(c)
+            rows = t[first:first + per]
+            return torch.cat([rows, rows.new_zeros(per - len(rows), *rows.shape[1:])]) if len(rows) < per \
+                else rows.contiguous()
+        return t  # norms, the router, a row-parallel projection's bias
 
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
         return t.chunk(self.size, dim=0)[self.rank].contiguous()
@@ -107,13 +123,18 @@ class TensorParallel:
         return t[first * c.head_dim:(first + count) * c.head_dim].contiguous()
 
 
-def attach(model: torch.nn.Module, reduce: Reduce) -> None:
-    """Give each layer's row-parallel modules their all-reduce: the attention output projection, and the dense MLP's
-    down projection or a mixture as a whole (models/layers.linear and models/moe.SparseMoE apply it)."""
+def attach(model: torch.nn.Module, tp: TensorParallel, config: ModelConfig, group=None) -> None:
+    """Give each layer's row-parallel modules their all-reduce over the group: the attention output projection, and
+    the dense MLP's down projection or a mixture as a whole (models/layers.linear and models/moe.SparseMoE apply
+    it); the embedding its vocabulary rows and all-reduce, the LM head its all-gather. `config`: the whole model's."""
     from kvserve.models.moe import SparseMoE
 
     if model.native_decoder is not None:
         raise ConfigError("the fused CPU decoder does not add up tensor-parallel ranks: build the model per op")
+    reduce = all_reduce(group)
+    model.embed_tokens.rows_from = tp.vocab_rows(config)[0]
+    model.embed_tokens.reduce = reduce
+    model.gather_logits = all_gather_vocab(tp.size, config.vocab_size, group)
     for layer in model.layers:
         layer.self_attn.o_proj.reduce = reduce
         if isinstance(layer.mlp, SparseMoE):
@@ -132,3 +153,16 @@ def all_reduce(group=None) -> Reduce:
         return x
 
     return reduce
+
+
+def all_gather_vocab(size: int, vocab_size: int, group=None) -> Reduce:
+    """The whole vocabulary's logits [..., vocab_size] from each rank's run of rows (the last run's padding cut)."""
+    import torch.distributed as dist
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x, group=group)
+        return torch.cat(parts, dim=-1)[..., :vocab_size]
+
+    return gather

@@ -4,6 +4,7 @@ it, decode steps; logits within float32's summation-order tolerance. The split i
 where fewer than ranks, fused Phi-3 tensors part by part, a mixture's experts by their intermediate dim."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from kvserve.engine.kv.groups import KVLayout
 from kvserve.engine.worker.runner import BatchItem, ModelRunner
 from kvserve.engine.worker.tensor_parallel import free_port
 from kvserve.models.loader import Checkpoint, build_model, load_checkpoint, plan_for
-from kvserve.models.parallel import TensorParallel, all_reduce, attach
+from kvserve.models.parallel import TensorParallel, attach
 from tests.parity import rel_err
 
 BLOCK = 16
@@ -33,7 +34,8 @@ def _steps(path: str, tp: TensorParallel | None) -> list[torch.Tensor]:
     shard = Checkpoint(config=config, tensors=tensors, path=ck.path, format=ck.format)
     model = build_model(shard, plan_for(shard, torch.float32), max_positions=512)
     if tp is not None:
-        attach(model, all_reduce())
+        attach(model, tp, ck.config)
+        config = replace(config, vocab_size=ck.config.vocab_size)  # the runner's: the gathered logits'
     layout = KVLayout.for_model(config)
     runner = ModelRunner(model, config, 128, 0, BLOCK, torch.float32, torch.device("cpu"), layout=layout)
     groups = layout.num_groups
@@ -100,6 +102,13 @@ def test_the_split_of_configs_and_tensors(tmp_path_factory, smollm2_gguf_path):
     down = "model.layers.1.mlp.down_proj.weight"
     assert torch.equal(torch.cat([p[down] for p in parts], dim=1), t[down])
     assert parts[1]["model.norm.weight"] is t["model.norm.weight"]  # replicated
+    embed = t["model.embed_tokens.weight"]  # by vocabulary: equal runs of rows, the last one padded with zeros
+    assert sc.vocab_size == c.vocab_size // 4
+    assert torch.equal(torch.cat([p["model.embed_tokens.weight"] for p in parts]), embed)
+    odd = replace(c, vocab_size=c.vocab_size - 3)
+    rows = [s.slice("lm_head.weight", embed[:odd.vocab_size], odd) for s in shards]
+    assert [len(r) for r in rows] == [c.vocab_size // 4] * 4 and not rows[3][-3:].any()
+    assert torch.equal(torch.cat(rows)[:odd.vocab_size], embed[:odd.vocab_size])
     # Phi-3's fused tensors, part by part.
     fused = {"model.layers.0.self_attn.qkv_proj.weight": torch.cat([t[name.format(x)] for x in "qkv"]),
              "model.layers.0.mlp.gate_up_proj.weight": torch.arange(2 * c.intermediate_size * 3.).view(-1, 3)}
@@ -136,16 +145,19 @@ def test_a_mixtures_experts_split_by_their_width_sum_to_the_whole(tmp_path_facto
     torch.testing.assert_close(outs[1] + outs[2], outs[0], rtol=1e-5, atol=1e-6)
 
 
-def test_an_engine_over_two_ranks_generates_the_whole_models_tokens(tmp_path_factory, smollm2_gguf_path):
-    """`tensor_parallel_size = 2`: rank 1 in a process of its own, rank 0 the engine's; greedy tokens of six prompts
-    in a pool too small for them (chunked prefills, swap preemption: every rank moves its own pages) equal the
-    whole model's under the same settings; a killed rank fails the next step promptly."""
+@pytest.mark.parametrize("spec", [dict(arch="qwen3"), dict(arch="llama", heads=4, kv_heads=2),
+                                  dict(arch="qwen3moe", num_experts=4, experts_per_token=2, moe_intermediate=32)],
+                         ids=["qwen3", "llama", "qwen3moe"])
+def test_an_engine_over_two_ranks_generates_the_whole_models_tokens(tmp_path_factory, smollm2_gguf_path, spec):
+    """`tensor_parallel_size = 2`: rank 1 in a process of its own, rank 0 the engine's; 64 greedy tokens of six
+    prompts in a pool too small for them (chunked prefills, swap preemption: every rank moves its own pages) equal
+    the whole model's under the same settings; a killed rank fails the next step promptly."""
     import time
 
     from kvserve import LLM, SamplingParams
 
-    path = str(_gguf(tmp_path_factory, smollm2_gguf_path, arch="qwen3"))
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    path = str(_gguf(tmp_path_factory, smollm2_gguf_path, **spec))
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     prompts = [list(range(7 + i, 7 + i + n)) for i, n in enumerate((50, 13, 41, 60, 33, 27))]
     args = dict(dtype="float32", max_num_batched_tokens=32, max_model_len=256, num_gpu_blocks_override=14,
                 preemption_mode="swap", enable_prefix_caching=False)
@@ -154,6 +166,8 @@ def test_an_engine_over_two_ranks_generates_the_whole_models_tokens(tmp_path_fac
     whole.close()
     llm = LLM(path, tensor_parallel_size=2, **args)
     try:
+        # A device's pool holds a rank's KV heads: half the model's two, so twice the blocks in the same memory.
+        assert 2 * llm.engine.kv_bytes_per_token == whole.engine.kv_bytes_per_token
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
         assert sum(o.metrics.num_preemptions for o in outs) > 0

@@ -72,7 +72,7 @@ class LLMEngine:
         self.numerics = self.plan.numerics if built is None or built.invariant else "fast"
         cache_cfg = self.config.cache
         log.info("loaded %s (%s, %s, path %s, numerics %s) in %.1fs: %d KV blocks of %d tokens and %d layers in %d "
-                 "KV groups (%s, %d bytes a token), %d host blocks%s", self.model_id, self.dtype, self.device,
+                 "KV groups (%s, %d bytes a token a device), %d host blocks%s", self.model_id, self.dtype, self.device,
                  built.name if built else "injected executor", self.numerics, self.load_seconds, num_blocks,
                  cache_cfg.block_size, self.kv_layout.group_size, self.kv_layout.num_groups,
                  self.kv_label, self.kv_bytes_per_token,
@@ -129,10 +129,18 @@ class LLMEngine:
         return checkpoint, path
 
     def _size_kv(self) -> tuple[int, int]:
-        """The KV layout and page size, and how many device and host blocks the plan's memory holds."""
+        """The KV layout and page size, and how many device and host blocks the plan's memory holds: per device,
+        so under tensor parallelism of a rank's KV heads (every rank holds as many blocks, each its heads' share;
+        the host pool of `swap_space` bytes is per rank too, as vLLM's)."""
         cache_cfg = self.config.cache
         elem = kv_quant.bytes_per_element(self.model_config.head_dim, self.kv_dtype, self.kv_int8)
-        self.kv_bytes_per_token = round(self.model_config.kv_bytes_per_token_per_element * elem)
+        device_heads = self.model_config.num_kv_heads
+        if self.config.tensor_parallel_size > 1:
+            from kvserve.models.parallel import TensorParallel
+
+            device_heads = TensorParallel(self.config.tensor_parallel_size, 0).kv_heads(self.model_config)[0]
+        self.kv_bytes_per_token = round(self.model_config.kv_bytes_per_token_per_element * elem * device_heads
+                                        / self.model_config.num_kv_heads)
         self.kv_layout = KVLayout.for_model(self.model_config, split=cache_cfg.kv_groups)
         # A block ("page") holds one group's layers: all of them with one group.
         self.kv_page_bytes = block_bytes = cache_cfg.block_size * self.kv_bytes_per_token * \
@@ -143,7 +151,7 @@ class LLMEngine:
             # Each cache tensor stays under 2^31 elements: past that torch's CUDA index kernels (the K/V writes and
             # gathers of the op-by-op path) take 64-bit paths that cost about the whole tensor per call.
             row = kv_quant.row_width(self.model_config.head_dim, self.kv_int8)
-            cap = (2 ** 31 - 1) // (cache_cfg.block_size * self.model_config.num_kv_heads * row)
+            cap = (2 ** 31 - 1) // (cache_cfg.block_size * device_heads * row)
             if num_blocks > cap:
                 log.info("%s: KV pool capped at %d blocks (of %d that fit): a cache tensor over 2^31 elements is slow "
                          "to index on CUDA", self.model_id, cap, num_blocks)
@@ -169,8 +177,8 @@ class LLMEngine:
 
     def _start_tensor_parallel(self, checkpoint, path, num_blocks: int, num_host_blocks: int):
         """Ranks 1..N-1 in processes of their own and rank 0 here, each with its slice of the model and of every KV
-        block (engine/worker/tensor_parallel.py); the pool's block count is the whole model's (each rank's share
-        of it takes 1/N of the memory, or more where KV heads are replicated)."""
+        block (engine/worker/tensor_parallel.py); the pool's block count is what one device's KV memory holds of a
+        rank's heads (_size_kv)."""
         from kvserve.engine.worker import tensor_parallel
 
         spec = tensor_parallel.RankSpec(config=self.config, plan=self.plan, path=str(path), num_blocks=num_blocks,

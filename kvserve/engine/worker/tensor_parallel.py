@@ -30,7 +30,7 @@ from kvserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from kvserve.engine.worker.runner import BatchItem, ModelRunner
 from kvserve.models import backend
 from kvserve.models.loader import Checkpoint, build_model, load_checkpoint
-from kvserve.models.parallel import TensorParallel, all_reduce, attach
+from kvserve.models.parallel import TensorParallel, attach
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,8 @@ class TensorParallelExecutor:
 
     def close(self) -> None:
         """Stop the other ranks and leave the group; after a failed step, end the ranks left (a broken group's
-        goodbyes would wait out its timeouts)."""
+        goodbyes would wait out its timeouts) and drop the group (aborted on NCCL), so that the engine can start
+        again in this process."""
         if not self.failed:
             try:
                 _send(None, self._control)
@@ -101,7 +102,13 @@ class TensorParallelExecutor:
             p.join(timeout=0 if self.failed else 10)
             if p.is_alive():
                 p.kill()
-        if dist.is_initialized() and not self.failed:
+        if not dist.is_initialized():
+            return
+        if self.failed and dist.get_backend() == "nccl":
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+        else:
             dist.destroy_process_group()
 
 
@@ -135,7 +142,8 @@ def build_rank(spec: RankSpec, tp: TensorParallel, checkpoint: Checkpoint, eos_t
     """The model from this rank's slices (a checkpoint loaded with `shard`: the whole model's config, the rank's
     dense tensors), built on its device, its row-parallel layers reducing over the group, in a runner over its
     share of the KV pool."""
-    config = tp.shard_config(checkpoint.config)
+    whole = checkpoint.config
+    config = tp.shard_config(whole)
     shard = Checkpoint(config=config, tensors=checkpoint.tensors, path=checkpoint.path, format=checkpoint.format)
     checkpoint.tensors = {}
     plan = spec.plan
@@ -143,8 +151,9 @@ def build_rank(spec: RankSpec, tp: TensorParallel, checkpoint: Checkpoint, eos_t
         plan = replace(plan, device=torch.device("cuda", tp.rank))
     model = build_model(shard, plan, max_positions=spec.max_model_len, consume=True,
                         attention_window=spec.config.sinks_window)
-    attach(model, all_reduce())
-    model_config = config.with_attention_window(spec.config.sinks_window)
+    attach(model, tp, whole)
+    # The runner's config: this rank's heads, the whole vocabulary (the logits are gathered).
+    model_config = replace(config, vocab_size=whole.vocab_size).with_attention_window(spec.config.sinks_window)
     layout = KVLayout.for_model(model_config, split=spec.config.cache.kv_groups)
     return ModelRunner(model, model_config, spec.num_blocks, spec.num_host_blocks, spec.config.cache.block_size,
                        plan.dtype, plan.device, kv_int8=plan.kv_int8, kv_fp8=plan.kv_fp8, eos_token_ids=eos_token_ids,
