@@ -92,6 +92,16 @@ class Fleet:
             time.sleep(0.5)
         raise AssertionError(f"the pool did not reach {n} replicas: {self.status()}")
 
+    def wait_idle(self, timeout: float = 30) -> None:
+        """Until the gateway's router counts no request in flight: the completion of a stream that has just ended
+        reaches it by a callback of Serve's, a moment later, and a kill picks its replica by these counts."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not any(r["inflight"] for r in self.replicas().values()):
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"requests still counted in flight: {self.status()}")
+
     def kill_replica(self, replica_id: str) -> None:
         import ray
 
@@ -244,6 +254,7 @@ def test_a_replica_killed_mid_stream_the_stream_goes_on(fleet):
     client = fleet.openai()
     undisturbed, finish, _, expected = _stream(client, 40)
     assert finish == "length"
+    fleet.wait_idle()
     killed: list[str] = []
 
     def kill_after_some_tokens(i: int) -> None:
@@ -290,6 +301,7 @@ def test_a_constrained_stream_survives_a_replica_kill_and_bad_schemas_are_400s(f
     undisturbed, finish = run()
     assert finish == "stop" and len(json.loads(undisturbed)["words"]) == 12
     moved = fleet.status()["migrations"].get("migrated", 0)
+    fleet.wait_idle()
     killed: list[str] = []
 
     def kill(i: int) -> None:
