@@ -521,7 +521,9 @@ class ModelFleet:
     """A `[models.fleet]` table: the model's pool of engine replicas in the fleet (`kvserve serve --fleet`).
 
     `replicas` fixes the pool's size; `min_replicas` < `max_replicas` turns on autoscaling between them on
-    the engines' own signals (fleet/autoscale.py). Each replica reserves `cpus` CPUs and `gpus` GPUs."""
+    the engines' own signals (fleet/autoscale.py). Each replica reserves `cpus` CPUs and `gpus` GPUs; a replica
+    of N tensor-parallel ranks reserves a placement group of N bundles on one node, each of `cpus` CPUs and one
+    GPU (gpus = N) or none (gpus = 0)."""
 
     replicas: int = 1  # the pool's size (its initial size when autoscaling)
     min_replicas: int | None = None  # autoscaling's lower bound (unset: replicas)
@@ -776,6 +778,10 @@ class ServedModel:
         if tp > 1 and self.fleet.gpus and self.fleet.gpus != tp:
             raise ConfigError(f"models[{self.id}]: [models.fleet] gpus = {self.fleet.gpus} with tensor_parallel_size "
                               f"= {tp}: a replica's ranks take one GPU each (gpus = {tp}, or 0 on CPUs)")
+        if tp > 1 and not (self.fleet.cpus or self.fleet.gpus):
+            raise ConfigError(f"models[{self.id}]: tensor_parallel_size = {tp} places each rank in a bundle of its "
+                              "own ([models.fleet] cpus each, and one GPU with gpus): cpus = 0 and gpus = 0 leave "
+                              "the bundles empty")
 
     def engine_config(self) -> EngineConfig:
         return engine_config_from_kwargs(self.id, **self.engine_args)

@@ -61,12 +61,36 @@ def gateway_view(config: ServerConfig) -> ServerConfig:
 
 # ---- Serve options (pure: also what deploy/ renders for KubeRay) ---------------------------------
 
+def rank_bundles(spec: ServedModel) -> list[dict[str, float]] | None:
+    """A tensor-parallel replica's placement group: a bundle per rank, each of the model's `cpus` and one GPU where
+    it has `gpus` (the replica actor, rank 0, takes the first; engine/worker/tensor_parallel.py starts the other
+    ranks in theirs). None for a replica of one rank."""
+    tp = spec.engine_config().tensor_parallel_size
+    if tp == 1:
+        return None
+    bundle = {k: v for k, v in (("CPU", spec.fleet.cpus), ("GPU", 1.0 if spec.fleet.gpus else 0.0)) if v}
+    return [dict(bundle) for _ in range(tp)]
+
+
+def replica_resources(spec: ServedModel) -> tuple[float, float]:
+    """(CPUs, GPUs) one replica of the model reserves: its ranks' bundles together, on one node."""
+    bundles = rank_bundles(spec)
+    if bundles is None:
+        return spec.fleet.cpus, spec.fleet.gpus
+    return sum(b.get("CPU", 0) for b in bundles), sum(b.get("GPU", 0) for b in bundles)
+
+
 def engine_options(spec: ServedModel, config: ServerConfig) -> dict:
-    """The `engine` deployment's Serve options for one model."""
+    """The `engine` deployment's Serve options for one model: a tensor-parallel replica's ranks in a placement
+    group of a bundle each, packed on one node (its ranks meet over the node's own links: NVLink, or loopback
+    on CPUs)."""
     shape, fleet = spec.fleet, config.fleet
     lo, hi = shape.bounds
+    bundles = rank_bundles(spec)
+    actor = {"num_cpus": shape.cpus, "num_gpus": shape.gpus} if bundles is None else \
+        {"num_cpus": bundles[0].get("CPU", 0), "num_gpus": bundles[0].get("GPU", 0)}
     opts = dict(name="engine",
-                ray_actor_options={"num_cpus": shape.cpus, "num_gpus": shape.gpus},
+                ray_actor_options=actor,
                 max_ongoing_requests=MAX_ONGOING, health_check_period_s=fleet.health_check_period_s,
                 health_check_timeout_s=fleet.health_check_timeout_s,
                 graceful_shutdown_timeout_s=fleet.drain_timeout_s, graceful_shutdown_wait_loop_s=0.5)
@@ -80,6 +104,8 @@ def engine_options(spec: ServedModel, config: ServerConfig) -> dict:
                                            ttft_slo_s=config.ttft_target_ms.get("interactive", 500.0) / 1000)))
     else:
         opts["num_replicas"] = shape.replicas
+    if bundles is not None:
+        opts.update(placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK")
     return opts
 
 
@@ -175,8 +201,9 @@ def check_placement(config: ServerConfig) -> None:
         return any(n.get("CPU", 0) >= cpus and n.get("GPU", 0) >= gpus for n in nodes)
 
     for m in config.models:
-        if not fits(m.fleet.cpus, m.fleet.gpus):
-            problems.append(f"model {m.id}: a replica needs {m.fleet.cpus} CPUs and {m.fleet.gpus} GPUs; "
+        cpus, gpus = replica_resources(m)
+        if not fits(cpus, gpus):
+            problems.append(f"model {m.id}: a replica needs {cpus:g} CPUs and {gpus:g} GPUs on one node; "
                             f"no node has that")
     gw = config.fleet
     if not any(n.get("CPU", 0) >= gw.gateway_cpus and all(n.get(k, 0) >= v for k, v in gw.gateway_resources.items())
@@ -196,8 +223,9 @@ def check_placement(config: ServerConfig) -> None:
 
 def demand(config: ServerConfig) -> tuple[float, float]:
     """CPUs and GPUs the fleet reserves at its start size (pools at their initial replicas, the gateways)."""
-    cpus = sum(_initial(m) * m.fleet.cpus for m in config.models) + config.fleet.gateway_replicas * config.fleet.gateway_cpus
-    return cpus, sum(_initial(m) * m.fleet.gpus for m in config.models)
+    cpus = sum(_initial(m) * replica_resources(m)[0] for m in config.models)
+    return cpus + config.fleet.gateway_replicas * config.fleet.gateway_cpus, \
+        sum(_initial(m) * replica_resources(m)[1] for m in config.models)
 
 
 def _wait_running(apps: list[str], timeout: float) -> None:
@@ -354,6 +382,6 @@ def _room_for(specs: list[ServedModel]) -> bool:
     import ray
 
     free = ray.available_resources()
-    cpus = sum(_initial(m) * m.fleet.cpus for m in specs)
-    gpus = sum(_initial(m) * m.fleet.gpus for m in specs)
+    cpus = sum(_initial(m) * replica_resources(m)[0] for m in specs)
+    gpus = sum(_initial(m) * replica_resources(m)[1] for m in specs)
     return free.get("CPU", 0) >= cpus and free.get("GPU", 0) >= gpus

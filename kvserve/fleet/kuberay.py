@@ -125,8 +125,9 @@ def head_group(config: ServerConfig, image: str, config_map: str, config_mount: 
 
 def worker_group(config: ServerConfig, image: str, config_map: str, config_mount: str) -> dict:
     pods = sum(m.fleet.bounds[1] for m in config.models)
-    cpus = max(1, math.ceil(max((m.fleet.cpus for m in config.models), default=1)))
-    gpus = math.ceil(max((m.fleet.gpus for m in config.models), default=0))
+    shapes = [deploy.replica_resources(m) for m in config.models]  # a worker pod holds a replica (all its ranks)
+    cpus = max(1, math.ceil(max((c for c, _ in shapes), default=1)))
+    gpus = math.ceil(max((g for _, g in shapes), default=0))
     resources = {"requests": {"cpu": str(cpus)}}
     if gpus:
         resources["limits"] = {"nvidia.com/gpu": str(gpus)}

@@ -46,13 +46,25 @@ def test_quantized_plans_map_onto_the_engines_weight_and_kv_settings(tmp_path):
     assert engine.weights == "fp8" and engine.cache.kv_cache_dtype == "fp8"
 
 
-def test_a_fleet_replica_of_n_ranks_reserves_n_gpus():
+def test_a_fleet_replica_of_n_ranks_reserves_n_gpus_in_a_placement_group_of_n_bundles():
     import pytest
 
-    from kvserve.config import ConfigError, ModelFleet, ServedModel
+    from kvserve.config import ConfigError, ModelFleet, ServedModel, ServerConfig
+    from kvserve.fleet.deploy import demand, engine_options, rank_bundles, replica_resources
 
-    ServedModel(id="m", source="x.gguf", engine_args={"tensor_parallel_size": 2}, fleet=ModelFleet(gpus=2))
-    ServedModel(id="m", source="x.gguf", engine_args={"tensor_parallel_size": 2})  # CPUs: gloo
-    ServedModel(id="m", source="x.gguf", fleet=ModelFleet(gpus=0.5))  # one rank may share a GPU
+    gpus = ServedModel(id="g", source="x.gguf", engine_args={"tensor_parallel_size": 4}, fleet=ModelFleet(gpus=4, cpus=2))
+    cpus = ServedModel(id="c", source="x.gguf", engine_args={"tensor_parallel_size": 2})  # CPUs: gloo
+    one = ServedModel(id="m", source="x.gguf", fleet=ModelFleet(gpus=0.5))  # one rank may share a GPU
     with pytest.raises(ConfigError, match="one GPU each"):
         ServedModel(id="m", source="x.gguf", engine_args={"tensor_parallel_size": 2}, fleet=ModelFleet(gpus=1))
+    with pytest.raises(ConfigError, match="bundles empty"):
+        ServedModel(id="m", source="x.gguf", engine_args={"tensor_parallel_size": 2}, fleet=ModelFleet(cpus=0))
+    assert rank_bundles(gpus) == [{"CPU": 2, "GPU": 1}] * 4 and rank_bundles(cpus) == [{"CPU": 1}] * 2
+    assert rank_bundles(one) is None and replica_resources(one) == (1, 0.5)
+    assert replica_resources(gpus) == (8, 4) and replica_resources(cpus) == (2, 0)
+    config = ServerConfig(models=[gpus, cpus, one])
+    opts = engine_options(gpus, config)
+    assert opts["placement_group_bundles"] == rank_bundles(gpus) and opts["placement_group_strategy"] == "STRICT_PACK"
+    assert opts["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 1}  # rank 0, the replica, in the first bundle
+    assert "placement_group_bundles" not in engine_options(one, config)
+    assert demand(config)[1] == 4.5

@@ -199,3 +199,43 @@ def test_a_rank_loads_only_its_slices(tmp_path_factory, smollm2_gguf_path, kind)
     assert got.config == whole.config and set(got.tensors) == set(want)
     for name, t in want.items():
         assert torch.equal(got.tensors[name], t), name
+
+
+def test_in_a_placement_group_the_ranks_run_in_its_bundles(tmp_path_factory, smollm2_gguf_path):
+    """A replica in a placement group of a bundle per rank (what a fleet's Serve replica of N ranks runs in:
+    fleet/deploy.rank_bundles) starts its other ranks as Ray actors in their bundles: the cluster's two CPUs are
+    both the group's, so a rank placed anywhere else would never start. Its tokens are the whole model's."""
+    ray = pytest.importorskip("ray")
+    from ray.util import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from kvserve import LLM, SamplingParams
+
+    path = str(_gguf(tmp_path_factory, smollm2_gguf_path, arch="qwen3"))
+    prompts = [list(range(7, 40)), list(range(50, 61))]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    args = dict(dtype="float32", max_model_len=128, num_gpu_blocks_override=32)
+    whole = LLM(path, **args)
+    want = [o.outputs[0].token_ids for o in whole.generate(prompts, params, use_tqdm=False)]
+    whole.close()
+
+    class Replica:
+        def generate(self) -> tuple[list, list[str]]:
+            llm = LLM(path, tensor_parallel_size=2, **args)
+            try:
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                return [o.outputs[0].token_ids for o in outs], [type(p).__name__ for p in llm.engine.executor._processes]
+            finally:
+                llm.close()
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        group = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="STRICT_PACK")
+        ray.get(group.ready(), timeout=60)
+        replica = ray.remote(Replica).options(num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)).remote()
+        tokens, ranks = ray.get(replica.generate.remote(), timeout=240)
+        assert ranks == ["RayRank"] and tokens == want
+        remove_placement_group(group)
+    finally:
+        ray.shutdown()

@@ -1,6 +1,7 @@
 """A tensor-parallel group under one engine (`tensor_parallel_size = N`): rank 0 is the engine's own process (its
-EngineCore schedules, its runner samples), ranks 1..N-1 are processes of their own, each holding its slice of the
-model (models/parallel.py) and the KV pool of its heads, with the same blocks and block tables as rank 0's.
+EngineCore schedules, its runner samples), ranks 1..N-1 are processes of their own (spawned, or Ray actors in the
+bundles of a fleet replica's placement group), each holding its slice of the model (models/parallel.py) and the KV
+pool of its heads, with the same blocks and block tables as rank 0's.
 
 Each step rank 0 broadcasts the step's work (its block moves and the batch: token ids, positions, block tables;
 no sequences, no sampling state) and every rank runs it; the forward's all-reduces keep the ranks in step, and
@@ -113,17 +114,87 @@ class TensorParallelExecutor:
 
 
 def start(spec: RankSpec, checkpoint: Checkpoint, eos_token_ids) -> TensorParallelExecutor:
-    """Spawn ranks 1..N-1, join the group as rank 0 and build rank 0's slice from the loaded checkpoint."""
-    ctx = mp.get_context("spawn")
-    processes = [ctx.Process(target=_rank_main, args=(rank, spec), daemon=True, name=f"kvserve-tp-rank-{rank}")
-                 for rank in range(1, spec.size)]
-    for p in processes:
-        p.start()
+    """Start ranks 1..N-1, join the group as rank 0 and build rank 0's slice from the loaded checkpoint."""
+    processes = _start_ranks(spec)
     control = _join(0, spec)
     runner = build_rank(spec, TensorParallel(spec.size, 0), checkpoint, eos_token_ids)
     dist.barrier(group=control)  # every rank built (loading may take longer than a collective's timeout)
     log.info("tensor parallel: %d ranks (%s)", spec.size, dist.get_backend())
     return TensorParallelExecutor(runner, processes, control)
+
+
+def _start_ranks(spec: RankSpec) -> list:
+    """Ranks 1..N-1: each in its bundle of this replica's placement group where the replica runs in one (a fleet
+    replica: fleet/deploy.rank_bundles), else in a process spawned here."""
+    group = _placement_group(spec.size)
+    if group is not None:
+        return [RayRank(group, rank, spec) for rank in range(1, spec.size)]
+    ctx = mp.get_context("spawn")
+    processes = [ctx.Process(target=_rank_main, args=(rank, spec), daemon=True, name=f"kvserve-tp-rank-{rank}")
+                 for rank in range(1, spec.size)]
+    for p in processes:
+        p.start()
+    return processes
+
+
+def _placement_group(size: int):
+    """The placement group this process runs in (a Ray actor scheduled into one that captures its children), if
+    it has a bundle per rank; else None."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    if not ray.is_initialized():
+        return None
+    from ray.util import get_current_placement_group
+
+    group = get_current_placement_group()
+    return group if group is not None and group.bundle_count >= size else None
+
+
+class _RankActor:
+    """A rank as a Ray actor: `run` is the rank's life (ends when rank 0 stops the group)."""
+
+    def run(self, rank: int, spec: RankSpec) -> None:
+        _rank_main(rank, spec)
+
+
+class RayRank:
+    """Rank `rank` in bundle `rank` of the placement group, behind the part of multiprocessing.Process's interface
+    the executor uses (is_alive, join, kill)."""
+
+    def __init__(self, group, rank: int, spec: RankSpec):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = group.bundle_specs[rank]
+        actor = ray.remote(_RankActor).options(
+            num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_restarts=0,
+            name=f"kvserve-tp-rank-{rank}-{spec.port}",
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank))
+        self.actor = actor.remote()
+        self.done = self.actor.run.remote(rank, spec)
+
+    def is_alive(self) -> bool:
+        import ray
+
+        return not ray.wait([self.done], timeout=0)[0]
+
+    def join(self, timeout: float | None = None) -> None:
+        import ray
+
+        ray.wait([self.done], timeout=timeout)
+
+    def kill(self) -> None:
+        import ray
+
+        ray.kill(self.actor, no_restart=True)
+
+
+def local_device(rank: int) -> int:
+    """The CUDA device index of a rank on its machine: its rank where it sees every GPU (processes spawned here),
+    0 where Ray gave it only its own (a placement group's bundle)."""
+    return rank % torch.cuda.device_count()
 
 
 def free_port() -> int:
@@ -148,7 +219,7 @@ def build_rank(spec: RankSpec, tp: TensorParallel, checkpoint: Checkpoint, eos_t
     checkpoint.tensors = {}
     plan = spec.plan
     if plan.device.type == "cuda":
-        plan = replace(plan, device=torch.device("cuda", tp.rank))
+        plan = replace(plan, device=torch.device("cuda", local_device(tp.rank)))
     model = build_model(shard, plan, max_positions=spec.max_model_len, consume=True,
                         attention_window=spec.config.sinks_window)
     attach(model, tp, whole)
@@ -164,7 +235,7 @@ def _join(rank: int, spec: RankSpec):
     """Join the group (NCCL on CUDA, else gloo) and return the gloo group the steps' work goes over."""
     cuda = spec.plan.device.type == "cuda"
     if cuda:
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(local_device(rank))
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{spec.port}", rank=rank,
                             world_size=spec.size, timeout=COLLECTIVE_TIMEOUT)
     return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
