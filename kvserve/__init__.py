@@ -3,7 +3,7 @@ from kvserve.kernels import isa as _isa
 
 _isa.apply_to_torch()  # before anything imports torch: it reads its CPU dispatch ceilings once
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 
@@ -14,6 +14,10 @@ def __getattr__(name: str):
         from kvserve.engine.worker.llm_engine import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from kvserve.engine.lora import LoRARequest
+
+        return LoRARequest
     if name == "SamplingParams":
         from kvserve.engine.sampling import SamplingParams
 

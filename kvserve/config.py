@@ -294,6 +294,7 @@ class SchedulerConfig:
     # When the KV pool runs out, a sequence is preempted: its blocks swapped to host memory (swap_space) or
     # dropped and recomputed later; auto swaps where the swap space allows.
     preemption_mode: PreemptionMode = PreemptionMode.AUTO
+    max_loras: int = 4  # LoRA adapters one step runs at most (the device's adapter slots): others' requests wait
     # Admission bounds of the interactive tier and of the batch tier (TierLimits; each table's keys replace its
     # tier's defaults).
     interactive: TierLimits = field(default_factory=lambda: TierLimits(max_ttft_s=INTERACTIVE_MAX_TTFT_S))
@@ -330,7 +331,24 @@ class SchedulerConfig:
             batch=(lambda v: isinstance(v, TierLimits), "a table of TierLimits fields"),
             batch_decode_quantum=NONNEG_INT, interactive_batch_prefill_tokens=NONNEG_INT,
             interactive_prefill_alone=BOOL, interactive_interjection=BOOL, speculative_decoding=BOOL,
-            num_speculative_tokens=POSITIVE_INT, speculative_controller=BOOL))
+            num_speculative_tokens=POSITIVE_INT, speculative_controller=BOOL, max_loras=POSITIVE_INT))
+
+
+@dataclass(frozen=True)
+class LoRAAdapterSpec:
+    """A `[[models.adapters]]` entry: a LoRA adapter of the model, served as the model `name` (or
+    "<model>:<name>"). `path`: a PEFT directory (adapter_config.json + adapter_model.safetensors) or a GGUF LoRA
+    file; `pinned`: never unloaded to make room for another."""
+
+    name: str  # the model name requests give to run on this adapter
+    path: str  # a PEFT directory (adapter_config.json, adapter_model.safetensors) or a GGUF LoRA file
+    pinned: bool = False  # never unloaded from host memory to make room for another adapter
+
+    def __post_init__(self):
+        _validate(self, dict(name=(lambda v: isinstance(v, str) and v != "" and ":" not in v and v != "auto",
+                                   "a non-empty name without ':', other than 'auto'"),
+                             path=(lambda v: isinstance(v, str) and v != "", "a PEFT directory or a GGUF LoRA file"),
+                             pinned=BOOL))
 
 
 @dataclass(frozen=True)
@@ -386,6 +404,13 @@ class EngineConfig:
     # on CUDA (gloo on the CPU, for checking the path), each holding a 1/N slice of the weights and KV heads.
     # Above 1: dense weights, no host or disk KV tier, no fused CPU decoder.
     tensor_parallel_size: int = 1
+    # LoRA adapters (models/lora.py, engine/lora.py, docs/lora.md): on with enable_lora or any configured adapter.
+    # A step runs at most max_loras adapters (the device's slots), of rank at most max_lora_rank; host memory holds
+    # at most max_cpu_loras, the least recently used unloaded first (pinned ones and ones in use never).
+    enable_lora: bool = False
+    max_lora_rank: int = 64  # the largest adapter rank served (the device slots are this wide)
+    max_cpu_loras: int = 16  # adapters resident in host memory at most (see enable_lora)
+    lora_adapters: tuple[LoRAAdapterSpec, ...] = ()  # [[models.adapters]] (`adapters` in the entry), read at start
     attention_sinks: int = 4  # sinks_window: leading tokens every such layer keeps attending to
     attention_window: int = 2048  # sinks_window: the latest tokens every such layer attends to
     # Structured outputs (engine/structured/params.py, engine/structured/grammar.py): a constraint still compiling after this many seconds is refused
@@ -401,6 +426,10 @@ class EngineConfig:
         return StructuredLimits(max_schema_bytes=self.structured_max_schema_bytes,
                                 max_schema_depth=self.structured_max_schema_depth,
                                 compile_timeout_s=self.structured_compile_timeout_s)
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_adapters)
 
     @property
     def sinks_window(self) -> tuple[int, int] | None:
@@ -430,7 +459,18 @@ class EngineConfig:
             structured_compile_timeout_s=(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
                                           and v > 0, "a positive number of seconds"),
             structured_max_schema_bytes=POSITIVE_INT, structured_max_schema_depth=POSITIVE_INT,
-            weights=(lambda v: v in WEIGHT_MODES, f"one of {', '.join(WEIGHT_MODES)}")))
+            weights=(lambda v: v in WEIGHT_MODES, f"one of {', '.join(WEIGHT_MODES)}"),
+            enable_lora=BOOL, max_lora_rank=POSITIVE_INT, max_cpu_loras=POSITIVE_INT,
+            lora_adapters=(lambda v: isinstance(v, tuple) and all(isinstance(a, LoRAAdapterSpec) for a in v),
+                           "a list of [[models.adapters]] tables (name, path, pinned)")))
+        names = [a.name for a in self.lora_adapters]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"lora adapters: a name given twice in {names}")
+        if self.lora_enabled and self.tensor_parallel_size > 1:
+            raise ConfigError("LoRA adapters are not served under tensor_parallel_size > 1")
+        if self.max_cpu_loras < max(self.scheduler.max_loras, sum(a.pinned for a in self.lora_adapters) + 1):
+            raise ConfigError(f"max_cpu_loras = {self.max_cpu_loras}: at least max_loras ({self.scheduler.max_loras}) and one "
+                              "more than the pinned adapters")
         if self.tensor_parallel_size > 1 and (self.cache.kv_disk_dir is not None or self.cache.kv_host_bytes):
             raise ConfigError("tensor_parallel_size > 1 takes no host or disk KV tier (kv_host_bytes, kv_disk_dir): "
                               "a rank's page holds its own KV heads only")
@@ -485,6 +525,14 @@ def engine_config_from_kwargs(model: str, **kwargs) -> EngineConfig:
                                       f"{', '.join(f.name for f in fields(TierLimits))}")
                 value = replace(getattr(SchedulerConfig(), key), **value)
             sched[key] = value
+        elif key in ("adapters", "lora_adapters"):  # [[models.adapters]] tables
+            if not isinstance(value, (list, tuple)) or not all(isinstance(a, (dict, LoRAAdapterSpec)) for a in value):
+                raise ConfigError(f"{key} = {value!r} is not allowed: a list of tables with name, path, pinned")
+            try:
+                top["lora_adapters"] = tuple(a if isinstance(a, LoRAAdapterSpec) else LoRAAdapterSpec(**a)
+                                             for a in value)
+            except TypeError as e:
+                raise ConfigError(f"[[models.adapters]]: {e}; allowed keys: name, path, pinned") from None
         elif key in top_names:
             top[key] = value
         else:

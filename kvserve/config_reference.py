@@ -62,6 +62,9 @@ SECTIONS = (
     Section("[models.interactive] and [models.batch]", C.TierLimits,
             "Admission bounds per priority tier, as tables of a `[[models]]` entry: `interactive = {max_ttft_s = "
             "1.5}`. A request past any bound gets 429 with `Retry-After`. The tiers' defaults differ."),
+    Section("[[models.adapters]]", C.LoRAAdapterSpec,
+            "LoRA adapters of a `[[models]]` entry (docs/lora.md), each served as a model named `name` (or "
+            "`<model>:<name>`): `adapters = [{name = \"sql\", path = \"/adapters/sql\"}]`."),
     Section("[models.price]", C.ModelPrice,
             "List prices in dollars per million tokens and the cost of running one replica. A model without "
             "this table gets these generic defaults; the shipped models have their own in "

@@ -20,7 +20,7 @@ from typing import AsyncIterator, Callable, Iterator
 
 from kvserve.config import EngineConfig
 from kvserve.engine.client import EngineHealth, EngineStatus, check_available
-from kvserve.engine.errors import ModelFailed
+from kvserve.engine.errors import LoRANotFound, ModelFailed
 from kvserve.engine.interjection import Interjection
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.request import EngineRequest, Priority
@@ -112,6 +112,7 @@ class AsyncLLM:
         self._wake = threading.Event()
         self._stop = False
         self._sinks: dict[str, _Sink] = {}
+        self._adapter_of: dict[str, str] = {}  # request id -> its LoRA adapter's key, held in use until it ends
         self._on_step = on_step
         self._on_finish = on_finish
         self._engine_factory = engine_factory
@@ -192,6 +193,13 @@ class AsyncLLM:
         check_available(self)
         if request.arrival is None:
             request = replace(request, arrival=time.monotonic())
+        if request.lora is not None:
+            # The adapter named: read if it is not resident (off the engine thread; the wait counts in this
+            # request's queue time) and held in use until the request ends (_pop_sink).
+            adapters = self.engine.adapters if self.engine is not None else None
+            if adapters is None:
+                raise LoRANotFound(f"model {self.model_id} serves no LoRA adapters (enable_lora)")
+            request = replace(request, lora=await asyncio.to_thread(adapters.acquire, request.lora))
         constraint = request.params.structured_outputs
         if constraint is not None and request.grammar is None and self.engine is not None:
             # Compiled here, off the engine thread, within its budget (a 400 past it); the wait counts in the
@@ -225,6 +233,38 @@ class AsyncLLM:
                 yield out
         finally:
             await stream.aclose()
+
+    # ---- LoRA adapters (engine/worker/adapters.py) ----------------------------------------------------
+    def adapter_names(self) -> list[str]:
+        """The adapters a request may name: the engine's, or the configured ones until it is loaded."""
+        engine = self.engine
+        if engine is not None and engine.adapters is not None:
+            return engine.adapters.names()
+        return [a.name for a in self.config.lora_adapters]
+
+    def adapter_spec(self, name: str):
+        return self._adapters().spec(name)
+
+    async def load_adapter(self, name: str, path: str, pinned: bool = False) -> None:
+        """Register and read an adapter (an admin's load), off the engine thread."""
+        from kvserve.config import ConfigError, LoRAAdapterSpec
+        from kvserve.engine.errors import LoRAAdapterError
+
+        try:
+            spec = LoRAAdapterSpec(name, path, pinned)
+        except ConfigError as e:
+            raise LoRAAdapterError(str(e)) from None
+        await asyncio.to_thread(self._adapters().load, spec)
+
+    def unload_adapter(self, name: str) -> None:
+        self._adapters().unload(name)
+
+    def _adapters(self):
+        check_available(self)
+        adapters = self.engine.adapters if self.engine is not None else None
+        if adapters is None:
+            raise LoRANotFound(f"model {self.model_id} serves no LoRA adapters (enable_lora)")
+        return adapters
 
     @property
     def grammar_stats(self):
@@ -341,13 +381,16 @@ class AsyncLLM:
                 try:
                     rid = core.add_request(cmd.request)
                 except Exception as e:
+                    self._release_adapter(cmd.request.lora)
                     cmd.done.set_exception(e)
                     continue
                 self._sinks[rid] = cmd.sink
+                if cmd.request.lora is not None:
+                    self._adapter_of[rid] = cmd.request.lora
                 cmd.done.set_result(rid)
             elif isinstance(cmd, _Abort):
                 out = core.abort_request(cmd.request_id)
-                sink = self._sinks.pop(cmd.request_id, None)
+                sink = self._pop_sink(cmd.request_id)
                 if out is not None:
                     if sink is not None:
                         sink(out)
@@ -362,13 +405,22 @@ class AsyncLLM:
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if out.finished:
-                self._sinks.pop(out.request_id, None)
+                self._pop_sink(out.request_id)
                 if self._on_finish is not None:
                     self._on_finish(out)
             if sink is not None:
                 batches.setdefault(sink.loop, []).append((sink.queue, out))
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_put_all, items)
+
+    def _pop_sink(self, request_id: str) -> _Sink | None:
+        """A request ended (finished, aborted, failed): its sink, and its adapter released to the LRU."""
+        self._release_adapter(self._adapter_of.pop(request_id, None))
+        return self._sinks.pop(request_id, None)
+
+    def _release_adapter(self, key: str | None) -> None:
+        if key is not None and self.engine is not None and self.engine.adapters is not None:
+            self.engine.adapters.release(key)
 
     def _update_counts(self) -> None:
         self.num_inflight = self.core.num_unfinished_requests
@@ -378,13 +430,14 @@ class AsyncLLM:
     def _fail_all(self) -> None:
         for cmd in self._take_commands():  # requests not yet added: refuse them
             if isinstance(cmd, _Add):
+                self._release_adapter(cmd.request.lora)
                 cmd.done.set_exception(ModelFailed(f"model {self.model_id} failed: {self.error}"))
         for rid in list(self._sinks):
             try:
                 out = self.core.abort_request(rid)
             except Exception:
                 out = None
-            sink = self._sinks.pop(rid)
+            sink = self._pop_sink(rid)
             if out is not None:
                 if self._on_finish is not None:  # aborted requests are accounted for too (usage ledger)
                     self._on_finish(out)

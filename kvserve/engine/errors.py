@@ -111,6 +111,26 @@ class ModelNotFound(KVServeError):
     param = "model"
 
 
+class LoRANotFound(ModelNotFound):
+    """A request or an admin named an adapter the model does not have: 404."""
+
+
+class LoRAAdapterError(InvalidRequest):
+    """An adapter that cannot be loaded (a bad file, a rank past max_lora_rank, a module the model lacks): 400."""
+
+    def __init__(self, message: str):
+        super().__init__(message, param="lora_path", code="invalid_lora_adapter")
+
+
+class LoRAAdaptersBusy(KVServeError):
+    """Every resident adapter is pinned or serving requests (max_cpu_loras): 503, retry when one ends."""
+
+    code = "lora_adapters_busy"
+    http_status = 503
+    error_type = "server_error"
+    retry_after = 1.0
+
+
 class ServerDraining(KVServeError):
     code = "server_draining"
     http_status = 503

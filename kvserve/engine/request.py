@@ -47,7 +47,7 @@ class EngineRequest:
     arrival: float | None = None
     resumed_token_ids: tuple[int, ...] = ()
     prompt: str | None = None
-    lora: None = None  # a slot for later: an adapter
+    lora: str | None = None  # the LoRA adapter's key ("name@digest", engine/worker/adapters.py); None: the base model
     # params.structured_outputs compiled for this engine's tokenizer (engine/structured/grammar.py), by whoever waited for
     # it off the engine thread (AsyncLLM.submit); None: the engine compiles it. Not sent over a process hop.
     grammar: "CompiledGrammar | None" = None
@@ -115,6 +115,7 @@ class Sequence:
     tenant: str = "default"
     cache_salt: str | None = None  # prefix-cache namespace; the server sets it to the tenant
     cache_retention_s: float = 0.0  # its blocks stay cached at least this long after they were last used
+    lora: str | None = None  # its LoRA adapter's key; None: the base model
     output_token_ids: list[int] = field(default_factory=list)
     max_tokens: int | None = None  # the request's, or what the context leaves when it set none
     status: SequenceStatus = SequenceStatus.WAITING
@@ -144,6 +145,14 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def cache_namespace(self) -> str | None:
+        """What its prefix-cache blocks are keyed by beside their tokens: the salt (tenant) and the adapter (another
+        adapter's K/V for the same tokens differ)."""
+        if self.lora is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00lora:{self.lora}"
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -176,7 +185,7 @@ class Sequence:
         tracker and constraint have taken them)."""
         seq = cls(seq_id=seq_id, request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                   sampling=request.params, priority=request.priority, tenant=request.tenant,
-                  cache_salt=request.cache_salt, cache_retention_s=request.cache_retention_s,
+                  cache_salt=request.cache_salt, cache_retention_s=request.cache_retention_s, lora=request.lora,
                   max_tokens=max_tokens, fork_index=fork_index,
                   output_token_ids=[] if fork_index else list(request.resumed_token_ids))
         if request.thinking is not None:

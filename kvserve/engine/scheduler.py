@@ -51,6 +51,7 @@ class _Step:
     # Tiers whose waiting queue may admit no more this step: work ahead of them could not go, and
     # nothing may overtake it.
     closed: set[Priority] = field(default_factory=set)
+    loras: set[str] = field(default_factory=set)  # the LoRA adapters of the sequences scheduled so far
 
     def close_admission(self, prio: Priority) -> None:
         """Close admission for `prio` and every lower tier."""
@@ -202,6 +203,9 @@ class Scheduler:
           smallest virtual-time counter (weighted tokens served; ties by arrival). A tenant that
           becomes active is lifted to the smallest counter among active tenants, so idle time
           does not bank credit.
+        - LoRA adapters: a step holds at most max_loras adapters (the device's slots). A sequence of another
+          adapter waits as work short of budget does (a waiting head closes its tier's admission for the step),
+          so adapters are taken in the order above, and a step's adapters leave room as their sequences finish.
         - Waiting sequences never scheduled and older than their tier's queue_timeout_s finish with
           FINISHED_QUEUE_TIMEOUT. A sequence that cannot fit the KV pool even alone finishes with
           FINISHED_LENGTH. Both are listed in SchedulerOutput.finished.
@@ -296,7 +300,10 @@ class Scheduler:
         if cfg.interactive_interjection and tier.num_waiting and self._room_for(tier.prompt_tokens, len(self._running)):
             while tier.num_waiting and step.budget > 0 and len(self._running) < cfg.max_num_seqs:
                 seq = tier.next()
-                if self._exceeds_pool(seq.num_tokens) or self._try_admit(step, seq) is not _Admit.OK:
+                # An adapter's prompt too is left to the next regular step: the suspended step's adapters hold the
+                # device's slots until it ends.
+                if seq.lora is not None or self._exceeds_pool(seq.num_tokens) or \
+                        self._try_admit(step, seq) is not _Admit.OK:
                     break  # left to the next regular step, which handles all of these
         out = self._close_step(step, timed=False)
         if out.scheduled:
@@ -413,6 +420,8 @@ class Scheduler:
         return _Admit.OK
 
     def _num_new_tokens(self, step: _Step, seq: Sequence) -> int:
+        if seq.lora is not None and seq.lora not in step.loras and len(step.loras) >= self.config.max_loras:
+            return 0  # the step's adapter slots are taken: it waits like work short of budget
         owed = seq.num_uncomputed_tokens
         budget = step.budget
         if _batch_prefill_tokens(seq, owed) and self.config.enable_chunked_prefill:
@@ -431,6 +440,8 @@ class Scheduler:
         start = seq.num_computed_tokens
         step.scheduled[seq.seq_id] = ScheduledSequence(seq=seq, num_new_tokens=n, start=start, block_tables=[],
                                                        sample=start + n >= seq.num_tokens)
+        if seq.lora is not None:
+            step.loras.add(seq.lora)
         step.budget -= n
         step.batch_prefill_budget -= _batch_prefill_tokens(seq, n)
         self._tiers[seq.priority].charge(seq, start, n, +1)
@@ -628,6 +639,7 @@ class Scheduler:
         child.num_tier_cached_tokens = parent.num_tier_cached_tokens
         child.num_host_cached_tokens = parent.num_host_cached_tokens
         child.priority, child.tenant, child.cache_salt = parent.priority, parent.tenant, parent.cache_salt
+        child.lora = parent.lora
         child.timings.arrival = parent.timings.arrival
         child.timings.first_scheduled = parent.timings.first_scheduled
         self.kv.fork(parent, child)

@@ -28,7 +28,7 @@ from kvserve.engine.sampling import SamplingParams
 from kvserve.service import protocol as p
 from kvserve.service.gate import MeteringGate
 from kvserve.service.metrics import ServerMetrics
-from kvserve.service.models import ClientFactory, ModelHandle, RequestInfo, calibrated_client, resolve_model
+from kvserve.service.models import ClientFactory, ModelHandle, RequestInfo, calibrated_client, resolve_served
 from kvserve.service.reasoning import ThinkingFormat
 from kvserve.service.responses import StreamChunks, TokenText, full_response
 from kvserve.service.resume import ResumeMismatch, ResumePoint, TokenDigest, resumable
@@ -69,6 +69,7 @@ class Completion:
     thinking: list[ThinkingControl] = field(default_factory=list)
     # A chat: the format its model writes tool calls in (service/tool_formats.py), for its prompt and its calls
     tool_format: ToolFormat | None = None
+    adapter: str | None = None  # the LoRA adapter the request named (its `model`), or None: the base model
 
     @property
     def resumable(self) -> bool:
@@ -85,7 +86,8 @@ class Completion:
 
     @property
     def model(self) -> str:
-        return self.handle.id
+        """What responses name: the model, or the adapter as the request named it."""
+        return self.handle.id if self.adapter is None else self.req.model
 
     @property
     def model_version(self) -> str:
@@ -185,9 +187,9 @@ class CompletionService:
         it has the same engine request ids, so its usage row, keyed by them, is written once)."""
         if self.draining:
             raise ServerDraining("the server is draining for shutdown; retry on another replica")
-        handle = resolve_model(self.models, self.config, req.model, req.priority, req.prompt_chars())
+        handle, adapter = resolve_served(self.models, self.config, req.model, req.priority, req.prompt_chars())
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-        return Completion(handle, kind, req, tenant, prefix + (key or uuid.uuid4().hex), service=self)
+        return Completion(handle, kind, req, tenant, prefix + (key or uuid.uuid4().hex), service=self, adapter=adapter)
 
     async def start(self, c: Completion) -> Completion:
         """Check availability, tokenize and submit the call's engine requests; typed errors when refused."""
@@ -256,7 +258,7 @@ class CompletionService:
                                  code="invalid_last_event_id")
         again = replace(params, max_tokens=point.count, min_tokens=min(params.min_tokens, point.count))
         request = EngineRequest(f"{c.response_id}-again", prompts[0], again, c.tier, c.tenant, cache_salt=c.tenant,
-                                thinking=c.thinking[0] if c.thinking else None)
+                                thinking=c.thinking[0] if c.thinking else None, lora=c.adapter)
         tokens: list[int] = []
         async for out in await c.handle.client.submit(request):
             tokens = list(out.outputs[0].token_ids) if out.finished else tokens
@@ -288,7 +290,7 @@ class CompletionService:
         thinking = c.thinking or [None] * len(prompts)
         requests = [EngineRequest(rid, ids, params_for(ids), c.tier, c.tenant, cache_salt=c.tenant,
                                   cache_retention_s=retention, cache_key=c.req.prompt_cache_key,
-                                  resumed_token_ids=tuple(c.resumed_token_ids), thinking=control)
+                                  resumed_token_ids=tuple(c.resumed_token_ids), thinking=control, lora=c.adapter)
                     for rid, ids, control in zip(c.request_ids, prompts, thinking)]
         try:
             rate = await self.metering.admit(c.tenant, handle.id, handle.spec.price, c.tier,

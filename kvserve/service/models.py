@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from kvserve.config import TIER_NAMES, EngineConfig, ServedModel, ServerConfig
 from kvserve.engine.client import EngineClient, EngineStatus
-from kvserve.engine.errors import ModelNotFound
+from kvserve.engine.errors import LoRANotFound, ModelNotFound
 from kvserve.engine.in_process import in_process_client
 from kvserve.engine.outputs import RequestOutput
 from kvserve.metering.prices import request_cost, request_price
@@ -137,6 +137,12 @@ class ModelHandle:
         return self._decided("tool_format", lambda tokenizer: tool_format(tokenizer, self.spec.tool_call_parser))
 
     # ---- live state --------------------------------------------------------------------------
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters a request may name: the engine's (configured and loaded since), or before it is up
+        the configured ones."""
+        names = getattr(self.client, "adapter_names", None)
+        return names() if names is not None else [a.name for a in self.engine_config.lora_adapters]
+
     @property
     def status(self) -> EngineStatus:
         return self.client.status
@@ -204,6 +210,25 @@ class ModelHandle:
                 "x-kvserve-queue-wait-ms": str(int(round(queue_wait_ms))),
                 "x-kvserve-load": (load or self.load(tier)).value,
                 "x-kvserve-model": self.id}
+
+
+def resolve_served(models: dict[str, ModelHandle], config: ServerConfig, model: str, tier: str,
+                   prompt_chars: int) -> tuple[ModelHandle, str | None]:
+    """(the handle, the LoRA adapter's name or None) for a request's `model`: a model's id (or "auto"), an
+    adapter's name, or "<model>:<adapter>". ModelNotFound for anything else."""
+    if model in models or model == AUTO_MODEL:
+        return resolve_model(models, config, model, tier, prompt_chars), None
+    base, sep, name = model.partition(":")
+    if sep and base in models:
+        handle = models[base]
+        if name in handle.adapter_names():
+            return handle, name
+        raise LoRANotFound(f"model {base!r} has no LoRA adapter {name!r}; it has: "
+                           f"{', '.join(handle.adapter_names()) or 'none'}")
+    for handle in models.values():
+        if model in handle.adapter_names():
+            return handle, model
+    return resolve_model(models, config, model, tier, prompt_chars), None
 
 
 def resolve_model(models: dict[str, ModelHandle], config: ServerConfig, model: str, tier: str,

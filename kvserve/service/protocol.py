@@ -699,6 +699,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "kvserve"
+    # A LoRA adapter's card (vLLM's fields): the model it adapts, and where its weights were read from.
+    parent: str | None = None
+    root: str | None = None
     status: str
     role: str = ""
     p50_ttft_ms: float | None = None
@@ -716,6 +719,22 @@ class ModelCard(BaseModel):
     # What the quantized matrices multiply: "bf16" or "int8" (8-bit activations per 16 inputs, docs/cpu.md);
     # the setting ("auto") until the model is loaded.
     activations: str | None = None
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body; `model` names the base where the server serves several)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    model: str | None = None
+    pinned: bool = False
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    model: str | None = None
 
 
 class ModelList(BaseModel):

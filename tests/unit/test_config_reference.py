@@ -45,7 +45,7 @@ def test_a_setting_without_a_description_is_reported():
 def test_every_table_of_the_models_file_has_a_section():
     """The tables ServerConfig.from_toml reads, each documented (and nothing else)."""
     tables = {s.table.split()[0] for s in R.SECTIONS}
-    assert tables == {"[server]", "[server.auto]", "[[models]]", "[models.interactive]", "[models.price]",
+    assert tables == {"[server]", "[server.auto]", "[[models]]", "[models.interactive]", "[[models.adapters]]", "[models.price]",
                       "[models.fleet]", "[fleet]", "[batch]", "[regions]", "[[regions.peers]]", "[regions.policy]",
                       "[regions.escrow]"}
 

@@ -359,7 +359,7 @@ class KVCacheManager:
         num_full = min(seq.num_computed_tokens // bs, len(state.device[0]))
         for i in range(len(state.hashes), num_full):
             parent = state.hashes[-1] if state.hashes else None
-            h = hash_block(parent, token_slice(seq, i * bs, (i + 1) * bs), seq.cache_salt)
+            h = hash_block(parent, token_slice(seq, i * bs, (i + 1) * bs), seq.cache_namespace)
             state.hashes.append(h)
             for g, table in enumerate(state.device):
                 if table[i] != self._null:
@@ -622,7 +622,7 @@ class KVCacheManager:
         for i in range((seq.num_tokens - 1) // bs):
             if i == len(memo):
                 memo.append(hash_block(memo[-1] if memo else None, token_slice(seq, i * bs, (i + 1) * bs),
-                                       seq.cache_salt))
+                                       seq.cache_namespace))
             if not all(held(g, memo[i]) for g in full):
                 break
             n = i + 1

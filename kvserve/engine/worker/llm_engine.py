@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from kvserve.config import EngineConfig, TierLimits, engine_config_from_kwargs
+from kvserve.config import EngineConfig, LoRAAdapterSpec, TierLimits, engine_config_from_kwargs
 from kvserve.engine.core import EngineCore, Executor
 from kvserve.engine.kv.manager import KVCacheManager
 from kvserve.engine.kv.disk import DiskKVStore, kv_namespace, model_digest
@@ -62,6 +62,7 @@ class LLMEngine:
         else:
             self.runner = self.executor = self._build_runner(checkpoint, num_blocks, num_host_blocks)
         del checkpoint
+        self.adapters = self._enable_lora() if config.lora_enabled and executor is None else None
         tier = self._open_tiers(path)
         prior = step_time_prior.model() if step_time_prior is not None and step_time_prior.fits(self.dtype) else None
         self.core = self._build_core(num_blocks, num_host_blocks, tier, clock, prior)
@@ -174,6 +175,18 @@ class LLMEngine:
                            graphs=GraphPlan(capture_cuda_graph(torch.cuda.graph_pool_handle()),
                                             config.scheduler.max_num_seqs, self.max_model_len)
                            if self.plan.cuda_graphs else None, pages_contiguous=self.plan.kv_pages_contiguous)
+
+    def _enable_lora(self):
+        """The model's adapters (engine/worker/adapters.py) and the runner's slots for them; the configured ones
+        read now."""
+        from kvserve.engine.worker.adapters import Adapters
+
+        config = self.config
+        adapters = Adapters(config.lora_adapters, self.model_config, config.max_lora_rank, config.max_cpu_loras)
+        self.runner.enable_lora(adapters, config.scheduler.max_loras, config.max_lora_rank)
+        for spec in config.lora_adapters:
+            adapters.load(spec)
+        return adapters
 
     def _start_tensor_parallel(self, checkpoint, path, num_blocks: int, num_host_blocks: int):
         """Ranks 1..N-1 in processes of their own and rank 0 here, each with its slice of the model and of every KV
@@ -291,10 +304,13 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: str | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: str | None = None,
+                 lora_request: "LoRARequest | str | list | None" = None) -> list[RequestOutput]:
+        """`lora_request`: the adapter every prompt runs with, or one per prompt (None: the base model); a
+        LoRARequest (read from its path the first time) or the name of a configured adapter."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run([dict(prompt=p) for p in prompts], sampling_params, use_tqdm, priority)
+        return self._run([dict(prompt=p) for p in prompts], sampling_params, use_tqdm, priority, lora_request)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -302,14 +318,46 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self._run([dict(prompt=None, messages=m) for m in conversations], sampling_params, use_tqdm, None)
 
-    def _run(self, inputs: list[dict], sampling_params, use_tqdm: bool, priority) -> list[RequestOutput]:
+    def _adapter_keys(self, lora_request, count: int) -> list[str | None]:
+        """Each input's adapter key (held in use: release them), from LLM.generate's `lora_request`."""
+        from kvserve.engine.lora import LoRARequest
+
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * count
+        if len(loras) != count:
+            raise ValueError("one lora_request per prompt, or a single one for all")
+        adapters, keys = self.engine.adapters, []
+        for lora in loras:
+            if lora is None:
+                keys.append(None)
+                continue
+            if adapters is None:
+                raise ValueError("this LLM serves no LoRA adapters: build it with enable_lora=True")
+            if isinstance(lora, LoRARequest):
+                if lora.lora_name not in adapters.names():
+                    adapters.load(LoRAAdapterSpec(lora.lora_name, lora.lora_path))
+                lora = lora.lora_name
+            keys.append(adapters.acquire(lora))
+        return keys
+
+    def _run(self, inputs: list[dict], sampling_params, use_tqdm: bool, priority,
+             lora_request=None) -> list[RequestOutput]:
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(inputs)
         if len(sampling_params) != len(inputs):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
+        keys = self._adapter_keys(lora_request, len(inputs))
+        try:
+            return self._generate(inputs, sampling_params, use_tqdm, priority, keys)
+        finally:
+            for key in keys:
+                if key is not None:
+                    self.engine.adapters.release(key)
+
+    def _generate(self, inputs: list[dict], sampling_params: list[SamplingParams], use_tqdm: bool, priority,
+                  keys: list[str | None]) -> list[RequestOutput]:
         engine, core = self.engine, self.engine.core
-        ids = [core.add_request(engine.request(params=sp, priority=priority, **inp))
-               for inp, sp in zip(inputs, sampling_params)]
+        ids = [core.add_request(engine.request(params=sp, priority=priority, lora=key, **inp))
+               for inp, sp, key in zip(inputs, sampling_params, keys)]
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(ids) >= 8:

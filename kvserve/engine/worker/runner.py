@@ -38,6 +38,7 @@ class BatchItem:
     sample: bool = True
     group_tables: list[list[int]] | None = None  # every KV group's table, where the runner's layout has several
     num_logits: int = 1  # rows of logits when sampled: the last ones (a verified draft's chunk: all of them)
+    lora: str | None = None  # the LoRA adapter's key (engine/worker/adapters.py); None: the base model
 
     def tables(self, num_groups: int) -> list[list[int]]:
         if self.group_tables is None:
@@ -90,6 +91,7 @@ class ModelRunner:
         host_shape = kv_cache_shape(num_host_blocks, block_size, config.num_kv_heads, config.head_dim, kv_int8)
         pin = device.type == "cuda"
         self.tier = None  # the lower tier evicted pages go to (engine/kv/disk.py), set by the engine
+        self.lora = self.lora_slots = self.adapters = None  # LoRA adapters' slots and source (enable_lora)
         # Held from the start (zero-filled), as the device pool: the memory preemption will need is taken while
         # the server starts, not found missing under load (and the RSS does not grow as swaps touch it).
         self.host_slots = [tuple(new_kv_cache(host_shape, cache_dtype, "cpu", pages_contiguous, pin) for _ in "kv")
@@ -188,8 +190,8 @@ class ModelRunner:
     @staticmethod
     def batch_items(out: SchedulerOutput) -> list[BatchItem]:
         """The forward's share of each scheduled sequence (what a tensor-parallel rank needs of the step)."""
-        return [BatchItem(s.token_ids, s.start, s.block_tables[0], s.sample, s.block_tables, 1 + len(s.draft_token_ids))
-                for s in out.scheduled]
+        return [BatchItem(s.token_ids, s.start, s.block_tables[0], s.sample, s.block_tables, 1 + len(s.draft_token_ids),
+                          s.seq.lora) for s in out.scheduled]
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor, result: RunnerOutput) -> None:
         """One token per sampled row; a parent that forks gives its row to each of its forks too. A verified
@@ -290,6 +292,9 @@ class ModelRunner:
                                      [it.tables(num_groups) for it in items])
             return self._logits(hidden, [i for i, it in enumerate(items) if it.sample])
         order = sorted(range(len(items)), key=lambda i: len(items[i].token_ids) != 1 or items[i].start == 0)
+        lora_rows = self._lora_rows(items, order)
+        if lora_rows is not None:
+            interjection = None  # a nested step would take adapter slots this one holds
         input_ids, positions, sample_rows = [], [], {}
         slots: list[list[int]] = [[] for _ in range(num_groups)]
         bs = self.block_size
@@ -343,7 +348,14 @@ class ModelRunner:
         meta = AttentionMetadata.of_groups(metas, self.layer_groups)
         ids = torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
         pos_t = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
-        hidden = self.model(ids, pos_t, self.kv_caches, meta)
+        if self.lora is not None:
+            self.lora.set_batch(lora_rows)
+            try:
+                hidden = self.model(ids, pos_t, self.kv_caches, meta)
+            finally:
+                self.lora.set_batch(None)
+        else:
+            hidden = self.model(ids, pos_t, self.kv_caches, meta)
         if all_logits:
             starts, offset = {}, 0
             for i in order:
@@ -353,10 +365,36 @@ class ModelRunner:
             return self.model.compute_logits(hidden.index_select(0, rows.to(dev)))
         return self._logits(hidden, [r for i in range(len(items)) if items[i].sample for r in sample_rows[i]])
 
+    def enable_lora(self, adapters, max_loras: int, max_rank: int) -> None:
+        """Serve LoRA adapters: `max_loras` slots on the device (models/lora.LoRAWeights), filled from `adapters`
+        (engine/worker/adapters.Adapters) as steps need them."""
+        from kvserve.engine.lora import SlotTable
+        from kvserve.models.lora import LoRAWeights
+
+        self.lora = LoRAWeights(self.model, max_loras, max_rank)
+        self.lora_slots = SlotTable(max_loras)
+        self.adapters = adapters
+
+    def _lora_rows(self, items: list[BatchItem], order: list[int]) -> torch.Tensor | None:
+        """Each token's adapter slot in the flattened batch (-1: the base model), the step's adapters put in their
+        slots first; None where no row has an adapter."""
+        if self.lora is None or all(it.lora is None for it in items):
+            return None
+        slots, loads = self.lora_slots.assign([it.lora for it in items if it.lora is not None])
+        for slot, key in loads:
+            self.lora.load(slot, self.adapters.get(key))
+        rows = array("q")
+        for i in order:
+            item = items[i]
+            rows.extend([-1 if item.lora is None else slots[item.lora]] * len(item.token_ids))
+        return _long_tensor(rows, (-1,), self.device)
+
     def _replays(self, items: list[BatchItem]) -> bool:
         """A decode-only step (one token of a started sequence each, no drafts) that a captured graph holds. Its
-        interjection, if any, is not offered: a decode step is over before one would pay."""
-        return (bool(items) and all(len(it.token_ids) == 1 and it.start > 0 and it.num_logits == 1 for it in items)
+        interjection, if any, is not offered: a decode step is over before one would pay. Adapters' rows run
+        eagerly."""
+        return (bool(items) and all(len(it.token_ids) == 1 and it.start > 0 and it.num_logits == 1 and it.lora is None
+                                    for it in items)
                 and self.graphs.takes(len(items), max(it.start for it in items) + 1))
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:

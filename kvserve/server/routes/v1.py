@@ -42,8 +42,69 @@ async def completions(request: Request):
 async def list_models(request: Request):
     state = _state(request)
     await authenticate(request, state.store)
-    cards = [_card(state, h) for h in state.models.values()]
+    cards = [card for h in state.models.values() for card in [_card(state, h)] + _adapter_cards(h)]
     return JSONResponse(p.ModelList(data=cards).model_dump(mode="json"))
+
+
+def _adapter_cards(h) -> list[p.ModelCard]:
+    """A card per LoRA adapter of the model (vLLM's: `parent` the model, `root` its path)."""
+    cards = []
+    for name in h.adapter_names():
+        spec = getattr(h.client, "adapter_spec", None)
+        root = spec(name).path if spec is not None and h.status.value == "ready" else None
+        cards.append(p.ModelCard(id=name, created=h.created, status=h.status.value, parent=h.id, root=root,
+                                 max_model_len=h.max_model_len))
+    return cards
+
+
+def _lora_model(state, model: str | None):
+    """The model an adapter load or unload is for: the one named, or the only one serving adapters."""
+    if model is not None:
+        h = state.models.get(model)
+        if h is None:
+            raise APIError(404, f"The model {model!r} does not exist", "invalid_request_error", "model_not_found",
+                           param="model")
+    else:
+        serving = [h for h in state.models.values() if h.engine_config.lora_enabled]
+        if len(serving) != 1:
+            raise APIError(400, "name the model the adapter is for (`model`): "
+                           f"{len(serving)} models serve LoRA adapters", "invalid_request_error", "invalid_value",
+                           param="model")
+        h = serving[0]
+    if not hasattr(h.client, "load_adapter"):
+        raise APIError(400, f"model {h.id} is served by a fleet: its adapters are its [[models.adapters]] "
+                       "(kvserve fleet apply)", "invalid_request_error", "invalid_value", param="model")
+    return h
+
+
+@router.post("/load_lora_adapter", openapi_extra=openapi.json_body(p.LoadLoRAAdapterRequest))
+async def load_lora_adapter(request: Request):
+    """Read a LoRA adapter and serve it as `lora_name` (admin tokens; vLLM's endpoint)."""
+    from kvserve.server.routes.admin import require_admin
+    from kvserve.server.serving import read_json_body
+
+    state = await require_admin(request)
+    body = p.LoadLoRAAdapterRequest.model_validate(await read_json_body(request, state.config.max_body_bytes))
+    h = _lora_model(state, body.model)
+    if body.lora_name in state.models:
+        raise APIError(400, f"{body.lora_name!r} is a model's id; an adapter needs a name of its own",
+                       "invalid_request_error", "invalid_value", param="lora_name")
+    await h.client.load_adapter(body.lora_name, body.lora_path, body.pinned)
+    return JSONResponse({"object": "lora_adapter", "id": body.lora_name, "parent": h.id, "root": body.lora_path,
+                         "pinned": body.pinned})
+
+
+@router.post("/unload_lora_adapter", openapi_extra=openapi.json_body(p.UnloadLoRAAdapterRequest))
+async def unload_lora_adapter(request: Request):
+    """Stop serving an adapter (admin tokens): requests in flight finish with it; new ones get 404."""
+    from kvserve.server.routes.admin import require_admin
+    from kvserve.server.serving import read_json_body
+
+    state = await require_admin(request)
+    body = p.UnloadLoRAAdapterRequest.model_validate(await read_json_body(request, state.config.max_body_bytes))
+    h = _lora_model(state, body.model)
+    h.client.unload_adapter(body.lora_name)
+    return JSONResponse({"object": "lora_adapter", "id": body.lora_name, "parent": h.id, "deleted": True})
 
 
 def _card(state, h) -> p.ModelCard:
@@ -61,6 +122,9 @@ async def get_model(request: Request, model_id: str):
     await authenticate(request, state.store)
     h = state.models.get(model_id)
     if h is None:
+        for card in (c for m in state.models.values() for c in _adapter_cards(m)):
+            if card.id == model_id:
+                return JSONResponse(card.model_dump(mode="json"))
         raise APIError(404, f"The model {model_id!r} does not exist", "invalid_request_error", "model_not_found",
                        param="model")
     return JSONResponse(_card(state, h).model_dump(mode="json"))
