@@ -341,7 +341,8 @@ class FleetClient:
         if request.resumed_token_ids:
             acc.add(RequestOutput(request.request_id, None, [], [CompletionOutput(0, delta_token_ids=list(
                 request.resumed_token_ids))], False), time.monotonic())
-        stream = FleetStream(self, request, affinity_key(ids, request.cache_salt, self.policy, request.cache_key), acc)
+        stream = FleetStream(self, request, affinity_key(ids, request.cache_salt, self.policy, request.cache_key,
+                                                      request.lora), acc)
         self.streams[request.request_id] = stream
         try:
             await stream.open()

@@ -83,10 +83,14 @@ class RoutingStats:
 
 
 def affinity_key(prompt_token_ids: list[int], salt: str | None, policy: RoutingPolicy,
-                 cache_key: str | None = None) -> BlockHash | None:
+                 cache_key: str | None = None, adapter: str | None = None) -> BlockHash | None:
     """The chain hash of the prompt's first full blocks (at most policy.affinity_blocks); None if it has none.
     With the request's prompt_cache_key, the hash of that key instead (in the tenant's salt): requests that name
-    one key go to one replica whatever their first blocks, as OpenAI routes on it."""
+    one key go to one replica whatever their first blocks, as OpenAI routes on it. With a LoRA adapter, the hash of
+    its name: an adapter's requests go where it is resident already (its prefixes are cached there too), as long
+    as that replica is not overloaded (the load bound)."""
+    if adapter is not None:
+        return hashlib.sha256(b"lora\0" + adapter.encode()).digest()
     if cache_key is not None:
         return hashlib.sha256(b"prompt_cache_key\0" + (salt or "").encode() + b"\0" + cache_key.encode()).digest()
     bs = policy.block_size

@@ -28,6 +28,10 @@ def test_the_affinity_key_is_the_kv_managers_chain_hash_of_the_first_blocks():
     assert affinity_key(prompt[:40], "acme", POLICY) == hash_block(hash_block(None, prompt[:16], "acme"),
                                                                    prompt[16:32], "acme")
     assert affinity_key(prompt[:15], "acme", POLICY) is None
+    # A LoRA adapter's requests share one key, whatever their prompts and tenants: they go where it is resident.
+    sql = affinity_key(prompt, "acme", POLICY, adapter="sql")
+    assert sql == affinity_key(prompt[:15], "other", POLICY, "key", adapter="sql") != affinity_key(
+        prompt, "acme", POLICY, adapter="poem") and sql != expected
 
 
 def test_keys_stay_on_their_replica_and_only_a_departed_replicas_keys_move():
