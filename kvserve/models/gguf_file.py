@@ -96,6 +96,14 @@ class GGUFTensor:
     type: int  # GGMLQuantizationType value
     offset: int  # from the start of the file
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes the tensor's data takes in the file."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(self.type)]
+        return int(np.prod(self.shape)) // block * type_size
+
 
 class GGUFFile:
     """A GGUF file's metadata and tensors. `data(t)` is a read-only view shaped like GGUFReader's."""
@@ -142,10 +150,7 @@ class GGUFFile:
     def release(self, t: GGUFTensor) -> None:
         """Drop the tensor's file pages from this process's memory once it is converted (the map stays valid: a
         later read faults them in again), so a load's resident memory holds what it keeps, not the file."""
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(t.type)]
-        size = int(np.prod(t.shape)) // block * type_size
+        size = t.nbytes
         start = -(-t.offset // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the tensor only
         end = (t.offset + size) // mmap.PAGESIZE * mmap.PAGESIZE
         if end > start:

@@ -7,7 +7,10 @@ same model code, and parity with transformers can be checked on identical weight
 from __future__ import annotations
 
 import ctypes
+import json
+import logging
 import os
+import struct
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 from dataclasses import dataclass, field, replace
@@ -28,6 +31,8 @@ from kvserve.models.quant import QuantizedMatrix
 if TYPE_CHECKING:
     from kvserve.models.parallel import TensorParallel
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class Checkpoint:
@@ -46,6 +51,39 @@ class Checkpoint:
     def dense_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor dense (quantized matrices as the float32 weights they hold): a reference's input."""
         return {name: t.dequantize() if isinstance(t, QuantizedMatrix) else t for name, t in self.tensors.items()}
+
+
+# ---- the load's progress ---------------------------------------------------------------------
+
+PROGRESS_MIN_BYTES = 256 << 20  # a smaller checkpoint loads in moments: no bar
+PROGRESS_INTERVAL_S = 5.0  # at most a line this often
+
+
+class _LogLines:
+    """A file for tqdm that writes each refresh of its bar as an INFO line of this module's logger."""
+
+    def write(self, text: str) -> None:
+        line = text.strip("\r\n ")
+        if line:
+            log.info("%s", line)
+
+    def flush(self) -> None:
+        pass
+
+
+def load_progress(total_bytes: int, tensors: int, what: str):
+    """The load's progress bar (bytes read, tensors converted, rate) as log lines every few seconds, not carriage
+    returns on stderr: a server's log is a file, where a live bar would be one line per update."""
+    from tqdm import tqdm
+
+    return tqdm(total=total_bytes, desc=f"loading {what}", unit="B", unit_scale=True, unit_divisor=1024,
+                mininterval=PROGRESS_INTERVAL_S, ascii=True, file=_LogLines(), postfix=f"0/{tensors} tensors",
+                disable=total_bytes < PROGRESS_MIN_BYTES or not log.isEnabledFor(logging.INFO))
+
+
+def _advance(bar, nbytes: int, done: int, tensors: int) -> None:
+    bar.set_postfix_str(f"{done}/{tensors} tensors", refresh=False)
+    bar.update(nbytes)
 
 
 # ---- GGUF ------------------------------------------------------------------------------------
@@ -76,6 +114,9 @@ def gguf_config(file: GGUFFile) -> ModelConfig:
     """The file's config: its metadata's, with a `rope_freqs` tensor's factors (Llama 3.1) or the long and
     short factors (Phi-3's LongRoPE) as its RoPE scaling."""
     config = config_from_gguf(file.metadata)
+    if config.vocab_size == 0:  # no token list in the metadata: the embedding table's rows (before any split)
+        embed = next(t for t in file.tensors if t.name == "token_embd.weight")
+        config = replace(config, vocab_size=embed.shape[1])
     found = {t.name: tuple(float(f) for f in _dequantize(file, t).reshape(-1)) for t in file.tensors
              if t.name in CONFIG_TENSORS}
     rotated = (config.rotary_dim or config.head_dim) // 2
@@ -145,6 +186,41 @@ def _dense(stored: np.ndarray, qtype: int) -> np.ndarray:
     return quants.dequantize(stored, qtype)
 
 
+DENSE_CHUNK = 1 << 22  # values dequantized at a time into a dense matrix
+
+
+def _dense_matrix(stored: np.ndarray, qtype: int, dtype: torch.dtype) -> torch.Tensor:
+    """A stored [rows, ...] matrix as a dense [rows, cols] one in `dtype`, dequantized a block of rows at a time: the
+    same values as `_dense(stored).to(dtype)` without the whole in float32 (an 8B model's embedding table would be
+    2 GB, and gguf's numpy dequantization makes float32 temporaries as large again)."""
+    rows = stored.shape[0]
+    out = torch.empty((rows, _dense(stored[:1], qtype).shape[1]), dtype=dtype)
+    step = max(1, DENSE_CHUNK // out.shape[1])
+    for start in range(0, rows, step):
+        out[start:start + step] = torch.from_numpy(_dense(stored[start:start + step], qtype))
+    return out
+
+
+def _own(t: "torch.Tensor | QuantizedMatrix") -> "torch.Tensor | QuantizedMatrix":
+    """The tensor in memory of its own: a slice that is a view (a rank's rows) would keep the whole matrix alive."""
+    if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.clone()
+    return t
+
+
+def row_span(shard: "TensorParallel", name: str, shape: tuple[int, ...], config: ModelConfig) -> tuple[int, int] | None:
+    """The rows [start, stop) of the HF-named tensor of `shape` that are this rank's part, where its part is a run of
+    whole rows (Q, K, V, gate and up, the vocabulary's rows: what models/parallel.py cuts as a view), so a load
+    reads or dequantizes those alone; None where it is every row or not a run of them (columns, a fused tensor's
+    parts, a padded run): the whole is read, then cut. The split is asked of `shard.slice` on a meta tensor."""
+    whole = torch.empty(shape, device="meta")
+    part = shard.slice(name, whole, config)
+    if part is whole or part._base is not whole or not part.is_contiguous() or part.shape[1:] != whole.shape[1:]:
+        return None
+    start = part.storage_offset() // max(1, int(np.prod(shape[1:])))
+    return start, start + part.shape[0]
+
+
 def _dequantize(file: GGUFFile, tensor: GGUFTensor) -> np.ndarray:
     return _dense(file.data(tensor), tensor.type).reshape(tuple(reversed(tensor.shape)))  # GGUF lists ne0 first
 
@@ -163,7 +239,9 @@ def load_gguf(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype
     """Every matrix at the bits `weights` gives its type (models/quant.weight_bits; `int8_acts`: 8-bit
     activations will multiply them, so Q6_K may stay at 6 bits and Q4_K and Q6_K keep their K-quant forms),
     the others dense: 2-D ones in `dtype`, norms in float32. Each tensor is read from the memory-mapped file and
-    converted (with `shard`, cut to this rank's slice: models/parallel.py, dense weights) as it comes."""
+    converted (with `shard`, cut to this rank's slice: models/parallel.py, dense weights; a run of rows is
+    dequantized alone, row_span) as it comes, its pages then dropped: the load holds what it keeps and the
+    tensors in conversion."""
     path = Path(path)
     file = GGUFFile(path)
     meta = file.metadata
@@ -186,18 +264,23 @@ def load_gguf(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype
     def convert_matrix(t: GGUFTensor, name: str, stored: np.ndarray) -> list[tuple[str, "torch.Tensor | QuantizedMatrix"]]:
         """One matrix (or vector) from its stored rows (uint8 blocks when quantized)."""
         bits = quant.weight_bits(t.type, weights, int8_acts) if stored.ndim >= 2 and not is_router(name) else 0
-        if bits and t.type not in quant.FLOAT_TYPES:
-            value = quant.from_gguf(stored, t.type, bits, supers=int8_acts)
-        else:
-            w = torch.from_numpy(_dense(stored, t.type))
-            if arch == "gemma3" and name.endswith("norm.weight"):
-                w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm scale; HF stores w
-            value = quant.quantize(w, bits) if bits else w.to(dtype) if w.dim() == 2 and not is_router(name) else w
         heads = None
         if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
             heads = config.num_heads
         elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
             heads = config.num_kv_heads
+        span = None
+        if bits and t.type not in quant.FLOAT_TYPES:
+            value = quant.from_gguf(stored, t.type, bits, supers=int8_acts)
+        elif not bits and stored.ndim == 2 and not is_router(name):  # a dense matrix in `dtype`
+            if shard is not None and heads is None:  # (Q and K rows are permuted first: the whole is cut)
+                span = row_span(shard, name, (stored.shape[0], t.shape[0]), config)
+            value = _dense_matrix(stored if span is None else stored[span[0]:span[1]], t.type, dtype)
+        else:
+            w = torch.from_numpy(_dense(stored, t.type))
+            if arch == "gemma3" and name.endswith("norm.weight"):
+                w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm scale; HF stores w
+            value = quant.quantize(w, bits) if bits else w
         if heads is not None:
             value = value.map_rows(lambda x: unpermute_rope_rows(x, heads)) if isinstance(value, QuantizedMatrix) \
                 else unpermute_rope_rows(value, heads)
@@ -205,18 +288,20 @@ def load_gguf(path: str | os.PathLike, weights: str = "auto", dtype: torch.dtype
             form = form_of(name, bits, weights)
             key = (_type_name(t.type), form, form == "dense" or bool(bits) and quant.is_exact(t.type, bits))
             forms[key] = forms.get(key, 0) + 1
-        if shard is not None:
-            value = shard.slice(name, value, config)
+        if shard is not None and span is None:
+            value = _own(shard.slice(name, value, config))
         return [(name, value)]
 
+    todo = [t for t in file.tensors if t.name not in CONFIG_TENSORS]
+    tensors: dict[str, "torch.Tensor | QuantizedMatrix"] = {}
     try:
-        with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-            tensors = dict(pair for pairs in pool.map(convert, [t for t in file.tensors if t.name not in CONFIG_TENSORS])
-                           for pair in pairs)
+        with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool, \
+                load_progress(sum(t.nbytes for t in todo), len(todo), path.name) as bar:
+            for done, (t, pairs) in enumerate(zip(todo, pool.map(convert, todo)), 1):
+                tensors.update(pairs)
+                _advance(bar, t.nbytes, done, len(todo))
     finally:
         file.close()
-    if config.vocab_size == 0:
-        config = replace(config, vocab_size=tensors["model.embed_tokens.weight"].shape[0])
     if "lm_head.weight" in tensors:
         config = replace(config, tie_word_embeddings=False)
     return Checkpoint(config=config, tensors=tensors, path=path, format="gguf", metadata=meta, weights=weights,
@@ -229,10 +314,8 @@ def load_hf_dir(path: str | os.PathLike, weights: str = "auto", dtype: torch.dty
                 shard: "TensorParallel | None" = None) -> Checkpoint:
     """The checkpoint's tensors as stored (or in `dtype`); weights int8 / int4 quantize every matrix here
     (auto and bf16 keep them dense: a safetensors checkpoint holds 16- or 32-bit floats). Read tensor by tensor
-    from the memory-mapped files, each converted (and, with `shard`, cut to this rank's slice) before the next is
-    read: the load holds what it keeps and one tensor more, never a whole file."""
-    from safetensors import safe_open
-
+    into memory of its own (read_safetensor), each converted (and, with `shard`, cut to this rank's slice) before
+    the next is read: the load holds what it keeps and one tensor more, never a whole file."""
     path = Path(path)
     config = read_hf_config(path)
     files = sorted(path.glob("*.safetensors"))
@@ -241,9 +324,10 @@ def load_hf_dir(path: str | os.PathLike, weights: str = "auto", dtype: torch.dty
     bits = quant.weight_bits(quant.F32, weights)
     forms: dict[tuple[str, str, bool], int] = {}
 
-    def keep(name: str, t: torch.Tensor) -> "torch.Tensor | QuantizedMatrix":
-        if shard is not None:
-            t = shard.slice(name, t, config)
+    def keep(name: str, t: torch.Tensor, cut: bool = False) -> "torch.Tensor | QuantizedMatrix":
+        """The tensor as kept (`cut`: already this rank's part)."""
+        if shard is not None and not cut:
+            t = _own(shard.slice(name, t, config))
         if is_router(name):
             return t.float()
         if t.dim() != 2:
@@ -253,20 +337,81 @@ def load_hf_dir(path: str | os.PathLike, weights: str = "auto", dtype: torch.dty
         forms[key] = forms.get(key, 0) + 1
         return quant.quantize(t, bits) if bits else t if dtype is None else t.to(dtype)
 
+    def text_name(stored: str) -> str | None:
+        """The tensor's name in the text model (None: not read, a vision tower's or a tied LM head)."""
+        # Multimodal Gemma 3 checkpoints nest the text model under language_model.
+        name = stored.replace("language_model.model.", "model.").replace("model.language_model.", "model.")
+        if name.startswith(("vision_tower", "multi_modal_projector", "model.vision_tower",
+                            "model.multi_modal_projector")):
+            return None
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            return None
+        return name
+
+    headers = {f: safetensors_header(f) for f in files}
+    todo = [(f, stored, entry) for f, (_, entries) in headers.items() for stored, entry in sorted(entries.items())
+            if text_name(stored) is not None]
+    size = lambda entry: entry["data_offsets"][1] - entry["data_offsets"][0]  # noqa: E731
     tensors: dict[str, "torch.Tensor | QuantizedMatrix"] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            for stored in handle.keys():
-                # Multimodal Gemma 3 checkpoints nest the text model under language_model.
-                name = stored.replace("language_model.model.", "model.").replace("model.language_model.", "model.")
-                if name.startswith(("vision_tower", "multi_modal_projector", "model.vision_tower",
-                                    "model.multi_modal_projector")):
-                    continue
-                if config.tie_word_embeddings and name == "lm_head.weight":
-                    continue
-                for expert_name, t in hf_expert_tensors(name, handle.get_tensor(stored)).items():
+    with load_progress(sum(size(e) for _, _, e in todo), len(todo), path.name) as bar:
+        for done, (f, stored, entry) in enumerate(todo, 1):
+            name, span = text_name(stored), None
+            if shard is not None:
+                renamed = list(hf_expert_tensors(name, torch.empty(entry["shape"], device="meta")))
+                if len(renamed) == 1:  # (a stack of experts is split first, each expert then cut)
+                    name = renamed[0]
+                    span = row_span(shard, name, tuple(entry["shape"]), config)
+            with open(f, "rb", buffering=0) as handle:
+                t = read_safetensor(handle, headers[f][0], entry, span)
+            if span is not None:
+                tensors[name] = keep(name, t, cut=True)
+            else:
+                for expert_name, t in hf_expert_tensors(name, t).items():
                     tensors[expert_name] = keep(expert_name, t)
+            del t
+            _advance(bar, size(entry), done, len(todo))
     return Checkpoint(config=config, tensors=tensors, path=path, format="hf", weights=weights, forms=forms)
+
+
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
+                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def safetensors_header(file: str | os.PathLike) -> tuple[int, dict[str, dict]]:
+    """A .safetensors file's header (8 bytes of length, then JSON): (the offset its data starts at, each tensor's
+    dtype, shape and data_offsets by name)."""
+    with open(file, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return 8 + length, header
+
+
+def read_safetensor(f, start: int, entry: dict, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """One tensor of an open .safetensors file (`start`, `entry`: its header's), or its `rows` [first, stop), read
+    into memory of its own. Not mapped: a mapped file's pages, once read, count in the process's memory as long as
+    the file stays mapped (by any tensor of it)."""
+    dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise ModelLoadError(f"{f.name}: safetensors dtype {entry['dtype']} is not supported")
+    begin, end = entry["data_offsets"]
+    shape = list(entry["shape"])
+    if rows is not None:
+        row = (end - begin) // max(1, shape[0])
+        begin, end = begin + rows[0] * row, begin + rows[1] * row
+        shape[0] = rows[1] - rows[0]
+    out = torch.empty(end - begin, dtype=torch.uint8)
+    buffer = memoryview(out.numpy())
+    f.seek(start + begin)
+    got = 0
+    while got < len(buffer):
+        n = f.readinto(buffer[got:])
+        if not n:
+            raise ModelLoadError(f"{f.name} is truncated: {entry['dtype']} {entry['shape']} ends past its end")
+        got += n
+    return out.view(dtype).reshape(shape)
 
 
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -297,12 +442,9 @@ def checkpoint_header(path: str | os.PathLike) -> tuple[ModelConfig, set[str]]:
     the dtype from before it loads them in that dtype."""
     path = Path(path)
     if model_format(path) == "hf":
-        from safetensors import safe_open
-
         names: set[str] = set()
         for f in sorted(path.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as handle:
-                names.update(handle.keys())  # (a mixture's experts under the names they are stored by)
+            names.update(safetensors_header(f)[1])  # (a mixture's experts under the names they are stored by)
         return read_hf_config(path), names
     file = GGUFFile(path)
     try:

@@ -253,7 +253,9 @@ def from_gguf(raw: np.ndarray, qtype: int, bits: int | None = None, supers: bool
     q, scale, minimum = _six_bit_blocks(raw) if bits == 6 else _blocks(raw, qtype)
     n = raw.shape[0]
     q = q.reshape(n, -1)
-    values = pack_nibbles(torch.from_numpy(q)) if bits == 4 else torch.from_numpy(q.astype(np.int8))
+    # int8 values copied only where they still lie in `raw` (a file's map, closed once loaded): not copied twice
+    values = pack_nibbles(torch.from_numpy(q)) if bits == 4 else \
+        torch.from_numpy(q.astype(np.int8, copy=q.dtype != np.int8 or np.may_share_memory(q, raw)))
     return QuantizedMatrix(bits, values, torch.from_numpy(scale.reshape(n, -1)),
                            torch.from_numpy(minimum.reshape(n, -1)))
 
