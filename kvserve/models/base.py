@@ -39,6 +39,7 @@ class CausalLM(nn.Module):
     norm_unit_offset = False
     embedding_scale: float | None = None
     backend = TORCH  # until use_backend
+    lora = None  # the adapter slots (models/lora.LoRAWeights attaches itself); a step with adapters runs per op
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -73,7 +74,8 @@ class CausalLM(nn.Module):
         h = self.embed_tokens(input_ids)
         if self.embedding_scale is not None:
             h = h * torch.tensor(self.embedding_scale, dtype=h.dtype)
-        if self.native_decoder is not None and self.native_decoder.applies(h, meta, kv_caches):
+        if self.native_decoder is not None and not (self.lora is not None and self.lora.active) \
+                and self.native_decoder.applies(h, meta, kv_caches):  # (the fused kernel adds no LoRA delta)
             return self.native_decoder(h, positions, kv_caches, meta)
         residual = None  # the residual stream; each layer hands back its last branch unadded (see layers)
         interjection = meta.interjection
@@ -129,16 +131,23 @@ class CausalLM(nn.Module):
         if self.lm_head_weight is not None:
             self.lm_head_weight.data = self.lm_head_weight.data.new_empty(0)
 
+    def qkv_row_order(self) -> torch.Tensor | None:
+        """Partial rotary: the QKV projection's rows in the order arrange_rotary_dims puts them (row i is the
+        loaded row order[i]), else None."""
+        c = self.config
+        if not c.rotary_dim or c.rotary_dim == c.head_dim:
+            return None
+        head = partial_rotary_order(c.head_dim, c.rotary_dim)
+        rotated_heads = c.num_heads + c.num_kv_heads  # q's and k's; v's rows stay
+        return torch.cat([h * c.head_dim + head for h in range(rotated_heads)]
+                         + [torch.arange(rotated_heads * c.head_dim, (rotated_heads + c.num_kv_heads) * c.head_dim)])
+
     def arrange_rotary_dims(self) -> None:
         """Partial rotary: each q and k head's dims in the order the rotary tables rotate them
         (layers.partial_rotary_order), by permuting the QKV projection's rows once at load."""
-        c = self.config
-        if not c.rotary_dim or c.rotary_dim == c.head_dim:
+        order = self.qkv_row_order()
+        if order is None:
             return
-        head = partial_rotary_order(c.head_dim, c.rotary_dim)
-        rotated_heads = c.num_heads + c.num_kv_heads  # q's and k's; v's rows stay
-        order = torch.cat([h * c.head_dim + head for h in range(rotated_heads)]
-                          + [torch.arange(rotated_heads * c.head_dim, (rotated_heads + c.num_kv_heads) * c.head_dim)])
         for layer in self.layers:
             layer.self_attn.qkv_proj.permute_rows(order)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,9 @@ from kvserve.kernels import cpu as cpu_kernels
 from kvserve.models import fp8
 from kvserve.models.backend import TORCH, Backend
 from kvserve.models.quant import PackedPart, QuantizedMatrix
+
+if TYPE_CHECKING:
+    from kvserve.models.lora import _ModuleSlots
 
 
 def frozen(t: torch.Tensor) -> nn.Parameter:
@@ -194,6 +198,8 @@ class QuantizableWeight(nn.Module):
     # A row-parallel projection's all-reduce over the tensor-parallel ranks (models/parallel.attach), else None.
     reduce: "Callable[[torch.Tensor], torch.Tensor] | None" = None
     gate_up = False  # rows are [gate; up]: packed with the halves' 16-row blocks interleaved
+    # The projection's LoRA slots (models/lora.LoRAWeights attaches them), else None: `linear` adds the step's deltas.
+    lora: "_ModuleSlots | None" = None
 
     def init_quant(self) -> None:
         self.quant: list[QuantizedMatrix] | None = None
@@ -324,12 +330,17 @@ def packed_linear(parts: list[PackedPart], x: torch.Tensor, backend: Backend,
 
 def linear(module: "Linear | FusedLinear", x: torch.Tensor) -> torch.Tensor:
     """The packed quantized GEMM, oneDNN's prepacked one, FP8's scaled GEMM (models/fp8.py) or torch's; the
-    bias (never quantized) after. A row-parallel projection (models/parallel.py: `reduce` set) adds up its
-    ranks' partial products first, then its bias once."""
-    if module.reduce is not None:
+    bias (never quantized) after; then, in a step with LoRA adapters, each adapter's delta on its rows
+    (models/lora.py). A row-parallel projection (models/parallel.py: `reduce` set) adds up its ranks' partial
+    products first, then its bias once."""
+    if module.reduce is not None:  # (LoRAWeights refuses a model with row-parallel projections)
         out = module.reduce(_product(module, x, None))
         return out if module.bias is None else out + module.bias
-    return _product(module, x, module.bias)
+    out = _product(module, x, module.bias)
+    lora = module.lora
+    if lora is not None and lora.owner.step is not None:  # adapters in this step: their rows' deltas
+        lora.add(x, out)
+    return out
 
 
 def _product(module: "Linear | FusedLinear", x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
