@@ -343,13 +343,13 @@ def cmd_usage(args: argparse.Namespace) -> int:
     if args.csv:
         sys.stdout.write(reports.to_csv(page))
         return 0
-    table = [("BUCKET (UTC)", "TENANT", "MODEL", "TIER", "REQUESTS", "INPUT", "CACHED", "FROM DISK", "FROM HOST",
-              "OUTPUT", "CHARGED", "COST", "ENGINE S")]
+    table = [("BUCKET (UTC)", "TENANT", "MODEL", "TIER", "ADAPTER", "REQUESTS", "INPUT", "CACHED", "FROM DISK",
+              "FROM HOST", "OUTPUT", "CHARGED", "COST", "ENGINE S")]
     fmt = "%Y-%m-%d %H:%M" if width < 86400 else "%Y-%m-%d"
     for row in reports.flat(page):
         r = dict(zip(reports.COLUMNS, row))
         table.append((time.strftime(fmt, time.gmtime(r["start_time"])), r["tenant"] or "-", r["model"] or "-",
-                      r["tier"] or "-", str(r["num_model_requests"]), str(r["input_tokens"]),
+                      r["tier"] or "-", r["adapter"] or "-", str(r["num_model_requests"]), str(r["input_tokens"]),
                       str(r["input_cached_tokens"]), str(r["input_disk_cached_tokens"]),
                       str(r["input_host_cached_tokens"]), str(r["output_tokens"]), format_money(r["amount_usd"]),
                       format_money(r["cost_usd"]), f"{r['engine_seconds']:.2f}"))
@@ -468,7 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_store_arguments(u)
     u.add_argument("--bucket", default="1d", help="1m, 1h or 1d (default)")
     u.add_argument("--buckets", type=int, default=7, help="how many buckets back from now (default 7)")
-    u.add_argument("--group-by", default="tenant,model", help="any of tenant,model,tier (default tenant,model)")
+    u.add_argument("--group-by", default="tenant,model",
+                   help="any of tenant,model,tier,adapter (default tenant,model)")
     u.add_argument("--tenant", default=None, help="one tenant only")
     u.add_argument("--csv", action="store_true", help="CSV instead of a table")
     u.set_defaults(func=cmd_usage)

@@ -123,7 +123,9 @@ class BatchRunner:
         bodies = self._bodies.get(b.id)
         if bodies is None:
             data = await asyncio.to_thread(self.files.path(b.input_file_id).read_bytes)
-            lines, _ = parse(data, b.endpoint, set(self.service.models))
+            from kvserve.service.models import served_names
+
+            lines, _ = parse(data, b.endpoint, served_names(self.service.models))
             bodies = self._bodies[b.id] = {ln.number: ln.body for ln in lines}
         return bodies[line]
 

@@ -1,8 +1,9 @@
 """Usage reports in the shape of OpenAI's usage API (pure: the store aggregates, this shapes).
 
-A page of time buckets [start_time, end_time), each with one result per group (tenant, model, tier, as
-asked): requests, input tokens (and of them cached), output tokens, the amount charged, the cost of the
-engine time, the engine seconds. Every bucket of the range is present, empty ones too, as OpenAI's are.
+A page of time buckets [start_time, end_time), each with one result per group (tenant, model, tier, adapter,
+as asked; a result's adapter is None for the base model, or when not grouped by it): requests, input tokens
+(and of them cached), output tokens, the amount charged, the cost of the engine time, the engine seconds.
+Every bucket of the range is present, empty ones too, as OpenAI's are.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 from kvserve.config import ModelPrice
 from kvserve.metering.prices import DEFAULT_UTILIZATION, break_even_price
 
+GROUPS = ("tenant", "model", "tier", "adapter")  # what a result may be grouped by (store/usage.py REPORT_GROUPS)
 BUCKET_WIDTHS = {"1m": 60, "1h": 3600, "1d": 86400}
 DEFAULT_LIMIT = {"1m": 60, "1h": 24, "1d": 7}
 MAX_LIMIT = {"1m": 1440, "1h": 168, "1d": 31}
@@ -37,7 +39,7 @@ def page(rows: list[dict[str, Any]], start: float, end: float, width: str, group
                          "amount": {"value": round(r["amount"], 9), "currency": "usd"},
                          "cost": {"value": round(r["cost"], 9), "currency": "usd"},
                          "engine_seconds": round(r["engine_seconds"], 6)},
-                        **{g: (r[g] if g in group_by else None) for g in ("tenant", "model", "tier")})
+                        **{g: (r[g] if g in group_by else None) for g in GROUPS})
                    for r in by_bucket.get(i, [])]
         data.append({"object": "bucket", "start_time": int(b0), "end_time": int(min(b0 + w, end)), "results": results})
     more = start + n * w < end
@@ -55,7 +57,7 @@ def merge(pages: list[dict[str, Any]]) -> dict[str, Any]:
     for buckets in zip(*(p["data"] for p in pages)):
         groups: dict[tuple, dict] = {}
         for r in (r for b in buckets for r in b["results"]):
-            key = (r["tenant"], r["model"], r["tier"])
+            key = tuple(r.get(g) for g in GROUPS)  # a peer of an older kvserve has no adapter in its results
             if key not in groups:
                 groups[key] = {**r, "amount": dict(r["amount"]), "cost": dict(r["cost"])}
                 continue
@@ -97,7 +99,7 @@ def served_break_even(price: ModelPrice, usage_page: dict[str, Any], model: str)
     return {"break_even_output": value, "break_even_utilization": DEFAULT_UTILIZATION}
 
 
-COLUMNS = ("start_time", "end_time", "tenant", "model", "tier", "num_model_requests", "input_tokens",
+COLUMNS = ("start_time", "end_time", "tenant", "model", "tier", "adapter", "num_model_requests", "input_tokens",
            "input_cached_tokens", "input_disk_cached_tokens", "input_host_cached_tokens", "output_tokens",
            "amount_usd", "cost_usd", "engine_seconds")
 
@@ -107,10 +109,10 @@ def flat(p: dict[str, Any]) -> list[tuple]:
     out = []
     for b in p["data"]:
         for r in b["results"]:
-            out.append((b["start_time"], b["end_time"], r["tenant"], r["model"], r["tier"], r["num_model_requests"],
-                        r["input_tokens"], r["input_cached_tokens"], r["input_disk_cached_tokens"],
-                        r["input_host_cached_tokens"], r["output_tokens"], r["amount"]["value"],
-                        r["cost"]["value"], r["engine_seconds"]))
+            out.append((b["start_time"], b["end_time"], r["tenant"], r["model"], r["tier"], r.get("adapter"),
+                        r["num_model_requests"], r["input_tokens"], r["input_cached_tokens"],
+                        r["input_disk_cached_tokens"], r["input_host_cached_tokens"], r["output_tokens"],
+                        r["amount"]["value"], r["cost"]["value"], r["engine_seconds"]))
     return out
 
 

@@ -277,7 +277,7 @@ class CompletionService:
                                  f"{limit:g} s", param="prompt_cache_retention", code="invalid_value")
         c.request_ids = [f"{c.response_id}-{i}" for i in range(len(prompts))]
         for rid in c.request_ids:
-            handle.register(rid, RequestInfo(c.tenant, c.tier, handle.id))
+            handle.register(rid, RequestInfo(c.tenant, c.tier, handle.id, c.adapter))
         default_max = self.config.default_max_tokens
 
         def params_for(ids: list[int]) -> SamplingParams:

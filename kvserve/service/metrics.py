@@ -286,6 +286,9 @@ class ServerMetrics:
                                          labels, registry=r)
         self.requests = Counter("kvserve:request_success", "Finished requests by finish reason",
                                 labels + ["finished_reason"], registry=r)
+        self.lora_requests = Counter("kvserve:lora_requests", "Finished requests that ran with a LoRA adapter, "
+                                     "per adapter (the base model's are kvserve:request_success's rest)",
+                                     ["model_name", "adapter"], registry=r)
         self.preemptions = Counter("kvserve:num_preemptions", "Sequences preempted", ["model_name"], registry=r)
         self.rejections = Counter("kvserve:admission_rejections", "Requests refused at admission",
                                   labels + ["reason"], registry=r)
@@ -297,8 +300,9 @@ class ServerMetrics:
         if live is not None:
             r.register(_LiveCollector(live))
 
-    def observe_finished(self, model: str, tier: str, out) -> None:
-        """From on_finish (engine thread): one RequestOutput that just finished or was aborted."""
+    def observe_finished(self, model: str, tier: str, out, adapter: str | None = None) -> None:
+        """From on_finish (engine thread): one RequestOutput that just finished or was aborted (`adapter`: the
+        LoRA adapter it ran with, None for the base model)."""
         m = out.metrics
         ttft = m.ttft if m else None
         e2e = m.e2e if m else None
@@ -321,6 +325,8 @@ class ServerMetrics:
         self.generation_tokens.labels(*lab).inc(completion)
         reason = first.finish_reason if first else None
         self.requests.labels(model, tier, reason or "unknown").inc()
+        if adapter is not None:
+            self.lora_requests.labels(model, adapter).inc()
         self.window.add_request(RequestSample(self.window.clock(), model, tier, ttft, tpot, e2e, queue,
                                               out.num_prompt_tokens, min(out.num_cached_tokens, out.num_prompt_tokens),
                                               completion))

@@ -30,6 +30,7 @@ class RequestInfo:
     tenant: str
     tier: str
     model: str
+    adapter: str | None = None  # the LoRA adapter it runs with; None: the base model
 
 
 def _status_of(finish_reason: str | None) -> str:
@@ -75,7 +76,7 @@ class ModelHandle:
             info = self.requests.pop(out.request_id, None)
         if info is None:
             return
-        self.metrics.observe_finished(self.id, info.tier, out)
+        self.metrics.observe_finished(self.id, info.tier, out, info.adapter)
         record = self._usage_record(info, out)
         self.metrics.observe_usage(info.tenant, self.id, info.tier, record.price, record.cost)
         self.ledger.record_threadsafe(record)
@@ -101,7 +102,7 @@ class ModelHandle:
                            engine_s=out.engine_seconds,
                            price=request_price(price, info.tier, out.num_prompt_tokens, cached,
                                                out.num_completion_tokens),
-                           cost=request_cost(price, out.engine_seconds))
+                           cost=request_cost(price, out.engine_seconds), adapter=info.adapter)
 
     def register(self, request_id: str, info: RequestInfo) -> None:
         with self._lock:
@@ -210,6 +211,16 @@ class ModelHandle:
                 "x-kvserve-queue-wait-ms": str(int(round(queue_wait_ms))),
                 "x-kvserve-load": (load or self.load(tier)).value,
                 "x-kvserve-model": self.id}
+
+
+def served_names(models: dict[str, ModelHandle]) -> set[str]:
+    """Every `model` a request may name (resolve_served): each model's id, its adapters' names and
+    "<model>:<adapter>" ("auto" aside): what the batch API checks an input file's lines against."""
+    names = set(models)
+    for handle in models.values():
+        for adapter in handle.adapter_names():
+            names.update((adapter, f"{handle.id}:{adapter}"))
+    return names
 
 
 def resolve_served(models: dict[str, ModelHandle], config: ServerConfig, model: str, tier: str,

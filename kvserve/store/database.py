@@ -327,6 +327,62 @@ MIGRATIONS: list[tuple[int, str]] = [
         );
         """,
     ),
+    (
+        12,
+        """
+        -- The LoRA adapter a request ran with (NULL: the base model; `model` stays the base model's id, so
+        -- budgets per model are charged for its adapters' requests too). The roll-ups key on it as well,
+        -- '' for the base model (a key column is NOT NULL in PostgreSQL, and NULLs never conflict in SQLite):
+        -- each is rebuilt with the wider key, its rows all the base model's.
+        ALTER TABLE usage_records ADD COLUMN adapter TEXT;
+        CREATE TABLE usage_hourly_v12 (
+            hour                  REAL NOT NULL,
+            tenant                TEXT NOT NULL,
+            model                 TEXT NOT NULL,
+            tier                  TEXT NOT NULL,
+            adapter               TEXT NOT NULL DEFAULT '',
+            requests              INTEGER NOT NULL,
+            prompt_tokens         INTEGER NOT NULL,
+            cached_prompt_tokens  INTEGER NOT NULL,
+            completion_tokens     INTEGER NOT NULL,
+            price                 REAL NOT NULL,
+            cost                  REAL NOT NULL,
+            engine_s              REAL NOT NULL,
+            disk_cached_prompt_tokens INTEGER NOT NULL DEFAULT 0,
+            host_cached_prompt_tokens INTEGER NOT NULL DEFAULT 0,
+            PRIMARY KEY (hour, tenant, model, tier, adapter)
+        );
+        INSERT INTO usage_hourly_v12 (hour, tenant, model, tier, adapter, requests, prompt_tokens, cached_prompt_tokens,
+            completion_tokens, price, cost, engine_s, disk_cached_prompt_tokens, host_cached_prompt_tokens)
+            SELECT hour, tenant, model, tier, '', requests, prompt_tokens, cached_prompt_tokens, completion_tokens,
+            price, cost, engine_s, disk_cached_prompt_tokens, host_cached_prompt_tokens FROM usage_hourly;
+        DROP TABLE usage_hourly;
+        ALTER TABLE usage_hourly_v12 RENAME TO usage_hourly;
+        CREATE TABLE usage_daily_v12 (
+            day                   REAL NOT NULL,
+            tenant                TEXT NOT NULL,
+            model                 TEXT NOT NULL,
+            tier                  TEXT NOT NULL,
+            adapter               TEXT NOT NULL DEFAULT '',
+            requests              INTEGER NOT NULL,
+            prompt_tokens         INTEGER NOT NULL,
+            cached_prompt_tokens  INTEGER NOT NULL,
+            completion_tokens     INTEGER NOT NULL,
+            price                 REAL NOT NULL,
+            cost                  REAL NOT NULL,
+            engine_s              REAL NOT NULL,
+            disk_cached_prompt_tokens INTEGER NOT NULL DEFAULT 0,
+            host_cached_prompt_tokens INTEGER NOT NULL DEFAULT 0,
+            PRIMARY KEY (day, tenant, model, tier, adapter)
+        );
+        INSERT INTO usage_daily_v12 (day, tenant, model, tier, adapter, requests, prompt_tokens, cached_prompt_tokens,
+            completion_tokens, price, cost, engine_s, disk_cached_prompt_tokens, host_cached_prompt_tokens)
+            SELECT day, tenant, model, tier, '', requests, prompt_tokens, cached_prompt_tokens, completion_tokens,
+            price, cost, engine_s, disk_cached_prompt_tokens, host_cached_prompt_tokens FROM usage_daily;
+        DROP TABLE usage_daily;
+        ALTER TABLE usage_daily_v12 RENAME TO usage_daily;
+        """,
+    ),
 ]
 
 

@@ -2,6 +2,9 @@
 
 Times are Unix epoch seconds (float). ``since`` is inclusive and ``until`` exclusive, both on
 ``created_at``; they also accept aware ``datetime`` objects. ``group_by="day"`` groups by UTC day.
+``adapter`` names the LoRA adapter a request ran with (None: the base model); ``model`` is always the base
+model's id, so budgets per model cover its adapters. The roll-ups key the base model as adapter ''; reports
+give it back as None.
 Recording is idempotent per ``(tenant, request_id)``: a second record for the same request is ignored.
 """
 from __future__ import annotations
@@ -17,8 +20,8 @@ if TYPE_CHECKING:
     from kvserve.store.metering import Holds
 
 TIERS = ("interactive", "batch")
-GROUP_BY = (None, "model", "day")
-REPORT_GROUPS = ("tenant", "model", "tier")
+GROUP_BY = (None, "model", "adapter", "day")
+REPORT_GROUPS = ("tenant", "model", "tier", "adapter")
 
 
 @dataclass
@@ -42,12 +45,15 @@ class UsageRecord:
     cost: float | None = None  # dollars its engine time cost
     disk_cached_prompt_tokens: int = 0  # of cached_prompt_tokens, read back from the KV cache's disk tier
     host_cached_prompt_tokens: int = 0  # of cached_prompt_tokens, from its host-memory tier
+    adapter: str | None = None  # the LoRA adapter it ran with (its name); None: the base model
 
     def validate(self) -> None:
         for name in ("request_id", "tenant", "model", "status"):
             v = getattr(self, name)
             if not isinstance(v, str) or not v:
                 raise ValueError(f"UsageRecord.{name} must be a non-empty string, got {v!r}")
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise ValueError(f"UsageRecord.adapter must be None or a non-empty string, got {self.adapter!r}")
         if self.tier not in TIERS:
             raise ValueError(f"UsageRecord.tier must be one of {TIERS}, got {self.tier!r}")
         for name in ("prompt_tokens", "cached_prompt_tokens", "disk_cached_prompt_tokens", "host_cached_prompt_tokens",
@@ -70,10 +76,10 @@ NOW_SLACK_S = 5.0
 
 
 def _rollup_sql(table: str, col: str) -> str:
-    return (f"INSERT INTO {table} ({col}, tenant, model, tier, requests, prompt_tokens, cached_prompt_tokens,"
-            " disk_cached_prompt_tokens, host_cached_prompt_tokens, completion_tokens, price, cost, engine_s)"
-            " VALUES (?, ?, ?, ?, 1, ?, ?, ?, ?, ?, ?, ?, ?)"
-            f" ON CONFLICT ({col}, tenant, model, tier) DO UPDATE SET requests = {table}.requests + 1,"
+    return (f"INSERT INTO {table} ({col}, tenant, model, tier, adapter, requests, prompt_tokens,"
+            " cached_prompt_tokens, disk_cached_prompt_tokens, host_cached_prompt_tokens, completion_tokens, price,"
+            " cost, engine_s) VALUES (?, ?, ?, ?, ?, 1, ?, ?, ?, ?, ?, ?, ?, ?)"
+            f" ON CONFLICT ({col}, tenant, model, tier, adapter) DO UPDATE SET requests = {table}.requests + 1,"
             f" prompt_tokens = {table}.prompt_tokens + excluded.prompt_tokens,"
             f" cached_prompt_tokens = {table}.cached_prompt_tokens + excluded.cached_prompt_tokens,"
             f" disk_cached_prompt_tokens = {table}.disk_cached_prompt_tokens + excluded.disk_cached_prompt_tokens,"
@@ -89,10 +95,10 @@ _ROLLUP_SQL = {table: _rollup_sql(table, col) for table, col, _ in ROLLUPS}
 def _rollup_row(row: tuple, width: int) -> tuple:
     """A roll-up upsert's values for one usage row (as _row made it)."""
     r = dict(zip(_COLUMNS, row))
-    return ((r["created_at"] // width) * float(width), r["tenant"], r["model"], r["tier"], r["prompt_tokens"],
-            r["cached_prompt_tokens"], r["disk_cached_prompt_tokens"], r["host_cached_prompt_tokens"],
-            r["completion_tokens"], r["price"] or 0.0,
-            r["cost"] or 0.0, r["engine_s"] or 0.0)
+    return ((r["created_at"] // width) * float(width), r["tenant"], r["model"], r["tier"], r["adapter"] or "",
+            r["prompt_tokens"], r["cached_prompt_tokens"], r["disk_cached_prompt_tokens"],
+            r["host_cached_prompt_tokens"], r["completion_tokens"], r["price"] or 0.0, r["cost"] or 0.0,
+            r["engine_s"] or 0.0)
 
 
 _SUMS = ("COUNT(*) AS requests,"
@@ -103,6 +109,16 @@ _SUMS = ("COUNT(*) AS requests,"
          " COALESCE(SUM(completion_tokens), 0) AS completion_tokens,"
          " COALESCE(SUM(prompt_tokens + completion_tokens), 0) AS total_tokens")
 
+
+
+def _base_adapter(cur) -> list[dict[str, Any]]:
+    """A query's rows as dicts, an ``adapter`` key of '' (the base model) as None."""
+    names = [d[0] for d in cur.description]
+    rows = [dict(zip(names, row)) for row in cur.fetchall()]
+    if "adapter" in names:
+        for r in rows:
+            r["adapter"] = r["adapter"] or None
+    return rows
 
 
 def _epoch(t: Any) -> float | None:
@@ -148,8 +164,8 @@ class UsageLedger:
                group_by: str | None = None) -> list[dict[str, Any]]:
         """Sums for exactly one tenant.
 
-        ``group_by=None``: one row (zeros when there is no usage). ``"model"``/``"day"``: one row
-        per group, ordered by the key, with the key under ``"model"``/``"day"``.
+        ``group_by=None``: one row (zeros when there is no usage). ``"model"``/``"adapter"``/``"day"``: one
+        row per group, ordered by the key, with the key under its name (the base model's adapter: None, first).
         Each row has requests, prompt_tokens, cached_prompt_tokens, disk_cached_prompt_tokens,
         host_cached_prompt_tokens, completion_tokens, total_tokens.
         """
@@ -167,21 +183,22 @@ class UsageLedger:
         if group_by is None:
             sql = f"SELECT {_SUMS} FROM usage_records WHERE {' AND '.join(where)}"
         else:
-            expr = day_expr(self.db.postgres) if group_by == "day" else group_by
+            expr = {"day": day_expr(self.db.postgres), "adapter": "COALESCE(adapter, '')"}.get(group_by, group_by)
             sql = (f"SELECT {expr} AS {group_by}, {_SUMS} FROM usage_records WHERE {' AND '.join(where)}"
                    f" GROUP BY 1 ORDER BY 1")
-        cur = self.db.conn().execute(sql, params)
-        names = [d[0] for d in cur.description]
-        return [dict(zip(names, row)) for row in cur.fetchall()]
+        return _base_adapter(self.db.conn().execute(sql, params))
 
     def buckets(self, start: float, end: float, width: float, group_by: Sequence[str] = (),
                 tenant: str | None = None) -> list[dict[str, Any]]:
-        """Sums per time bucket [start + i x width, ...) and per `group_by` columns (tenant, model, tier), for
-        one tenant or (None) all; aggregated in SQL (the index on created_at, or on tenant and created_at)."""
+        """Sums per time bucket [start + i x width, ...) and per `group_by` columns (tenant, model, tier,
+        adapter: None for the base model), for one tenant or (None) all; aggregated in SQL (the index on
+        created_at, or on tenant and created_at)."""
         bad = [g for g in group_by if g not in REPORT_GROUPS]
         if bad:
             raise ValueError(f"group_by must be among {REPORT_GROUPS}, got {bad}")
-        cols = "".join(f", {g}" for g in group_by)
+        # the base model is adapter NULL in the ledger, '' in the roll-ups: '' in both (sorts first alike)
+        cols = "".join(", COALESCE(adapter, '') AS adapter" if g == "adapter" else f", {g}" for g in group_by)
+        keys = "".join(f", {i + 2}" for i in range(len(group_by)))  # by position: the select's expressions
         # Whole days or hours read a roll-up. A range ending now (end taken a moment before this query) includes
         # the period in progress: the roll-up is current, and what it adds after `end` is those few seconds'.
         until_now = end >= self.db.clock() - NOW_SLACK_S
@@ -200,10 +217,8 @@ class UsageLedger:
                " SUM(host_cached_prompt_tokens) AS input_host_cached_tokens,"
                " SUM(completion_tokens) AS output_tokens, COALESCE(SUM(price), 0) AS amount,"
                " COALESCE(SUM(cost), 0) AS cost, COALESCE(SUM(engine_s), 0) AS engine_seconds"
-               f" FROM {table} WHERE {where} GROUP BY 1{cols} ORDER BY 1{cols}")
-        cur = self.db.conn().execute(sql, [start, width, *params])
-        names = [d[0] for d in cur.description]
-        return [dict(zip(names, row)) for row in cur.fetchall()]
+               f" FROM {table} WHERE {where} GROUP BY 1{keys} ORDER BY 1{keys}")
+        return _base_adapter(self.db.conn().execute(sql, [start, width, *params]))
 
     def get(self, tenant: str, request_id: str) -> UsageRecord | None:
         row = self.db.conn().execute(

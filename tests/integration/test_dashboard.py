@@ -58,7 +58,8 @@ def _history(now: float):
                             prompt_tokens=1500, cached_prompt_tokens=500, completion_tokens=out,
                             created_at=now - h * 3600 + 60 * k, engine_s=0.0015 * out,
                             price=request_price(ModelPrice(output=OUTPUT_PRICE[model]), tier, 1500, 500, out),
-                            cost=request_cost(ModelPrice(), 0.0015 * out)))
+                            cost=request_cost(ModelPrice(), 0.0015 * out),
+                            adapter="sql" if model == "tiny-a" and k == 1 else None))  # a LoRA adapter's
     return rows
 
 
@@ -186,6 +187,12 @@ def test_the_dashboard_shows_what_the_apis_say(server, tmp_path):
                      for row in rows}
             per_tenant = len(_history(0)) // 2 + 10
             assert shown == {"acme": str(per_tenant), "beta": str(per_tenant)}
+            # a LoRA adapter's requests in a table of their own ("-": the base model's)
+            cells = [[c.text for c in row.find_elements(By.TAG_NAME, "td")]
+                     for row in driver.find_element(By.ID, "by-adapter").find_elements(By.TAG_NAME, "tr")[1:]]
+            on_sql = sum(r.adapter == "sql" for r in _history(0))
+            assert driver.find_element(By.ID, "adapters-section").is_displayed() and on_sql > 0
+            assert {c[0]: int(c[1].replace(",", "")) for c in cells} == {"sql": on_sql, "-": requests - on_sql}, cells
             budget_rows = driver.find_element(By.ID, "budgets").find_elements(By.TAG_NAME, "tr")[1:]
             budget = [c.text for c in budget_rows[0].find_elements(By.TAG_NAME, "td")]
             assert len(budget_rows) == 1 and budget[3] == "$5.00" and budget[4] != "$0.00", budget  # spent: this test's

@@ -159,6 +159,31 @@ def test_prometheus_exposition_names():
     assert 'kvserve:prompt_tokens_total{' not in fresh
 
 
+def test_an_adapters_request_is_its_base_models_usage_row_and_counted_per_adapter(tmp_path):
+    """The finish hook: a request registered with a LoRA adapter writes a usage row of the base model with the
+    adapter's name, and counts in kvserve:lora_requests_total{model_name, adapter}; a base-model request in
+    neither. served_names: what a batch line may name."""
+    from kvserve.service.models import ModelHandle, RequestInfo, served_names
+
+    rows = []
+    spec = ServedModel(id="tiny", source="/dev/null", role="fast",
+                       engine_args=dict(adapters=[{"name": "sql", "path": str(tmp_path)}]))
+    metrics = ServerMetrics(60.0)
+    handle = ModelHandle(spec, ServerConfig(models=[spec], home=str(tmp_path)), metrics,
+                         SimpleNamespace(record_threadsafe=rows.append),
+                         client_factory=lambda spec, config, on_step, on_finish: SimpleNamespace())
+    handle.register("r1", RequestInfo("acme", "interactive", "tiny", "sql"))
+    handle.register("r2", RequestInfo("acme", "batch", "tiny"))
+    handle._on_finish(_output("r1"))
+    handle._on_finish(_output("r2"))
+    assert [(r.request_id, r.model, r.adapter, r.tier) for r in rows] == [("r1", "tiny", "sql", "interactive"),
+                                                                          ("r2", "tiny", None, "batch")]
+    text = metrics.exposition().decode()
+    assert 'kvserve:lora_requests_total{adapter="sql",model_name="tiny"} 1.0' in text
+    assert text.count("kvserve:lora_requests_total{") == 1
+    assert served_names({"tiny": handle}) == {"tiny", "sql", "tiny:sql"}
+
+
 # ---- request schemas ------------------------------------------------------------------------------------
 
 

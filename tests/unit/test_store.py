@@ -132,6 +132,44 @@ def test_failed_migration_rolls_back(tmp_path):
     conn.close()
 
 
+def test_adapter_migration_keeps_an_existing_ledger(store_target):
+    """Migration 12 on a database at version 11 with usage in it (SQLite and PostgreSQL): the ledger and its
+    roll-ups keep every row, as the base model's; the roll-ups then key on the adapter too."""
+    from kvserve.store.database import Database
+
+    assert MIGRATIONS[11][0] == 12
+    hour = 1_700_000_000.0 - 1_700_000_000.0 % 86400
+    old = Database(store_target, migrations=MIGRATIONS[:11])
+    assert old.schema_version == 11
+    with old.write() as conn:
+        for i, tier in enumerate(("interactive", "interactive", "batch")):
+            conn.execute("INSERT INTO usage_records (request_id, tenant, model, tier, prompt_tokens,"
+                         " cached_prompt_tokens, completion_tokens, status, created_at, price, cost, engine_s,"
+                         " disk_cached_prompt_tokens) VALUES (?, 'a', 'tiny', ?, 10, 4, 5, 'ok', ?, 0.5, 0.25, 1.0, 2)",
+                         (f"old-{i}", tier, hour + i))
+        for table, col, width in (("usage_hourly", "hour", 3600), ("usage_daily", "day", 86400)):
+            for tier, n in (("interactive", 2), ("batch", 1)):
+                conn.execute(f"INSERT INTO {table} ({col}, tenant, model, tier, requests, prompt_tokens,"
+                             " cached_prompt_tokens, completion_tokens, price, cost, engine_s,"
+                             " disk_cached_prompt_tokens) VALUES (?, 'a', 'tiny', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                             (hour // width * width, tier, n, 10 * n, 4 * n, 5 * n, 0.5 * n, 0.25 * n, 1.0 * n, 2 * n))
+    old.close()
+    with Store(store_target, scrypt_n=FAST_N) as s:
+        assert s.schema_version == len(MIGRATIONS) >= 12
+        assert s.usage.get("a", "old-0").adapter is None
+        s.record_usage_many([rec("new-base", model="tiny", created_at=hour + 10),
+                             rec("new-sql", model="tiny", created_at=hour + 20, adapter="sql")])
+        for start, width in ((hour, 86400), (hour, 3600), (hour - 1800, 86400)):  # daily, hourly roll-up, the rows
+            rows = s.usage.buckets(start, start + 86400, width, ["model", "tier", "adapter"])
+            got = [(r["model"], r["tier"], r["adapter"], r["requests"], r["input_disk_cached_tokens"], r["amount"])
+                   for r in rows if r["bucket"] == 0]
+            assert got == [("tiny", "batch", None, 1, 2, 0.5), ("tiny", "interactive", None, 3, 2 * 2, 1.0),
+                           ("tiny", "interactive", "sql", 1, 0, 0.0)], (start, width, got)
+        for table in ("usage_hourly", "usage_daily"):
+            keys = s.db.conn().execute(f"SELECT tier, adapter, requests FROM {table} ORDER BY 1, 2").fetchall()
+            assert [tuple(k) for k in keys] == [("batch", "", 1), ("interactive", "", 3), ("interactive", "sql", 1)]
+
+
 def test_split_sql_respects_strings_and_comments():
     sql = "CREATE TABLE t (s TEXT DEFAULT 'a;b'); -- c;d\nINSERT INTO t VALUES ('x;y');\n"
     assert split_sql(sql) == ["CREATE TABLE t (s TEXT DEFAULT 'a;b');", "-- c;d\nINSERT INTO t VALUES ('x;y');"]
@@ -318,12 +356,15 @@ def test_usage_group_by_model_and_day_and_window(store, clock):
 
 def test_usage_record_validation_and_defaults(store, clock):
     for bad in (dict(tier="gold"), dict(prompt_tokens=-1), dict(cached_prompt_tokens=11), dict(tenant=""),
-                dict(completion_tokens=1.5), dict(status="")):
+                dict(completion_tokens=1.5), dict(status=""), dict(adapter=""), dict(adapter=3)):
         with pytest.raises(ValueError):
             store.record_usage(rec("bad", **bad))
     store.record_usage(rec("x", created_at=None, tier="batch", status="aborted", finish_reason=None, ttft_ms=None))
     got = store.usage.get("a", "req-x")
     assert got.created_at == clock.t and got.tier == "batch" and got.status == "aborted" and got.ttft_ms is None
+    assert got.adapter is None
+    store.record_usage(rec("y", adapter="sql"))
+    assert store.usage.get("a", "req-y").adapter == "sql"
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])

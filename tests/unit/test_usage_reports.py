@@ -18,11 +18,11 @@ DAY = 86400.0
 T0 = 1_780_000_000.0 - (1_780_000_000.0 % DAY)  # a UTC midnight
 
 
-def rec(rid, tenant, model, tier, t, prompt=10, out=5, price=0.001, cost=0.0002, engine=0.5):
+def rec(rid, tenant, model, tier, t, prompt=10, out=5, price=0.001, cost=0.0002, engine=0.5, adapter=None):
     return UsageRecord(request_id=rid, tenant=tenant, model=model, tier=tier, prompt_tokens=prompt,
                        cached_prompt_tokens=2, disk_cached_prompt_tokens=1, host_cached_prompt_tokens=1,
                        completion_tokens=out, created_at=t,
-                       price=price, cost=cost, engine_s=engine)
+                       price=price, cost=cost, engine_s=engine, adapter=adapter)
 
 
 def test_buckets_group_and_page(store_target):
@@ -56,6 +56,44 @@ def test_buckets_group_and_page(store_target):
             store.usage.buckets(T0, T0 + DAY, DAY, ["color"])
 
 
+def test_buckets_group_by_adapter(store_target):
+    """A LoRA adapter's requests are its base model's (model, budgets) and a group of their own by adapter: in
+    the ledger and both roll-ups alike, the base model's as adapter None, on SQLite and PostgreSQL."""
+    with Store(store_target, scrypt_n=2**10) as store:
+        store.record_usage_many([rec("a", "acme", "tiny", "interactive", T0 + 10),
+                                 rec("b", "acme", "tiny", "interactive", T0 + 20, out=7, adapter="sql"),
+                                 rec("c", "acme", "tiny", "interactive", T0 + 30, out=9, adapter="sql"),
+                                 rec("d", "beta", "tiny", "batch", T0 + DAY + 5, adapter="chat"),
+                                 rec("e", "acme", "other", "interactive", T0 + DAY + 6)])
+        assert store.usage.get("acme", "b").adapter == "sql" and store.usage.get("acme", "a").adapter is None
+        rolled = store.usage.buckets(T0, T0 + 2 * DAY, DAY, ["model", "adapter"])  # the daily roll-up
+        raw = store.usage.buckets(T0 + 1, T0 + 2 * DAY, DAY, ["model", "adapter"])  # the rows themselves
+        hourly = store.usage.buckets(T0, T0 + 2 * DAY, 3600, ["model", "adapter"])
+        for rows in (rolled, raw):
+            assert [(r["bucket"], r["model"], r["adapter"], r["requests"], r["output_tokens"]) for r in rows] == [
+                (0, "tiny", None, 1, 5), (0, "tiny", "sql", 2, 16), (1, "other", None, 1, 5), (1, "tiny", "chat", 1, 5)]
+        assert [(r["bucket"], r["model"], r["adapter"], r["requests"]) for r in hourly] == [
+            (0, "tiny", None, 1), (0, "tiny", "sql", 2), (24, "other", None, 1), (24, "tiny", "chat", 1)]
+        # grouped by model alone, an adapter's requests are its base model's
+        by_model = store.usage.buckets(T0, T0 + 2 * DAY, 2 * DAY, ["model"])
+        assert {r["model"]: r["requests"] for r in by_model} == {"tiny": 4, "other": 1}
+        p = reports.page(rolled, T0, T0 + 2 * DAY, "1d", ["model", "adapter"], 7)
+        first = [(r["model"], r["adapter"], r["tenant"], r["num_model_requests"]) for r in p["data"][0]["results"]]
+        assert first == [("tiny", None, None, 1), ("tiny", "sql", None, 2)]
+        untouched = reports.page(store.usage.buckets(T0, T0 + 2 * DAY, DAY, ["model"]), T0, T0 + 2 * DAY, "1d",
+                                 ["model"], 7)
+        assert all(r["adapter"] is None for b in untouched["data"] for r in b["results"])
+        # two regions' pages merge per adapter too
+        merged = reports.merge([p, p])
+        assert [(r["adapter"], r["num_model_requests"]) for r in merged["data"][0]["results"]] == [
+            (None, 2), ("sql", 4)]
+        lines = list(csv.reader(io.StringIO(reports.to_csv(p))))
+        assert lines[0][5] == "adapter" and [ln[5] for ln in lines[1:]] == ["", "sql", "", "chat"]
+        # the per-tenant totals group by adapter as well
+        assert [(r["adapter"], r["requests"]) for r in store.usage_totals("acme", group_by="adapter")] == [
+            (None, 2), ("sql", 2)]
+
+
 def test_the_usage_and_admin_api(tiny_llama_gguf, tmp_path):
     from kvserve.server.app import create_app
 
@@ -80,6 +118,9 @@ def test_the_usage_and_admin_api(tiny_llama_gguf, tmp_path):
                     assert (await call(token, "POST", "/v1/completions", json=body)).status_code == 200
                 out = {}
                 out["own"] = await call(acme, "GET", "/v1/usage", params={"group_by": "tenant,model"})
+                await state.store.arecord_usage(UsageRecord(request_id="lora-1", tenant="acme", model="tiny",
+                                                            prompt_tokens=4, completion_tokens=2, adapter="sql"))
+                out["adapter"] = await call(acme, "GET", "/v1/usage", params={"group_by": "model,adapter"})
                 out["all"] = await call(root, "GET", "/v1/usage", params=[("group_by", "tenant"), ("group_by", "tier")])
                 out["csv"] = await call(root, "GET", "/v1/usage", params={"group_by": "tenant", "format": "csv"})
                 out["peek"] = await call(acme, "GET", "/v1/usage", params={"tenant": "beta"})
@@ -105,6 +146,11 @@ def test_the_usage_and_admin_api(tiny_llama_gguf, tmp_path):
     (mine,) = [r for b in own["data"] for r in b["results"]]
     assert mine["tenant"] == "acme" and mine["num_model_requests"] == 2 and mine["output_tokens"] == 6
     assert mine["amount"]["value"] > 0 and mine["engine_seconds"] > 0
+    assert out["adapter"].status_code == 200, out["adapter"].text
+    by_adapter = {r["adapter"]: r for b in out["adapter"].json()["data"] for r in b["results"]}
+    assert set(by_adapter) == {None, "sql"} and by_adapter[None]["num_model_requests"] == 2
+    assert by_adapter["sql"]["num_model_requests"] == 1 and by_adapter["sql"]["model"] == "tiny"
+    assert by_adapter["sql"]["output_tokens"] == 2 and by_adapter["sql"]["tenant"] is None
     every = {r["tenant"]: r for b in out["all"].json()["data"] for r in b["results"]}
     assert set(every) == {"acme", "beta"} and every["beta"]["tier"] == "interactive"
     assert out["csv"].headers["content-type"].startswith("text/csv") and "acme" in out["csv"].text

@@ -238,6 +238,8 @@ async function load() {
   groupTable($("by-tenant"), "tenant", results);
   groupTable($("by-model"), "model", results);
   groupTable($("by-tier"), "tier", results);
+  groupTable($("by-adapter"), "adapter", results);
+  $("adapters-section").hidden = !results.some((r) => r.adapter != null);  // shown once an adapter has served
   table($("budgets"), ["tenant", "model", "period", "budget", "spent", "held", "left", "used", "burn / hour", "runs out"],
     d.budgets.map((b) => [b.tenant, b.model ?? "all", b.period, money(b.amount), money(b.spent), money(b.reserved),
       money(b.remaining), bar(b.amount ? (b.spent + b.reserved) / b.amount : 1), money(b.burn_per_hour),

@@ -13,6 +13,7 @@ from kvserve.server.errors import APIError
 from kvserve.server.serving import read_json_body
 from kvserve.server.state import ServerState
 from kvserve.service import protocol as p
+from kvserve.service.models import served_names
 
 router = APIRouter(prefix="/v1")
 
@@ -82,8 +83,8 @@ async def delete_file(request: Request, file_id: str):
 async def create(request: Request):
     state, tenant = await _caller(request)
     body = p.BatchCreateRequest.model_validate(await read_json_body(request, state.config.max_body_bytes))
-    b = await state.store.awrite(create_batch, state.batch_jobs, state.batch_files, set(state.models), tenant,
-                                 body.input_file_id, body.endpoint, body.completion_window, body.metadata)
+    b = await state.store.awrite(create_batch, state.batch_jobs, state.batch_files, served_names(state.models),
+                                 tenant, body.input_file_id, body.endpoint, body.completion_window, body.metadata)
     return JSONResponse(b.to_json())
 
 

@@ -182,7 +182,8 @@ async def usage(request: Request, start_time: str | None = None, end_time: str |
                 tenant: str | None = Query(None, description="an admin's: one tenant's usage"),
                 regions: Literal["local", "all"] = Query("local", description="all: every region's usage, merged")):
     """Usage per time bucket in the shape of OpenAI's usage API (metering/reports.py), grouped by any of
-    tenant, model, tier (`group_by`, repeated or comma-separated). A tenant sees its own usage; an admin
+    tenant, model, tier, adapter (`group_by`, repeated or comma-separated; a result's adapter is the LoRA
+    adapter's name, null for the base model). A tenant sees its own usage; an admin
     token sees every tenant's, or one's with `tenant=`. `format=csv` exports the same rows. `regions=all`
     merges the peer regions' usage in (each region keeps the rows of what it served); the page says which
     regions it holds (`regions`: included, or unreachable)."""
