@@ -316,7 +316,7 @@ TILE = 16  # rows per product on the CPU: every shrink and expand has this shape
 @dataclass
 class _Step:
     tokens: int  # the step's rows
-    groups: list[tuple[int, torch.Tensor]]  # (slot, its rows on the model's device), ascending slots
+    groups: list[tuple[int, torch.Tensor | None]]  # (slot, its rows on the model's device; None: all), ascending
 
 
 class _ModuleSlots:
@@ -343,9 +343,13 @@ class _ModuleSlots:
             if r == 0:
                 continue
             a, b = self.a[slot, :r], self.b[slot, :, :r]
-            xs = x.index_select(0, rows)
+            whole = rows is None  # the slot has every row of the step: no gather, no scatter
+            xs = x if whole else x.index_select(0, rows)
             delta = _tiled(xs, a, b) if x.device.type == "cpu" else F.linear(F.linear(xs, a), b)
-            out.index_add_(0, rows, delta)
+            if whole:
+                out.add_(delta)
+            else:
+                out.index_add_(0, rows, delta)
 
 
 def _tiled(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -460,7 +464,8 @@ class LoRAWeights:
         if empty:
             raise LoRAError(f"LoRA slot {empty[0]} holds no adapter")
         device = token_slots.device
-        groups = [(s, torch.nonzero(slots == s).flatten().to(device)) for s in used]
+        whole = len(used) == 1 and int(slots.min()) >= 0
+        groups = [(used[0], None)] if whole else [(s, torch.nonzero(slots == s).flatten().to(device)) for s in used]
         self.step = _Step(slots.shape[0], groups)
 
     @property

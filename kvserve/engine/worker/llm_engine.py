@@ -71,6 +71,12 @@ class LLMEngine:
         built = getattr(getattr(self.runner, "model", None), "backend", None)
         # The numerics in force: the plan's, unless the built model fell back from the fused decoder.
         self.numerics = self.plan.numerics if built is None or built.invariant else "fast"
+        if self.adapters is not None and self.numerics != "fast" and self.plan.fused:
+            # A step with an adapter's rows runs per op, its base rows too: their bits then differ from a step
+            # the fused decoder runs (each adapter row's delta is invariant; models/lora.py).
+            log.info("%s: LoRA adapters on the fused decoder: numerics = fast (a base row's bits depend on whether "
+                     "an adapter's rows share its step)", model_id or config.model)
+            self.numerics = "fast"
         cache_cfg = self.config.cache
         log.info("loaded %s (%s, %s, path %s, numerics %s) in %.1fs: %d KV blocks of %d tokens and %d layers in %d "
                  "KV groups (%s, %d bytes a token a device), %d host blocks%s", self.model_id, self.dtype, self.device,
