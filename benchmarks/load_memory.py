@@ -41,23 +41,18 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks import shapes
+
 TARGET_BYTES = 10**9  # the issue's "+ 1 GB"
 SHARD_BYTES = 5 * 10**9  # the hub's Llama 3.1 8B: shards of about 5 GB
 GB = 1e9
 
 
 @dataclass(frozen=True)
-class Shape:
-    name: str
-    model: str  # the real model whose shape this is
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    context: int
+class Shape(shapes.Shape):
+    """A model's shape (benchmarks/shapes.py) as a checkpoint of its own: its context and safetensors shards."""
+
+    context: int = 131072
     shard_bytes: int = SHARD_BYTES
 
     @property
@@ -67,9 +62,9 @@ class Shape:
         return self.layers * layer + 2 * self.vocab * self.hidden + self.hidden
 
 
-LLAMA_8B = Shape("llama-3.1-8b", "Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128, 128256, 131072)
+LLAMA_8B = Shape("llama-3.1-8b", "Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128, vocab=128256, context=131072)
 # The same layout, tiny: the whole pipeline in seconds (SmolLM2's tokenizer sets the smallest vocabulary).
-TINY = Shape("tiny-llama", "a tiny Llama", 64, 128, 2, 4, 2, 16, 49152, 2048, shard_bytes=4 << 20)
+TINY = Shape("tiny-llama", "a tiny Llama", 64, 128, 2, 4, 2, 16, vocab=49152, context=2048, shard_bytes=4 << 20)
 ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
