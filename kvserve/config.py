@@ -808,6 +808,9 @@ class ServedModel:
     # Qwen, NousResearch), "mistral" ([TOOL_CALLS] and a JSON list), "llama3_json" (Llama 3.1/3.2's JSON with
     # "parameters"), or "auto": the one its chat template writes, else hermes.
     tool_call_parser: str = "auto"
+    # "eager": loaded when the server starts, and kept; "on_demand": loaded by its first request, and unloaded while
+    # idle when another model needs its memory ([server] model_memory)
+    load: str = "eager"
     fleet: ModelFleet = field(default_factory=ModelFleet)
     price: ModelPrice = field(default_factory=ModelPrice)
 
@@ -818,7 +821,8 @@ class ServedModel:
                              tool_call_parser=(lambda v: v in TOOL_CALL_PARSERS, ", ".join(TOOL_CALL_PARSERS)),
                              version=(lambda v: isinstance(v, str) and v != "", "a non-empty string"),
                              source=(lambda v: isinstance(v, str) and v != "", "a path, a catalog id or pkg:..."),
-                             role=(lambda v: v in ("", "fast", "capable"), "fast, capable or empty")))
+                             role=(lambda v: v in ("", "fast", "capable"), "fast, capable or empty"),
+                             load=(lambda v: v in ("eager", "on_demand"), "eager or on_demand")))
         try:
             tp = self.engine_config().tensor_parallel_size
         except ConfigError as e:
@@ -861,6 +865,10 @@ class ServerConfig:
     # autoscaler takes the interactive one as its TTFT target)
     ttft_target_ms: dict = field(default_factory=lambda: {"interactive": 500.0, "batch": 10_000.0})
     max_body_bytes: int = 1 << 20  # a request body above this is refused (413)
+    # Models loaded by demand (`load = "on_demand"`, service/residency.py): the bytes the served models' weights and
+    # KV pools may hold together (None: no bound); the least recently used idle one is unloaded to make room
+    model_memory: int | None = None
+    load_wait_s: float = 30.0  # a request for a model not loaded waits this long for its load, then 503 model_warming
     default_max_tokens: int = 1024  # when a request sets no max_tokens (also capped by the remaining context)
     metrics_window_s: float = 60.0  # the window of recent requests and steps /v1/metrics/serving and load read
     load_sample_interval_s: float = 5.0  # how often the server samples KV use and queues for the dashboard
@@ -892,6 +900,8 @@ class ServerConfig:
                             and all(_is_number(x) and x > 0 for x in v.values()),
                             "a table of interactive/batch -> milliseconds > 0"),
             max_body_bytes=POSITIVE_INT, default_max_tokens=POSITIVE_INT, metrics_window_s=POSITIVE_NUMBER,
+            model_memory=(lambda v: v is None or (_is_int(v) and v > 0), "a byte size such as 24GiB, or unset"),
+            load_wait_s=NONNEG_NUMBER,
             load_sample_interval_s=POSITIVE_NUMBER, load_history_samples=POSITIVE_INT,
             auth_cache_ttl_s=NONNEG_NUMBER, load_high_fraction=FRACTION, load_shedding_fraction=FRACTION,
             prompt_cache_max_retention_s=NONNEG_NUMBER,
@@ -913,14 +923,14 @@ class ServerConfig:
         data = tomllib.loads(Path(path or DEFAULT_CONFIG).read_text())
         server = dict(data.get("server", {}))
         auto = server.pop("auto", {})
-        for key in ("max_body_bytes",):
+        for key in ("max_body_bytes", "model_memory"):
             if key in server and isinstance(server[key], str):
                 server[key] = parse_bytes(server[key])
         models_data = data.get("models")
         if not models_data and path is not None:
             models_data = tomllib.loads(Path(DEFAULT_CONFIG).read_text()).get("models", [])
         known = {"id", "source", "role", "description", "install", "version", "reasoning_parser", "tool_call_parser",
-                 "fleet", "price"}
+                 "load", "fleet", "price"}
         models = []
         for i, m in enumerate(models_data or []):
             missing = [k for k in ("id", "source") if k not in m]
@@ -930,6 +940,7 @@ class ServerConfig:
                                       description=m.get("description", ""), version=str(m.get("version", "1")),
                                       reasoning_parser=m.get("reasoning_parser", "auto"),
                                       tool_call_parser=m.get("tool_call_parser", "auto"),
+                                      load=m.get("load", "eager"),
                                       fleet=_table(ModelFleet, m.get("fleet", {}), f"[models.fleet] ({m['id']})"),
                                       price=_table(ModelPrice, m.get("price", {}), f"[models.price] ({m['id']})"),
                                       engine_args={k: v for k, v in m.items() if k not in known}))

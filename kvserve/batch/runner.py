@@ -137,8 +137,11 @@ class BatchRunner:
             state, result = "done", None
             try:
                 c = self.service.open(kind, req, b.tenant, key=f"{b.id}-{line}")
-                await self.service.start(c)
-                finals = await c.finals()
+                try:
+                    await self.service.start(c)
+                    finals = await c.finals()
+                finally:
+                    c.release()
                 body = c.response(finals).model_dump(mode="json")
                 result = _line_result(custom_id, 200, c.response_id, body)
             except RETRY_LATER:

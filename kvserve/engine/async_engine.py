@@ -95,6 +95,8 @@ class _QueueStream:
 class AsyncLLM:
     """The in-process EngineClient (engine/client.py): an LLMEngine stepping in its own thread."""
 
+    loads_in_process = True  # its model's memory is this process's: the server may load it by demand
+
     def __init__(self, config: EngineConfig, model_id: str | None = None,
                  on_step: Callable | None = None, on_finish: Callable[[RequestOutput], None] | None = None,
                  engine_factory: Callable | None = None):
@@ -147,7 +149,8 @@ class AsyncLLM:
         prefix cache to the disk tier for a restart (kv_disk_flush_seconds more at most)."""
         self._stop = True
         self._wake.set()
-        self._thread.join(timeout + self.config.cache.kv_disk_flush_seconds)
+        if self._thread.ident is not None:  # started (a model loaded by demand may never have been)
+            self._thread.join(timeout + self.config.cache.kv_disk_flush_seconds)
         self.status = EngineStatus.STOPPED
 
     @property

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 
 class EngineStatus(str, enum.Enum):
+    UNLOADED = "unloaded"  # a model loaded by demand, not loaded now (service/residency.py)
     WARMING = "warming"
     READY = "ready"
     DRAINING = "draining"
@@ -93,7 +94,7 @@ def check_available(client: EngineClient) -> None:
     status = client.status
     if status == EngineStatus.READY:
         return
-    if status == EngineStatus.WARMING:
+    if status in (EngineStatus.WARMING, EngineStatus.UNLOADED):
         raise ModelWarming(f"model {client.model_id} is still loading; retry shortly")
     if status in (EngineStatus.DRAINING, EngineStatus.STOPPED):
         raise ServerDraining(f"model {client.model_id} is draining for shutdown")

@@ -18,6 +18,11 @@ class Place:
         self._owner = owner
         self._held = True
         self.passed_on = False
+        self._on_release: list = []
+
+    def on_release(self, fn) -> None:
+        """Call `fn` when the place is given back (the call's model may then be unloaded: service/residency.py)."""
+        self._on_release.append(fn)
 
     def pass_on(self) -> None:
         """The call's response now owns the place: its end calls `release`, not the `with` block."""
@@ -27,6 +32,8 @@ class Place:
         if self._held:
             self._held = False
             self._owner._count -= 1
+            for fn in self._on_release:
+                fn()
 
 
 class InFlight:

@@ -215,6 +215,7 @@ async def produce(call: Call, inflight: InflightResponse | None, place: Place,
     """The service's response to the call: JSON, or a stream that holds the call's `place` in flight till it ends."""
     service = call.state.service
     c = call.completion = service.open(call.kind, call.req, call.tenant)
+    place.on_release(c.release)
     c.resume = resume
     await service.start(c)
     receive = call.request.receive

@@ -105,13 +105,15 @@ class ServerState:
             if self.regions.budgets is not None:  # budgets shared by the regions: the gate asks for leases
                 self.service.metering.share = self.regions.budgets
         for handle in self.models.values():
-            handle.client.start()  # loads in its own thread; the server listens meanwhile
+            if handle.on_demand:  # loaded by its first request (service/residency.py)
+                continue
+            handle.start()  # loads in its own thread; the server listens meanwhile
             log.info("loading model %s (%s) in the background", handle.id, handle.spec.source)
         if self.ready_models:
             from kvserve.engine.client import EngineStatus
 
             deadline = time.monotonic() + self.config.fleet.route_timeout_s
-            while time.monotonic() < deadline and any(h.client.status == EngineStatus.WARMING
+            while time.monotonic() < deadline and any(h.status == EngineStatus.WARMING
                                                       for h in self.models.values()):
                 await asyncio.sleep(0.1)
 

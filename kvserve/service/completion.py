@@ -11,6 +11,7 @@ one usage row with the engine's real token counts), whether it finished or was a
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -18,7 +19,7 @@ from functools import partial
 from typing import AsyncIterator
 
 from kvserve.config import ServerConfig
-from kvserve.engine.client import RequestStream, check_available
+from kvserve.engine.client import EngineStatus, RequestStream, check_available
 from kvserve.engine.errors import (CapacityExhausted, ContextLengthExceeded, InsufficientQuota, InvalidRequest,
                                    ModelWarming, QueueTimeout, RateLimitExceeded, ServerDraining)
 from kvserve.engine.outputs import RequestOutput
@@ -30,6 +31,7 @@ from kvserve.service.gate import MeteringGate
 from kvserve.service.metrics import ServerMetrics
 from kvserve.service.models import ClientFactory, ModelHandle, RequestInfo, calibrated_client, resolve_served
 from kvserve.service.reasoning import ThinkingFormat
+from kvserve.service.residency import ModelState, to_unload
 from kvserve.service.responses import StreamChunks, TokenText, full_response
 from kvserve.service.resume import ResumeMismatch, ResumePoint, TokenDigest, resumable
 from kvserve.service.tool_formats import ToolFormat
@@ -70,6 +72,13 @@ class Completion:
     # A chat: the format its model writes tool calls in (service/tool_formats.py), for its prompt and its calls
     tool_format: ToolFormat | None = None
     adapter: str | None = None  # the LoRA adapter the request named (its `model`), or None: the base model
+    released: bool = False  # its model's count of open calls was given back (release)
+
+    def release(self) -> None:
+        """The call's response has ended: its model may be unloaded again (models loaded by demand)."""
+        if not self.released:
+            self.released = True
+            self.handle.users -= 1
 
     @property
     def resumable(self) -> bool:
@@ -167,6 +176,15 @@ class Completion:
         return StreamChunks(self)
 
 
+log = logging.getLogger(__name__)
+
+
+def _warming(message: str) -> ModelWarming:
+    e = ModelWarming(message)
+    e.retry_after = 5.0
+    return e
+
+
 class CompletionService:
     """The served models and the completion path over them."""
 
@@ -180,6 +198,7 @@ class CompletionService:
         self.models: dict[str, ModelHandle] = {
             m.id: ModelHandle(m, config, self.metrics, self.ledger, client_factory) for m in config.models}
         self.draining = False
+        self._residency = asyncio.Lock()  # one load (and the unloads that make room for it) at a time
 
     def open(self, kind: str, req: Request, tenant: str, key: str | None = None) -> Completion:
         """A call routed to its model (the id it names, or the "auto" policy's choice), not yet started.
@@ -189,11 +208,64 @@ class CompletionService:
             raise ServerDraining("the server is draining for shutdown; retry on another replica")
         handle, adapter = resolve_served(self.models, self.config, req.model, req.priority, req.prompt_chars())
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        # Open on its model from now until the caller's release(): never unloaded under it (ensure_loaded).
+        handle.users += 1
+        handle.last_used = time.monotonic()
         return Completion(handle, kind, req, tenant, prefix + (key or uuid.uuid4().hex), service=self, adapter=adapter)
+
+    async def ensure_loaded(self, handle: ModelHandle) -> None:
+        """A model loaded by demand, loaded and ready: the least recently used idle ones unloaded first where the
+        model memory needs it (service/residency.py). ModelWarming (503, Retry-After) once load_wait_s has passed
+        without room or without the load finishing; the load goes on."""
+        if not handle.on_demand:
+            return
+        if handle.started and not handle.unloading:
+            return await self._wait_ready(handle, time.monotonic() + self.config.load_wait_s)
+        deadline = time.monotonic() + self.config.load_wait_s
+        async with self._residency:
+            while not handle.started:
+                states = [ModelState(m.id, m.resident_bytes(), m.started, m.users > 0, m.last_used,
+                                     m.on_demand and not m.pinned) for m in self.models.values()]
+                victims = to_unload(states, handle.id, self.config.model_memory)
+                if victims is not None:
+                    await self._unload([self.models[v] for v in victims])
+                    handle.start()
+                    log.info("loading model %s by demand%s", handle.id,
+                             f" (unloaded {', '.join(victims)})" if victims else "")
+                    break
+                if time.monotonic() >= deadline:
+                    raise _warming(f"model {handle.id} is not loaded, and the loaded models that hold the model "
+                                   "memory are busy or pinned; retry shortly")
+                await asyncio.sleep(0.1)
+        await self._wait_ready(handle, deadline)
+
+    async def unload(self, handle: ModelHandle) -> None:
+        """An admin's unload of an idle model loaded by demand (under the residency lock: no load meanwhile)."""
+        async with self._residency:
+            if handle.started and not handle.users:
+                await self._unload([handle])
+
+    async def _unload(self, handles: list[ModelHandle]) -> None:
+        for h in handles:
+            h.unloading = True
+        try:
+            for h in handles:
+                await asyncio.to_thread(h.unload)
+                log.info("unloaded model %s to make room", h.id)
+        finally:
+            for h in handles:
+                h.unloading = False
+
+    async def _wait_ready(self, handle: ModelHandle, deadline: float) -> None:
+        while handle.status is EngineStatus.WARMING and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if handle.status is EngineStatus.WARMING and handle.on_demand:
+            raise _warming(f"model {handle.id} is loading; retry shortly")
 
     async def start(self, c: Completion) -> Completion:
         """Check availability, tokenize and submit the call's engine requests; typed errors when refused."""
         try:
+            await self.ensure_loaded(c.handle)
             check_available(c.handle.client)
             prompts = await self._tokenize(c)
             c.text = TokenText(c.handle.client.tokenizer)

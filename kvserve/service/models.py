@@ -64,8 +64,57 @@ class ModelHandle:
         self.created = int(time.time())
         self.requests: dict[str, RequestInfo] = {}  # engine request id -> info (event loop adds, engine thread pops)
         self._lock = threading.Lock()
+        self._client_factory = client_factory
         self.client: EngineClient = client_factory(spec, self.engine_config, self._on_step, self._on_finish)
         self._from_tokenizer: dict[str, Any] = {}  # what is decided once the tokenizer is known (_decided)
+        # Residency (service/residency.py): whether its engine was started (loading or loaded), the calls open on
+        # it (routed and not yet answered: CompletionService.open to Completion.release), when one last came, an
+        # admin's pin, and whether it is being unloaded now.
+        self.on_demand = spec.load == "on_demand" and getattr(self.client, "loads_in_process", False)
+        self.started = False
+        self.users = 0
+        self.last_used = 0.0
+        self.pinned = False
+        self.unloading = False
+
+    # ---- residency (models loaded by demand) -------------------------------------------------
+    def start(self) -> None:
+        """Start loading its engine (in the engine's own thread)."""
+        if not self.started:
+            self.started = True
+            self.client.start()
+
+    def unload(self) -> None:
+        """Stop its engine and free its memory (blocking: run off the event loop). Only when idle: no call open."""
+        import gc
+
+        from kvserve.models.loader import return_freed_memory
+
+        old = self.client
+        old.drain()
+        old.stop(10.0)
+        self.client = self._client_factory(self.spec, self.engine_config, self._on_step, self._on_finish)
+        self.started = False
+        old.engine = old.core = None  # its model and KV pool go with their last references
+        del old
+        gc.collect()
+        return_freed_memory()
+
+    def resident_bytes(self) -> int:
+        """What it holds loaded: measured once loaded, else estimated (its checkpoint's files and its KV memory)."""
+        engine = getattr(self.client, "engine", None)
+        if engine is not None and hasattr(engine, "resident_bytes"):
+            return engine.resident_bytes
+        from kvserve.models.backend import DEFAULT_CPU_KV_MEMORY
+        from kvserve.models.catalog import resolve_source
+
+        try:
+            path = resolve_source(self.spec.source, self.spec.engine_args.get("install", ""))
+            files = [path] if path.is_file() else [p for p in path.iterdir() if p.is_file()]
+            weights = sum(p.stat().st_size for p in files)
+        except Exception:  # noqa: BLE001 - not installed yet: its load will say so
+            weights = 0
+        return weights + (self.engine_config.cache.kv_cache_memory or DEFAULT_CPU_KV_MEMORY)
 
     # ---- engine-thread hooks (thread-safe work only) -----------------------------------------
     def _on_step(self, client: EngineClient, step) -> None:
@@ -146,7 +195,7 @@ class ModelHandle:
 
     @property
     def status(self) -> EngineStatus:
-        return self.client.status
+        return self.client.status if self.started or not self.on_demand else EngineStatus.UNLOADED
 
     @property
     def max_model_len(self) -> int:

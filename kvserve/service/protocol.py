@@ -702,7 +702,10 @@ class ModelCard(BaseModel):
     # A LoRA adapter's card (vLLM's fields): the model it adapts, and where its weights were read from.
     parent: str | None = None
     root: str | None = None
+    # "ready", "warming" (loading), "unloaded" (loaded by demand, not now), "draining", "failed" or "stopped"
     status: str
+    load: str = "eager"  # "eager" or "on_demand" (docs/models.md#models-loaded-by-demand)
+    load_seconds: float | None = None  # how long its last load took
     role: str = ""
     p50_ttft_ms: float | None = None
     inflight: int = 0
@@ -735,6 +738,13 @@ class UnloadLoRAAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1)
     model: str | None = None
+
+
+class PinRequest(BaseModel):
+    """POST /v1/admin/models/{id}/pin: a pinned model is never unloaded to make room for another."""
+
+    model_config = ConfigDict(extra="forbid")
+    pinned: bool = True
 
 
 class ModelList(BaseModel):

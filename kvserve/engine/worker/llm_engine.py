@@ -66,6 +66,7 @@ class LLMEngine:
         tier = self._open_tiers(path)
         prior = step_time_prior.model() if step_time_prior is not None and step_time_prior.fits(self.dtype) else None
         self.core = self._build_core(num_blocks, num_host_blocks, tier, clock, prior)
+        self.num_blocks = num_blocks
         self._request_ids = itertools.count()
         self.load_seconds = time.perf_counter() - t0
         built = getattr(getattr(self.runner, "model", None), "backend", None)
@@ -181,6 +182,13 @@ class LLMEngine:
                            graphs=GraphPlan(capture_cuda_graph(torch.cuda.graph_pool_handle()),
                                             config.scheduler.max_num_seqs, self.max_model_len)
                            if self.plan.cuda_graphs else None, pages_contiguous=self.plan.kv_pages_contiguous)
+
+    @property
+    def resident_bytes(self) -> int:
+        """What the loaded model holds on its device: its weights (this process's rank) and its KV pool."""
+        model = getattr(self.runner, "model", None)
+        weights = model.weight_bytes() if model is not None else 0
+        return weights + self.num_blocks * self.kv_page_bytes
 
     def _enable_lora(self):
         """The model's adapters (engine/worker/adapters.py) and the runner's slots for them; the configured ones

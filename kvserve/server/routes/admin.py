@@ -73,3 +73,52 @@ async def set_limits(request: Request, name: str):
     body = p.LimitsRequest.model_validate(await read_json_body(request, state.config.max_body_bytes))
     await asyncio.to_thread(state.store.store.rate_limits.set_limits, name, body.rpm, body.tpm)
     return JSONResponse({"tenant": name, "rpm": body.rpm, "tpm": body.tpm})
+
+
+# ---- models loaded by demand (service/residency.py) ----------------------------------------------
+
+def _model(state: ServerState, model_id: str):
+    h = state.models.get(model_id)
+    if h is None:
+        raise APIError(404, f"The model {model_id!r} does not exist", "invalid_request_error", "model_not_found",
+                       param="model")
+    return h
+
+
+def _residency_json(h) -> dict:
+    return {"id": h.id, "status": h.status.value, "load": "on_demand" if h.on_demand else "eager",
+            "pinned": h.pinned, "open_calls": h.users}
+
+
+@router.post("/models/{model_id}/load")
+async def load_model(request: Request, model_id: str):
+    """Load a model loaded by demand now (making room as a request would), waiting up to load_wait_s."""
+    state = await require_admin(request)
+    h = _model(state, model_id)
+    await state.service.ensure_loaded(h)
+    return JSONResponse(_residency_json(h))
+
+
+@router.post("/models/{model_id}/unload")
+async def unload_model(request: Request, model_id: str):
+    """Unload an idle model loaded by demand (409 while a call is open on it)."""
+    state = await require_admin(request)
+    h = _model(state, model_id)
+    if not h.on_demand:
+        raise APIError(400, f"model {model_id} is loaded eagerly (load = \"eager\"); only models loaded by demand "
+                       "unload", "invalid_request_error", "invalid_value", param="model")
+    if h.users:
+        raise APIError(409, f"model {model_id} has {h.users} calls open; unload it when they are answered",
+                       "invalid_request_error", "model_busy", param="model")
+    await state.service.unload(h)
+    return JSONResponse(_residency_json(h))
+
+
+@router.post("/models/{model_id}/pin", openapi_extra=openapi.json_body(p.PinRequest))
+async def pin_model(request: Request, model_id: str):
+    """Pin a model (never unloaded to make room for another), or unpin it with {"pinned": false}."""
+    state = await require_admin(request)
+    h = _model(state, model_id)
+    body = p.PinRequest.model_validate(await read_json_body(request, state.config.max_body_bytes) or {})
+    h.pinned = body.pinned
+    return JSONResponse(_residency_json(h))

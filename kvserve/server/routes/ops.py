@@ -23,7 +23,7 @@ def _models(state: ServerState) -> dict:
     out = {}
     for h in state.models.values():
         health = h.client.health()
-        out[h.id] = {"status": health.status.value, "stalled": h.client.is_stalled(state.config.stall_timeout_s),
+        out[h.id] = {"status": h.status.value, "stalled": h.client.is_stalled(state.config.stall_timeout_s),
                      "inflight": h.client.num_inflight, "error": health.error,
                      "load_seconds": None if health.load_seconds is None else round(health.load_seconds, 3)}
     return out
@@ -43,10 +43,12 @@ async def health(request: Request):
 
 @router.get("/ready")
 async def ready(request: Request):
-    """200 only when every model is loaded and the server is not draining."""
+    """200 only when every model is loaded (or, loaded by demand, not loaded until asked for) and the server is
+    not draining."""
     state: ServerState = request.app.state.kv
     models = {h.id: h.status.value for h in state.models.values()}
-    ok = not state.draining and all(s == EngineStatus.READY.value for s in models.values())
+    ok = not state.draining and all(s in (EngineStatus.READY.value, EngineStatus.UNLOADED.value)
+                                    for s in models.values())
     return JSONResponse({"ready": ok, "draining": state.draining, "models": models}, status_code=200 if ok else 503)
 
 

@@ -109,7 +109,10 @@ async def unload_lora_adapter(request: Request):
 
 def _card(state, h) -> p.ModelCard:
     p50 = state.metrics.window.ttft_p50_ms(h.id)
+    loaded = h.client.health().load_seconds if h.started or not h.on_demand else None
     return p.ModelCard(id=h.id, created=h.created, status=h.status.value, role=h.role,
+                       load="on_demand" if h.on_demand else "eager",
+                       load_seconds=None if loaded is None else round(loaded, 3),
                        p50_ttft_ms=None if p50 is None else round(p50, 3), inflight=h.client.num_inflight,
                        queue_depth=sum(h.waiting_by_tier().values()), max_model_len=h.max_model_len,
                        weights=h.weights, kv_cache_dtype=h.engine_config.cache.kv_cache_dtype, numerics=h.numerics,
