@@ -16,7 +16,8 @@ from kvserve.server.errors import error_body
 from kvserve.service import protocol as p
 from tests.live_server import tiny_model_toml
 
-NO_BODY = {("post", "/v1/batches/{batch_id}/cancel")}  # OpenAI's cancel takes no body; neither does ours
+NO_BODY = {("post", "/v1/batches/{batch_id}/cancel"),  # OpenAI's cancel takes no body; neither does ours
+           ("post", "/v1/admin/models/{model_id}/load"), ("post", "/v1/admin/models/{model_id}/unload")}
 BODIES = {("post", "/v1/chat/completions"): ("application/json", p.ChatCompletionRequest),
           ("post", "/v1/completions"): ("application/json", p.CompletionRequest),
           ("post", "/v1/files"): ("multipart/form-data", p.FileUpload),
@@ -24,7 +25,10 @@ BODIES = {("post", "/v1/chat/completions"): ("application/json", p.ChatCompletio
           ("put", "/v1/admin/tenants/{name}/budget"): ("application/json", p.BudgetRequest),
           ("post", "/v1/region/escrow/lease"): ("application/json", p.EscrowLease),
           ("post", "/v1/region/escrow/release"): ("application/json", p.EscrowRelease),
-          ("put", "/v1/admin/tenants/{name}/limits"): ("application/json", p.LimitsRequest)}
+          ("put", "/v1/admin/tenants/{name}/limits"): ("application/json", p.LimitsRequest),
+          ("post", "/v1/load_lora_adapter"): ("application/json", p.LoadLoRAAdapterRequest),
+          ("post", "/v1/unload_lora_adapter"): ("application/json", p.UnloadLoRAAdapterRequest),
+          ("post", "/v1/admin/models/{model_id}/pin"): ("application/json", p.PinRequest)}
 
 
 @pytest.fixture(scope="module")
