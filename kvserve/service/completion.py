@@ -224,8 +224,10 @@ class CompletionService:
         deadline = time.monotonic() + self.config.load_wait_s
         async with self._residency:
             while not handle.started:
+                # A model still loading is not unloaded: its load would go on in its thread, past the stop.
                 states = [ModelState(m.id, m.resident_bytes(), m.started, m.users > 0, m.last_used,
-                                     m.on_demand and not m.pinned) for m in self.models.values()]
+                                     m.on_demand and not m.pinned and m.status is not EngineStatus.WARMING)
+                          for m in self.models.values()]
                 victims = to_unload(states, handle.id, self.config.model_memory)
                 if victims is not None:
                     await self._unload([self.models[v] for v in victims])
