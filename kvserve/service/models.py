@@ -3,6 +3,7 @@ accounting: metrics and the usage row; the load signal; routing among models).
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -105,6 +106,12 @@ class ModelHandle:
         engine = getattr(self.client, "engine", None)
         if engine is not None and hasattr(engine, "resident_bytes"):
             return engine.resident_bytes
+        return self._estimated_bytes
+
+    @functools.cached_property
+    def _estimated_bytes(self) -> int:
+        """Its checkpoint's files and its KV memory: resolved and summed once (a pkg: source may be assembled on the
+        way), not on each look of a waiting load."""
         from kvserve.models.backend import DEFAULT_CPU_KV_MEMORY
         from kvserve.models.catalog import resolve_source
 
