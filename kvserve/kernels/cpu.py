@@ -135,7 +135,7 @@ class NativeKernels:
             f.argtypes, f.restype = [_PTR, _I64, _I64, _PTR], None
         self._forward = self._lib.kvserve_forward_bf16
         self._forward.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR,
-                                  _PTR, _I64, _PTR]
+                                  _PTR, _I64, _PTR, _PTR]
         self._forward.restype = _I64
 
     def quantize_kv(self, x: torch.Tensor) -> torch.Tensor:
@@ -344,7 +344,8 @@ class NativeKernels:
                 positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                 context_lens: torch.Tensor, tile_chunks: torch.Tensor | None = None, first_layer: int = 0,
                 state: torch.Tensor | None = None, stop: ctypes.c_int32 | None = None,
-                shadow_blocks: torch.Tensor | None = None, shadow_tables: torch.Tensor | None = None) -> int:
+                shadow_blocks: torch.Tensor | None = None, shadow_tables: torch.Tensor | None = None,
+                lora_slots: torch.Tensor | None = None) -> int:
         """hidden [T, H] bf16 embeddings -> the final-normed hidden states, in place (see decoder_cpu.cpp).
         Per token: positions, context_lens [T], and per KV group (a layer reads its LayerParams.kv_group's)
         slots [G, T] and block_tables [G, T, width] (or [T] and [T, width] for one group), all int64 and
@@ -359,7 +360,10 @@ class NativeKernels:
 
         8-bit caches (model_params.kv_int8): rows attending alone dequantize their own keys and values; for
         the tile chunks, shadow_blocks [B] int64 lists the cache blocks they read and their rows of
-        shadow_tables (block_tables' shape) index that list (each layer dequantizes those blocks once)."""
+        shadow_tables (block_tables' shape) index that list (each layer dequantizes those blocks once).
+
+        lora_slots [T] int32 contiguous: each token's LoRA adapter slot (-1: the base model), whose weights the
+        layer table's lora_* fields hold; None: no adapter in the step."""
         if not self.fused:
             raise RuntimeError("the fused decoder needs AMX or AVX2")
         if not hidden.is_contiguous():
@@ -369,6 +373,9 @@ class NativeKernels:
             raise ValueError("state must be a contiguous bf16 [2, T, H] tensor")
         if not (block_tables.is_contiguous() and slot_mapping.is_contiguous()):
             raise ValueError("block_tables and slot_mapping must be contiguous (a group's rows follow the last's)")
+        if lora_slots is not None and (lora_slots.dtype != torch.int32 or not lora_slots.is_contiguous()
+                                       or lora_slots.numel() != hidden.shape[0]):
+            raise ValueError("lora_slots must be a contiguous int32 [T] tensor")
         chunks = 0 if tile_chunks is None else tile_chunks.shape[0]
         return self._forward(ctypes.byref(model_params), layer_params, hidden.data_ptr(), hidden.shape[0],
                              positions.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
@@ -378,7 +385,8 @@ class NativeKernels:
                              ctypes.addressof(stop) if stop is not None else None,  # ignored without state
                              shadow_blocks.data_ptr() if shadow_blocks is not None else None,
                              shadow_blocks.shape[0] if shadow_blocks is not None else 0,
-                             shadow_tables.data_ptr() if shadow_tables is not None else None)
+                             shadow_tables.data_ptr() if shadow_tables is not None else None,
+                             lora_slots.data_ptr() if lora_slots is not None else None)
 
 
 def _qweight_fields(name: str = "") -> list[tuple[str, type]]:
@@ -394,6 +402,13 @@ class QWeight(ctypes.Structure):
     _fields_ = _qweight_fields()
 
 
+class LoraModule(ctypes.Structure):
+    """lora_cpu.h's LoraModule: one projection's adapter slots (models/lora._ModuleSlots), by address."""
+
+    _fields_ = [("a", _PTR), ("bt", _PTR), ("part_rows", _PTR), ("capacity", _I64), ("parts", _I64),
+                ("part_end", _I64 * 3), ("interleaved", _I64)]
+
+
 class LayerParams(ctypes.Structure):
     """decoder_step.h's LayerParams: one layer's packed weights, norms, cache and rotary tables, by address."""
 
@@ -402,7 +417,8 @@ class LayerParams(ctypes.Structure):
                 + [field for name in ("qkv", "o", "gate_up", "down") for field in _qweight_fields(name)]
                 + [(name, _PTR) for name in ("key_cache", "value_cache", "cos", "sin")]
                 + [("window", _I64), ("scale", _F32), ("kv_group", _I64), ("qkv_bias", _PTR)]
-                + [(name, _PTR) for name in ("router", "expert_gate_up", "expert_down")] + [("num_experts", _I64)])
+                + [(name, _PTR) for name in ("router", "expert_gate_up", "expert_down")] + [("num_experts", _I64)]
+                + [(f"lora_{name}", LoraModule) for name in ("qkv", "o", "gate_up", "down")])
 
 
 class ModelParams(ctypes.Structure):
@@ -412,7 +428,7 @@ class ModelParams(ctypes.Structure):
                                           "num_blocks", "block_size", "act")] + [
         ("eps", _F32), ("norm_unit_offset", _I64), ("final_norm", _PTR), ("phase_seconds", _PTR), ("kv_int8", _I64),
         ("invariant", _I64), ("int8_acts", _I64), ("experts_per_token", _I64), ("expert_inter", _I64),
-        ("norm_topk", _I64)]
+        ("norm_topk", _I64), ("max_loras", _I64)]
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@
 //   gemm_quant_avx2.h    the quantized GEMM with AVX2 (integer products)
 //   gemm.h               the GEMM on a weight of any kind, and its store epilogue
 //   attention_prefill.h  prefill chunks attending together (tiles, row groups)
+//   lora_cpu.h           LoRA adapters' deltas, rows grouped by adapter
 //   decoder_step.h       the decoder stack: layers, phases, barriers
 #include "cpu_common.h"
 #include "decoder_step.h"
@@ -275,14 +276,17 @@ extern "C" void kvserve_dequantize_kv_rows(const void* rows, int64_t n, int64_t 
 // `state` [2, m, H] then holds the residual stream and the last branch, and a call with first_layer =
 // the returned layer goes on from there (hidden is written only at the end). Without a flag (or state)
 // it runs every layer. Returns num_layers when the stack is done.
+//
+// lora_slots [m] int32 (or null: no adapter in the step): each row's LoRA slot, -1 for the base model; the
+// layers' LoraModule fields hold the slots' weights (lora_cpu.h).
 extern "C" int64_t kvserve_forward_bf16(const ModelParams* mp, const LayerParams* layers, void* hidden_ptr,
                                         int64_t m, const int64_t* positions, const int64_t* slot_mapping,
                                         const int64_t* block_tables, int64_t table_stride,
                                         const int64_t* context_lens, const int64_t* tile_chunks,
                                         int64_t num_tile_chunks, int64_t first_layer, void* state,
                                         const int32_t* stop, const int64_t* shadow_blocks, int64_t num_shadow,
-                                        const int64_t* shadow_tables) {
+                                        const int64_t* shadow_tables, const int32_t* lora_slots) {
   return decoder_forward(mp, layers, hidden_ptr, m, positions, slot_mapping, block_tables, table_stride, context_lens,
                          tile_chunks, num_tile_chunks, first_layer, state, stop, shadow_blocks, num_shadow,
-                         shadow_tables);
+                         shadow_tables, lora_slots);
 }

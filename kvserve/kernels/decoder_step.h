@@ -17,6 +17,7 @@
 #include "attention_prefill.h"
 #include "cpu_common.h"
 #include "gemm.h"
+#include "lora_cpu.h"
 
 #include <array>
 
@@ -24,14 +25,34 @@
 
 namespace {
 
-// Epilogue of the gate/up GEMM (blocks alternate gate, up): out [m, n] = act(gate) * up (see gated16).
+// Epilogue of the gate/up GEMM (blocks alternate gate, up): out [m, n] = act(gate) * up (see gated16). With
+// LoRA deltas (lora_cpu.h: [m, 2n] fp32, rows whose row_slot >= 0), a row's gate and up are first rounded to
+// bf16 and its deltas added, as the per-op path adds them to the projection's bf16 output; `interleaved`:
+// the deltas' columns alternate 16 gate and 16 up as the GEMM's blocks do, else all gates then all ups.
 struct GatedTiles {
   bf16* out;
   int64_t n;
   int act;
+  const float* delta = nullptr;
+  const int32_t* row_slot = nullptr;
+  bool interleaved = false;
   void operator()(int64_t r, int64_t nb0, bool, int i0, int i1, const float* c0, const float* c1) const {
     bf16* o = out + (r + i0) * n + (nb0 / 2) * 16;
-    for (int i = i0; i < i1; ++i, o += n) gated16(c0 + i * 16, c1 + i * 16, o, act);
+    for (int i = i0; i < i1; ++i, o += n) {
+      if (delta == nullptr || row_slot[r + i] < 0) {
+        gated16(c0 + i * 16, c1 + i * 16, o, act);
+        continue;
+      }
+      const float* d = delta + (r + i) * 2 * n;
+      const float* dg = d + (interleaved ? nb0 * 16 : (nb0 / 2) * 16);
+      const float* du = d + (interleaved ? (nb0 + 1) * 16 : n + (nb0 / 2) * 16);
+      float g[16], u[16];
+      for (int j = 0; j < 16; ++j) {
+        g[j] = bf16_rounded(bf16_rounded(c0[i * 16 + j]) + dg[j]);
+        u[j] = bf16_rounded(bf16_rounded(c1[i * 16 + j]) + du[j]);
+      }
+      gated16(g, u, o, act);
+    }
   }
 };
 
@@ -82,6 +103,8 @@ struct LayerParams {
   const QWeight* expert_gate_up;
   const QWeight* expert_down;
   int64_t num_experts;
+  // LoRA adapters' slots per projection (lora_cpu.h; a == nullptr: none attached).
+  LoraModule lora_qkv, lora_o, lora_gate_up, lora_down;
 };
 
 // A token's router logits for experts [e0, e1): fp32 dot products of its row with the router's rows. (The
@@ -135,6 +158,7 @@ struct ModelParams {
                     // their rows attend as a row alone does (AVX2's row groups: NativeDecoder)
   int64_t int8_acts;  // quantized matrices multiply activations quantized to 8 bits (gemm_quant_int8)
   int64_t experts_per_token, expert_inter, norm_topk;  // a mixture of experts' (LayerParams::num_experts)
+  int64_t max_loras;  // the LoRA slots (a row's slot is below it)
 };
 
 // The body of kvserve_forward_bf16 (decoder_cpu.cpp, which says what each argument holds).
@@ -142,7 +166,8 @@ inline int64_t decoder_forward(const ModelParams* mp, const LayerParams* layers,
                                const int64_t* positions, const int64_t* slot_mapping, const int64_t* block_tables,
                                int64_t table_stride, const int64_t* context_lens, const int64_t* tile_chunks,
                                int64_t num_tile_chunks, int64_t first_layer, void* state, const int32_t* stop,
-                               const int64_t* shadow_blocks, int64_t num_shadow, const int64_t* shadow_tables) {
+                               const int64_t* shadow_blocks, int64_t num_shadow, const int64_t* shadow_tables,
+                               const int32_t* lora_slots) {
   int64_t stopped_at = -1;
   if (!kTileAttention && !kWidenedAttention) num_tile_chunks = 0;  // every row attends alone (none are passed)
   const ModelParams& p = *mp;
@@ -161,6 +186,14 @@ inline int64_t decoder_forward(const ModelParams* mp, const LayerParams* layers,
   std::vector<float> route_weights(routed), route_logits(m * max_experts);
   std::vector<int64_t> expert_start(max_experts + 1);
   std::vector<bf16> routed_x(routed * hidden), routed_act(routed * einter), routed_out(routed * hidden);
+  // LoRA: the step's adapter rows by slot, x A^T per row, and the gate/up deltas (lora_cpu.h).
+  LoraGroups lora;
+  lora.build(lora_slots, m, p.max_loras);
+  int64_t lora_cap = 0;
+  for (int64_t l = first_layer; l < p.num_layers && lora.size() > 0; ++l)
+    for (const LoraModule* mod : {&layers[l].lora_qkv, &layers[l].lora_o, &layers[l].lora_gate_up, &layers[l].lora_down})
+      if (mod->a != nullptr) lora_cap = std::max(lora_cap, mod->capacity);
+  std::vector<float> lora_t(lora_cap > 0 ? m * lora_cap : 0), lora_gate_up(lora_cap > 0 ? m * 2 * inter : 0);
   bf16* const residual = state == nullptr ? own_state.data() : static_cast<bf16*>(state);  // the stream
   bf16* const branch = residual + m * hidden;  // the last attention or MLP output
   if (state == nullptr) stop = nullptr;
@@ -217,7 +250,7 @@ inline int64_t decoder_forward(const ModelParams* mp, const LayerParams* layers,
     std::vector<float> scores;
     std::vector<bf16> probs;
     Scratch scratch;
-    std::vector<float> row_f32(max_experts > 0 ? hidden : 0);
+    std::vector<float> row_f32(max_experts > 0 ? hidden : 0), lora_x;
     // Profiling: the master adds each phase's wall time as it leaves the phase's closing barrier.
     const bool clock = p.phase_seconds != nullptr && omp_get_thread_num() == 0;
     double last = clock ? omp_get_wtime() : 0.0;
@@ -257,10 +290,15 @@ inline int64_t decoder_forward(const ModelParams* mp, const LayerParams* layers,
         add_branch_and_norm(x.data(), L.attn_in_norm);
       }
       mark(0);
+        // LoRA (lora_cpu.h): each adapted projection's shrink runs beside its GEMM (no barrier between them), the
+      // expand adds the deltas once the GEMM's barrier has passed; gate/up's deltas come before its GEMM, whose
+      // epilogue adds them ahead of the activation.
+      lora_shrink(L.lora_qkv, lora, x.data(), hidden, lora_t.data(), lora_x);
       if (L.qkv_bias != nullptr)
         gemm(x.data(), m, hidden, L.qkv, qkv_width / 16, ts, BiasedTiles{qkv.data(), qkv_width, L.qkv_bias});
       else
         gemm(x.data(), m, hidden, L.qkv, qkv_width / 16, ts, StoreTiles<bf16>{qkv.data(), qkv_width});
+      lora_expand(L.lora_qkv, lora, qkv_width, lora_t.data(), LoraAddInto{qkv.data(), qkv_width});
       mark(1);
       const QkvStep<bf16> step{p.q_heads, p.kv_heads, hd, L.cos, L.sin, L.q_norm, L.k_norm, p.eps, unit,
                                L.key_cache, L.value_cache, p.num_blocks * p.block_size, kv_int8};
@@ -317,7 +355,9 @@ inline int64_t decoder_forward(const ModelParams* mp, const LayerParams* layers,
         }
       }
       mark(3);
+      lora_shrink(L.lora_o, lora, attn.data(), q_width, lora_t.data(), lora_x);
       gemm(attn.data(), m, q_width, L.o, hidden / 16, ts, StoreTiles<bf16>{branch, hidden});
+      lora_expand(L.lora_o, lora, hidden, lora_t.data(), LoraAddInto{branch, hidden});
       norm_branch(L.attn_out_norm);
       mark(4);
       add_branch_and_norm(x.data(), L.mlp_in_norm);
@@ -330,10 +370,20 @@ inline int64_t decoder_forward(const ModelParams* mp, const LayerParams* layers,
           stopped_at = l + 1;
       };
       if (L.num_experts == 0) {
-        gemm(x.data(), m, hidden, L.gate_up, 2 * inter / 16, ts, GatedTiles{act.data(), inter, static_cast<int>(p.act)});
+        const bool adapted = L.lora_gate_up.a != nullptr && lora.size() > 0;
+        if (adapted) {  // (the zeroing loop's barrier orders the shrink before the expand)
+          lora_shrink(L.lora_gate_up, lora, x.data(), hidden, lora_t.data(), lora_x);
+          lora_zero_rows(lora, lora_gate_up.data(), 2 * inter);
+          lora_expand(L.lora_gate_up, lora, 2 * inter, lora_t.data(), LoraKeep{lora_gate_up.data(), 2 * inter});
+        }
+        gemm(x.data(), m, hidden, L.gate_up, 2 * inter / 16, ts,
+             GatedTiles{act.data(), inter, static_cast<int>(p.act), adapted ? lora_gate_up.data() : nullptr,
+                        lora_slots, L.lora_gate_up.interleaved != 0});
         mark(6);
         read_stop();
+        lora_shrink(L.lora_down, lora, act.data(), inter, lora_t.data(), lora_x);
         gemm(act.data(), m, inter, L.down, hidden / 16, ts, StoreTiles<bf16>{branch, hidden});
+        lora_expand(L.lora_down, lora, hidden, lora_t.data(), LoraAddInto{branch, hidden});
       } else {
         // Route each token, group the step's (token, choice) slots by expert (tokens in order within an
         // expert), then run each chosen expert once over its rows: a step reads only the experts it chose.

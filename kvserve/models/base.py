@@ -39,7 +39,7 @@ class CausalLM(nn.Module):
     norm_unit_offset = False
     embedding_scale: float | None = None
     backend = TORCH  # until use_backend
-    lora = None  # the adapter slots (models/lora.LoRAWeights attaches itself); a step with adapters runs per op
+    lora = None  # the adapter slots (models/lora.LoRAWeights attaches itself, to the fused decoder too)
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -74,8 +74,7 @@ class CausalLM(nn.Module):
         h = self.embed_tokens(input_ids)
         if self.embedding_scale is not None:
             h = h * torch.tensor(self.embedding_scale, dtype=h.dtype)
-        if self.native_decoder is not None and not (self.lora is not None and self.lora.active) \
-                and self.native_decoder.applies(h, meta, kv_caches):  # (the fused kernel adds no LoRA delta)
+        if self.native_decoder is not None and self.native_decoder.applies(h, meta, kv_caches):
             return self.native_decoder(h, positions, kv_caches, meta)
         residual = None  # the residual stream; each layer hands back its last branch unadded (see layers)
         interjection = meta.interjection

@@ -7,13 +7,14 @@ B already in the module's row order as loaded (PEFT's separate q/k/v and gate/up
 module: their A's stacked, B block-diagonal, an untargeted part's rows zero) with each part's scaling folded in.
 `LoRAWeights` holds a model's slots on its device and attaches itself to every attention and dense-MLP projection;
 layers.linear adds the delta of each row's slot after the base product, `set_batch` says which slot each token of
-the step uses (-1: the base model, whose rows get the base result exactly).
+the step uses (-1: the base model, whose rows get the base result exactly). The fused CPU decoder reads the same
+slots (kernels/lora_cpu.h: the step's rows grouped by adapter inside its one call), so a step with adapters stays
+on the fused path.
 
-Batch invariance: on the CPU each adapter's rows are multiplied in tiles of TILE rows (the last padded with zero
-rows), so every product has one shape whatever the step holds and a row's delta is the same bits alone or beside
-others (torch's float32 GEMMs round a row differently with the row count: models/backend._NOT_INVARIANT). The
-base rows' arithmetic is the base model's; a step with adapters runs per op (the fused CPU decoder adds no delta:
-CausalLM.forward checks `active`).
+Batch invariance: per op on the CPU each adapter's rows are multiplied in tiles of TILE rows (the last padded with
+zero rows), so every product has one shape whatever the step holds and a row's delta is the same bits alone or
+beside others (torch's float32 GEMMs round a row differently with the row count: models/backend._NOT_INVARIANT);
+the fused kernel sums each row's products on its own. The base rows' arithmetic is the base model's.
 """
 from __future__ import annotations
 
@@ -67,6 +68,10 @@ class LoRAAdapter:
     # module's untargeted parts zero), scaled. A fused module's separately trained parts (PEFT's q/k/v, gate/up):
     # their A's stacked, B block-diagonal.
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    # Our module path -> per output part of the module (QKV's q, k, v; gate, up; else the one), the rows of A (and
+    # columns of B) it uses: (begin, end), (0, 0) for a part the adapter leaves be. The fused kernel reads only
+    # these (B's other entries are zero).
+    parts: dict[str, list[tuple[int, int]]]
 
     @property
     def nbytes(self) -> int:
@@ -280,7 +285,7 @@ def _assemble(parts: list[_Part], config: ModelConfig, max_rank: int, name: str,
             raise LoRAError(f"{source}: {p.key}'s shapes A {tuple(p.a.shape)}, B {tuple(p.b.shape)} do not fit the "
                             f"model (want A [r, {in_features}], B [{out}, r]): an adapter for another model?")
         by_module.setdefault(f"layers.{p.layer}.{p.module}", []).append(p)
-    weights = {}
+    weights, spans = {}, {}
     for path, found in by_module.items():
         layer = int(path.split(".")[1])
         in_features, rows = module_shapes(config, layer)[path.split(".", 2)[2]]
@@ -290,22 +295,24 @@ def _assemble(parts: list[_Part], config: ModelConfig, max_rank: int, name: str,
         if whole:
             (p,) = whole
             weights[path] = (p.a.contiguous(), (p.b * p.scaling).contiguous())
+            spans[path] = [(0, p.a.shape[0])] * len(rows)
             continue
         found.sort(key=lambda p: p.part)
         starts = [sum(rows[:i]) for i in range(len(rows))]
         total = sum(p.a.shape[0] for p in found)
         a = torch.cat([p.a for p in found])
         b = torch.zeros(sum(rows), total)
-        col = 0
+        col, spans[path] = 0, [(0, 0)] * len(rows)
         for p in found:
             r = p.a.shape[0]
             b[starts[p.part]:starts[p.part] + rows[p.part], col:col + r] = p.b * p.scaling
+            spans[path][p.part] = (col, col + r)
             col += r
         weights[path] = (a.contiguous(), b)
     if not weights:
         raise LoRAError(f"{source}: the adapter has no LoRA weights")
     rank = max(p.a.shape[0] for p in parts)
-    return LoRAAdapter(name=name, rank=rank, scaling=scaling, weights=weights)
+    return LoRAAdapter(name=name, rank=rank, scaling=scaling, weights=weights, parts=spans)
 
 
 # ---- applying ---------------------------------------------------------------------------------
@@ -317,20 +324,26 @@ TILE = 16  # rows per product on the CPU: every shrink and expand has this shape
 class _Step:
     tokens: int  # the step's rows
     groups: list[tuple[int, torch.Tensor | None]]  # (slot, its rows on the model's device; None: all), ascending
+    token_slots: torch.Tensor  # [tokens] int32 on the CPU, contiguous: each row's slot (the fused decoder's)
 
 
 class _ModuleSlots:
-    """One projection's slots: A [max_loras, capacity, in], B [max_loras, out, capacity] in the model's dtype;
-    capacity = max_rank for each part the module fuses (PEFT's q, k and v adapters stack)."""
+    """One projection's slots: A [max_loras, capacity, in] and B transposed, [max_loras, capacity, out] (each
+    rank's outputs contiguous, as the fused kernel's expand reads them), in the model's dtype; capacity = max_rank
+    for each part the module fuses (PEFT's q, k and v adapters stack). `ranks`: the rows of A each slot uses (0:
+    the slot leaves this module be); `part_rows` [max_loras, 3, 2] int32 on the CPU: per slot and output part (of
+    `part_end`, the parts' ends), the rows it uses (LoRAAdapter.parts), for the fused kernel."""
 
-    def __init__(self, owner: "LoRAWeights", module, path: str, in_features: int, out_features: int, parts: int,
+    def __init__(self, owner: "LoRAWeights", module, path: str, in_features: int, rows: list[int],
                  dtype: torch.dtype, device: torch.device):
         self.owner, self.module, self.path = owner, module, path
-        self.in_features, self.out_features = in_features, out_features
-        self.capacity = owner.max_rank * parts
+        self.in_features, self.out_features = in_features, sum(rows)
+        self.part_end = [sum(rows[:i + 1]) for i in range(len(rows))]
+        self.capacity = owner.max_rank * len(rows)
         self.a = torch.zeros(owner.max_loras, self.capacity, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(owner.max_loras, out_features, self.capacity, dtype=dtype, device=device)
-        self.ranks = [0] * owner.max_loras  # per slot: the rows of A in use (0: the slot leaves this module be)
+        self.bt = torch.zeros(owner.max_loras, self.capacity, self.out_features, dtype=dtype, device=device)
+        self.ranks = [0] * owner.max_loras
+        self.part_rows = torch.zeros(owner.max_loras, 3, 2, dtype=torch.int32)
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """out[rows] += (x[rows] A_s^T) B_s^T for each slot s of the step (layers.linear, after the base product)."""
@@ -342,31 +355,32 @@ class _ModuleSlots:
             r = self.ranks[slot]
             if r == 0:
                 continue
-            a, b = self.a[slot, :r], self.b[slot, :, :r]
+            a, bt = self.a[slot, :r], self.bt[slot, :r]
             whole = rows is None  # the slot has every row of the step: no gather, no scatter
             xs = x if whole else x.index_select(0, rows)
-            delta = _tiled(xs, a, b) if x.device.type == "cpu" else F.linear(F.linear(xs, a), b)
+            delta = _tiled(xs, a, bt) if x.device.type == "cpu" else F.linear(xs, a) @ bt
             if whole:
                 out.add_(delta)
             else:
                 out.index_add_(0, rows, delta)
 
 
-def _tiled(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """(x a^T) b^T in products of TILE rows each (zero rows pad the last): one shape, so each row's bits do not
+def _tiled(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
+    """(x a^T) bt in products of TILE rows each (zero rows pad the last): one shape, so each row's bits do not
     depend on how many rows share its adapter in the step."""
     n = x.shape[0]
     pad = -n % TILE
     if pad:
         x = F.pad(x, (0, 0, 0, pad))
-    tiles = [F.linear(F.linear(t, a), b) for t in x.split(TILE)]
+    tiles = [F.linear(t, a) @ bt for t in x.split(TILE)]
     return (tiles[0] if len(tiles) == 1 else torch.cat(tiles))[:n]
 
 
 class LoRAWeights:
-    """A model's adapter slots on its device: per targeted module A [max_loras, max_rank, in] and
-    B [max_loras, out, max_rank] (max_rank per fused part; zeros where an adapter does not target a module or its
-    rank is lower), in the model's dtype; and the current step's rows (`set_batch`)."""
+    """A model's adapter slots on its device: per targeted module A [max_loras, max_rank, in] and B^T
+    [max_loras, max_rank, out] (max_rank per fused part; zeros where an adapter does not target a module or its
+    rank is lower), in the model's dtype; and the current step's rows (`set_batch`). A model with the fused CPU
+    decoder hands it the slots' addresses (NativeDecoder.attach_lora)."""
 
     def __init__(self, model, max_loras: int, max_rank: int):
         if max_loras < 1 or max_rank < 1:
@@ -390,17 +404,18 @@ class LoRAWeights:
                 if module.weight.numel() and tuple(module.weight.shape) != (sum(rows), in_features):
                     raise ConfigError(f"layers.{i}.{name} holds {tuple(module.weight.shape)}, not the config's "
                                       f"{(sum(rows), in_features)}: LoRA needs the whole projection")
-                slots = _ModuleSlots(self, module, f"layers.{i}.{name}", in_features, sum(rows), len(rows), dtype,
-                                     device)
+                slots = _ModuleSlots(self, module, f"layers.{i}.{name}", in_features, rows, dtype, device)
                 self.modules[slots.path] = slots
                 module.lora = slots
         self.adapters: list[str | None] = [None] * max_loras  # each slot's adapter's name
         self.step: _Step | None = None
         model.lora = self
+        if getattr(model, "native_decoder", None) is not None:
+            model.native_decoder.attach_lora(self)
 
     @property
     def nbytes(self) -> int:
-        return sum(s.a.numel() * s.a.element_size() + s.b.numel() * s.b.element_size() for s in self.modules.values())
+        return sum(s.a.numel() * s.a.element_size() + s.bt.numel() * s.bt.element_size() for s in self.modules.values())
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Copy the adapter into the slot (what it held before is replaced), B's rows in the module's own order."""
@@ -417,15 +432,14 @@ class LoRAWeights:
                 raise LoRAError(f"adapter {adapter.name!r}: {path} has rank {r}, above the slots' {slots.capacity} "
                                 f"(max LoRA rank {self.max_rank})")
         for path, slots in self.modules.items():
-            slots.a[slot].zero_()
-            slots.b[slot].zero_()
-            slots.ranks[slot] = 0
+            self._clear(slots, slot)
             if path in adapter.weights:
                 a, b = adapter.weights[path]
                 r = a.shape[0]
                 slots.a[slot, :r].copy_(a)
-                slots.b[slot, :, :r].copy_(self._row_order(slots, b))
+                slots.bt[slot, :r].copy_(self._row_order(slots, b).T)
                 slots.ranks[slot] = r
+                slots.part_rows[slot, :len(slots.part_end)] = torch.tensor(adapter.parts[path], dtype=torch.int32)
         self.adapters[slot] = adapter.name
 
     def _row_order(self, slots: _ModuleSlots, b: torch.Tensor) -> torch.Tensor:
@@ -442,10 +456,15 @@ class LoRAWeights:
     def clear(self, slot: int) -> None:
         self._check_slot(slot)
         for slots in self.modules.values():
-            slots.a[slot].zero_()
-            slots.b[slot].zero_()
-            slots.ranks[slot] = 0
+            self._clear(slots, slot)
         self.adapters[slot] = None
+
+    @staticmethod
+    def _clear(slots: _ModuleSlots, slot: int) -> None:
+        slots.a[slot].zero_()
+        slots.bt[slot].zero_()
+        slots.ranks[slot] = 0
+        slots.part_rows[slot].zero_()
 
     def set_batch(self, token_slots: torch.Tensor | None) -> None:
         """The step's slot of each token of its flattened batch ([T] int64, -1: the base model), or None: no
@@ -466,7 +485,7 @@ class LoRAWeights:
         device = token_slots.device
         whole = len(used) == 1 and int(slots.min()) >= 0
         groups = [(used[0], None)] if whole else [(s, torch.nonzero(slots == s).flatten().to(device)) for s in used]
-        self.step = _Step(slots.shape[0], groups)
+        self.step = _Step(slots.shape[0], groups, slots.to(torch.int32).contiguous())
 
     @property
     def active(self) -> bool:

@@ -21,6 +21,9 @@ step whose row-by-row attention exceeds
 `max_attention_keys`, or whose batch is too big for the simple tile loops (`max_tokens`), keeps the
 per-op path: SDPA prefill and oneDNN projections.
 
+LoRA adapters' rows (models/lora.py) stay fused: the kernel adds each adapter row's delta after the projection
+(kernels/lora_cpu.h), the step's rows grouped by adapter so each adapter's weights are read once per step.
+
 An 8-bit KV cache (kernels/kv_quant.py) is written as each row is quantized; rows attending alone read
 its int8 rows as they are, and a tiled chunk's blocks are dequantized once a layer into a copy its
 tiles are packed from (`shadow_blocks`).
@@ -112,7 +115,7 @@ class NativeDecoder:
             act=_ACTIVATIONS[first.mlp.activation], eps=norm.eps, norm_unit_offset=int(norm.unit_offset),
             final_norm=model.norm.weight.data_ptr(), invariant=int(invariant),
             int8_acts=int(int8_activations), experts_per_token=config.experts_per_token,
-            expert_inter=config.moe_intermediate_size, norm_topk=int(config.norm_topk_prob))
+            expert_inter=config.moe_intermediate_size, norm_topk=int(config.norm_topk_prob), max_loras=0)
         self._packed = []  # keeps the dense weights' packed copies alive; the table holds their addresses
         self._layers = cpu_kernels.LayerParams * len(model.layers)
         self._static = []
@@ -145,6 +148,27 @@ class NativeDecoder:
         self._rotaries = list({id(layer.self_attn.rotary): layer.self_attn.rotary for layer in model.layers}.values())
         self._table_key = None
         self._table = None
+        self.lora = None  # the model's LoRA slots, once attached (attach_lora)
+
+    def attach_lora(self, lora) -> None:
+        """Read LoRA adapters' slots (models/lora.LoRAWeights, which calls this) in every step that has adapter
+        rows: each adapted projection's A, B^T and parts' rows, by address (allocated once; loads copy into them)."""
+        for layer, fields in zip(self.model.layers, self._static):
+            for name in ("qkv", "o", "gate_up", "down"):
+                module = getattr(layer.self_attn if name in ("qkv", "o") else layer.mlp, f"{name}_proj", None)
+                slots = getattr(module, "lora", None)
+                if slots is None:
+                    continue
+                if slots.a.dtype != torch.bfloat16 or slots.a.device.type != "cpu":
+                    raise ValueError(f"{slots.path}: the fused decoder reads bf16 LoRA slots on the CPU")
+                ends = slots.part_end + [0] * (3 - len(slots.part_end))
+                fields[f"lora_{name}"] = cpu_kernels.LoraModule(
+                    a=slots.a.data_ptr(), bt=slots.bt.data_ptr(), part_rows=slots.part_rows.data_ptr(),
+                    capacity=slots.capacity, parts=len(slots.part_end), part_end=(ctypes.c_int64 * 3)(*ends),
+                    interleaved=int(name == "gate_up" and module.interleaved))
+        self.params.max_loras = lora.max_loras
+        self.lora = lora
+        self._table_key = None  # rebuilt with the slots' addresses
 
     def enable_profile(self) -> torch.Tensor:
         """Seconds spent in each of PHASES, accumulated by the kernel from now on (benchmarks/profile.py)."""
@@ -219,24 +243,26 @@ class NativeDecoder:
             tables, lens = torch.stack([g.decode_block_tables for g in groups]), meta.decode_context_lens
         slots = torch.stack([g.slot_mapping for g in groups]) if meta.groups else meta.slot_mapping
         h = h.contiguous()
-        shadow = {}
+        extra = {}  # the 8-bit cache's shadow blocks, the LoRA rows
         if self.params.kv_int8 and tile_chunks is not None:
             # The blocks the tile chunks read in any group, once each (dequantized once a layer); their rows of
             # the shadow tables index that list (other rows' entries are never read).
             blocks = torch.unique(torch.cat([tables[g, s] for g in range(len(groups)) for s, _ in tiled]))
-            shadow = {"shadow_blocks": blocks, "shadow_tables": torch.searchsorted(blocks, tables)}
+            extra = {"shadow_blocks": blocks, "shadow_tables": torch.searchsorted(blocks, tables)}
         args = (self.params, layer_table, h, positions, slots, tables, lens, tile_chunks)
+        if self.lora is not None and self.lora.step is not None:
+            extra["lora_slots"] = self.lora.step.token_slots
         interjection = meta.interjection
         if interjection is None:
-            self.native.forward(*args, **shadow)
+            self.native.forward(*args, **extra)
             return h
         # Suspendable: the residual stream and the last branch live in `state` between the calls. Once
         # stopped, the rest runs without the flag: one interjection per step at most.
         state = torch.empty((2, *h.shape), dtype=h.dtype)
-        layer = self.native.forward(*args, state=state, stop=interjection.flag, **shadow)
+        layer = self.native.forward(*args, state=state, stop=interjection.flag, **extra)
         if layer < self.params.num_layers:
             interjection.run()
-            self.native.forward(*args, first_layer=layer, state=state, **shadow)
+            self.native.forward(*args, first_layer=layer, state=state, **extra)
         return h
 
     def _tiled(self, chunk) -> bool:
