@@ -47,9 +47,9 @@ struct GatedTiles {
       const float* dg = d + (interleaved ? nb0 * 16 : (nb0 / 2) * 16);
       const float* du = d + (interleaved ? (nb0 + 1) * 16 : n + (nb0 / 2) * 16);
       float g[16], u[16];
-      for (int j = 0; j < 16; ++j) {
-        g[j] = bf16_rounded(bf16_rounded(c0[i * 16 + j]) + dg[j]);
-        u[j] = bf16_rounded(bf16_rounded(c1[i * 16 + j]) + du[j]);
+      for (int j = 0; j < 16; j += kLoraLanes) {
+        lv_store(g + j, lv_round(lv_add(lv_round(lv_load(c0 + i * 16 + j)), lv_load(dg + j))));
+        lv_store(u + j, lv_round(lv_add(lv_round(lv_load(c1 + i * 16 + j)), lv_load(du + j))));
       }
       gated16(g, u, o, act);
     }

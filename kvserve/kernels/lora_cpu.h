@@ -70,6 +70,8 @@ inline LoraVec lv_load(const float* p) { return _mm512_loadu_ps(p); }
 inline LoraVec lv_fma(LoraVec a, LoraVec b, LoraVec c) { return _mm512_fmadd_ps(a, b, c); }
 inline LoraVec lv_add(LoraVec a, LoraVec b) { return _mm512_add_ps(a, b); }
 inline void lv_store(float* p, LoraVec v) { _mm512_storeu_ps(p, v); }
+inline LoraVec lv_round(LoraVec v) { return round16(v, static_cast<const bf16*>(nullptr)); }
+inline void lv_store(bf16* p, LoraVec v) { store16(v, p); }
 #elif defined(__AVX2__) && defined(__FMA__)
 using LoraVec = __m256;
 constexpr int kLoraLanes = 8;
@@ -80,6 +82,8 @@ inline LoraVec lv_load(const float* p) { return _mm256_loadu_ps(p); }
 inline LoraVec lv_fma(LoraVec a, LoraVec b, LoraVec c) { return _mm256_fmadd_ps(a, b, c); }
 inline LoraVec lv_add(LoraVec a, LoraVec b) { return _mm256_add_ps(a, b); }
 inline void lv_store(float* p, LoraVec v) { _mm256_storeu_ps(p, v); }
+inline LoraVec lv_round(LoraVec v) { return round8(v, static_cast<const bf16*>(nullptr)); }
+inline void lv_store(bf16* p, LoraVec v) { store8(v, p); }
 #else
 using LoraVec = float;
 constexpr int kLoraLanes = 1;
@@ -90,6 +94,8 @@ inline LoraVec lv_load(const float* p) { return *p; }
 inline LoraVec lv_fma(LoraVec a, LoraVec b, LoraVec c) { return a * b + c; }
 inline LoraVec lv_add(LoraVec a, LoraVec b) { return a + b; }
 inline void lv_store(float* p, LoraVec v) { *p = v; }
+inline LoraVec lv_round(LoraVec v) { return bf16_rounded(v); }
+inline void lv_store(bf16* p, LoraVec v) { store(v, p); }
 #endif
 
 inline float lv_sum(LoraVec v) {
@@ -128,7 +134,7 @@ inline void lora_dots(const bf16* a, const float* const* xs, int64_t n, float* o
   }
 }
 
-// d[r][0..16) = sum over j in [j0, j1) of ts[r][j] * bt[j * stride + 0..16), for R rows; j in order.
+// d[r][0..16) = bf16(sum over j in [j0, j1) of ts[r][j] * bt[j * stride + 0..16)), for R rows; j in order.
 template <int R>
 inline void lora_block(const bf16* bt, int64_t stride, const float* const* ts, int64_t j0, int64_t j1,
                        float (*d)[kLoraBlock]) {
@@ -145,7 +151,7 @@ inline void lora_block(const bf16* bt, int64_t stride, const float* const* ts, i
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) lv_store(d[r] + v * kLoraLanes, acc[r][v]);
+    for (int v = 0; v < V; ++v) lv_store(d[r] + v * kLoraLanes, lv_round(acc[r][v]));
 }
 
 // Calls f(std::integral_constant<int, R>, first) for the group's rows in runs of R = kLoraRows (the last shorter).
@@ -206,7 +212,7 @@ inline void lora_shrink(const LoraModule& mod, const LoraGroups& groups, const b
 }
 
 // Expand: d[i, o] = bf16(sum_j t[i, j] B^T_s[j, o]) over j of o's part (in order), handed to
-// sink(i, o0, o1, d) 16 outputs at a time; tasks (group, 64 outputs). A worksharing loop with its closing barrier;
+// sink(i, o0, d) 16 outputs [o0, o0 + 16) at a time; tasks (group, 64 outputs). A worksharing loop with its closing barrier;
 // call it after lora_shrink and a barrier.
 template <typename Sink>
 inline void lora_expand(const LoraModule& mod, const LoraGroups& groups, int64_t out, const float* t,
@@ -228,10 +234,7 @@ inline void lora_expand(const LoraModule& mod, const LoraGroups& groups, int64_t
         for (int r = 0; r < R; ++r) ts[r] = t + rows[first + r] * cap;
         float d[R][kLoraBlock];
         lora_block<R>(bt + o0, out, ts, span[0], span[1], d);
-        for (int r = 0; r < R; ++r) {
-          for (int64_t o = 0; o < kLoraBlock; ++o) d[r][o] = bf16_rounded(d[r][o]);
-          sink(rows[first + r], o0, o0 + kLoraBlock, d[r]);
-        }
+        for (int r = 0; r < R; ++r) sink(rows[first + r], o0, d[r]);
       });
     }
   }
@@ -241,9 +244,9 @@ inline void lora_expand(const LoraModule& mod, const LoraGroups& groups, int64_t
 struct LoraAddInto {
   bf16* out;
   int64_t n;
-  void operator()(int64_t i, int64_t o0, int64_t o1, const float* d) const {
-    bf16* row = out + i * n;
-    for (int64_t o = o0; o < o1; ++o) store(to_float(row[o]) + d[o - o0], row + o);
+  void operator()(int64_t i, int64_t o0, const float* d) const {
+    bf16* row = out + i * n + o0;
+    for (int64_t o = 0; o < kLoraBlock; o += kLoraLanes) lv_store(row + o, lv_add(lv_load(row + o), lv_load(d + o)));
   }
 };
 
@@ -252,9 +255,7 @@ struct LoraAddInto {
 struct LoraKeep {
   float* delta;
   int64_t n;
-  void operator()(int64_t i, int64_t o0, int64_t o1, const float* d) const {
-    std::copy(d, d + (o1 - o0), delta + i * n + o0);
-  }
+  void operator()(int64_t i, int64_t o0, const float* d) const { std::copy(d, d + kLoraBlock, delta + i * n + o0); }
 };
 
 // delta[i, :] = 0 for every adapter row (a worksharing loop with its barrier): outputs of a part an adapter
