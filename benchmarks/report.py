@@ -852,7 +852,7 @@ def main(argv=None) -> int:
 # Pages of their own benchmarks, after the CPU kinds: the quantization trade-off (benchmarks.quality --tradeoff),
 # W6's (benchmarks.suite, rendered below), then the platform's (benchmarks.fleet / .metering / .batch / .planning).
 BENCHMARK_PAGES = ("quality-tradeoff", "kv-memory", "loading", "long-context", "w6", "speculation", "structured",
-                   "lora", "fleet", "metering", "batch", "planning")
+                   "lora", "sleep", "fleet", "metering", "batch", "planning")
 
 
 def with_benchmark_pages(md: str, plots: Path) -> str:

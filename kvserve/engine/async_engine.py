@@ -58,6 +58,14 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Call:
+    """Work for the engine thread between steps (sleep mode); its result or exception goes to `done`."""
+
+    fn: Callable[[], object]
+    done: Future
+
+
 class _QueueStream:
     """A request's RequestOutputs from its asyncio queue (the engine thread feeds it); closing the
     stream before the finished output aborts the request."""
@@ -141,7 +149,7 @@ class AsyncLLM:
 
     def drain(self) -> None:
         """Stop admitting; running requests continue."""
-        if self.status == EngineStatus.READY:
+        if self.status in (EngineStatus.READY, EngineStatus.SLEEPING):
             self.status = EngineStatus.DRAINING
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -269,6 +277,37 @@ class AsyncLLM:
             raise LoRANotFound(f"model {self.model_id} serves no LoRA adapters (enable_lora)")
         return adapters
 
+    # ---- sleep mode (engine/worker/sleep.py) ------------------------------------------------------
+    async def sleep(self, directory: str | None = None):
+        """Free the model's weights and KV memory between steps (LLMEngine.sleep; SleepUnsupported with requests in
+        flight); the SleepReport. A request that comes meanwhile wakes it."""
+        def go():
+            report = self.engine.sleep(directory)
+            if self.status is EngineStatus.READY:
+                self.status = EngineStatus.SLEEPING
+            return report
+
+        return await self._on_engine_thread(go)
+
+    async def wake_up(self) -> float:
+        """Read the weights back (LLMEngine.wake_up); the seconds it took (0: it was awake)."""
+        return await self._on_engine_thread(self._wake_engine)
+
+    def _wake_engine(self) -> float:
+        seconds = self.engine.wake_up()
+        if self.status is EngineStatus.SLEEPING:
+            self.status = EngineStatus.READY
+        return seconds
+
+    async def _on_engine_thread(self, fn: Callable[[], object]):
+        if self.engine is None or self.status not in (EngineStatus.READY, EngineStatus.SLEEPING):
+            check_available(self)
+            raise ModelFailed(f"model {self.model_id} is {self.status.value}")
+        done: Future = Future()
+        self._commands.put(_Call(fn, done))
+        self._wake.set()
+        return await asyncio.wrap_future(done)
+
     @property
     def grammar_stats(self):
         """The structured-output compiler's counters (a copy), or None before the model is loaded."""
@@ -337,6 +376,8 @@ class AsyncLLM:
                 self._wake.clear()
                 continue
             t0 = time.monotonic()
+            if self.engine.asleep:  # a request came to a sleeping engine: it wakes for it
+                self._wake_engine()
             outputs = core.step()
             t1 = time.monotonic()
             self.busy_seconds += t1 - t0
@@ -391,6 +432,11 @@ class AsyncLLM:
                 if cmd.request.lora is not None:
                     self._adapter_of[rid] = cmd.request.lora
                 cmd.done.set_result(rid)
+            elif isinstance(cmd, _Call):
+                try:
+                    cmd.done.set_result(cmd.fn())
+                except Exception as e:
+                    cmd.done.set_exception(e)
             elif isinstance(cmd, _Abort):
                 out = core.abort_request(cmd.request_id)
                 sink = self._pop_sink(cmd.request_id)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 class EngineStatus(str, enum.Enum):
     UNLOADED = "unloaded"  # a model loaded by demand, not loaded now (service/residency.py)
+    SLEEPING = "sleeping"  # loaded, its weights and KV memory freed (sleep mode): a request wakes it
     WARMING = "warming"
     READY = "ready"
     DRAINING = "draining"
@@ -92,7 +93,7 @@ class EngineClient(Protocol):
 def check_available(client: EngineClient) -> None:
     """The typed error for an engine that cannot take a request now (the one availability check)."""
     status = client.status
-    if status == EngineStatus.READY:
+    if status in (EngineStatus.READY, EngineStatus.SLEEPING):  # (a sleeping engine wakes for the request)
         return
     if status in (EngineStatus.WARMING, EngineStatus.UNLOADED):
         raise ModelWarming(f"model {client.model_id} is still loading; retry shortly")

@@ -247,6 +247,16 @@ class CompletionService:
             if handle.started and not handle.users:
                 await self._unload([handle])
 
+    async def sleep(self, handle: ModelHandle):
+        """An admin's sleep of an idle loaded model (engine/worker/sleep.py): its weights paged out to
+        <home>/sleep and its KV memory freed; the next request wakes it. The SleepReport."""
+        from kvserve.config import kvserve_home
+
+        directory = kvserve_home(self.config.home) / "sleep"
+        await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
+        async with self._residency:
+            return await handle.client.sleep(str(directory))
+
     async def _unload(self, handles: list[ModelHandle]) -> None:
         for h in handles:
             h.unloading = True
@@ -367,7 +377,7 @@ class CompletionService:
                                   resumed_token_ids=tuple(c.resumed_token_ids), thinking=control, lora=c.adapter)
                     for rid, ids, control in zip(c.request_ids, prompts, thinking)]
         try:
-            rate = await self.metering.admit(c.tenant, handle.id, handle.spec.price, c.tier,
+            rate = await self.metering.admit(c.tenant, handle.id, handle.price_for(c.adapter), c.tier,
                                              [(r.request_id, len(r.prompt_token_ids), r.params.max_tokens * r.params.n)
                                               for r in requests])
             c.rate_headers = rate.headers() if rate is not None else {}

@@ -702,7 +702,8 @@ class ModelCard(BaseModel):
     # A LoRA adapter's card (vLLM's fields): the model it adapts, and where its weights were read from.
     parent: str | None = None
     root: str | None = None
-    # "ready", "warming" (loading), "unloaded" (loaded by demand, not now), "draining", "failed" or "stopped"
+    # "ready", "warming" (loading), "unloaded" (loaded by demand, not now), "sleeping" (its memory freed, it wakes
+    # for the next request), "draining", "failed" or "stopped"
     status: str
     load: str = "eager"  # "eager" or "on_demand" (docs/models.md#models-loaded-by-demand)
     load_seconds: float | None = None  # how long its last load took

@@ -2,7 +2,8 @@
 `load = "on_demand"` and model memory for two. Requests to each in turn are all answered (the least recently used
 idle model unloaded to make room); a model with a call open is never unloaded under it; requests to all three at
 once are all answered; with no wait, a cold model's first request is a 503 model_warming with Retry-After, and it is
-served once loaded; an admin pins, unloads and loads."""
+served once loaded; an admin pins, unloads and loads; an admin puts a model to sleep and the next request wakes it
+with the same tokens."""
 from __future__ import annotations
 
 import time
@@ -104,6 +105,27 @@ def test_an_admin_pins_unloads_and_loads(served):
     assert r.status_code == 200 and r.json()["status"] == "ready", r.text
     assert httpx.post(f"{base}/b/unload", headers=served.headers()).status_code == 403
     assert httpx.post(f"{base}/nope/load", headers=admin).status_code == 404
+
+
+def test_an_admin_puts_a_model_to_sleep_and_a_request_wakes_it(served):
+    admin = served.headers(served.admin_token)
+    base = f"{served.base}/v1/admin/models"
+    text = _ask(served, "a")
+    r = httpx.post(f"{base}/a/sleep", headers=admin, timeout=60)
+    assert r.status_code == 200 and r.json()["status"] == "sleeping" and r.json()["freed_kv_bytes"] > 0, r.text
+    assert _states(served)["a"] == "sleeping" and httpx.get(f"{served.base}/ready").status_code == 200
+    assert _ask(served, "a") == text  # woken by the request: the same weights' tokens
+    assert _states(served)["a"] == "ready"
+    httpx.post(f"{base}/a/sleep", headers=admin, timeout=60).raise_for_status()
+    r = httpx.post(f"{base}/a/wake", headers=admin, timeout=60)
+    assert r.status_code == 200 and r.json()["status"] == "ready", r.text
+    stream = iter(served.openai().completions.create(model="a", prompt=PROMPT, max_tokens=60, temperature=0,
+                                                     stream=True, extra_body={"ignore_eos": True}))
+    next(stream)
+    r = httpx.post(f"{base}/a/sleep", headers=admin, timeout=60)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "model_busy", r.text
+    assert len("".join(c.choices[0].text for c in stream)) > 0
+    assert httpx.post(f"{base}/a/sleep", headers=served.headers()).status_code == 403
 
 
 def test_without_a_wait_a_cold_model_answers_503_warming_then_serves(tmp_path_factory, tiny):

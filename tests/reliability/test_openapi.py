@@ -17,7 +17,8 @@ from kvserve.service import protocol as p
 from tests.live_server import tiny_model_toml
 
 NO_BODY = {("post", "/v1/batches/{batch_id}/cancel"),  # OpenAI's cancel takes no body; neither does ours
-           ("post", "/v1/admin/models/{model_id}/load"), ("post", "/v1/admin/models/{model_id}/unload")}
+           ("post", "/v1/admin/models/{model_id}/load"), ("post", "/v1/admin/models/{model_id}/unload"),
+           ("post", "/v1/admin/models/{model_id}/sleep"), ("post", "/v1/admin/models/{model_id}/wake")}
 BODIES = {("post", "/v1/chat/completions"): ("application/json", p.ChatCompletionRequest),
           ("post", "/v1/completions"): ("application/json", p.CompletionRequest),
           ("post", "/v1/files"): ("multipart/form-data", p.FileUpload),

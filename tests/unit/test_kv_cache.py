@@ -56,6 +56,18 @@ def test_num_blocks_for():
         num_blocks_for(100, 0, 1)
 
 
+def test_reset_forgets_the_cached_prefix_blocks_once_no_sequence_holds_blocks():
+    kv = KVCacheManager(num_device_blocks=8, block_size=4)
+    seq = make_seq(list(range(12)))
+    admit(kv, seq)
+    compute(kv, seq)
+    with pytest.raises(RuntimeError, match="hold KV blocks"):
+        kv.reset_prefix_cache()
+    kv.free(seq)
+    assert kv.reset_prefix_cache() == 3 and kv.usage().cached_device_blocks == 0 and all_blocks_back(kv)
+    assert admit(kv, make_seq(list(range(12)))) == 0  # no hit
+
+
 def test_allocate_grows_on_demand_and_fails_without_side_effects():
     kv = KVCacheManager(num_device_blocks=4, block_size=4, enable_prefix_caching=False)
     seq = make_seq(list(range(6)))

@@ -507,6 +507,24 @@ class KVCacheManager:
 
         return disk.save(keys, pages, deadline)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block, its page about to be discarded (sleep mode); pending tier copies are
+        dropped with them. Only with no sequence holding blocks. Returns the blocks forgotten."""
+        if self._seqs:
+            raise RuntimeError(f"{len(self._seqs)} sequences hold KV blocks: the prefix cache stays")
+        forgotten = 0
+        for bid, block in enumerate(self._blocks):
+            if block.block_hash is not None and block.ref_count == 0:
+                self._cached.remove(bid)
+                block.block_hash, block.retain_until = None, 0.0
+                self._free.append(bid)
+                forgotten += 1
+        for by_hash in self._by_hash:
+            by_hash.clear()
+        self._loading.clear()
+        self._tier_ops = TierOps()
+        return forgotten
+
     def take_tier_ops(self) -> TierOps:
         """Hand the step's offloads and loads to the scheduler (before take_pending_copies closes the step)."""
         ops, self._tier_ops = self._tier_ops, TierOps()

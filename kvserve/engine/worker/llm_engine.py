@@ -24,6 +24,7 @@ from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.request import EngineRequest, Priority
 from kvserve.engine.worker.cuda_graphs import GraphPlan, capture_cuda_graph
 from kvserve.engine.worker.runner import ModelRunner
+from kvserve.engine.worker.sleep import Sleeper, SleepBusy, SleepReport, SleepUnsupported
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.step_time import StepTimeModel, StepTimePrior
 from kvserve.kernels import kv_quant
@@ -52,6 +53,7 @@ class LLMEngine:
                  info: ModelInfo | None = None, clock: Callable[[], float] = time.monotonic,
                  step_time_prior: StepTimePrior | None = None):
         t0 = time.perf_counter()
+        self._sleeper: Sleeper | None = None  # sleep mode (sleep, wake_up)
         checkpoint, path = self._load_and_plan(config, model_id, executor, info)
         num_blocks, num_host_blocks = self._size_kv()
         if executor is not None:
@@ -72,12 +74,6 @@ class LLMEngine:
         built = getattr(getattr(self.runner, "model", None), "backend", None)
         # The numerics in force: the plan's, unless the built model fell back from the fused decoder.
         self.numerics = self.plan.numerics if built is None or built.invariant else "fast"
-        if self.adapters is not None and self.numerics != "fast" and self.plan.fused:
-            # A step with an adapter's rows runs per op, its base rows too: their bits then differ from a step
-            # the fused decoder runs (each adapter row's delta is invariant; models/lora.py).
-            log.info("%s: LoRA adapters on the fused decoder: numerics = fast (a base row's bits depend on whether "
-                     "an adapter's rows share its step)", model_id or config.model)
-            self.numerics = "fast"
         cache_cfg = self.config.cache
         log.info("loaded %s (%s, %s, path %s, numerics %s) in %.1fs: %d KV blocks of %d tokens and %d layers in %d "
                  "KV groups (%s, %d bytes a token a device), %d host blocks%s", self.model_id, self.dtype, self.device,
@@ -185,7 +181,8 @@ class LLMEngine:
 
     @property
     def resident_bytes(self) -> int:
-        """What the loaded model holds on its device: its weights (this process's rank) and its KV pool."""
+        """What the loaded model holds on its device: its weights (this process's rank) and its KV pool. Asleep, the
+        same: it wakes for the next request, so the model memory keeps its room."""
         model = getattr(self.runner, "model", None)
         weights = model.weight_bytes() if model is not None else 0
         return weights + self.num_blocks * self.kv_page_bytes
@@ -267,16 +264,55 @@ class LLMEngine:
             self.executor.close()
         if self.kv_disk is None:
             return
-        if save and self.config.cache.kv_disk_flush_seconds > 0:
-            t0 = time.monotonic()
-            try:
-                saved = self.core.kv.save_to(self.kv_disk, self.runner.read_pages,
-                                             t0 + self.config.cache.kv_disk_flush_seconds, host=self.kv_host)
-                log.info("%s: saved %d prefix pages to the KV disk tier in %.1fs", self.model_id, saved,
-                         time.monotonic() - t0)
-            except Exception:  # a failed save loses cache entries only
-                log.exception("%s: saving the prefix cache to the KV disk tier failed", self.model_id)
+        if save:
+            self._save_prefix_cache()
         self.kv_disk.close()
+
+    def _save_prefix_cache(self) -> None:
+        """The prefix pages the disk tier lacks, to it (at most kv_disk_flush_seconds); nothing without one."""
+        if self.kv_disk is None or self.config.cache.kv_disk_flush_seconds <= 0:
+            return
+        t0 = time.monotonic()
+        try:
+            saved = self.core.kv.save_to(self.kv_disk, self.runner.read_pages,
+                                         t0 + self.config.cache.kv_disk_flush_seconds, host=self.kv_host)
+            log.info("%s: saved %d prefix pages to the KV disk tier in %.1fs", self.model_id, saved,
+                     time.monotonic() - t0)
+        except Exception:  # a failed save loses cache entries only
+            log.exception("%s: saving the prefix cache to the KV disk tier failed", self.model_id)
+
+    # ---- sleep mode (engine/worker/sleep.py) -------------------------------------------------
+    @property
+    def asleep(self) -> bool:
+        return self._sleeper is not None and self._sleeper.asleep
+
+    def sleep(self, directory: str | None = None) -> SleepReport:
+        """Free the weights' memory (written to a file in `directory`, read back on waking) and the KV pools'
+        (discarded: the prefix cache is saved to the disk tier if there is one, then forgotten); the rest of the
+        engine stays as it is. Between steps, with no request in the engine."""
+        if self.asleep:
+            raise SleepUnsupported(f"model {self.model_id} is asleep already")
+        if not isinstance(self.runner, ModelRunner) or self.executor is not self.runner or self.device.type != "cpu":
+            raise SleepUnsupported(f"model {self.model_id} cannot sleep: sleep mode frees a CPU engine's own memory "
+                                   "(one process, no tensor parallelism)")
+        if self.core.has_unfinished_requests():
+            raise SleepBusy(f"model {self.model_id} has requests in flight: it sleeps once they finish")
+        self._save_prefix_cache()
+        self.core.kv.reset_prefix_cache()
+        runner = self.runner
+        self._sleeper = Sleeper(runner.model, [runner.kv_slots, runner.host_slots], directory)
+        report = self._sleeper.sleep()
+        log.info("%s: asleep in %.2fs: %.1f MB of weights paged out, %.1f MB of KV freed", self.model_id,
+                 report.seconds, report.paged_out_bytes / 1e6, report.discarded_bytes / 1e6)
+        return report
+
+    def wake_up(self) -> float:
+        """Read the weights back (sleep); the seconds it took. Nothing if awake."""
+        if not self.asleep:
+            return 0.0
+        seconds = self._sleeper.wake()
+        log.info("%s: awake in %.2fs", self.model_id, seconds)
+        return seconds
 
     # ---- requests ------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
@@ -315,6 +351,14 @@ class LLM:
     def close(self) -> None:
         """Save the prefix cache to the disk tier (kv_disk_dir) for the next LLM on it (LLMEngine.close)."""
         self.engine.close()
+
+    def sleep(self, directory: str | None = None) -> SleepReport:
+        """vLLM's LLM.sleep(level=1): the weights paged out to a file in `directory` (default: the temporary
+        directory) and the KV memory freed (LLMEngine.sleep); the next generate, or wake_up, reads them back."""
+        return self.engine.sleep(directory)
+
+    def wake_up(self) -> float:
+        return self.engine.wake_up()
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -360,6 +404,7 @@ class LLM:
         if len(sampling_params) != len(inputs):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
         keys = self._adapter_keys(lora_request, len(inputs))
+        self.engine.wake_up()  # (asleep: the weights read back first)
         try:
             return self._generate(inputs, sampling_params, use_tqdm, priority, keys)
         finally:

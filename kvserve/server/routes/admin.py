@@ -114,6 +114,48 @@ async def unload_model(request: Request, model_id: str):
     return JSONResponse(_residency_json(h))
 
 
+@router.post("/models/{model_id}/sleep")
+async def sleep_model(request: Request, model_id: str):
+    """Put an idle loaded model to sleep (vLLM's sleep mode, level 1): its weights written to <home>/sleep and their
+    memory freed, its KV memory freed (prefix cache dropped); the next request, or /wake, reads the weights back.
+    409 while a call is open on it; 400 where the engine cannot sleep (not in this process, not on the CPU)."""
+    from kvserve.engine.worker.sleep import SleepBusy, SleepUnsupported
+
+    state = await require_admin(request)
+    h = _model(state, model_id)
+    _check_sleepable(h)
+    if h.users:
+        raise APIError(409, f"model {model_id} has {h.users} calls open; put it to sleep when they are answered",
+                       "invalid_request_error", "model_busy", param="model")
+    try:
+        report = await state.service.sleep(h)
+    except SleepBusy as e:
+        raise APIError(409, str(e), "invalid_request_error", "model_busy", param="model") from None
+    except SleepUnsupported as e:
+        raise APIError(400, str(e), "invalid_request_error", "sleep_unsupported", param="model") from None
+    return JSONResponse({**_residency_json(h), "paged_out_bytes": report.paged_out_bytes,
+                         "freed_kv_bytes": report.discarded_bytes, "seconds": round(report.seconds, 4)})
+
+
+@router.post("/models/{model_id}/wake")
+async def wake_model(request: Request, model_id: str):
+    """Wake a sleeping model now (a request would too): its weights read back."""
+    state = await require_admin(request)
+    h = _model(state, model_id)
+    _check_sleepable(h)
+    seconds = await h.client.wake_up()
+    return JSONResponse({**_residency_json(h), "seconds": round(seconds, 4)})
+
+
+def _check_sleepable(h) -> None:
+    if not hasattr(h.client, "sleep"):
+        raise APIError(400, f"model {h.id} is not served in this process: it cannot sleep",
+                       "invalid_request_error", "sleep_unsupported", param="model")
+    if h.on_demand and not h.started:
+        raise APIError(409, f"model {h.id} is not loaded", "invalid_request_error", "model_not_loaded",
+                       param="model")
+
+
 @router.post("/models/{model_id}/pin", openapi_extra=openapi.json_body(p.PinRequest))
 async def pin_model(request: Request, model_id: str):
     """Pin a model (never unloaded to make room for another), or unpin it with {"pinned": false}."""

@@ -47,7 +47,8 @@ async def ready(request: Request):
     not draining."""
     state: ServerState = request.app.state.kv
     models = {h.id: h.status.value for h in state.models.values()}
-    ok = not state.draining and all(s in (EngineStatus.READY.value, EngineStatus.UNLOADED.value)
+    ok = not state.draining and all(s in (EngineStatus.READY.value, EngineStatus.UNLOADED.value,
+                                          EngineStatus.SLEEPING.value)
                                     for s in models.values())
     return JSONResponse({"ready": ok, "draining": state.draining, "models": models}, status_code=200 if ok else 503)
 
