@@ -338,17 +338,22 @@ class SchedulerConfig:
 class LoRAAdapterSpec:
     """A `[[models.adapters]]` entry: a LoRA adapter of the model, served as the model `name` (or
     "<model>:<name>"). `path`: a PEFT directory (adapter_config.json + adapter_model.safetensors) or a GGUF LoRA
-    file; `pinned`: never unloaded to make room for another."""
+    file; `pinned`: never unloaded to make room for another; `price`: its own prices, else the model's."""
 
     name: str  # the model name requests give to run on this adapter
     path: str  # a PEFT directory (adapter_config.json, adapter_model.safetensors) or a GGUF LoRA file
     pinned: bool = False  # never unloaded from host memory to make room for another adapter
+    # its requests' prices and cost ([models.price]'s keys, e.g. price = {output = 0.12}); None: the model's
+    price: "ModelPrice | None" = None
 
     def __post_init__(self):
+        if isinstance(self.price, dict):
+            object.__setattr__(self, "price", _table(ModelPrice, self.price, f"[[models.adapters]] price ({self.name})"))
         _validate(self, dict(name=(lambda v: isinstance(v, str) and v != "" and ":" not in v and v != "auto",
                                    "a non-empty name without ':', other than 'auto'"),
                              path=(lambda v: isinstance(v, str) and v != "", "a PEFT directory or a GGUF LoRA file"),
-                             pinned=BOOL))
+                             pinned=BOOL,
+                             price=(lambda v: v is None or isinstance(v, ModelPrice), "a table of [models.price] keys")))
 
 
 @dataclass(frozen=True)
@@ -527,12 +532,12 @@ def engine_config_from_kwargs(model: str, **kwargs) -> EngineConfig:
             sched[key] = value
         elif key in ("adapters", "lora_adapters"):  # [[models.adapters]] tables
             if not isinstance(value, (list, tuple)) or not all(isinstance(a, (dict, LoRAAdapterSpec)) for a in value):
-                raise ConfigError(f"{key} = {value!r} is not allowed: a list of tables with name, path, pinned")
+                raise ConfigError(f"{key} = {value!r} is not allowed: a list of tables with name, path, pinned, price")
             try:
                 top["lora_adapters"] = tuple(a if isinstance(a, LoRAAdapterSpec) else LoRAAdapterSpec(**a)
                                              for a in value)
             except TypeError as e:
-                raise ConfigError(f"[[models.adapters]]: {e}; allowed keys: name, path, pinned") from None
+                raise ConfigError(f"[[models.adapters]]: {e}; allowed keys: name, path, pinned, price") from None
         elif key in top_names:
             top[key] = value
         else:

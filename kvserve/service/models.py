@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kvserve.config import TIER_NAMES, EngineConfig, ServedModel, ServerConfig
+from kvserve.config import TIER_NAMES, EngineConfig, ModelPrice, ServedModel, ServerConfig
 from kvserve.engine.client import EngineClient, EngineStatus
 from kvserve.engine.errors import LoRANotFound, ModelNotFound
 from kvserve.engine.in_process import in_process_client
@@ -146,7 +146,7 @@ class ModelHandle:
         reason = next((o.finish_reason for o in out.outputs if o.finish_reason == "abort"), None) or (
             out.outputs[0].finish_reason if out.outputs else None)
         cached = min(out.num_cached_tokens, out.num_prompt_tokens)
-        price = self.spec.price
+        price = self.price_for(info.adapter)
         return UsageRecord(request_id=out.request_id, tenant=info.tenant, model=self.id, tier=info.tier,
                            prompt_tokens=out.num_prompt_tokens, cached_prompt_tokens=cached,
                            disk_cached_prompt_tokens=min(out.num_tier_cached_tokens - out.num_host_cached_tokens,
@@ -159,6 +159,14 @@ class ModelHandle:
                            price=request_price(price, info.tier, out.num_prompt_tokens, cached,
                                                out.num_completion_tokens),
                            cost=request_cost(price, out.engine_seconds), adapter=info.adapter)
+
+    def price_for(self, adapter: str | None) -> ModelPrice:
+        """The prices a request pays: its configured adapter's own ([[models.adapters]] price), else the model's."""
+        if adapter is not None:
+            spec = next((a for a in self.engine_config.lora_adapters if a.name == adapter), None)
+            if spec is not None and spec.price is not None:
+                return spec.price
+        return self.spec.price
 
     def register(self, request_id: str, info: RequestInfo) -> None:
         with self._lock:

@@ -1,8 +1,9 @@
 """LoRA adapters through `kvserve serve` with the real `openai` client: a tiny Qwen3 checkpoint (safetensors) with a
 configured PEFT adapter and one loaded at run time by an admin. A request naming an adapter (as its model, or
 "<model>:<adapter>") gets transformers + PEFT's greedy tokens (the adapter merged), the base model its own, in the
-same steps; /v1/models lists the adapters with their parent; an unloaded or unknown adapter is a 404, a bad one a
-400, a tenant's load a 403, in OpenAI's error schema."""
+same steps; /v1/models lists the adapters with their parent; an adapter with its own prices is charged them, the base
+model its own; an unloaded or unknown adapter is a 404, a bad one a 400, a tenant's load a 403, in OpenAI's error
+schema."""
 from __future__ import annotations
 
 import copy
@@ -40,7 +41,8 @@ def served(tmp_path_factory, smollm2_gguf_path):
         want[name] = _greedy(peft_model(copy.deepcopy(base), **kw).merge_and_unload())
     toml = (f'[[models]]\nid = "tiny"\nsource = "{path}"\ndtype = "float32"\nmax_model_len = 256\n'
             f'num_gpu_blocks_override = 64\nmax_loras = 2\n'
-            f'adapters = [{{name = "sql", path = "{root / "sql"}"}}]\n')
+            f'adapters = [{{name = "sql", path = "{root / "sql"}", price = {{input = 2.0, cached_input = 2.0, output = 8.0}}}}]\n'
+            '[models.price]\ninput = 0.02\noutput = 0.08\ncached_input = 0.02\n')
     from kvserve.models.tokenizer import Tokenizer
 
     srv = LiveServer(tmp_path_factory.mktemp("lora-home"), toml, admin_minted=mint_token()).start()
@@ -67,6 +69,22 @@ def test_an_adapter_answers_as_peft_merged_and_the_base_as_itself_in_the_same_st
     assert got["tiny"] == served.want[None] != served.want["sql"]
     cards = {m.id: m for m in served.openai().models.list().data}
     assert cards["sql"].model_extra["parent"] == "tiny" and cards["tiny"].model_extra["parent"] is None
+    # Each request's price: the adapter's own ([[models.adapters]] price), else the model's.
+    import sqlite3
+    import time
+
+    deadline = time.monotonic() + 10
+    while True:
+        with sqlite3.connect(served.home / "kvserve.db") as db:
+            rows = db.execute("SELECT adapter, prompt_tokens, completion_tokens, price FROM usage_records").fetchall()
+        if len(rows) >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    rates = {"sql": (2.0, 8.0), None: (0.02, 0.08)}
+    assert len(rows) >= 4 and {r[0] for r in rows} == {"sql", None}, rows
+    for adapter, prompt, completion, price in rows:
+        per_input, per_output = rates[adapter]
+        assert price == pytest.approx((prompt * per_input + completion * per_output) * 1e-6), rows
 
 
 def test_an_admin_loads_and_unloads_an_adapter_at_run_time(served):
