@@ -5,7 +5,8 @@ it loads. On an AVX2-only machine there is no lower level; the main run is the A
 
 Only what a level can change runs again: the numerics (kernels, forward passes, sampling, invariance). Tests
 marked `isa_independent` check logic no level changes (bookkeeping, validation, the build cache) and run once,
-in the main run. Parity with transformers runs again on the tiny models (test_model_parity_tiny: the same
+in the main run; so does test_engine.py, whose scheduling, preemption and abort cases drive the same kernels the
+native decoder, engine_tiny and batch-invariance tests run at the level. Parity with transformers runs again on the tiny models (test_model_parity_tiny: the same
 forward code, both architectures, float32 as the real models' parity); the shipped models' parity
 (test_parity_real), whose cost is transformers' own forward, runs in the main run."""
 from __future__ import annotations
@@ -27,9 +28,9 @@ FAMILY_TESTS = ("test_float32_logits_are_transformers", "test_the_fused_bf16_dec
 # In two parts of similar length, which two test workers run side by side (tests/conftest.py).
 LEVEL_TESTS = {
     "kernels": ["tests/unit/test_cpu_kernels.py", "tests/unit/test_quant_kernels.py", "tests/unit/test_quant_model.py",
-                "tests/unit/test_kv_int8.py", "tests/unit/test_native_decoder.py", "tests/unit/test_engine_tiny.py",
+                "tests/unit/test_kv_int8.py", "tests/unit/test_native_decoder.py",
                 "tests/unit/test_model_parity_tiny.py", "tests/unit/test_sampler.py"],
-    "engine": ["tests/integration/test_engine.py", "tests/integration/test_batch_invariance.py",
+    "engine": ["tests/unit/test_engine_tiny.py", "tests/integration/test_batch_invariance.py",
                *(f"tests/unit/test_model_families.py::{t}" for t in FAMILY_TESTS)],
 }
 
