@@ -1,6 +1,6 @@
 """Sleep mode (engine/worker/sleep.py; LLMEngine.sleep and wake_up) on SmolLM2: asleep, the weights' pages and the KV
 pool's are the OS's again (the process's resident memory drops by about what was paged out and freed, a weight reads
-as zeros); awake, every weight holds its bits again and greedy tokens are those before sleep, the prompt's cached
+as zeros); awake, the memory is held again, every weight holds its bits again and greedy tokens are those before sleep, the prompt's cached
 prefix forgotten (its pages were discarded); an engine with a request in flight does not sleep."""
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ def test_an_engine_asleep_frees_its_memory_and_wakes_to_the_same_tokens(tmp_path
         with pytest.raises(SleepUnsupported, match="asleep already"):
             llm.sleep(str(tmp_path))
         assert llm.wake_up() > 0 and torch.equal(weight, kept)
+        engine._sleeper.populating.join(60)
+        assert _rss() > rss - 0.2 * freed  # the KV pool's memory is held again, as at start
         after = llm.generate([PROMPT], params, use_tqdm=False)[0]
         assert after.outputs[0].token_ids == before
         assert after.num_cached_tokens == 0  # the discarded prefix was not hit

@@ -19,6 +19,7 @@ import ctypes.util
 import os
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ import torch
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 MIN_BYTES = 1 << 20  # smaller storages stay: their few whole pages are not worth a write and a read
 _MADV_DONTNEED = 4  # Linux
+_MADV_POPULATE_WRITE = 23  # Linux 5.14: map pages writable, contents unchanged
 
 
 class SleepUnsupported(RuntimeError):
@@ -109,6 +111,16 @@ def _libc():
     return libc
 
 
+def populate(spans: list[tuple[int, int]]) -> bool:
+    """Take the pages again without changing what they hold (MADV_POPULATE_WRITE), so steps writing them meanwhile
+    lose nothing; False where the kernel predates it (the pages then come back as they are written)."""
+    libc = _libc()
+    for addr, size in spans:
+        if libc.madvise(addr, size, _MADV_POPULATE_WRITE) != 0:
+            return False
+    return True
+
+
 def free_pages(spans: list[tuple[int, int]]) -> int:
     """Hand the pages back to the OS (they read as zeros afterwards); the bytes freed."""
     libc = _libc()
@@ -152,6 +164,8 @@ class Sleeper:
     def __init__(self, model, kv_pools: list, directory: str | None = None):
         self.model, self.kv_pools, self.directory = model, kv_pools, directory
         self.image: PagedOut | None = None
+        self.freed: list[tuple[int, int]] = []  # the KV pools' pages freed
+        self.populating: threading.Thread | None = None  # taking them again, after the last wake
 
     @property
     def asleep(self) -> bool:
@@ -160,15 +174,23 @@ class Sleeper:
     def sleep(self) -> SleepReport:
         t0 = time.perf_counter()
         _libc()
+        if self.populating is not None:  # the last wake's pages first, so that none is taken again after this frees it
+            self.populating.join()
         weights = regions(held_tensors(self.model))
         self.image = PagedOut(weights, self.directory)
-        discarded = free_pages(regions(held_tensors(self.kv_pools)))
+        self.freed = regions(held_tensors(self.kv_pools))
+        discarded = free_pages(self.freed)
         return SleepReport(self.image.bytes, discarded, time.perf_counter() - t0)
 
     def wake(self) -> float:
-        """Seconds to read the weights back. The KV pages come back zero-filled as the next steps write them."""
+        """Seconds to read the weights back: the model serves from then. The KV pools' memory is taken again in a
+        thread meanwhile (as at start, the memory the pool needs is held, not found missing under load; faulting a
+        few GB of pages in takes seconds, which the first steps need not wait for)."""
         t0 = time.perf_counter()
         image, self.image = self.image, None
         if image is not None:
             image.restore()
+        spans, self.freed = self.freed, []
+        self.populating = threading.Thread(target=populate, args=(spans,), name="kv-populate", daemon=True)
+        self.populating.start()
         return time.perf_counter() - t0
