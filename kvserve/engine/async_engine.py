@@ -376,7 +376,7 @@ class AsyncLLM:
                 self._wake.clear()
                 continue
             t0 = time.monotonic()
-            if self.engine.asleep:  # a request came to a sleeping engine: it wakes for it
+            if getattr(self.engine, "asleep", False):  # a request came to a sleeping engine: it wakes for it
                 self._wake_engine()
             outputs = core.step()
             t1 = time.monotonic()
