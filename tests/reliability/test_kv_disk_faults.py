@@ -206,6 +206,7 @@ while True:
         eng.core.add_request(eng.request(p, SamplingParams(temperature=0, max_tokens=1)))
         while eng.core.has_unfinished_requests():
             eng.core.step()
+        print(eng.core.kv.offloaded_blocks, flush=True)  # pages sent to the disk tier so far
 """
 
 
@@ -219,7 +220,10 @@ def test_a_kill_mid_write_leaves_no_bad_hit_after_restart(tmp_path, reference, f
                                  text=True)
         try:
             assert child.stdout.readline().strip() == "ready"
-            time.sleep(1.0 + 0.7 * k)  # a few prompts in: evictions and writes under way
+            # Evictions and writes under way, however fast this machine serves: pages sent to the tier, then a moment.
+            while int(child.stdout.readline() or "-1") < 16 * (k + 1):
+                pass
+            time.sleep(0.3 + 0.3 * k)
         finally:
             child.send_signal(signal.SIGKILL)
             child.wait()
